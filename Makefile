@@ -1,0 +1,33 @@
+# The two commands a newcomer types. Both create or refresh .venv and install what they need.
+#   make demo   train the tiny model on the embedded stdlib corpus with 2 local CPU ranks
+#   make test   run the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch is pinned here, not in pyproject: 2.13.0 is the CPU build on this kind of machine; a range
+# would pull a multi-GB CUDA build from PyPI. On a GPU machine install torch first, then `pip
+# install -e .`.
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/hpctrain train configs/demo.yaml --nproc 2
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,198 @@
+"""The job configuration: one dataclass per component, composed here, loaded from YAML + overrides.
+
+Each component keeps its own config dataclass next to its code (``models/config.py``,
+``train/config.py``, ...). This module composes them into :class:`JobConfig` and owns the one
+generic loader: it walks the dataclass type hints, so every key and value is checked against the
+annotation and errors name the key, the valid choices and a hint.
+
+    cfg = load_config("configs/demo.yaml", ["train.steps=100", "parallel.strategy=fsdp"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from hpctrain.data.config import DataConfig
+from hpctrain.errors import ConfigError
+from hpctrain.models.config import ModelConfig
+from hpctrain.observe.config import MetricsConfig
+from hpctrain.parallel.config import ParallelConfig
+from hpctrain.runtime.config import RunConfig
+from hpctrain.train.config import OptimConfig, TrainConfig
+
+
+@dataclasses.dataclass
+class JobConfig:
+    """Everything one training job needs; each field is one component's section in the YAML."""
+
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
+
+    def validate(self) -> None:
+        """Check each section, then the rules that span sections."""
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if hasattr(section, "validate"):
+                section.validate()
+        args = self.model.resolve()
+        if self.data.seq_len > args.max_seq_len:
+            raise ConfigError(
+                f"data.seq_len = {self.data.seq_len} exceeds the model's max_seq_len "
+                f"({args.max_seq_len})",
+                hint=f"set model.max_seq_len={self.data.seq_len} or shorten data.seq_len",
+            )
+        vocab = args.vocab_size
+        if self.data.vocab_size > vocab:
+            raise ConfigError(
+                f"data vocabulary ({self.data.vocab_size} ids) is larger than model.vocab_size "
+                f"({vocab})",
+                expected="model.vocab_size >= the tokenizer's vocabulary",
+                hint=f"set model.vocab_size={self.data.vocab_size} or pick a larger model size",
+            )
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
+    """Read a YAML file (or start from defaults when None), apply ``a.b=value`` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(
+                f"config file {str(p)!r} does not exist",
+                expected="a YAML file such as configs/demo.yaml",
+                hint="run from the repository root or pass an absolute path",
+            )
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(
+                f"config file {str(p)!r} holds a {type(raw).__name__}",
+                expected="a mapping of sections (run, model, data, train, ...)",
+            )
+    for item in overrides:
+        apply_override(raw, item)
+    cfg = from_dict(JobConfig, raw)
+    cfg.validate()
+    return cfg
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Set ``section.key=value`` in a nested dict; the value is parsed as YAML (``true``, ``3``)."""
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(
+            f"override {item!r} is not of the form key=value",
+            expected="dotted.key=value, e.g. train.steps=100",
+        )
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+        node = child
+    try:
+        node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
+    except yaml.YAMLError:
+        node[parts[-1]] = value
+
+
+def from_dict(cls: type, raw: Any, where: str = "") -> Any:
+    """Build dataclass ``cls`` from a plain dict, checking every key and value against its type."""
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{where or 'config'} must be a mapping, got {raw!r}",
+            expected=f"keys of {cls.__name__}: {', '.join(_field_names(cls))}",
+        )
+    hints = get_type_hints(cls)
+    names = _field_names(cls)
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            raise ConfigError(
+                f"unknown config key {path!r}",
+                expected=f"one of: {', '.join(names)}",
+                hint=f"did you mean {close[0]!r}?" if close else "check the spelling and section",
+            )
+        kwargs[key] = _coerce(hints[key], value, path)
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The resolved config as plain data, ready for YAML."""
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Any) -> str:
+    """The resolved config as YAML text (written into the run directory)."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(arg, value, path)
+            except ConfigError as e:
+                errors.append(e.expected or e.what)
+        raise ConfigError(f"{path} = {value!r} has the wrong type", expected=" or ".join(errors))
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise ConfigError(
+                f"{path} = {value!r} is not a valid choice",
+                expected=f"one of: {', '.join(repr(c) for c in choices)}",
+            )
+        return value
+    if origin in (list, tuple):
+        (item_tp, *_) = get_args(tp) or (Any,)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path} = {value!r} is not a list", expected="a YAML list")
+        items = [_coerce(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path} = {value!r} is not a boolean", expected="true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path} = {value!r} is not an integer", expected="an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path} = {value!r} is not a number", expected="a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path} = {value!r} is not a string", expected="a string")
+        return value
+    raise TypeError(f"config type {tp!r} at {path} is not supported by the loader")
+

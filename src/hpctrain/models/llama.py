@@ -1,0 +1,207 @@
+"""A Llama-style decoder: pre-norm blocks of grouped-query attention with RoPE and a SwiGLU FFN.
+
+Holds no parallelism code: `hpctrain.parallel` wraps each entry of `Transformer.layers` (the blocks
+are self-contained direct children of that ModuleList). Meta-device construction is supported::
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    # ... shard ...
+    model.to_empty(device=dev)
+    torch.manual_seed(seed)
+    model.init_weights()   # parameters and the RoPE table, on whatever device they now live
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpctrain.errors import ConfigError
+from hpctrain.models.sizes import ModelArgs
+
+INIT_STD = 0.02
+
+
+def precompute_rope(
+    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Return the RoPE table `[max_seq_len, head_dim // 2, 2]` holding (cos, sin) in float32."""
+    # Real cos/sin instead of complex exponentials: complex tensors break some compile/FSDP paths.
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    )
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate `x [B, T, heads, head_dim]` by the table `rope [T, head_dim // 2, 2]`."""
+    # Adjacent channels (2i, 2i+1) form one rotated pair, as in Meta's Llama checkpoints.
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    x0, x1 = pairs.unbind(-1)
+    cos = rope[..., 0].float()[None, :, None, :]
+    sin = rope[..., 1].float()[None, :, None, :]
+    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary position embeddings."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """Map `x [B, T, dim]` to `[B, T, dim]`, attending only to earlier positions."""
+        bsz, seqlen, _ = x.shape
+        # -1 instead of n_heads so tensor parallelism can shard the heads without touching this.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        # SDPA wants [B, heads, T, head_dim]; enable_gqa shares each kv head across its q group.
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=True,
+        )
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU feed-forward: `w2(silu(w1 x) * w3 x)`."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map `x [..., dim]` to `[..., dim]`."""
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """One pre-norm decoder block: `h = x + attn(norm(x)); out = h + ffn(norm(h))`."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """Map `x [B, T, dim]` to `[B, T, dim]` given the RoPE table sliced to T."""
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Llama-style decoder mapping token ids `[B, T]` to next-token logits `[B, T, vocab]`."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Derived from args, never trained: non-persistent keeps it out of checkpoints, and
+        # init_weights recomputes it after to_empty() leaves it uninitialised.
+        self.register_buffer(
+            "rope",
+            precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta),
+            persistent=False,
+        )
+        self.tie_weights()
+        self.init_weights()
+
+    def tie_weights(self) -> None:
+        """Make `output.weight` the same Parameter as `tok_embeddings.weight` if tying is on."""
+        # Needed again after to_empty(): it replaces each module's Parameter separately, which
+        # silently unties shared weights.
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def init_parameter(
+        self, name: str, tensor: torch.Tensor, generator: torch.Generator | None = None
+    ) -> None:
+        """Fill ``tensor``, the full value of parameter ``name``, with its initial values.
+
+        One rule per parameter name, so a caller can initialise a parameter whole and keep only
+        its shard (``hpctrain.parallel.materialize``) and get the same weights on any layout.
+        """
+        module = name.rsplit(".", 2)[-2] if "." in name else name
+        if name.endswith("norm.weight"):
+            nn.init.ones_(tensor)
+        elif name == "tok_embeddings.weight":
+            nn.init.normal_(tensor, mean=0.0, std=INIT_STD, generator=generator)
+        elif module in ("wo", "w2"):
+            # Each block adds two residual branches, so the stream sums 2 * n_layers of them;
+            # scaling the branch output projections by 1/sqrt(2 * n_layers) (GPT-2) keeps the
+            # residual stream's variance at init independent of depth.
+            _trunc_normal_(tensor, INIT_STD / math.sqrt(2 * self.args.n_layers), generator)
+        else:
+            _trunc_normal_(tensor, INIT_STD, generator)
+
+    def init_buffers(self) -> None:
+        """Recompute the RoPE table on its current device and restore weight tying."""
+        if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.tie_weights()
+        with torch.no_grad():
+            self.rope.copy_(
+                precompute_rope(
+                    self.args.head_dim,
+                    self.args.max_seq_len,
+                    self.args.rope_theta,
+                    device=self.rope.device,
+                )
+            )
+
+    def init_weights(self) -> None:
+        """(Re)initialise all parameters and the RoPE table in place, on their current device.
+
+        Deterministic given the global RNG seed set by the caller. For sharded parameters use
+        ``hpctrain.parallel.materialize``, which gives the same values on any number of ranks.
+        """
+        self.init_buffers()
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                self.init_parameter(name, param)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Return logits `[B, T, vocab_size]` for token ids `tokens [B, T]`."""
+        seqlen = tokens.shape[1]
+        if seqlen > self.rope.shape[0]:
+            raise ConfigError(
+                f"sequence length {seqlen} exceeds model.max_seq_len={self.rope.shape[0]}",
+                expected=f"sequences of at most {self.rope.shape[0]} tokens",
+                hint=f"set model.max_seq_len to at least {seqlen} or shorten the sequences",
+            )
+        rope = self.rope[:seqlen]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, rope)
+        return self.output(self.norm(h))
+
+
+def _trunc_normal_(
+    weight: torch.Tensor, std: float, generator: torch.Generator | None = None
+) -> None:
+    """Fill `weight` in place from N(0, std) truncated at ±3 std."""
+    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)

@@ -1,0 +1,78 @@
+"""Concrete model shapes (`ModelArgs`) and the named presets users pick with `model.size`.
+
+Every preset is an untied Llama-style decoder; `tie_embeddings` is an override, not a preset
+property, so the FSDP/TP wrapping of the output layer is the same for every size unless asked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The concrete shape of a `Transformer`: everything needed to build it or count its FLOPs."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    # Length of the precomputed RoPE table; sequences longer than this are refused at forward.
+    max_seq_len: int = 8192
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.dim // self.n_heads
+
+
+PRESETS: dict[str, ModelArgs] = {
+    # CPU demo: ~3.0M params, byte-level vocabulary (the demo tokenizer emits raw bytes).
+    "tiny": ModelArgs(
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_dim=688,
+        vocab_size=256,
+        max_seq_len=2048,
+    ),
+    # GPT-2-small width/depth with a Llama vocabulary; ~134M params untied (~110M tied).
+    "125m": ModelArgs(
+        dim=768,
+        n_layers=12,
+        n_heads=12,
+        n_kv_heads=12,
+        ffn_dim=2048,
+        vocab_size=32000,
+        max_seq_len=2048,
+    ),
+    # TinyLlama-1.1B shape: 1,100,048,384 params.
+    "1b": ModelArgs(
+        dim=2048,
+        n_layers=22,
+        n_heads=32,
+        n_kv_heads=4,
+        ffn_dim=5632,
+        vocab_size=32000,
+        rope_theta=10000.0,
+        max_seq_len=2048,
+    ),
+    # Llama-3-8B shape: 8,030,261,248 params.
+    "8b": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        norm_eps=1e-5,
+        max_seq_len=8192,
+    ),
+}

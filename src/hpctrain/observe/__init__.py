@@ -1,0 +1,1 @@
+"""Measuring a run: per-rank metrics, accelerator peaks and MFU, progress display."""

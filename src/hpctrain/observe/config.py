@@ -1,0 +1,25 @@
+"""Config section ``metrics:``: how often and what each rank records."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpctrain.errors import ConfigError
+
+
+@dataclass
+class MetricsConfig:
+    """Logging cadence and the peak used for MFU when the device is not in the table."""
+
+    log_every: int = 10
+    # Dense peak TFLOP/s of one device for the training dtype. None: look the device up in the
+    # peak table and report MFU as unknown when it is not there, rather than guess.
+    peak_tflops: float | None = None
+    progress: bool = True
+
+    def validate(self) -> None:
+        """Require a positive cadence and a positive peak when given."""
+        if self.log_every < 1:
+            raise ConfigError(f"metrics.log_every = {self.log_every} must be >= 1")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ConfigError(f"metrics.peak_tflops = {self.peak_tflops} must be positive")

@@ -1,0 +1,96 @@
+"""Per-rank metrics as JSON Lines: metrics/rank-NNN.jsonl, one object per line.
+
+Every record gets ``ts`` (Unix seconds), ``rank`` and ``host``. Non-finite floats are written as
+the strings "nan", "inf", "-inf" so each line stays strict JSON (jq, pandas, browsers reject bare
+NaN); `read_metrics` turns them back into floats.
+
+    with MetricsWriter(run_dir, env) as metrics:
+        metrics.write({"step": 10, "loss": 3.21, "tokens_per_s": 12_300.0})
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from hpctrain.runtime.env import ProcessEnv
+from hpctrain.runtime.rundir import RunDir, json_safe
+
+_log = logging.getLogger(__name__)
+
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+class MetricsWriter:
+    """Appends metric records for one rank to its JSONL file, flushing each line."""
+
+    def __init__(self, run_dir: RunDir, env: ProcessEnv) -> None:
+        self.path = run_dir.rank_metrics(env.rank)
+        self._rank = env.rank
+        self._host = env.hostname
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # A crash mid-write can leave a last line without its newline; start on a fresh line so
+        # the first record of a resumed run is not glued onto the broken one.
+        needs_newline = self.path.exists() and _ends_without_newline(self.path)
+        # Append mode: a resumed or requeued run continues the same file. Line buffering flushes
+        # each record, so a killed job loses at most the line being written.
+        self._file = self.path.open("a", encoding="utf-8", buffering=1)
+        if needs_newline:
+            self._file.write("\n")
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append `record` with ts, rank and host added; keys in `record` override those three."""
+        line = {"ts": time.time(), "rank": self._rank, "host": self._host, **record}
+        self._file.write(json.dumps(json_safe(line), allow_nan=False) + "\n")
+
+    def close(self) -> None:
+        """Close the file; later writes raise."""
+        self._file.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Return the records of one metrics file; top-level "nan"/"inf"/"-inf" become floats."""
+    records: list[dict[str, Any]] = []
+    with Path(path).open(encoding="utf-8") as file:
+        for number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                # A line cut short by a killed job; the rest of the file is still good.
+                _log.warning("skipping unreadable line %d of %s", number, path)
+                continue
+            records.append({key: _restore(value) for key, value in record.items()})
+    return records
+
+
+def _restore(value: Any) -> Any:
+    if isinstance(value, str):
+        return _NON_FINITE.get(value, value)
+    return value
+
+
+def _ends_without_newline(path: Path) -> bool:
+    with path.open("rb") as file:
+        file.seek(0, 2)
+        if file.tell() == 0:
+            return False
+        file.seek(-1, 2)
+        return file.read(1) != b"\n"

@@ -1,0 +1,44 @@
+"""Turn meta-device parameters into real, initialised ones, identically on any world size.
+
+Each parameter is initialised from its own generator, seeded by (seed, parameter name), as a
+full tensor on the device; a sharded parameter then keeps only its local slice. So the initial
+weights are the same for 1 rank, DDP on N and FSDP on N (on a given device type), which makes
+runs comparable across layouts. The full tensor exists for one parameter at a time only.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+# Wrappers add these to parameter names; the canonical name is the model's own.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name as the unwrapped model spells it."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate storage on ``device`` and initialise every parameter and buffer of ``model``."""
+    model.to_empty(device=device)
+    model.init_buffers()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            name = canonical_name(name)
+            gen = torch.Generator(device=device)
+            gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+            full = torch.empty(param.shape, dtype=param.dtype, device=device)
+            model.init_parameter(name, full, gen)
+            if isinstance(param, DTensor):
+                # src_data_rank=None: every rank holds the same full tensor, so each just keeps
+                # its slice and no communication happens.
+                full = distribute_tensor(full, param.device_mesh, param.placements,
+                                         src_data_rank=None)
+            param.copy_(full)

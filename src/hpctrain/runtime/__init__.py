@@ -1,0 +1,1 @@
+"""Who am I: launcher detection, run directory, provenance and per-rank logging."""

@@ -1,0 +1,110 @@
+"""Process group, device binding and the device mesh every parallelism axis is cut from.
+
+The mesh always has the axes ``pp, dp_replicate, dp_shard, tp`` (size 1 when unused), so that
+tensor and pipeline parallelism add sizes, not a new way of building groups.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from hpctrain.errors import ConfigError, RuntimeEnvError
+from hpctrain.runtime.config import RunConfig
+from hpctrain.runtime.env import ProcessEnv, export_torch_env
+
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass
+class Distributed:
+    """This process's place in the job: environment, device, and the mesh over all ranks."""
+
+    env: ProcessEnv
+    device: torch.device
+    backend: str
+    mesh: DeviceMesh
+
+    @property
+    def rank(self) -> int:
+        """Global rank."""
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        return self.env.world_size
+
+
+def select_device(cfg: RunConfig, env: ProcessEnv) -> torch.device:
+    """The device of this rank: ``cuda:<local rank>`` when CUDA is used, else the CPU."""
+    want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if not want_cuda:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeEnvError(
+            "run.device = 'cuda' but no CUDA device is visible",
+            expected="a GPU node with the NVIDIA driver loaded",
+            hint=f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}; "
+            "use run.device=cpu to train on the CPU",
+        )
+    count = torch.cuda.device_count()
+    if env.local_rank >= count:
+        raise RuntimeEnvError(
+            f"local rank {env.local_rank} has no GPU: only {count} visible on {env.hostname}",
+            expected="one rank per GPU (local ranks 0..GPUs-1)",
+            hint="match --nproc / --ntasks-per-node to the GPUs per node, and check that Slurm "
+            "does not hide GPUs from tasks (--gpus-per-task vs --gpus-per-node)",
+        )
+    device = torch.device("cuda", env.local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def mesh_shape(strategy: str, world_size: int) -> tuple[int, int, int, int]:
+    """Sizes of (pp, dp_replicate, dp_shard, tp) for a data-parallel strategy."""
+    if strategy == "fsdp":
+        return (1, 1, world_size, 1)
+    if strategy == "ddp":
+        return (1, world_size, 1, 1)
+    if world_size > 1:
+        raise ConfigError(
+            f"parallel.strategy = 'none' with {world_size} ranks",
+            expected="'ddp' or 'fsdp' when more than one rank trains",
+            hint="set parallel.strategy=ddp (or fsdp), or run with --nproc 1",
+        )
+    return (1, 1, 1, 1)
+
+
+def init_distributed(cfg: RunConfig, env: ProcessEnv, strategy: str) -> Distributed:
+    """Bind the device, start the process group (nccl on CUDA, gloo on CPU) and build the mesh."""
+    shape = mesh_shape(strategy, env.world_size)
+    device = select_device(cfg, env)
+    backend = cfg.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    if not dist.is_initialized():
+        if env.world_size == 1:
+            # A one-rank group needs no rendezvous: an in-process store avoids port clashes
+            # between single-process runs on one machine.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
+        else:
+            os.environ.update(export_torch_env(env))
+            kwargs = {"device_id": device} if device.type == "cuda" else {}
+            dist.init_process_group(backend, init_method="env://", rank=env.rank,
+                                    world_size=env.world_size, timeout=timeout, **kwargs)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_AXES)
+    return Distributed(env=env, device=device, backend=backend, mesh=mesh)
+
+
+def shutdown() -> None:
+    """Destroy the process group if one is up (idempotent)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

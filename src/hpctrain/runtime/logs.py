@@ -1,0 +1,71 @@
+"""Per-rank logging: every rank writes logs/rank-NNN.log, only rank 0 also prints to the console.
+
+Each line says which rank and host wrote it, so a hang or a crash on one node of many can be
+traced to its GPU:
+
+    2026-05-09 07:35:25,123 [rank 3/8 gpu-a2] INFO hpctrain.train: step 100 loss 3.21
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+
+from hpctrain.runtime.env import ProcessEnv
+from hpctrain.runtime.rundir import RunDir
+
+LOGGER_NAME = "hpctrain"
+
+# Marks the handlers this module installed, so a second call replaces them instead of adding
+# a second copy (which would write every line twice).
+_OWNED = "_hpctrain_rank_handler"
+
+
+def setup_rank_logging(run_dir: RunDir, env: ProcessEnv, *, console: bool) -> logging.Logger:
+    """Configure the `hpctrain` logger: file logs/rank-NNN.log, plus stderr at INFO if `console`."""
+    logger = logging.getLogger(LOGGER_NAME)
+    for handler in [h for h in logger.handlers if getattr(h, _OWNED, False)]:
+        logger.removeHandler(handler)
+        handler.close()
+
+    formatter = logging.Formatter(
+        f"%(asctime)s [rank {env.rank}/{env.world_size} {env.hostname}] "
+        "%(levelname)s %(name)s: %(message)s"
+    )
+    log_path = run_dir.rank_log(env.rank)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    # Append: a requeued or resumed job keeps the log of its earlier attempts above the new one.
+    file_handler = logging.FileHandler(log_path, mode="a", encoding="utf-8")
+    file_handler.setLevel(logging.DEBUG)
+    handlers: list[logging.Handler] = [file_handler]
+    if console:
+        stream_handler = logging.StreamHandler(sys.stderr)
+        stream_handler.setLevel(logging.INFO)
+        handlers.append(stream_handler)
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        setattr(handler, _OWNED, True)
+        logger.addHandler(handler)
+
+    logger.setLevel(logging.DEBUG)
+    # Not propagating keeps a root handler (pytest, a notebook, basicConfig) from printing every
+    # rank's lines to the console a second time.
+    logger.propagate = False
+    return logger
+
+
+def log_device_binding(logger: logging.Logger, env: ProcessEnv, device: torch.device) -> None:
+    """Log in one line which host, rank and local rank drive which device."""
+    logger.info(
+        "device binding: host %s rank %d/%d local rank %d/%d device %s CUDA_VISIBLE_DEVICES=%s",
+        env.hostname,
+        env.rank,
+        env.world_size,
+        env.local_rank,
+        env.local_world_size,
+        device,
+        os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
+    )

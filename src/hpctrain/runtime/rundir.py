@@ -1,0 +1,164 @@
+"""The run directory: one folder per run holding config, logs, metrics, checkpoints, provenance.
+
+runs/llama-123456/
+  config/                 resolved config as the run saw it
+  logs/rank-000.log       one log per rank
+  metrics/rank-000.jsonl  one JSON object per line per rank
+  checkpoints/
+  provenance/             provenance.json, packages.txt
+  exit_info.json          why and how the run ended (written atomically)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from hpctrain.runtime.env import ProcessEnv
+
+
+def run_name(base: str, env: ProcessEnv) -> str:
+    """Return the run's name: `base`, suffixed with the Slurm job (or array task) id if any."""
+    if env.array_job_id is not None and env.array_task_id is not None:
+        # Matches Slurm's own %A_%a naming, so the run dir sits next to slurm-%A_%a.out.
+        return f"{base}-{env.array_job_id}_{env.array_task_id}"
+    if env.job_id is not None:
+        return f"{base}-{env.job_id}"
+    return base
+
+
+@dataclass
+class RunDir:
+    """Paths inside one run directory; `create` makes the folders."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+
+    @property
+    def config_dir(self) -> Path:
+        """Folder for the resolved config."""
+        return self.root / "config"
+
+    @property
+    def logs_dir(self) -> Path:
+        """Folder for per-rank log files."""
+        return self.root / "logs"
+
+    @property
+    def metrics_dir(self) -> Path:
+        """Folder for per-rank metrics JSONL files."""
+        return self.root / "metrics"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        """Folder for checkpoints."""
+        return self.root / "checkpoints"
+
+    @property
+    def provenance_dir(self) -> Path:
+        """Folder for provenance (versions, git state, hosts)."""
+        return self.root / "provenance"
+
+    @property
+    def exit_info_path(self) -> Path:
+        """Path of exit_info.json, written when the run ends."""
+        return self.root / "exit_info.json"
+
+    def rank_log(self, rank: int) -> Path:
+        """Return the log file of `rank`, e.g. logs/rank-003.log."""
+        return self.logs_dir / f"rank-{rank:03d}.log"
+
+    def rank_metrics(self, rank: int) -> Path:
+        """Return the metrics file of `rank`, e.g. metrics/rank-003.jsonl."""
+        return self.metrics_dir / f"rank-{rank:03d}.jsonl"
+
+    def create(self) -> None:
+        """Create all folders; safe when every rank calls it at the same time."""
+        for folder in (
+            self.config_dir,
+            self.logs_dir,
+            self.metrics_dir,
+            self.checkpoints_dir,
+            self.provenance_dir,
+        ):
+            # exist_ok makes the race between ranks harmless: whoever loses finds it there.
+            folder.mkdir(parents=True, exist_ok=True)
+
+    def write_exit_info(
+        self,
+        *,
+        exit_code: int,
+        reason: str,
+        last_checkpoint: str | None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        """Write exit_info.json atomically: exit code, reason, last checkpoint, time, host, pid."""
+        now = time.time()
+        info: dict[str, Any] = {
+            "exit_code": exit_code,
+            "reason": reason,
+            "last_checkpoint": last_checkpoint,
+            "timestamp": now,
+            "time_utc": datetime.fromtimestamp(now, tz=timezone.utc).isoformat(),
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "extra": extra or {},
+        }
+        write_json_atomic(self.exit_info_path, info)
+
+
+def json_safe(value: Any) -> Any:
+    """Return `value` with non-finite floats as the strings "nan", "inf", "-inf" (strict JSON)."""
+    # NaN/Infinity are not JSON; Python writes them anyway and other readers (jq, browsers)
+    # then reject the whole file. A diverged loss must not make the metrics unreadable.
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    if not isinstance(value, str | int | float | bool) and hasattr(value, "item"):
+        value = value.item()  # numpy scalars and 0-d tensors
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write `obj` as JSON to `path` so readers see the old file or the new one, never half."""
+    path = Path(path)
+    text = json.dumps(json_safe(obj), indent=2, allow_nan=False) + "\n"
+    # The temp file must be in the same folder: os.replace is atomic only within one filesystem.
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as tmp:
+            tmp.write(text)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    # Makes the rename itself durable: without it a node crash can lose the new directory entry.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems (and Windows) refuse fsync on a directory; the data is written
+    finally:
+        os.close(fd)

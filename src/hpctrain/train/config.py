@@ -1,0 +1,74 @@
+"""Config sections ``train:`` (the loop) and ``optim:`` (AdamW and the LR schedule)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from hpctrain.errors import ConfigError
+
+
+@dataclass
+class TrainConfig:
+    """Loop length, batch shape, precision and numerical safety."""
+
+    steps: int = 300
+    # Samples per rank per micro-batch; the global batch is micro_batch * grad_accum * ranks.
+    micro_batch: int = 8
+    grad_accum: int = 1
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    # Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged).
+    grad_clip: float = 1.0
+    # Deterministic kernels and a fixed data order: the same config gives the same loss curve.
+    deterministic: bool = False
+
+    def validate(self) -> None:
+        """Check sizes and the clip value."""
+        for key in ("steps", "micro_batch", "grad_accum"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"train.{key} = {getattr(self, key)} must be >= 1")
+        if self.grad_clip < 0:
+            raise ConfigError(
+                f"train.grad_clip = {self.grad_clip} must be >= 0", hint="0 disables clipping"
+            )
+
+
+@dataclass
+class OptimConfig:
+    """AdamW hyper-parameters and a warmup + cosine (or constant) learning-rate schedule."""
+
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 100
+    schedule: Literal["cosine", "constant"] = "cosine"
+    # The cosine decays to lr * min_lr_ratio at the last step.
+    min_lr_ratio: float = 0.1
+    # Linear scaling rule (Goyal et al. 2017): lr is tuned for base_batch samples; with "linear"
+    # the effective lr is lr * global_batch / base_batch.
+    scale_lr: Literal["none", "linear"] = "none"
+    base_batch: int = 256
+
+    def validate(self) -> None:
+        """Check ranges that AdamW and the schedule need."""
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr = {self.lr} must be positive")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError(
+                f"optim.beta1/beta2 = {self.beta1}/{self.beta2} must lie in [0, 1)",
+                hint="typical values are 0.9 and 0.95",
+            )
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps = {self.warmup_steps} must be >= 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optim.min_lr_ratio = {self.min_lr_ratio} must lie in [0, 1]")
+        if self.base_batch < 1:
+            raise ConfigError(f"optim.base_batch = {self.base_batch} must be >= 1")
+
+    def effective_lr(self, global_batch: int) -> float:
+        """The peak learning rate after the scaling rule, for this global batch in samples."""
+        if self.scale_lr == "linear":
+            return self.lr * global_batch / self.base_batch
+        return self.lr
