@@ -35,6 +35,11 @@ from hpctrain.train.optim import build_optimizer, build_scheduler
 log = logging.getLogger("hpctrain.train")
 
 
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
 class NonFiniteLossError(HpctrainError):
     """The loss became NaN or infinite."""
 
@@ -70,6 +75,9 @@ class Trainer:
         self.model = parallelize(model, pc, dist_ctx.mesh, self.device, tc.precision,
                                  cfg.run.seed)
         self.autocast = autocast_dtype(pc, tc.precision)
+        # Compiled, the fp32 upcast, log-softmax and gather fuse instead of materialising the
+        # [tokens, vocab] fp32 logits several times.
+        self.loss_fn = torch.compile(cross_entropy_loss) if pc.compile else cross_entropy_loss
         # fp16 overflows without loss scaling; the sharded scaler agrees on inf/NaN across
         # ranks so no rank skips a step the others take.
         self.scaler = None
@@ -119,8 +127,7 @@ class Trainer:
         total = torch.zeros((), device=self.device, dtype=torch.float32)
         for i, (inputs, targets) in enumerate(micro_batches):
             with self._grad_sync(last=i == n - 1), self._autocast():
-                logits = self.model(inputs)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+                loss = self.loss_fn(self.model(inputs), targets)
             scaled = loss / n
             if self.scaler is not None:
                 self.scaler.scale(scaled).backward()

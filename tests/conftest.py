@@ -1,0 +1,229 @@
+"""Shared helpers for the end-to-end tests: drive the real ``hpctrain`` CLI as subprocesses.
+
+Every run goes through ``python -m hpctrain train configs/demo.yaml ...`` from the repository root,
+in its own session with a timeout, so a hung or failing run is killed with its whole process group
+and never outlives the test. Runs are tiny (a 2-layer, 64-wide decoder on 32-token windows) so the
+machine's 2 cores finish each in a few seconds; independent runs can overlap through `run_pool`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from hpctrain.observe.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = "configs/demo.yaml"
+
+# Shrinks the demo's tiny preset further: ~50k parameters, 32-token samples, a 200 kB corpus.
+TINY = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "data.seq_len=32",
+    "data.max_bytes=200000",
+]
+# Every step logged, no progress display, fp32 and deterministic kernels, a short warmup.
+QUIET = [
+    "metrics.log_every=1",
+    "metrics.progress=false",
+    "run.suffix=none",
+    "train.precision=fp32",
+    "train.deterministic=true",
+    "optim.warmup_steps=2",
+]
+STEPS = 6
+# The single-process reference every parity comparison is made against: global batch 4.
+REFERENCE = ["parallel.strategy=none", "train.micro_batch=4"]
+# The same global batch on 2 DDP ranks (the demo's own strategy).
+DDP = ["parallel.strategy=ddp", "train.micro_batch=2"]
+
+METRIC_FIELDS = {
+    "step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "data_time_s", "mfu",
+    "mem_gb", "ts", "rank", "host",
+}
+
+RUN_TIMEOUT_S = 180.0
+
+
+def cli_env() -> dict[str, str]:
+    """Environment for a CLI subprocess: one intra-op thread per process.
+
+    The launcher would pick cores // nproc itself; fixing it to 1 keeps results independent of
+    how many runs overlap and lets two runs share the 2 cores without oversubscription.
+    """
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    return env
+
+
+def cli_command(args: list[str]) -> list[str]:
+    """The argv that runs the ``hpctrain`` CLI with this interpreter."""
+    return [sys.executable, "-m", "hpctrain", *args]
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group `proc` leads (it was started with start_new_session)."""
+    with suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+@contextmanager
+def start_cli(args: list[str], **popen: Any) -> Iterator[subprocess.Popen]:
+    """Start the CLI in a new session; on leaving the block its whole process group is killed.
+
+    Tests that check for orphaned workers must do so inside the block, before this cleanup.
+    """
+    popen.setdefault("stdout", subprocess.PIPE)
+    popen.setdefault("stderr", subprocess.PIPE)
+    proc = subprocess.Popen(cli_command(args), cwd=REPO, env=cli_env(), text=True,
+                            start_new_session=True, **popen)
+    try:
+        yield proc
+    finally:
+        kill_group(proc)
+        if proc.poll() is None:
+            proc.wait(timeout=10)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def run_cli(args: list[str], timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Run the CLI to completion; on timeout kill its process group and fail the test."""
+    proc = subprocess.Popen(
+        cli_command(args), cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        pytest.fail(f"hpctrain {' '.join(args)} did not finish in {timeout:.0f}s\n"
+                    f"stderr tail:\n{err[-3000:]}")
+    finally:
+        # Whatever happened, nothing of this group may outlive the call.
+        kill_group(proc)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@dataclass
+class RunResult:
+    """One finished ``hpctrain train`` run: exit status, output and its run directory."""
+
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    run_dir: Path
+
+    def describe(self) -> str:
+        """Command and the tail of its output, for assertion messages."""
+        return (f"hpctrain {' '.join(self.args)}\nexit {self.returncode}\n"
+                f"stderr tail:\n{self.stderr[-4000:]}")
+
+    def ok(self) -> RunResult:
+        """Assert the run exited 0; return self so calls chain."""
+        assert self.returncode == 0, self.describe()
+        return self
+
+    def metrics(self, rank: int = 0) -> list[dict[str, Any]]:
+        """The records of ``metrics/rank-NNN.jsonl``."""
+        return read_metrics(self.run_dir / "metrics" / f"rank-{rank:03d}.jsonl")
+
+    def series(self, key: str, rank: int = 0) -> list[float]:
+        """One metric per logged step, checking that steps 1..N were each logged once."""
+        records = self.metrics(rank)
+        assert [r["step"] for r in records] == list(range(1, len(records) + 1)), self.describe()
+        return [r[key] for r in records]
+
+    def losses(self, rank: int = 0) -> list[float]:
+        """Global mean loss per step."""
+        return self.series("loss", rank)
+
+    def grad_norms(self, rank: int = 0) -> list[float]:
+        """Global gradient norm per step (before clipping)."""
+        return self.series("grad_norm", rank)
+
+    def exit_info(self) -> dict[str, Any]:
+        """The run's exit_info.json."""
+        return json.loads((self.run_dir / "exit_info.json").read_text())
+
+
+def train(out_dir: Path, name: str, *overrides: str, nproc: int | None = None,
+          steps: int = STEPS, timeout: float = RUN_TIMEOUT_S) -> RunResult:
+    """Run ``hpctrain train`` on the demo config made tiny; the run dir is ``out_dir/name``."""
+    args = ["train", DEMO, *TINY, *QUIET, f"train.steps={steps}", f"run.out_dir={out_dir}",
+            f"run.name={name}", *overrides]
+    if nproc is not None:
+        args += ["--nproc", str(nproc)]
+    done = run_cli(args, timeout=timeout)
+    return RunResult(args, done.returncode, done.stdout, done.stderr, out_dir / name)
+
+
+@pytest.fixture(scope="session")
+def run_pool() -> Iterator[ThreadPoolExecutor]:
+    """Runs independent CLI jobs side by side, at most as many as there are cores."""
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory: pytest.TempPathFactory,
+                  run_pool: ThreadPoolExecutor) -> Future[RunResult]:
+    """The single-process reference (strategy none, micro_batch 4), run once per session."""
+    out = tmp_path_factory.mktemp("reference")
+    return run_pool.submit(train, out, "reference", *REFERENCE)
+
+
+@pytest.fixture(scope="session")
+def ddp_run(tmp_path_factory: pytest.TempPathFactory,
+            run_pool: ThreadPoolExecutor) -> Future[RunResult]:
+    """2 DDP ranks with micro_batch 2 (the reference's global batch), run once per session."""
+    out = tmp_path_factory.mktemp("ddp")
+    return run_pool.submit(train, out, "ddp", *DDP, nproc=2)
+
+
+def wait_gone(procs: list[psutil.Process], timeout: float = 15.0) -> list[psutil.Process]:
+    """Wait until every process has exited *and been reaped*; return those that have not.
+
+    ``is_running`` is false once the pid is gone or reused (psutil compares creation times), and
+    true for a zombie, so an exited but unreaped worker still counts as left behind.
+    """
+    deadline = time.monotonic() + timeout
+    alive = list(procs)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if p.is_running()]
+        if alive:
+            time.sleep(0.1)
+    return alive
+
+
+def processes_mentioning(marker: str) -> list[psutil.Process]:
+    """Live processes whose command line contains `marker` (e.g. a unique run name)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if p.pid == os.getpid():
+            continue
+        cmdline = p.info.get("cmdline") or []
+        if any(marker in part for part in cmdline):
+            found.append(p)
+    return found
