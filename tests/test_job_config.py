@@ -89,11 +89,6 @@ def test_override_later_wins_and_value_may_contain_equals() -> None:
     assert cfg.run.name == "a=b"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug: PyYAML (YAML 1.1) reads '1e-3' (no dot) as the string '1e-3', and the "
-    "float coercion in config._coerce rejects strings, so optim.lr=1e-3 is refused",
-)
 def test_override_float_in_exponent_notation() -> None:
     cfg = load_config(None, ["optim.lr=1e-3"])
     assert cfg.optim.lr == 0.001

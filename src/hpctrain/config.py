@@ -10,6 +10,7 @@ annotation and errors name the key, the valid choices and a hint.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import types
@@ -187,6 +188,10 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path} = {value!r} is not an integer", expected="an integer")
         return value
     if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 (PyYAML) reads 1e-3, with no dot, as a string.
+            with contextlib.suppress(ValueError):
+                value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path} = {value!r} is not a number", expected="a number")
         return float(value)

@@ -255,5 +255,18 @@ def test_dataset_error_surfaces_in_next_step(prefetch: int) -> None:
         with pytest.raises(OSError, match="cannot read sample"):
             loader.next_step()
         assert loader.state_dict()["step"] == 0
+        # The worker is gone: a second fetch fails again instead of waiting forever.
+        with pytest.raises(OSError, match="cannot read sample"):
+            loader.next_step()
     finally:
         loader.close()
+
+
+@pytest.mark.parametrize(("key", "value"), [("global_batch", 24), ("seed", 1)])
+def test_resume_refuses_another_global_batch_or_seed(key: str, value: int) -> None:
+    (saver,) = _samplers(12, 1, 1)
+    saver.next_step()
+    state = {**saver.state_dict(), key: value}
+    (fresh,) = _samplers(12, 1, 1)
+    with pytest.raises(ConfigError, match=key):
+        fresh.load_state_dict(state)

@@ -26,21 +26,15 @@ def test_warmup_is_linear_to_one() -> None:
 
 def test_cosine_values() -> None:
     cfg = OptimConfig(warmup_steps=2, min_lr_ratio=0.1)
-    # progress = (step - warmup) / (total - warmup); half way the cosine term is 0.5.
-    assert lr_factor(7, total_steps=12, cfg=cfg) == pytest.approx(0.1 + 0.9 * 0.5)
-    expected = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 3 / 10))
+    # progress = (step - warmup) / (total - 1 - warmup): the last trained step is total - 1.
+    assert lr_factor(11, total_steps=12, cfg=cfg) == pytest.approx(0.1)
+    expected = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 3 / 9))
     assert lr_factor(5, total_steps=12, cfg=cfg) == pytest.approx(expected)
     # At and past total_steps the factor stays at the floor.
     assert lr_factor(12, total_steps=12, cfg=cfg) == pytest.approx(0.1)
     assert lr_factor(50, total_steps=12, cfg=cfg) == pytest.approx(0.1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug: OptimConfig says the cosine decays to min_lr_ratio 'at the last step', but "
-    "lr_factor reaches it only at step == total_steps; the last trained step (total_steps - 1) "
-    "gets min + (1 - min) * 0.5 * (1 + cos(pi * (T - 1 - W) / (T - W)))",
-)
 def test_cosine_ends_at_min_ratio_on_last_step() -> None:
     f = _factors(10, warmup_steps=0, min_lr_ratio=0.1)
     assert f[-1] == pytest.approx(0.1)
@@ -56,7 +50,7 @@ def test_constant_stays_one_after_warmup() -> None:
 def test_no_warmup() -> None:
     f = _factors(5, warmup_steps=0, schedule="cosine", min_lr_ratio=0.0)
     assert f[0] == 1.0
-    assert f[1] == pytest.approx(0.5 * (1 + math.cos(math.pi / 5)))
+    assert f[1] == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
     assert _factors(3, warmup_steps=0, schedule="constant") == [1.0, 1.0, 1.0]
 
 

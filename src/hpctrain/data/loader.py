@@ -116,7 +116,14 @@ class GlobalOrderSampler:
         return {"step": self.step, "global_batch": self.layout.global_batch, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue after ``state['step']`` global batches."""
+        """Continue after ``state['step']`` global batches of the same size and seed."""
+        for key, mine in (("global_batch", self.layout.global_batch), ("seed", self.seed)):
+            if int(state[key]) != mine:
+                raise ConfigError(
+                    f"the saved data position assumes {key} {state[key]}, this run has {mine}",
+                    expected=f"the same {key} as the run that saved it",
+                    hint="keep micro_batch x grad_accum x ranks (and run.seed) unchanged on resume",
+                )
         self.step = int(state["step"])
 
 
@@ -137,6 +144,7 @@ class TokenLoader:
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
         # Steps handed to training; the sampler runs ahead of this by the prefetch depth.
         self.consumed = sampler.step
 
@@ -165,8 +173,10 @@ class TokenLoader:
                 self._thread = threading.Thread(target=self._worker, daemon=True,
                                                 name="hpctrain-prefetch")
                 self._thread.start()
-            host = self._queue.get()
+            host = self._queue.get() if self._error is None else self._error
             if isinstance(host, BaseException):
+                # The worker has stopped: keep failing instead of waiting on an empty queue.
+                self._error = host
                 raise host
         out = []
         for t in host:

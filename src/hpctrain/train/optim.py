@@ -36,7 +36,8 @@ def lr_factor(step: int, *, total_steps: int, cfg: OptimConfig) -> float:
         return (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
         return 1.0
-    decay_steps = max(1, total_steps - cfg.warmup_steps)
+    # The last trained step is total_steps - 1: it is the one that reaches the floor.
+    decay_steps = max(1, total_steps - 1 - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import resource
 import time
 from dataclasses import dataclass
@@ -65,6 +66,8 @@ class Trainer:
         tc, pc = cfg.train, cfg.parallel
 
         if tc.deterministic:
+            # cuBLAS needs a fixed workspace to be deterministic; read when its handle is made.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.benchmark = False
         torch.manual_seed(cfg.run.seed)
