@@ -12,6 +12,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from hpctrain.data.cli import add_parser as add_data_parser
 from hpctrain.errors import HpctrainError
 
 
@@ -31,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="print the resolved config (defaults + file + overrides)")
     c.add_argument("config", type=Path)
     c.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    add_data_parser(sub)
     return p
 
 
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``hpctrain`` console script."""
     args = _parser().parse_args(argv)
     try:
-        {"train": _train, "config": _config}[args.command](args)
+        {"train": _train, "config": _config, "data": lambda a: a.handler(a)}[args.command](args)
     except HpctrainError as e:
         print(f"hpctrain: error: {e.render()}", file=sys.stderr)
         sys.exit(e.exit_code)

@@ -40,3 +40,7 @@ class LaunchError(HpctrainError):
     """Starting or supervising worker processes failed."""
 
     exit_code = 1
+
+
+class DataError(HpctrainError):
+    """Token data on disk or its inputs are missing, unreadable, corrupted or inconsistent."""

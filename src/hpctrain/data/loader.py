@@ -5,6 +5,11 @@ step consumes one *global batch* of ``micro_batch * grad_accum * world_size`` sa
 permutation that is a pure function of (seed, epoch, dataset); rank ``r`` takes its slice of each
 micro-step. So one rank with micro-batch 2B and two ranks with B see the same samples per step,
 and the loader state is one integer (steps consumed), which resumes exactly.
+
+Over token shards the permutation works in *windows of shards* (as Mosaic and litdata do): each
+epoch permutes the shards, cuts that order into windows of a few shards and permutes the samples
+inside each window, so at any time the ranks read from a few files, sequentially (Lustre-friendly),
+and the order is still a pure function of (seed, epoch, manifest).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import numpy as np
 import torch
 
 from hpctrain.data.config import DataConfig
+from hpctrain.data.shard_dataset import ShardTokens, Split, check_split_size
+from hpctrain.data.shards import load_manifest
 from hpctrain.data.stdlib_corpus import read_stdlib_bytes
 from hpctrain.errors import ConfigError
 
@@ -49,9 +56,59 @@ class ContiguousTokens:
         return self.tokens[start : start + self.seq_len + 1]
 
 
-def build_dataset(cfg: DataConfig) -> TokenDataset:
-    """The token source named by ``data.source``."""
-    return ContiguousTokens(read_stdlib_bytes(cfg.max_bytes), cfg.seq_len)
+class SliceWindows:
+    """Windows ``[start, start + count)`` of another dataset, renumbered from 0."""
+
+    def __init__(self, base: TokenDataset, start: int, count: int):
+        self.base, self.start, self.count = base, start, count
+        self.seq_len = base.seq_len
+
+    def __len__(self) -> int:
+        return self.count
+
+    def window(self, index: int) -> np.ndarray:
+        if not 0 <= index < self.count:
+            raise IndexError(f"sample {index} out of range [0, {self.count})")
+        return self.base.window(self.start + index)
+
+
+def build_dataset(cfg: DataConfig, split: Split = "train") -> TokenDataset:
+    """The token source named by ``data.source``; ``split="val"`` is the held-out part.
+
+    The validation split is the last ``floor(windows * data.val_fraction)`` windows (of each shard
+    for ``shards``; of the corpus for ``stdlib``); the training split is the rest.
+    """
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', not {split!r}")
+    if split == "val" and cfg.val_fraction <= 0:
+        raise ConfigError("a validation split was requested but data.val_fraction = 0",
+                          hint="set data.val_fraction, e.g. data.val_fraction=0.01")
+    if cfg.source == "shards":
+        ds: TokenDataset = ShardTokens(load_manifest(str(cfg.path)), cfg.seq_len, split=split,
+                                       val_fraction=cfg.val_fraction,
+                                       window_shards=cfg.shuffle_window)
+    else:
+        base = ContiguousTokens(read_stdlib_bytes(cfg.max_bytes), cfg.seq_len)
+        n_val = int(len(base) * cfg.val_fraction)
+        if n_val == 0 and split == "train":
+            ds = base
+        else:
+            n_train = len(base) - n_val
+            ds = SliceWindows(base, n_train, n_val) if split == "val" else SliceWindows(
+                base, 0, n_train)
+    check_split_size(len(ds), split, cfg.val_fraction)
+    return ds
+
+
+def gather_windows(dataset: TokenDataset, indices: np.ndarray) -> np.ndarray:
+    """Samples ``indices`` stacked as ``[len(indices), seq_len + 1]`` int64."""
+    fast = getattr(dataset, "windows", None)
+    if fast is not None:
+        return fast(indices)
+    out = np.empty((len(indices), dataset.seq_len + 1), dtype=np.int64)
+    for row, i in enumerate(np.asarray(indices).tolist()):
+        out[row] = dataset.window(i)
+    return out
 
 
 @dataclass(frozen=True)
@@ -72,7 +129,8 @@ class BatchLayout:
 class GlobalOrderSampler:
     """Sample indices of rank ``layout.rank`` for each micro-step, in the global order."""
 
-    def __init__(self, num_samples: int, layout: BatchLayout, seed: int):
+    def __init__(self, num_samples: int, layout: BatchLayout, seed: int,
+                 group_sizes: np.ndarray | None = None, window_groups: int = 4):
         if num_samples < layout.global_batch:
             raise ConfigError(
                 f"the dataset holds {num_samples} samples, fewer than one global batch "
@@ -89,20 +147,73 @@ class GlobalOrderSampler:
         self.step = 0
         self._perm_epoch = -1
         self._perm = np.empty(0, dtype=np.int64)
+        self.group_sizes: np.ndarray | None = None
+        self.window_groups = 0
+        if group_sizes is not None:
+            self.set_groups(group_sizes, window_groups)
+
+    def set_groups(self, group_sizes: np.ndarray, window_groups: int) -> None:
+        """Shuffle in windows of ``window_groups`` groups (shards) of consecutive samples."""
+        sizes = np.asarray(group_sizes, dtype=np.int64)
+        if int(sizes.sum()) != self.num_samples or (sizes < 0).any():
+            raise ValueError(f"group sizes sum to {int(sizes.sum())}, not {self.num_samples}")
+        if window_groups < 1:
+            raise ConfigError(f"shuffle window of {window_groups} shards must be >= 1")
+        self.group_sizes = sizes
+        self._group_starts = np.cumsum(sizes) - sizes
+        self.window_groups = window_groups
+        self._perm_epoch = -1
+        self._windows: dict[int, np.ndarray] = {}
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
             rng = np.random.default_rng([self.seed, epoch])
-            self._perm = rng.permutation(self.num_samples)
+            if self.group_sizes is None:
+                self._perm = rng.permutation(self.num_samples)
+            else:
+                # Per epoch: the shard order and where each window of shards begins.
+                order = rng.permutation(len(self.group_sizes))
+                w = self.window_groups
+                self._plan = [order[i : i + w] for i in range(0, len(order), w)]
+                sizes = [int(self.group_sizes[g].sum()) for g in self._plan]
+                self._window_ends = np.cumsum(sizes, dtype=np.int64)
+                self._windows = {}
             self._perm_epoch = epoch
         return self._perm
+
+    def _window_order(self, epoch: int, w: int) -> np.ndarray:
+        if w not in self._windows:
+            members = np.concatenate(
+                [np.arange(self._group_starts[g], self._group_starts[g] + self.group_sizes[g])
+                 for g in self._plan[w]])
+            rng = np.random.default_rng([self.seed, epoch, w])
+            self._windows = {w: members[rng.permutation(len(members))]}  # keep one window
+        return self._windows[w]
+
+    def order(self, epoch: int, start: int, stop: int) -> np.ndarray:
+        """Positions ``[start, stop)`` of epoch ``epoch``'s global order (sample indices)."""
+        perm = self._permutation(epoch)
+        if self.group_sizes is None:
+            return perm[start:stop]
+        ends = self._window_ends
+        parts = []
+        w = int(np.searchsorted(ends, start, side="right"))
+        pos = start
+        while pos < stop:
+            lo = 0 if w == 0 else int(ends[w - 1])
+            win = self._window_order(epoch, w)
+            take = win[pos - lo : min(stop, int(ends[w])) - lo]
+            parts.append(take)
+            pos += len(take)
+            w += 1
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
     def next_step(self) -> list[np.ndarray]:
         """Indices for this rank's ``grad_accum`` micro-batches of the next optimizer step."""
         lay = self.layout
         epoch, within = divmod(self.step, self.steps_per_epoch)
         start = within * lay.global_batch
-        batch = self._permutation(epoch)[start : start + lay.global_batch]
+        batch = self.order(epoch, start, start + lay.global_batch)
         per_micro = lay.micro_batch * lay.world_size
         out = []
         for a in range(lay.grad_accum):
@@ -113,11 +224,17 @@ class GlobalOrderSampler:
 
     def state_dict(self) -> dict[str, int]:
         """Position in the global order: optimizer steps consumed and the batch they assume."""
-        return {"step": self.step, "global_batch": self.layout.global_batch, "seed": self.seed}
+        state = {"step": self.step, "global_batch": self.layout.global_batch, "seed": self.seed}
+        if self.group_sizes is not None:
+            state["shuffle_window"] = self.window_groups
+        return state
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue after ``state['step']`` global batches of the same size and seed."""
-        for key, mine in (("global_batch", self.layout.global_batch), ("seed", self.seed)):
+        checks = [("global_batch", self.layout.global_batch), ("seed", self.seed)]
+        if "shuffle_window" in state:
+            checks.append(("shuffle_window", self.window_groups))
+        for key, mine in checks:
             if int(state[key]) != mine:
                 raise ConfigError(
                     f"the saved data position assumes {key} {state[key]}, this run has {mine}",
@@ -147,10 +264,15 @@ class TokenLoader:
         self._error: BaseException | None = None
         # Steps handed to training; the sampler runs ahead of this by the prefetch depth.
         self.consumed = sampler.step
+        # A shard dataset tells the sampler its shard boundaries, so the order shuffles within
+        # windows of shards (the trainer builds the sampler from the sample count alone).
+        counts = getattr(dataset, "shard_sample_counts", None)
+        if (counts is not None and sampler.group_sizes is None
+                and len(dataset) == sampler.num_samples):
+            sampler.set_groups(counts, getattr(dataset, "window_shards", 4))
 
     def _assemble(self, indices: np.ndarray) -> torch.Tensor:
-        rows = np.stack([self.dataset.window(int(i)) for i in indices]).astype(np.int64)
-        t = torch.from_numpy(rows)
+        t = torch.from_numpy(gather_windows(self.dataset, indices))
         return t.pin_memory() if self._pin else t
 
     def _host_step(self) -> list[torch.Tensor]:
@@ -202,3 +324,43 @@ class TokenLoader:
         if self._queue is not None:
             while not self._queue.empty():  # unblock a worker waiting on a full queue
                 self._queue.get_nowait()
+
+
+class ValidationSampler:
+    """Each rank's exact share of a validation split, in equal-length padded micro-batches.
+
+    Rank ``r`` of ``W`` takes samples ``r, r + W, r + 2W, ...``; every rank runs the same number
+    of micro-batches (no hang in collectives), and slots past the end repeat sample 0 with
+    ``mask = False``, so summing only masked-in samples counts each sample exactly once globally.
+    """
+
+    def __init__(self, num_samples: int, world_size: int, rank: int, micro_batch: int):
+        if num_samples < 1:
+            raise ConfigError("the validation split holds no samples",
+                              hint="raise data.val_fraction or prepare more data")
+        self.num_samples = num_samples
+        self.world_size = world_size
+        self.rank = rank
+        self.micro_batch = micro_batch
+        per_rank = -(-num_samples // world_size)
+        self.num_batches = -(-per_rank // micro_batch)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self):
+        """Yields (indices, mask) numpy arrays of length ``micro_batch``."""
+        slots = self.num_batches * self.micro_batch
+        idx = self.rank + self.world_size * np.arange(slots, dtype=np.int64)
+        mask = idx < self.num_samples
+        idx = np.where(mask, idx, 0)
+        for b in range(self.num_batches):
+            sl = slice(b * self.micro_batch, (b + 1) * self.micro_batch)
+            yield idx[sl], mask[sl]
+
+
+def validation_batches(dataset: TokenDataset, sampler: ValidationSampler, device: torch.device):
+    """Yields (inputs, targets, mask) on ``device``; ``mask[b]`` is False for padding rows."""
+    for indices, mask in sampler:
+        t = torch.from_numpy(gather_windows(dataset, indices)).to(device, non_blocking=True)
+        yield t[:, :-1], t[:, 1:], torch.from_numpy(mask).to(device, non_blocking=True)

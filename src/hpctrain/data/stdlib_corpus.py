@@ -20,12 +20,8 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def read_stdlib_bytes(max_bytes: int = 0, root: Path | None = None) -> np.ndarray:
-    """All ``.py`` files under the stdlib (sorted by relative path), concatenated, as uint8.
-
-    Files are joined with a blank line. ``max_bytes`` > 0 stops after that many bytes so start-up
-    stays fast; the order is fixed so every rank and every rerun sees the same corpus.
-    """
+def stdlib_files(root: Path | None = None) -> list[Path]:
+    """The stdlib's ``.py`` files (site-packages excluded), sorted by relative path."""
     root = root or stdlib_root()
     files = sorted(
         (p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file()),
@@ -37,6 +33,16 @@ def read_stdlib_bytes(max_bytes: int = 0, root: Path | None = None) -> np.ndarra
             expected="the Python standard library sources",
             hint="this Python install ships without sources; use another data source",
         )
+    return files
+
+
+def read_stdlib_bytes(max_bytes: int = 0, root: Path | None = None) -> np.ndarray:
+    """All ``.py`` files under the stdlib (sorted by relative path), concatenated, as uint8.
+
+    Files are joined with a blank line. ``max_bytes`` > 0 stops after that many bytes so start-up
+    stays fast; the order is fixed so every rank and every rerun sees the same corpus.
+    """
+    files = stdlib_files(root)
     chunks, total = [], 0
     for path in files:
         data = path.read_bytes() + b"\n\n"

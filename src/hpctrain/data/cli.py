@@ -1,0 +1,87 @@
+"""The ``hpctrain data`` subcommands: ``prepare`` text into token shards, ``verify`` them.
+
+    hpctrain data prepare corpus/ more/*.jsonl.zst --out data/corpus --workers 8
+    hpctrain data prepare --stdlib --out runs/data/stdlib
+    hpctrain data verify data/corpus
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from hpctrain.errors import ConfigError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``data`` and its subcommands on the top-level parser's ``sub``."""
+    d = sub.add_parser("data", help="prepare and check token shards",
+                       description=__doc__.splitlines()[0])
+    dsub = d.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
+
+    p = dsub.add_parser("prepare", help="tokenize text files into token shards",
+                        description="Tokenize .txt, .jsonl, .jsonl.zst, .json.gz, .parquet and "
+                        "plain files into shards with a manifest. Rerun the same command to "
+                        "resume an interrupted run.")
+    p.add_argument("inputs", nargs="*", metavar="INPUT", help="files, directories or globs")
+    p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.add_argument("--stdlib", action="store_true",
+                   help="add this Python's standard-library .py files (the demo corpus)")
+    p.add_argument("--tokenizer", default="bytes",
+                   help="'bytes' (byte-level, vocab 257) or a HuggingFace tokenizer.json path")
+    p.add_argument("--eos-token", default=None, help="EOS token of a tokenizer.json")
+    p.add_argument("--text-field", default="text",
+                   help="JSON field / Parquet column holding the text (default: text)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--shard-tokens", type=int, default=0, help="tokens per shard")
+    size.add_argument("--shard-mb", type=float, default=256.0,
+                      help="shard size in MiB of tokens (default 256)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="tokenizer processes (default: the CPUs available)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=_prepare)
+
+    v = dsub.add_parser("verify", help="check every shard's checksum against the manifest")
+    v.add_argument("path", type=Path, help="a prepared directory")
+    v.set_defaults(handler=_verify)
+
+
+def _prepare(args: argparse.Namespace) -> None:
+    from hpctrain.data.prepare import PrepareSettings, default_workers, prepare
+    from hpctrain.data.shards import load_manifest
+    from hpctrain.data.stdlib_corpus import stdlib_files
+    from hpctrain.data.tokenizer import TokenizerSpec, load_tokenizer, token_dtype
+
+    inputs = [str(f) for f in stdlib_files()] if args.stdlib else []
+    inputs += args.inputs
+    if not inputs:
+        raise ConfigError("no inputs: name files, directories or globs, or pass --stdlib",
+                          hint="hpctrain data prepare corpus/*.jsonl --out data/corpus")
+    spec = (TokenizerSpec() if args.tokenizer == "bytes"
+            else TokenizerSpec("hf", args.tokenizer, args.eos_token))
+    shard_tokens = args.shard_tokens
+    if shard_tokens < 0 or args.shard_mb <= 0:
+        raise ConfigError("--shard-tokens and --shard-mb must be positive")
+    if not shard_tokens:
+        itemsize = token_dtype(load_tokenizer(spec).vocab_size).itemsize
+        shard_tokens = max(1, int(args.shard_mb * (1 << 20)) // itemsize)
+    workers = args.workers or default_workers()
+    if workers < 1:
+        raise ConfigError(f"--workers {workers} must be >= 1")
+    t0 = time.perf_counter()
+    path = prepare(inputs, args.out, PrepareSettings(spec, args.text_field, shard_tokens),
+                   workers=workers, progress=not args.no_progress)
+    m = load_manifest(path.parent)
+    m.verify()
+    print(f"{path.parent}: {len(m.shards)} shards, {m.num_tokens:,} tokens "
+          f"({m.raw['dtype']}, vocab {m.vocab_size}), {sum(s['docs'] for s in m.shards):,} "
+          f"documents, {time.perf_counter() - t0:.1f}s")
+
+
+def _verify(args: argparse.Namespace) -> None:
+    from hpctrain.data.shards import load_manifest
+
+    m = load_manifest(args.path)
+    m.verify()
+    print(f"{args.path}: {len(m.shards)} shards, {m.num_tokens:,} tokens, checksums OK")

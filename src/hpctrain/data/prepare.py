@@ -1,0 +1,408 @@
+"""``hpctrain data prepare``: tokenize text files into token shards (see `hpctrain.data.shards`).
+
+    hpctrain data prepare corpus/*.jsonl.zst --out data/corpus --workers 8
+    hpctrain data prepare --stdlib --out runs/data/stdlib          # the demo's corpus
+
+Inputs are files, directories (searched recursively for the known suffixes, sorted) and globs,
+in the order given. Each input file is one task: worker processes tokenize files in parallel and
+the main process appends their documents, in input order, to a token stream that it cuts into
+shards of ``shard_tokens``. So the output is byte-identical whatever the number of workers.
+Resume: after each shard, ``manifest.partial.json`` lists the finished shards and the input
+files they cover; a rerun with the same inputs and settings keeps those shards and skips the
+files they contain. ``manifest.json`` is written last and marks the directory as complete.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hpctrain.data.shards import (
+    FORMAT_VERSION,
+    MANIFEST,
+    PARTIAL_MANIFEST,
+    atomic_write_json,
+    dtype_name,
+    file_checksum,
+    fsync_dir,
+    write_shard,
+)
+from hpctrain.data.tokenizer import TokenizerSpec, load_tokenizer, token_dtype
+from hpctrain.errors import DataError
+
+# Suffixes picked up when an input is a directory; an explicitly named file of any other suffix
+# is read as one plain-text document.
+KNOWN_SUFFIXES = (".txt", ".md", ".jsonl", ".jsonl.zst", ".json.gz", ".jsonl.gz", ".parquet")
+DEFAULT_SHARD_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class PrepareSettings:
+    """Everything that determines the output bytes besides the inputs themselves."""
+
+    tokenizer: TokenizerSpec
+    text_field: str = "text"
+    shard_tokens: int = 0  # 0: DEFAULT_SHARD_BYTES worth of tokens
+
+
+# -- inputs ------------------------------------------------------------------------------------
+
+
+def _suffix(path: Path) -> str:
+    name = path.name.lower()
+    for suf in sorted(KNOWN_SUFFIXES, key=len, reverse=True):
+        if name.endswith(suf):
+            return suf
+    return path.suffix.lower()
+
+
+def expand_inputs(inputs: list[str]) -> list[Path]:
+    """Files named by ``inputs`` (files, directories, globs), in a fixed order."""
+    files: list[Path] = []
+    for item in inputs:
+        p = Path(item)
+        if p.is_dir():
+            found = sorted((f for f in p.rglob("*") if f.is_file() and _suffix(f) in KNOWN_SUFFIXES
+                            and not any(part.startswith(".") for part in f.relative_to(p).parts)),
+                           key=lambda f: f.relative_to(p).as_posix())
+            if not found:
+                raise DataError(f"input directory {item!r} holds no files ending in "
+                                f"{', '.join(KNOWN_SUFFIXES)}", hint="name the files explicitly")
+            files.extend(found)
+        elif p.is_file():
+            files.append(p)
+        elif glob.has_magic(item):
+            found = sorted(Path(f) for f in glob.glob(item, recursive=True) if Path(f).is_file())
+            if not found:
+                raise DataError(f"input pattern {item!r} matches no files")
+            files.extend(found)
+        else:
+            raise DataError(f"input {item!r} does not exist",
+                            expected="a file, a directory or a glob pattern")
+    if not files:
+        raise DataError("no input files given", hint="hpctrain data prepare INPUT... --out DIR")
+    return files
+
+
+def _json_lines(stream: io.TextIOBase, path: Path, field: str) -> Iterator[str]:
+    first = True
+    for lineno, line in enumerate(stream, 1):
+        if first and line.lstrip().startswith("["):  # a JSON array of records, not JSON lines
+            yield from _json_array(line + stream.read(), path, field)
+            return
+        first = False
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
+        if not isinstance(record, dict) or field not in record:
+            raise DataError(f"{path}:{lineno}: record has no field {field!r}",
+                            hint="name the text field with --text-field")
+        yield record[field]
+
+
+def _json_array(text: str, path: Path, field: str) -> Iterator[str]:
+    try:
+        records = json.loads(text)
+    except ValueError as e:
+        raise DataError(f"{path}: not valid JSON ({e})") from None
+    for i, record in enumerate(records):
+        if not isinstance(record, dict) or field not in record:
+            raise DataError(f"{path}: record {i} has no field {field!r}",
+                            hint="name the text field with --text-field")
+        yield record[field]
+
+
+def _optional(module: str, path: Path, package: str):
+    try:
+        return __import__(module, fromlist=["_"])
+    except ImportError:
+        raise DataError(f"reading {str(path)!r} needs the '{package}' package, which is not "
+                        "installed", hint=f"pip install {package}  (or: pip install "
+                        "'hpctrain[data]')") from None
+
+
+def read_documents(path: Path, field: str = "text") -> Iterator[str | bytes]:
+    """The documents of one input file, in file order."""
+    suf = _suffix(path)
+    if suf in (".jsonl", ".jsonl.zst", ".json.gz", ".jsonl.gz"):
+        if suf == ".jsonl.zst":
+            zstd = _optional("zstandard", path, "zstandard")
+            raw = zstd.ZstdDecompressor().stream_reader(open(path, "rb"),  # noqa: SIM115
+                                                        closefd=True)
+        elif suf.endswith(".gz"):
+            raw = gzip.open(path, "rb")  # noqa: SIM115 - closed by the TextIOWrapper below
+        else:
+            raw = open(path, "rb")  # noqa: SIM115
+        with io.TextIOWrapper(raw, encoding="utf-8", errors="replace") as stream:
+            yield from _json_lines(stream, path, field)
+    elif suf == ".parquet":
+        pq = _optional("pyarrow.parquet", path, "pyarrow")
+        pf = pq.ParquetFile(path)
+        if field not in pf.schema_arrow.names:
+            raise DataError(f"{path}: no column {field!r} (columns: "
+                            f"{', '.join(pf.schema_arrow.names)})",
+                            hint="name the text column with --text-field")
+        for batch in pf.iter_batches(columns=[field]):
+            yield from (t for t in batch.column(0).to_pylist() if t is not None)
+    else:
+        yield path.read_bytes()
+
+
+# -- tokenizing (worker side) ------------------------------------------------------------------
+
+_worker_tok = None
+
+
+def _init_worker(spec: TokenizerSpec) -> None:
+    global _worker_tok
+    _worker_tok = load_tokenizer(spec)
+
+
+def tokenize_file(job: tuple[str, str, int]) -> tuple[np.ndarray, np.ndarray] | DataError:
+    """(tokens with EOS after each document, document start offsets) of one file."""
+    path, field, skip = job
+    tok = _worker_tok
+    dtype = token_dtype(tok.vocab_size)
+    eos = np.array([tok.eos_id], dtype=dtype)
+    parts, lengths = [], []
+    try:
+        for doc in read_documents(Path(path), field):
+            if not isinstance(doc, (str, bytes)):
+                raise DataError(f"{path}: a document is a {type(doc).__name__}, not text")
+            ids = tok.encode(doc)
+            if len(ids) == 0:
+                continue  # an empty document adds nothing, not even EOS
+            parts += [ids.astype(dtype, copy=False), eos]
+            lengths.append(len(ids) + 1)
+    except DataError as e:
+        return e
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        return DataError(f"cannot read input {path!r}: {e}")
+    except Exception as e:  # noqa: BLE001 - zstd/arrow errors: report the file, not a traceback
+        return DataError(f"cannot read input {path!r}: {type(e).__name__}: {e}")
+    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+    starts = np.cumsum([0, *lengths[:-1]], dtype=np.int64) if lengths else np.zeros(0, np.int64)
+    if skip:  # resume: drop what finished shards already hold
+        tokens = tokens[skip:]
+        starts = starts[starts >= skip] - skip
+    return tokens, starts
+
+
+# -- writing (main process) --------------------------------------------------------------------
+
+
+class _ShardWriter:
+    """Appends documents to a token stream and cuts it into shards of ``shard_tokens``."""
+
+    def __init__(self, out: Path, shard_tokens: int, dtype: np.dtype, shards: list[dict],
+                 on_shard: Callable[[], None]):
+        self.out, self.shard_tokens, self.dtype = out, shard_tokens, dtype
+        self.shards = shards
+        self.on_shard = on_shard
+        self.buf: list[np.ndarray] = []
+        self.starts: list[np.ndarray] = []
+        self.n = 0
+
+    @property
+    def written(self) -> int:
+        """Tokens in finished shards."""
+        return sum(s["tokens"] for s in self.shards)
+
+    def add(self, tokens: np.ndarray, starts: np.ndarray) -> None:
+        pos = 0
+        while pos < len(tokens):
+            take = min(self.shard_tokens - self.n, len(tokens) - pos)
+            sel = starts[(starts >= pos) & (starts < pos + take)]
+            self.buf.append(tokens[pos : pos + take])
+            self.starts.append(sel - pos + self.n)
+            self.n += take
+            pos += take
+            if self.n == self.shard_tokens:
+                self.flush()
+
+    def flush(self) -> None:
+        if self.n == 0:
+            return
+        tokens = np.concatenate(self.buf).astype(self.dtype, copy=False)
+        starts = np.concatenate(self.starts) if self.starts else np.zeros(0, np.int64)
+        self.shards.append(write_shard(self.out, len(self.shards), tokens, starts))
+        self.buf, self.starts, self.n = [], [], 0
+        self.on_shard()
+
+
+def _input_record(path: Path) -> dict:
+    try:
+        return {"path": str(path), "bytes": path.stat().st_size}
+    except OSError as e:
+        raise DataError(f"cannot read input {str(path)!r}: {e.strerror}") from None
+
+
+def prepare(inputs: list[str] | list[Path], out: str | Path, settings: PrepareSettings,
+            workers: int = 1, progress: bool = False, stop_after_shards: int | None = None) -> Path:
+    """Tokenize ``inputs`` into shards under ``out``; return the manifest path.
+
+    ``stop_after_shards`` stops (raising KeyboardInterrupt) once that many shards are finished
+    in this call: the seam the tests use to interrupt a run.
+    """
+    files = expand_inputs([str(i) for i in inputs])
+    records = [_input_record(f) for f in files]
+    tok = load_tokenizer(settings.tokenizer)
+    dtype = token_dtype(tok.vocab_size)
+    shard_tokens = settings.shard_tokens or DEFAULT_SHARD_BYTES // dtype.itemsize
+    head = {
+        "format": "hpctrain-tokens", "version": FORMAT_VERSION, "dtype": dtype_name(dtype),
+        "vocab_size": int(tok.vocab_size), "eos_id": int(tok.eos_id),
+        "tokenizer": {"name": tok.name, "hash": tok.hash, **asdict(settings.tokenizer)},
+        "text_field": settings.text_field, "shard_tokens": int(shard_tokens),
+    }
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    final, partial = out / MANIFEST, out / PARTIAL_MANIFEST
+    if final.is_file():
+        done = json.loads(final.read_text())
+        if _same_job(done, head, records):
+            return final  # already prepared
+        raise DataError(f"{str(out)!r} already holds a different preparation",
+                        hint="prepare into a new directory or delete this one")
+
+    # Resume: keep the shards a partial manifest lists if it describes this same job.
+    shards: list[dict] = []
+    done_files = 0
+    if partial.is_file():
+        old = json.loads(partial.read_text())
+        if not _same_job(old, head, records):
+            raise DataError(f"{str(out)!r} holds an interrupted preparation of other inputs or "
+                            "settings", hint="prepare into a new directory or delete this one")
+        shards = [s for s in old["shards"] if (out / s["bin"]).is_file()
+                  and file_checksum(out / s["bin"]) == s["bin_checksum"]
+                  and (out / s["idx"]).is_file()
+                  and file_checksum(out / s["idx"]) == s["idx_checksum"]]
+        shards = shards[: next((i for i, (a, b) in enumerate(zip(shards, old["shards"],
+                                                                 strict=False)) if a is not b),
+                               len(shards))]
+    for stale in out.glob("shard-*"):
+        if stale.name not in {s[k] for s in shards for k in ("bin", "idx")}:
+            stale.unlink()
+
+    # Which files finished shards already cover, from the per-file token counts they recorded.
+    file_tokens: list[int] = []
+    if shards:
+        file_tokens = list(json.loads(partial.read_text()).get("file_tokens", []))
+    kept = sum(s["tokens"] for s in shards)
+    pos = 0
+    while done_files < len(file_tokens) and pos + file_tokens[done_files] <= kept:
+        pos += file_tokens[done_files]
+        done_files += 1
+    file_tokens = file_tokens[:done_files]
+    skip_first = kept - pos
+
+    stop = {"n": 0}
+
+    def checkpoint() -> None:
+        atomic_write_json(partial, {**head, "inputs": records, "shards": shards,
+                                    "file_tokens": file_tokens})
+        fsync_dir(out)
+        stop["n"] += 1
+        if stop_after_shards is not None and stop["n"] >= stop_after_shards:
+            raise KeyboardInterrupt(f"stopped after {stop['n']} shards (test seam)")
+
+    writer = _ShardWriter(out, shard_tokens, dtype, shards, checkpoint)
+    jobs = [(str(f), settings.text_field, skip_first if i == done_files else 0)
+            for i, f in enumerate(files)][done_files:]
+    with _Progress(progress, sum(r["bytes"] for r in records[done_files:])) as bar, \
+            _map(workers, settings.tokenizer, jobs) as results:
+        for i, result in enumerate(results, start=done_files):
+            if isinstance(result, DataError):
+                raise result
+            tokens, starts = result
+            # Record the file's full token count before its tokens may complete a shard.
+            file_tokens.append(len(tokens) + (skip_first if i == done_files else 0))
+            writer.add(tokens, starts)
+            bar.advance(records[i]["bytes"])
+    writer.flush()
+    if not shards or sum(s["tokens"] for s in shards) == 0:
+        partial.unlink(missing_ok=True)
+        raise DataError("the inputs hold no text: every document is empty",
+                        hint="check the inputs and --text-field")
+    atomic_write_json(final, {**head, "inputs": records, "shards": shards})
+    partial.unlink(missing_ok=True)
+    fsync_dir(out)
+    return final
+
+
+def _same_job(manifest: dict, head: dict, records: list[dict]) -> bool:
+    return all(manifest.get(k) == v for k, v in head.items()) and manifest.get("inputs") == records
+
+
+class _map:
+    """Ordered results of `tokenize_file` over ``jobs``: inline for 1 worker, else a pool."""
+
+    def __init__(self, workers: int, spec: TokenizerSpec, jobs: list):
+        self.workers, self.spec, self.jobs = workers, spec, jobs
+        self.pool = None
+
+    def __enter__(self):
+        if self.workers <= 1:
+            _init_worker(self.spec)
+            return map(tokenize_file, self.jobs)
+        # spawn, not fork: the parent may hold threads (torch, rich) that fork would copy.
+        ctx = multiprocessing.get_context("spawn")
+        self.pool = ctx.Pool(self.workers, initializer=_init_worker, initargs=(self.spec,))
+        # imap keeps input order; a small chunk keeps memory bounded to a few files per worker.
+        return self.pool.imap(tokenize_file, self.jobs, chunksize=1)
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+
+class _Progress:
+    """A rich progress bar over input bytes (only on a terminal, only when asked)."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.enabled = enabled and sys.stderr.isatty()
+        self.total = total
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            self._p = Progress("[bold]prepare", BarColumn(), DownloadColumn(),
+                               TransferSpeedColumn(), TimeRemainingColumn(), transient=True)
+            self._p.__enter__()
+            self._task = self._p.add_task("prepare", total=self.total)
+        return self
+
+    def advance(self, n: int) -> None:
+        if self.enabled:
+            self._p.advance(self._task, n)
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            self._p.__exit__(*exc)
+
+
+def default_workers() -> int:
+    """Worker processes when not given: the CPUs this process may use."""
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+               else os.cpu_count() or 1)

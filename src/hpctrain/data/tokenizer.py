@@ -1,0 +1,96 @@
+"""Tokenizers for ``hpctrain data prepare``: built-in byte-level, or a HuggingFace tokenizer.json.
+
+Both turn one document (``str`` or UTF-8 ``bytes``) into a numpy array of token ids; the caller
+appends the EOS id. A tokenizer is named by a small picklable :class:`TokenizerSpec` so each
+worker process loads its own copy once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hpctrain.errors import DataError
+
+BYTE_EOS = 256
+# Fixed text hashed as the byte tokenizer's identity: changing the mapping must change this.
+_BYTE_ID = b"hpctrain byte-level tokenizer v1: id = byte value (0..255), EOS = 256"
+# Tried in order when a tokenizer.json is given without --eos-token.
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]")
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """Which tokenizer: ``"bytes"`` or the path of a tokenizer.json, and its EOS token."""
+
+    kind: str = "bytes"
+    path: str | None = None
+    eos_token: str | None = None
+
+
+class ByteTokenizer:
+    """Token id = byte value of the UTF-8 text; EOS = 256, so the vocabulary is 257 (uint16)."""
+
+    name = "bytes"
+    vocab_size = 257
+    eos_id = BYTE_EOS
+
+    def __init__(self) -> None:
+        self.hash = "sha256:" + hashlib.sha256(_BYTE_ID).hexdigest()
+
+    def encode(self, doc: str | bytes) -> np.ndarray:
+        """Token ids of one document."""
+        data = doc.encode("utf-8", errors="surrogatepass") if isinstance(doc, str) else doc
+        return np.frombuffer(data, dtype=np.uint8)
+
+
+class HFTokenizer:
+    """A HuggingFace ``tokenizers`` tokenizer.json (optional dependency ``tokenizers``)."""
+
+    def __init__(self, path: str, eos_token: str | None = None):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DataError(
+                f"tokenizer {path!r} needs the 'tokenizers' package, which is not installed",
+                hint="pip install tokenizers  (or: pip install 'hpctrain[data]')",
+            ) from None
+        p = Path(path)
+        try:
+            raw = p.read_bytes()
+            self._tok = Tokenizer.from_str(raw.decode("utf-8"))
+        except (OSError, UnicodeDecodeError, Exception) as e:  # tokenizers raises plain Exception
+            raise DataError(f"cannot load tokenizer {path!r}: {e}",
+                            expected="a HuggingFace tokenizer.json") from None
+        self.name = p.name
+        self.hash = "sha256:" + hashlib.sha256(raw).hexdigest()
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        candidates = (eos_token,) if eos_token else EOS_CANDIDATES
+        ids = [self._tok.token_to_id(t) for t in candidates]
+        found = [(t, i) for t, i in zip(candidates, ids, strict=True) if i is not None]
+        if not found:
+            raise DataError(
+                f"tokenizer {path!r} has no EOS token among {', '.join(candidates)}",
+                hint="name it with --eos-token TOKEN",
+            )
+        self.eos_token, self.eos_id = found[0]
+
+    def encode(self, doc: str | bytes) -> np.ndarray:
+        """Token ids of one document (no special tokens added)."""
+        text = doc.decode("utf-8", errors="replace") if isinstance(doc, bytes) else doc
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
+
+
+def load_tokenizer(spec: TokenizerSpec) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer ``spec`` names."""
+    if spec.kind == "bytes":
+        return ByteTokenizer()
+    return HFTokenizer(str(spec.path), spec.eos_token)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits (vocab <= 65,536), else uint32; always little-endian."""
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
