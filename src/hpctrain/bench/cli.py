@@ -1,0 +1,227 @@
+"""``hpctrain bench ...``: argument parsing for the benchmarks and the per-rank collective worker.
+
+    hpctrain bench gemm --dtypes bf16 --sizes 8192
+    hpctrain bench membw
+    hpctrain bench h2d
+    hpctrain bench collective --nproc 4 -b 64M -e 1G -f 2
+
+Results go to ``--out`` (default ``runs/bench/<name>-<timestamp>``): ``<name>.csv``,
+``<name>.json`` and, when matplotlib is installed, a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from hpctrain.bench.busbw import OPS
+from hpctrain.errors import ConfigError, HpctrainError
+
+
+class WrongResultError(HpctrainError):
+    """A collective returned wrong values (#wrong > 0)."""
+
+    exit_code = 1
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``bench`` and its sub-commands on the top-level sub-parser set."""
+    b = sub.add_parser("bench", help="benchmark GEMM, memory, host<->device and collectives",
+                       description=__doc__.splitlines()[0])
+    bsub = b.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+
+    def common(p: argparse.ArgumentParser, warmup: int, iters: int) -> None:
+        p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+        p.add_argument("--out", type=Path, default=None,
+                       help="results folder (default runs/bench/<name>-<timestamp>)")
+        p.add_argument("-w", "--warmup", type=int, default=warmup, help="warm-up repetitions")
+        p.add_argument("-n", "--iters", type=int, default=iters,
+                       help="timed repetitions (the median is reported)")
+        p.add_argument("--no-plot", action="store_true", help="do not draw a PNG")
+
+    g = bsub.add_parser("gemm", help="matmul TFLOP/s per dtype and size vs the peak table")
+    g.add_argument("--dtypes", nargs="+", default=None,
+                   help="fp32 tf32 bf16 fp16 fp8 (default: all on GPU, fp32 bf16 on CPU)")
+    g.add_argument("--sizes", nargs="+", default=None,
+                   help="square sizes M=N=K (default 1024..8192 on GPU, 256..1024 on CPU)")
+    common(g, 5, 20)
+
+    m = bsub.add_parser("membw", help="device copy bandwidth (read + write)")
+    m.add_argument("--sizes", nargs="+", default=None, help="bytes, e.g. 256M 1G")
+    common(m, 5, 20)
+
+    h = bsub.add_parser("h2d", help="host<->device bandwidth, pageable vs pinned")
+    h.add_argument("--sizes", nargs="+", default=["256M"], help="bytes, e.g. 64M 1G")
+    common(h, 3, 10)
+
+    c = bsub.add_parser("collective", help="collectives with nccl-tests semantics (busbw, #wrong)")
+    c.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS, metavar="OP",
+                   help=f"some of: {' '.join(OPS)}")
+    c.add_argument("-b", "--minbytes", default="8", help="smallest size S (e.g. 8, 64M)")
+    c.add_argument("-e", "--maxbytes", default="32M", help="largest size S")
+    c.add_argument("-f", "--stepfactor", type=float, default=2.0, help="size multiplier")
+    c.add_argument("-d", "--datatype", default="float32",
+                   help="float32, bfloat16, float16 or float64")
+    c.add_argument("--no-check", action="store_true", help="skip the correctness check")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--nproc", type=int, default=None,
+                   help="start this many local ranks (one per GPU, or CPU processes)")
+    c.add_argument("--corrupt-rank", type=int, default=None, help=argparse.SUPPRESS)
+    common(c, 5, 20)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Dispatch ``hpctrain bench <command>``."""
+    {"gemm": _gemm, "membw": _membw, "h2d": _h2d,
+     "collective": _collective}[args.bench_command](args)
+
+
+def _out_dir(args: argparse.Namespace, name: str) -> Path:
+    if args.out is not None:
+        return Path(args.out)
+    return Path("runs") / "bench" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _finish(res, args: argparse.Namespace, out: Path, title: str, plot=None) -> None:
+    res.print_table(title)
+    paths = res.write(out)
+    note = ""
+    if plot is not None and not args.no_plot:
+        note = plot()
+    print(f"results: {', '.join(str(p) for p in paths)}" + (f"\n{note}" if note else ""))
+
+
+def _sizes(values: list[str] | None, default: list[str]) -> list[int]:
+    from hpctrain.bench.common import parse_size
+
+    return [parse_size(v) for v in (values or default)]
+
+
+def _gemm(args: argparse.Namespace) -> None:
+    from hpctrain.bench.common import plot, select_device
+    from hpctrain.bench.gemm import GEMM_DTYPES, run_gemm
+
+    device = select_device(args.device)
+    on_gpu = device.type == "cuda"
+    dtypes = args.dtypes or (list(GEMM_DTYPES) if on_gpu else ["fp32", "bf16"])
+    default = ["1024", "2048", "4096", "8192"] if on_gpu else ["256", "512", "1024"]
+    sizes = _sizes(args.sizes, default)
+    res = run_gemm(dtypes, sizes, device, warmup=args.warmup, iters=args.iters)
+    out = _out_dir(args, "gemm")
+
+    def draw() -> str:
+        series = {d: ([r["m"] for r in res.rows if r["dtype"] == d and r.get("tflops")],
+                      [r["tflops"] for r in res.rows if r["dtype"] == d and r.get("tflops")])
+                  for d in dtypes}
+        return plot(out / "gemm.png", series, xlabel="M = N = K", ylabel="TFLOP/s",
+                    title=f"GEMM on {res.meta['device']}")
+
+    _finish(res, args, out, f"GEMM on {res.meta['device']}", draw)
+
+
+def _membw(args: argparse.Namespace) -> None:
+    from hpctrain.bench.common import select_device
+    from hpctrain.bench.membw import run_membw
+
+    device = select_device(args.device)
+    sizes = _sizes(args.sizes, ["256M", "1G"] if device.type == "cuda" else ["16M", "64M"])
+    res = run_membw(sizes, device, warmup=args.warmup, iters=args.iters)
+    _finish(res, args, _out_dir(args, "membw"), f"device copy on {res.meta['device']}")
+
+
+def _h2d(args: argparse.Namespace) -> None:
+    from hpctrain.bench.common import select_device
+    from hpctrain.bench.h2d import run_h2d
+
+    device = select_device(args.device)
+    res = run_h2d(_sizes(args.sizes, ["256M"]), device, warmup=args.warmup, iters=args.iters)
+    _finish(res, args, _out_dir(args, "h2d"), f"host<->device on {res.meta['device']}")
+
+
+def _collective_worker_args(args: argparse.Namespace, out: Path) -> list[str]:
+    argv = ["bench", "collective", "--ops", *args.ops, "-b", str(args.minbytes),
+            "-e", str(args.maxbytes), "-f", str(args.stepfactor), "-d", args.datatype,
+            "--seed", str(args.seed), "--device", args.device, "--out", str(out),
+            "-w", str(args.warmup), "-n", str(args.iters)]
+    if args.no_check:
+        argv.append("--no-check")
+    if args.no_plot:
+        argv.append("--no-plot")
+    if args.corrupt_rank is not None:
+        argv += ["--corrupt-rank", str(args.corrupt_rank)]
+    return argv
+
+
+def _collective(args: argparse.Namespace) -> None:
+    from hpctrain.bench.collective import CollectiveOptions
+    from hpctrain.bench.common import size_sweep
+
+    opts = CollectiveOptions(ops=args.ops, sizes=size_sweep(args.minbytes, args.maxbytes,
+                                                            args.stepfactor),
+                             dtype=args.datatype, warmup=args.warmup, iters=args.iters,
+                             check=not args.no_check, seed=args.seed,
+                             corrupt_rank=args.corrupt_rank)
+    opts.validate()  # fail before any rank starts
+    if args.nproc is not None:
+        if args.nproc < 1:
+            raise ConfigError(f"--nproc {args.nproc}", expected="at least 1 rank")
+        from hpctrain.launch.local import launch_local
+        from hpctrain.runtime.rundir import RunDir
+
+        run_id = time.strftime("%Y%m%d-%H%M%S")
+        out = _out_dir(args, "collective")
+        run_dir = RunDir(out)
+        run_dir.logs_dir.mkdir(parents=True, exist_ok=True)
+        launch_local(args.nproc, _collective_worker_args(args, out), run_dir, run_id=run_id)
+        return
+    _collective_rank(args, opts)
+
+
+def _collective_rank(args: argparse.Namespace, opts) -> None:
+    """One rank of the collective benchmark: join the group, run, rank 0 reports."""
+    import os
+
+    import torch.distributed as dist
+
+    from hpctrain.bench.collective import COLUMNS, run_collectives
+    from hpctrain.bench.common import Results, device_name, plot, select_device
+    from hpctrain.runtime.env import detect_env, export_torch_env
+
+    env = detect_env()
+    device = select_device(args.device, env.local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if env.world_size == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        os.environ.update(export_torch_env(env))
+        extra = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, init_method="env://", rank=env.rank,
+                                world_size=env.world_size, **extra)
+    try:
+        rows = run_collectives(opts, device)
+    finally:
+        dist.destroy_process_group()
+    if env.rank != 0:
+        return
+    res = Results("collective", COLUMNS, rows=rows,
+                  meta={"device": device_name(device), "backend": backend,
+                        "ranks": env.world_size, "warmup": opts.warmup, "iters": opts.iters,
+                        "dtype": opts.dtype, "time": "slowest rank's median"})
+    out = _out_dir(args, "collective")
+
+    def draw() -> str:
+        series = {op: ([r["size"] for r in rows if r["op"] == op],
+                       [r["oop_busbw"] if r["oop_busbw"] is not None else r["ip_busbw"]
+                        for r in rows if r["op"] == op]) for op in opts.ops}
+        return plot(out / "collective_busbw.png", series, xlabel="size S (bytes)",
+                    ylabel="busbw GB/s",
+                    title=f"busbw, {env.world_size} ranks, {backend}, {device_name(device)}")
+
+    title = (f"collectives: {env.world_size} ranks, {backend} on {device_name(device)}, "
+             f"{opts.dtype}, median of {opts.iters}")
+    _finish(res, args, out, title, draw)
+    wrong = sum((r["oop_wrong"] or 0) + (r["ip_wrong"] or 0) for r in rows)
+    if wrong:
+        raise WrongResultError(f"{wrong} wrong elements in collective results",
+                               hint="see the #wrong columns: a bad link, GPU or NCCL setup")

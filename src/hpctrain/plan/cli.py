@@ -1,0 +1,189 @@
+"""``hpctrain plan ...``: memory per GPU, parallel layout, GPU-hours budget, checkpoint interval.
+
+    hpctrain plan memory --model 8b --strategy fsdp --gpus 4 --ac full --micro-batch 2 --gpu h100
+    hpctrain plan parallel --model 8b --gpus-per-node 8 --nodes 4 --gpu h100
+    hpctrain plan budget --tokens 1T --tokens-per-s 8600 --gpus 256
+    hpctrain plan interval --save-min 5 --mttf-h 24
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from hpctrain.errors import ConfigError
+
+_COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([kmbt]?)\s*$", re.IGNORECASE)
+_SCALE = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+
+
+def parse_count(text: str) -> float:
+    """'300B' -> 3e11, '1T' -> 1e12, '2e9' -> 2e9 (decimal suffixes, as for token counts)."""
+    match = _COUNT.match(text)
+    if match is None:
+        raise ConfigError(f"{text!r} is not a count", expected="e.g. 300B, 1T, 2e12")
+    return float(match.group(1)) * _SCALE[match.group(2).lower()]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``plan`` and its sub-commands on the top-level sub-parser set."""
+    p = sub.add_parser("plan", help="memory, parallel layout, budget, checkpoint interval",
+                       description=__doc__.splitlines()[0])
+    psub = p.add_subparsers(dest="plan_command", required=True, metavar="PLAN")
+
+    def model_args(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--model", default=None, help="size: tiny, 125m, 1b, 8b")
+        q.add_argument("--dim", type=int)
+        q.add_argument("--layers", type=int)
+        q.add_argument("--heads", type=int)
+        q.add_argument("--kv-heads", type=int)
+        q.add_argument("--ffn-dim", type=int)
+        q.add_argument("--vocab", type=int)
+        q.add_argument("--seq-len", type=int, default=2048)
+        q.add_argument("--precision", default="bf16", help="bf16, fp16 or fp32")
+        q.add_argument("--gpu", default=None, help="h100, h200, a100-40, ... or memory in GB")
+
+    m = psub.add_parser("memory", help="per-GPU memory for a model, strategy and batch")
+    model_args(m)
+    m.add_argument("--strategy", default="fsdp", help="none, ddp or fsdp")
+    m.add_argument("--gpus", type=int, default=1, help="data-parallel GPUs")
+    m.add_argument("--zero", type=int, default=3, help="FSDP: 3 (reshard) or 2")
+    m.add_argument("--tp", type=int, default=1)
+    m.add_argument("--pp", type=int, default=1)
+    m.add_argument("--ac", default="none", help="activation checkpointing: none or full")
+    m.add_argument("--micro-batch", type=int, default=1)
+    m.add_argument("--no-compile", action="store_true", help="eager (more activations)")
+    m.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    q = psub.add_parser("parallel", help="recommend dp/fsdp/tp/pp degrees for a cluster shape")
+    model_args(q)
+    q.add_argument("--gpus-per-node", type=int, default=8)
+    q.add_argument("--nodes", type=int, default=1)
+
+    b = psub.add_parser("budget", help="walltime and GPU-hours from tokens and tokens/s")
+    b.add_argument("--tokens", required=True, help="tokens to train, e.g. 300B or 1T")
+    b.add_argument("--tokens-per-s", type=float, default=None, help="per GPU")
+    b.add_argument("--from-run", type=Path, default=None,
+                   help="pilot run directory: tokens/s from its metrics/rank-*.jsonl")
+    b.add_argument("--gpus", type=int, required=True)
+    b.add_argument("--margin", type=float, default=0.15, help="safety margin (0.1-0.2)")
+    b.add_argument("--warn-gpu-hours", type=float, default=10_000.0)
+
+    i = psub.add_parser("interval", help="Young/Daly checkpoint interval")
+    i.add_argument("--save-min", type=float, required=True, help="time to save a checkpoint")
+    i.add_argument("--mttf-h", type=float, default=None, help="MTTF of the whole job, hours")
+    i.add_argument("--gpu-mttf-h", type=float, default=None,
+                   help="MTTF of one GPU, hours (e.g. 50000); with --gpus")
+    i.add_argument("--gpus", type=int, default=None)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Dispatch ``hpctrain plan <command>``."""
+    {"memory": _memory, "parallel": _parallel, "budget": _budget,
+     "interval": _interval}[args.plan_command](args)
+
+
+def _model(args: argparse.Namespace):
+    from hpctrain.plan.memory import resolve_model
+
+    return resolve_model(args.model, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                         n_kv_heads=args.kv_heads, ffn_dim=args.ffn_dim, vocab_size=args.vocab)
+
+
+def _memory(args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from hpctrain.models import count_params
+    from hpctrain.plan.memory import MemoryOptions, estimate_memory, fmt_gb, gpu_memory_bytes
+
+    model = _model(args)
+    opts = MemoryOptions(strategy=args.strategy, gpus=args.gpus, zero=args.zero, tp=args.tp,
+                         pp=args.pp, precision=args.precision, ac=args.ac,
+                         micro_batch=args.micro_batch, seq_len=args.seq_len,
+                         compile=not args.no_compile)
+    gpu = gpu_memory_bytes(args.gpu) if args.gpu else None
+    plan = estimate_memory(model, opts, gpu)
+    if args.json:
+        print(json.dumps({**plan.__dict__, "fits": plan.fits}, indent=2))
+        return
+    n = count_params(model, include_embedding=True)
+    layout = f"{opts.strategy}" + (f" ZeRO-{opts.zero}" if opts.strategy == "fsdp" else "")
+    title = (f"{args.model or 'custom'} ({n / 1e9:.2f}B params), {layout} over {opts.gpus} GPU"
+             f"{'s' if opts.gpus > 1 else ''}, tp {opts.tp}, pp {opts.pp}, {opts.precision}, "
+             f"AC {opts.ac}, micro-batch {opts.micro_batch} x {opts.seq_len}"
+             f"{'' if opts.compile else ', eager'}")
+    console = Console(width=160)
+    console.print(title)
+    table = Table()
+    table.add_column("per GPU")
+    table.add_column("GB", justify="right")
+    for label, value in (("parameters (fp32)", plan.params), ("gradients (fp32)", plan.grads),
+                         ("AdamW state (fp32)", plan.optimizer),
+                         ("working buffers", plan.working), ("activations", plan.activations)):
+        table.add_row(label, f"{value / 1e9:.1f}")
+    table.add_row(f"peak ({plan.peak_moment})", f"{plan.peak / 1e9:.1f}", style="bold")
+    console.print(table)
+    if plan.fits is None:
+        console.print("give --gpu (e.g. h100 or 80) to check whether it fits")
+    elif plan.fits:
+        console.print(f"fits: {fmt_gb(plan.peak)} + 10% headroom <= {fmt_gb(gpu)}")
+    else:
+        console.print(f"does NOT fit: {fmt_gb(plan.peak)} + 10% headroom > {fmt_gb(gpu)}. "
+                      "Any one of:")
+        for s in plan.suggestions:
+            console.print(f"  - {s}")
+
+
+def _parallel(args: argparse.Namespace) -> None:
+    from hpctrain.plan.memory import gpu_memory_bytes
+    from hpctrain.plan.parallel import plan_parallel
+
+    if not args.gpu:
+        raise ConfigError("plan parallel needs the GPU memory", expected="--gpu h100 or --gpu 80")
+    plan = plan_parallel(_model(args), gpus_per_node=args.gpus_per_node, nodes=args.nodes,
+                         gpu_bytes=gpu_memory_bytes(args.gpu), seq_len=args.seq_len,
+                         precision=args.precision)
+    print(f"strategy {plan.strategy}: data {plan.dp} x tensor {plan.tp} x pipeline {plan.pp}, "
+          f"micro-batch {plan.micro_batch}, activation checkpointing {plan.ac}, "
+          f"~{plan.memory.peak / 1e9:.1f} GB per GPU")
+    for line in plan.explanation:
+        print(f"  {line}")
+
+
+def _budget(args: argparse.Namespace) -> None:
+    from hpctrain.plan.budget import format_duration, plan_budget, tokens_per_s_from_run
+
+    if (args.tokens_per_s is None) == (args.from_run is None):
+        raise ConfigError("give exactly one of --tokens-per-s and --from-run",
+                          hint="--from-run runs/<pilot> reads its metrics")
+    rate = args.tokens_per_s
+    source = "given"
+    if rate is None:
+        rate = tokens_per_s_from_run(args.from_run)
+        source = f"median of {args.from_run}/metrics"
+    b = plan_budget(parse_count(args.tokens), rate, args.gpus, margin=args.margin,
+                    warn_gpu_hours=args.warn_gpu_hours)
+    print(f"{b.tokens:.3g} tokens at {rate:,.0f} tokens/s per GPU ({source}) on {b.gpus} GPUs")
+    print(f"walltime {format_duration(b.walltime_s)} (incl. {b.margin:.0%} margin), "
+          f"{b.gpu_hours:,.0f} GPU-hours")
+    if b.warning:
+        print(f"WARNING: {b.warning}")
+
+
+def _interval(args: argparse.Namespace) -> None:
+    from hpctrain.plan.interval import daly_interval, job_mttf, young_interval
+
+    if args.mttf_h is not None:
+        mttf_h = args.mttf_h
+    elif args.gpu_mttf_h is not None and args.gpus is not None:
+        mttf_h = job_mttf(args.gpu_mttf_h, args.gpus)
+    else:
+        raise ConfigError("no MTTF given", expected="--mttf-h H, or --gpu-mttf-h H with --gpus N",
+                          hint="Llama 3 saw ~50,000 GPU-hours per GPU: --gpu-mttf-h 50000")
+    save_s, mttf_s = args.save_min * 60, mttf_h * 3600
+    print(f"job MTTF {mttf_h:.2f} h, checkpoint save {args.save_min:g} min")
+    print(f"Young: checkpoint every {young_interval(save_s, mttf_s) / 60:.1f} min")
+    print(f"Daly:  checkpoint every {daly_interval(save_s, mttf_s) / 60:.1f} min")

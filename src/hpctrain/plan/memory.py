@@ -1,0 +1,268 @@
+"""Per-GPU memory of training a Llama-style decoder: states, working buffers and activations.
+
+    hpctrain plan memory --model 1b --strategy fsdp --gpus 4 --micro-batch 4 --seq-len 2048
+
+Exact terms (tested against real modules and a real AdamW on CPU):
+
+- parameters: fp32 master weights, 4 B per parameter (sharded 1/n by FSDP);
+- gradients: fp32, 4 B per parameter (FSDP: sharded; DDP: see below);
+- AdamW state: exp_avg + exp_avg_sq in fp32 (8 B per parameter) plus one 4 B ``step`` per
+  parameter tensor.
+
+Modelled terms (byte counts per token derived from the model's code, then checked against the
+measured peaks ``torch.cuda.max_memory_allocated`` in benchmarks/RESULTS.md, 4x H200):
+
+- activations saved per layer per token: the two residual-stream tensors the norms keep
+  (4 B each under autocast, whose residual stream stays fp32; else the compute dtype), plus in the
+  compute dtype: two norm outputs (2·dim), q and the attention output (2·dim), k and v
+  (2·kv_dim), w1·x, w3·x and their SwiGLU product (3·ffn_dim), and SDPA's fp32 log-sum-exp per
+  head. Eager mode (no torch.compile) also keeps fp32 RoPE/norm intermediates and the SiLU
+  output: + (6·dim + 2·kv_dim + ffn_dim) elements, fitted on `1b` eager (35.0 GB measured).
+- logits: 2 (compiled loss) or 4 (eager fp32 loss) compute-dtype copies of vocab per token.
+- full activation checkpointing keeps only each block's input, plus one block's activations
+  while it is recomputed.
+- working buffers: autocast's bf16 copies of the weights (saved for backward, no FSDP); FSDP's
+  gathered root module (embedding + output) and two gathered blocks (current + prefetched), all
+  blocks gathered under ZeRO-2 (``reshard_after_forward=false``: +2.2 GB on `1b`, measured
+  17.5 vs 15.3 GB); at the end of backward the root's unsharded fp32 gradients before
+  reduce-scatter.
+- DDP: the gradient buckets plus a second fp32 gradient copy (DDP rebuilds its buckets after the
+  first step): 8 B per parameter, fitted on ddp4 `1b` (35.9 GB).
+
+The peak is the larger of two moments: the start of backward (all activations live, gradients
+not yet allocated since the optimizer sets them to None) and the end of backward / optimizer step
+(all gradients live, activations freed). Tensor and pipeline degrees divide parameters and
+activations evenly: an approximation not yet checked against a measurement (hpctrain has no
+TP/PP runs yet). CUDA context and allocator fragmentation (outside max_memory_allocated, typically
+0.5–2 GB) are not included: keep ~10% headroom.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hpctrain.errors import ConfigError
+from hpctrain.models import PRESETS, ModelArgs, count_params
+
+STRATEGIES = ("none", "ddp", "fsdp")
+PRECISIONS = ("bf16", "fp16", "fp32")
+AC_MODES = ("none", "full")
+
+# Memory per GPU in GB (1e9 B) as sold; lookup by lower-cased name.
+GPU_MEMORY_GB: dict[str, float] = {
+    "a100-40": 40.0, "a100": 80.0, "a100-80": 80.0, "h100": 80.0, "h100-pcie": 80.0,
+    "h100-nvl": 94.0, "h200": 141.0, "b200": 180.0, "gh200": 96.0, "l40s": 48.0,
+    "mi250x": 128.0, "mi300x": 192.0,
+}
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """A training setup to size: strategy over `gpus`, precision, AC, batch shape."""
+
+    strategy: str = "fsdp"
+    gpus: int = 1
+    zero: int = 3  # FSDP only: 3 reshards after forward, 2 keeps parameters gathered
+    tp: int = 1
+    pp: int = 1
+    precision: str = "bf16"
+    ac: str = "none"
+    micro_batch: int = 1
+    seq_len: int = 2048
+    compile: bool = True
+
+    def validate(self, args: ModelArgs) -> None:
+        """Raise ConfigError for unknown choices or impossible degrees."""
+        for name, value, allowed in (("strategy", self.strategy, STRATEGIES),
+                                     ("precision", self.precision, PRECISIONS),
+                                     ("activation checkpointing", self.ac, AC_MODES)):
+            if value not in allowed:
+                raise ConfigError(f"{name} {value!r} is not known",
+                                  expected=f"one of {', '.join(allowed)}")
+        for name, value in (("gpus", self.gpus), ("tp", self.tp), ("pp", self.pp),
+                            ("micro-batch", self.micro_batch), ("seq-len", self.seq_len)):
+            if value < 1:
+                raise ConfigError(f"{name} = {value}", expected="a positive integer")
+        if self.zero not in (2, 3):
+            raise ConfigError(f"zero = {self.zero}", expected="2 or 3")
+        if self.strategy == "none" and self.gpus > 1:
+            raise ConfigError(f"strategy none with {self.gpus} GPUs",
+                              expected="ddp or fsdp for more than one data-parallel GPU")
+        if args.n_heads % self.tp or args.n_kv_heads % self.tp:
+            raise ConfigError(f"tp = {self.tp} does not divide the heads "
+                              f"({args.n_heads} query, {args.n_kv_heads} kv)",
+                              expected="a tensor-parallel degree dividing both head counts")
+        if args.n_layers % self.pp:
+            raise ConfigError(f"pp = {self.pp} does not divide {args.n_layers} layers",
+                              expected="a pipeline degree dividing the layer count")
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per GPU by category, the peak, and whether/how it fits."""
+
+    params: float
+    grads: float
+    optimizer: float
+    working: float
+    activations: float
+    peak: float
+    peak_moment: str
+    gpu_bytes: float | None = None
+    suggestions: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool | None:
+        """True when the peak plus 10% headroom fits the GPU; None without a GPU size."""
+        if self.gpu_bytes is None:
+            return None
+        return self.peak * 1.10 <= self.gpu_bytes
+
+
+def resolve_model(size: str | None, **overrides: int | None) -> ModelArgs:
+    """A preset (``tiny``, ``125m``, ``1b``, ``8b``) with optional shape overrides."""
+    import dataclasses
+
+    if size is None and not all(overrides.get(k) for k in
+                                ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size")):
+        raise ConfigError("no model given", expected="--model SIZE or the full shape",
+                          hint=f"sizes: {', '.join(PRESETS)}; or --dim --layers --heads "
+                          "--ffn-dim --vocab")
+    if size is not None and size not in PRESETS:
+        raise ConfigError(f"unknown model size {size!r}", expected=f"one of {', '.join(PRESETS)}",
+                          hint="or give the shape: --dim --layers --heads --ffn-dim --vocab")
+    fields = {k: v for k, v in overrides.items() if v is not None}
+    if size is None:
+        fields.setdefault("n_kv_heads", fields["n_heads"])
+        return ModelArgs(**fields)
+    return dataclasses.replace(PRESETS[size], **fields)
+
+
+def gpu_memory_bytes(gpu: str) -> float:
+    """Memory of a GPU given by name (``h100``, ``h200``...) or a number of GB (``80``)."""
+    try:
+        return float(gpu) * 1e9
+    except ValueError:
+        pass
+    key = gpu.lower().removeprefix("nvidia-").removeprefix("nvidia ")
+    if key not in GPU_MEMORY_GB:
+        raise ConfigError(f"unknown GPU {gpu!r}", expected=f"one of {', '.join(GPU_MEMORY_GB)} "
+                          "or a size in GB", hint="e.g. --gpu h100 or --gpu 80")
+    return GPU_MEMORY_GB[key] * 1e9
+
+
+def n_param_tensors(args: ModelArgs) -> int:
+    """Number of parameter tensors (each has one AdamW ``step``)."""
+    return 9 * args.n_layers + 2 + (0 if args.tie_embeddings else 1)
+
+
+def state_bytes(args: ModelArgs, opts: MemoryOptions) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer) bytes per GPU, as persistent fp32 tensors."""
+    p = count_params(args, include_embedding=True) / (opts.tp * opts.pp)
+    shard = opts.gpus if opts.strategy == "fsdp" else 1
+    params = 4.0 * p / shard
+    grads = 4.0 * p / shard
+    optimizer = 8.0 * p / shard + 4.0 * n_param_tensors(args) / opts.pp
+    return params, grads, optimizer
+
+
+def activation_bytes(args: ModelArgs, opts: MemoryOptions) -> float:
+    """Bytes of activations alive at the start of backward on one GPU (see module docstring)."""
+    e = 4 if opts.precision == "fp32" else 2
+    autocast = opts.precision != "fp32" and opts.strategy != "fsdp"
+    r = 4 if autocast else e
+    d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim
+    layer = 2 * r * d + e * (4 * d + 2 * kv + 3 * f) + 4 * args.n_heads
+    if not opts.compile:
+        layer += e * (6 * d + 2 * kv + f)
+    layer /= opts.tp
+    tokens = opts.micro_batch * opts.seq_len
+    # Full AC: the block inputs, plus one block's activations while it is recomputed.
+    layers = args.n_layers * r * d + layer if opts.ac == "full" else args.n_layers * layer
+    logits = (2 if opts.compile else 4) * e * args.vocab_size / opts.tp
+    return tokens * (layers + logits)
+
+
+def estimate_memory(args: ModelArgs, opts: MemoryOptions, gpu_bytes: float | None = None,
+                    *, suggest: bool = True) -> MemoryPlan:
+    """Estimate the per-GPU peak for training `args` with `opts`; suggest fixes if it won't fit."""
+    opts.validate(args)
+    params, grads, optimizer = state_bytes(args, opts)
+    p = count_params(args, include_embedding=True) / (opts.tp * opts.pp)
+    p_root = (args.vocab_size * args.dim * (1 if args.tie_embeddings else 2) + args.dim) / opts.tp
+    p_block = (p - p_root) / max(1, args.n_layers // opts.pp)
+    e = 4 if opts.precision == "fp32" else 2
+    acts = activation_bytes(args, opts)
+
+    if opts.strategy == "fsdp":
+        gathered = e * p if opts.zero == 2 else e * (p_root + 2 * p_block)
+        working_start = gathered
+        working_end = gathered + 4 * p_root  # root's unsharded fp32 grads before reduce-scatter
+        start = params + optimizer + working_start + acts
+        end = params + optimizer + grads + working_end
+        working = max(working_start, working_end)
+    else:
+        if opts.strategy == "ddp":
+            grads = 8.0 * p  # buckets + a second fp32 copy (calibrated, see docstring)
+        # Autocast keeps bf16 copies of the weights (not the embedding) for backward.
+        working = 0.0 if opts.precision == "fp32" else 2.0 * (p - args.vocab_size * args.dim)
+        persistent_grads = grads if opts.strategy == "ddp" else 0.0
+        start = params + optimizer + working + acts + persistent_grads
+        end = params + optimizer + grads
+    moment = "start of backward" if start >= end else "end of backward"
+    plan = MemoryPlan(params=params, grads=grads, optimizer=optimizer, working=working,
+                      activations=acts, peak=max(start, end), peak_moment=moment,
+                      gpu_bytes=gpu_bytes)
+    if plan.fits is False and suggest:
+        plan.suggestions = _suggest(args, opts, gpu_bytes)
+    return plan
+
+
+def _suggest(args: ModelArgs, opts: MemoryOptions, gpu_bytes: float) -> list[str]:
+    """Single changes, cheapest first, each of which makes the estimate fit."""
+    import dataclasses
+
+    def fits(**change) -> bool:
+        new = dataclasses.replace(opts, **change)
+        try:
+            return estimate_memory(args, new, gpu_bytes, suggest=False).fits is True
+        except ConfigError:
+            return False
+
+    out = []
+    if opts.ac == "none" and fits(ac="full"):
+        out.append("turn on activation checkpointing (parallel.activation_checkpointing=full), "
+                   "~33% more compute")
+    for mb in range(opts.micro_batch - 1, 0, -1):
+        if fits(micro_batch=mb):
+            out.append(f"lower the micro-batch to {mb} (raise grad_accum to keep the batch)")
+            break
+    sharded_fits = opts.gpus > 1 and fits(strategy="fsdp", zero=3)
+    if opts.strategy != "fsdp" and sharded_fits:
+        out.append("shard with FSDP (parallel.strategy=fsdp)")
+    if opts.strategy == "fsdp" and opts.zero == 2 and fits(zero=3):
+        out.append("reshard after forward (ZeRO-3: parallel.reshard_after_forward=true)")
+    if not sharded_fits:
+        for n in (2, 4, 8, 16, 32, 64, 128, 256, 512):
+            if n > opts.gpus and fits(strategy="fsdp", gpus=n):
+                out.append(f"shard with FSDP over {n} GPUs")
+                break
+    for tp in (2, 4, 8):
+        if tp > opts.tp and fits(tp=tp):
+            out.append(f"tensor parallel {tp} inside a node")
+            break
+    if not out:
+        out.append("no single change fits: combine FSDP over more GPUs, activation "
+                   "checkpointing and tensor/pipeline parallelism (see `hpctrain plan parallel`)")
+    return out
+
+
+def gb(x: float) -> float:
+    """Bytes to GB (1e9)."""
+    return x / 1e9
+
+
+def fmt_gb(x: float) -> str:
+    """'12.3 GB'."""
+    return f"{gb(x):.1f} GB" if math.isfinite(x) else "-"

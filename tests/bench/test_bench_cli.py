@@ -1,0 +1,71 @@
+"""`hpctrain bench` as a user runs it: CPU gemm/membw, a 2-rank launch, and input errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from hpctrain.bench.common import select_device
+from hpctrain.bench.gemm import run_gemm
+from hpctrain.cli import main
+from hpctrain.errors import ConfigError
+
+
+def test_gemm_on_cpu_reports_unknown_peak() -> None:
+    res = run_gemm(["fp32", "tf32"], [64], select_device("cpu"), warmup=1, iters=3)
+    fp32, tf32 = res.rows
+    assert fp32["tflops"] > 0 and fp32["peak_tflops"] is None
+    assert "peak unknown" in fp32["note"]
+    assert "tf32" in tf32["note"] and tf32.get("tflops") is None
+
+
+def test_gemm_and_membw_write_results(tmp_path: Path, capsys) -> None:
+    main(["bench", "gemm", "--device", "cpu", "--sizes", "64", "--dtypes", "fp32",
+          "-w", "1", "-n", "2", "--out", str(tmp_path / "g")])
+    main(["bench", "membw", "--device", "cpu", "--sizes", "1M", "-w", "1", "-n", "2",
+          "--out", str(tmp_path / "m")])
+    out = capsys.readouterr().out
+    assert "GEMM on CPU" in out and "matplotlib" in out
+    data = json.loads((tmp_path / "g" / "gemm.json").read_text())
+    assert data["rows"][0]["tflops"] > 0
+    assert (tmp_path / "m" / "membw.csv").read_text().startswith("size,")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "collective", "-b", "12Q"], "not a byte size"),
+    (["bench", "collective", "-b", "1M", "-e", "1K"], "below"),
+    (["bench", "gemm", "--device", "tpu"], "unknown device"),
+    (["bench", "gemm", "--device", "cpu", "--dtypes", "int4"], "unknown GEMM dtype"),
+    (["bench", "h2d", "--device", "cpu"], "CUDA device"),
+])
+def test_user_errors_exit_2(argv: list[str], message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_select_device_rejects_missing_cuda() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(ConfigError, match="no CUDA"):
+        select_device("cuda")
+
+
+def test_collective_nproc_2_through_the_launcher(tmp_path: Path) -> None:
+    out = tmp_path / "coll"
+    done = run_cli(["bench", "collective", "--nproc", "2", "--ops", "all_reduce", "all_gather",
+                    "-b", "1K", "-e", "4K", "-f", "4", "-w", "0", "-n", "2", "--out", str(out)],
+                   timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((out / "collective.json").read_text())["rows"]
+    assert [(r["op"], r["size"]) for r in rows] == [("all_reduce", 1024), ("all_reduce", 4096),
+                                                    ("all_gather", 1024), ("all_gather", 4096)]
+    assert all(r["ip_wrong"] == 0 for r in rows)
+    assert "busbw" in done.stdout or "busbw" in done.stderr

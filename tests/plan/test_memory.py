@@ -1,0 +1,90 @@
+"""Memory estimator: exact state sizes against real modules + AdamW, calibration against H200."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hpctrain.errors import ConfigError
+from hpctrain.models import PRESETS, ModelArgs, Transformer
+from hpctrain.plan.memory import (
+    MemoryOptions,
+    estimate_memory,
+    gpu_memory_bytes,
+    n_param_tensors,
+    resolve_model,
+    state_bytes,
+)
+
+TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64,
+                 max_seq_len=16)
+
+
+@pytest.mark.parametrize("args", [TINY, dataclasses.replace(TINY, tie_embeddings=True)])
+def test_states_exact_against_real_module_and_adamw(args: ModelArgs) -> None:
+    model = Transformer(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randint(0, args.vocab_size, (2, 8))).float().mean().backward()
+    opt.step()
+    real_params = sum(p.numel() * p.element_size() for p in model.parameters())
+    real_grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    real_opt = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+    params, grads, optimizer = state_bytes(args, MemoryOptions(strategy="none"))
+    assert (params, grads, optimizer) == (real_params, real_grads, real_opt)
+    assert n_param_tensors(args) == len(list(model.parameters()))
+
+
+def test_fsdp_shards_states_n_ways() -> None:
+    one = state_bytes(TINY, MemoryOptions(strategy="none"))
+    four = state_bytes(TINY, MemoryOptions(strategy="fsdp", gpus=4))
+    assert four[0] == one[0] / 4 and four[1] == one[1] / 4
+
+
+# Measured peaks (torch.cuda.max_memory_allocated) from benchmarks/RESULTS.md, 4x H200.
+MEASURED = [
+    ("1b", dict(strategy="none", micro_batch=4), 28.0),
+    ("1b", dict(strategy="none", micro_batch=4, compile=False), 35.0),
+    ("1b", dict(strategy="none", micro_batch=8), 40.6),
+    ("1b", dict(strategy="fsdp", gpus=4, micro_batch=4), 15.3),
+    ("1b", dict(strategy="fsdp", gpus=4, micro_batch=4, zero=2), 17.5),
+    ("1b", dict(strategy="ddp", gpus=4, micro_batch=4), 35.9),
+    ("8b", dict(strategy="fsdp", gpus=4, micro_batch=2, ac="full"), 37.5),
+]
+
+
+@pytest.mark.parametrize("size, opts, measured_gb", MEASURED)
+def test_within_ten_percent_of_measured_peaks(size: str, opts: dict, measured_gb: float) -> None:
+    plan = estimate_memory(PRESETS[size], MemoryOptions(seq_len=2048, **opts))
+    assert plan.peak / 1e9 == pytest.approx(measured_gb, rel=0.10)
+
+
+def test_fits_and_suggestions() -> None:
+    h100 = gpu_memory_bytes("h100")
+    ok = estimate_memory(PRESETS["1b"], MemoryOptions(strategy="fsdp", gpus=4, micro_batch=4),
+                         h100)
+    assert ok.fits and not ok.suggestions
+    big = estimate_memory(PRESETS["8b"], MemoryOptions(strategy="ddp", gpus=4, micro_batch=2),
+                          h100)
+    assert big.fits is False
+    assert any("FSDP" in s for s in big.suggestions)
+
+
+def test_activation_checkpointing_shrinks_activations() -> None:
+    base = MemoryOptions(strategy="fsdp", gpus=4, micro_batch=2)
+    none = estimate_memory(PRESETS["8b"], base)
+    full = estimate_memory(PRESETS["8b"], dataclasses.replace(base, ac="full"))
+    assert full.activations < none.activations / 5
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: resolve_model("3b"), "unknown model size"),
+    (lambda: gpu_memory_bytes("v100x"), "unknown GPU"),
+    (lambda: estimate_memory(TINY, MemoryOptions(strategy="zero9")), "strategy"),
+    (lambda: estimate_memory(TINY, MemoryOptions(tp=3)), "tp = 3"),
+    (lambda: estimate_memory(TINY, MemoryOptions(strategy="none", gpus=2)), "none"),
+])
+def test_bad_inputs(call, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        call()
