@@ -12,8 +12,10 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from hpctrain.bench import cli as bench_cli
 from hpctrain.data.cli import add_parser as add_data_parser
 from hpctrain.errors import HpctrainError
+from hpctrain.plan import cli as plan_cli
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("config", type=Path)
     c.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     add_data_parser(sub)
+    bench_cli.add_parser(sub)
+    plan_cli.add_parser(sub)
     return p
 
 
@@ -71,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``hpctrain`` console script."""
     args = _parser().parse_args(argv)
     try:
-        {"train": _train, "config": _config, "data": lambda a: a.handler(a)}[args.command](args)
+        {"train": _train, "config": _config, "data": lambda a: a.handler(a),
+         "bench": bench_cli.run, "plan": plan_cli.run}[args.command](args)
     except HpctrainError as e:
         print(f"hpctrain: error: {e.render()}", file=sys.stderr)
         sys.exit(e.exit_code)
