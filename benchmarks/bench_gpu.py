@@ -1,0 +1,167 @@
+"""Issue 5's numbers on the device machine: GEMM vs plain torch.matmul, all_reduce busbw on 2 and
+4 GPUs, and `plan memory` against the measured peak of real training runs.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+        PYTHONPATH=src python3 benchmarks/bench_gpu.py --out runs/bench-gpu
+    python3 benchmarks/bench_gpu.py --dry-run          # print the commands and the estimates
+
+Every step is the CLI a user runs (``python -m hpctrain bench ...`` / ``train ...``), started
+with NVLink multicast off. Prints Markdown for benchmarks/RESULTS.md and writes summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
+
+# name -> (config, ranks, train overrides, plan memory options)
+MEMORY_VARIANTS: dict[str, tuple[str, int, list[str], dict]] = {
+    "1b-1gpu": ("configs/llama-1b.yaml", 1, [],
+                dict(model="1b", strategy="none", gpus=1, micro_batch=4)),
+    "1b-fsdp4": ("configs/llama-1b.yaml", 4, ["parallel.strategy=fsdp"],
+                 dict(model="1b", strategy="fsdp", gpus=4, micro_batch=4)),
+    "1b-fsdp4-ac": ("configs/llama-1b.yaml", 4,
+                    ["parallel.strategy=fsdp", "parallel.activation_checkpointing=full"],
+                    dict(model="1b", strategy="fsdp", gpus=4, micro_batch=4, ac="full")),
+    "1b-ddp4": ("configs/llama-1b.yaml", 4, ["parallel.strategy=ddp"],
+                dict(model="1b", strategy="ddp", gpus=4, micro_batch=4)),
+    "8b-fsdp4-ac": ("configs/llama-8b-fsdp.yaml", 4, [],
+                    dict(model="8b", strategy="fsdp", gpus=4, micro_batch=2, ac="full")),
+}
+
+
+def env() -> dict[str, str]:
+    """The environment of every child: multicast off, this checkout importable."""
+    out = {**os.environ, **MULTICAST_OFF}
+    out["PYTHONPATH"] = f"{REPO / 'src'}{os.pathsep}{out.get('PYTHONPATH', '')}"
+    return out
+
+
+def run(cmd: list[str], dry: bool, timeout: float = 300) -> subprocess.CompletedProcess | None:
+    """Run `cmd` in the repository root (or only print it with --dry-run)."""
+    print("$", " ".join(cmd), flush=True)
+    if dry:
+        return None
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        print((proc.stdout + proc.stderr)[-3000:], file=sys.stderr)
+    return proc
+
+
+def plain_matmul_tflops(size: int = 8192, reps: int = 50, trials: int = 5) -> float:
+    """Best of `trials` loops of `reps` bf16 torch.matmul calls timed with one event pair."""
+    import torch
+
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    for _ in range(10):
+        torch.matmul(a, b)
+    best = 0.0
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            torch.matmul(a, b)
+        end.record()
+        torch.cuda.synchronize()
+        best = max(best, 2 * size**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12)
+    return best
+
+
+def estimate_gb(opts: dict) -> float:
+    """`plan memory`'s peak for one variant, in GB."""
+    sys.path.insert(0, str(REPO / "src"))
+    from hpctrain.models import PRESETS
+    from hpctrain.plan.memory import MemoryOptions, estimate_memory
+
+    kw = {k: v for k, v in opts.items() if k != "model"}
+    return estimate_memory(PRESETS[opts["model"]], MemoryOptions(seq_len=2048, **kw)).peak / 1e9
+
+
+def measured_peak_gb(run_dir: Path, ranks: int) -> float | None:
+    """Largest mem_gb any rank logged."""
+    peaks = []
+    for rank in range(ranks):
+        path = run_dir / "metrics" / f"rank-{rank:03d}.jsonl"
+        if path.exists():
+            peaks += [json.loads(line)["mem_gb"] for line in path.read_text().splitlines()
+                      if line.strip()]
+    return max(peaks) if peaks else None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("runs/bench-gpu"))
+    p.add_argument("--dry-run", action="store_true", help="print commands and estimates only")
+    p.add_argument("--skip", nargs="*", default=[], help="gemm, allreduce, memory")
+    p.add_argument("--memory-variants", nargs="*", default=list(MEMORY_VARIANTS))
+    p.add_argument("--steps", type=int, default=15)
+    args = p.parse_args()
+    out = (REPO / args.out).resolve()
+    py = [sys.executable, "-m", "hpctrain"]
+    summary: dict = {"time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    t0 = time.time()
+
+    if "gemm" not in args.skip:
+        run([*py, "bench", "gemm", "--dtypes", "bf16", "fp8", "--sizes", "4096", "8192",
+             "-n", "50", "--out", str(out / "gemm")], args.dry_run)
+        if not args.dry_run:
+            rows = json.loads((out / "gemm" / "gemm.json").read_text())["rows"]
+            ours = next(r["tflops"] for r in rows if r["dtype"] == "bf16" and r["m"] == 8192)
+            plain = plain_matmul_tflops()
+            summary["gemm_bf16_8192"] = {"bench_gemm": ours, "plain_matmul_best": plain,
+                                         "ratio": ours / plain}
+            print(f"gemm bf16 8192^3: bench {ours:.1f} TFLOP/s, plain torch.matmul {plain:.1f} "
+                  f"({100 * ours / plain:.1f}%)")
+        run([*py, "bench", "membw", "--out", str(out / "membw")], args.dry_run)
+
+    if "allreduce" not in args.skip:
+        for n in (2, 4):
+            run([*py, "bench", "collective", "--nproc", str(n), "--ops", "all_reduce",
+                 "all_gather", "reduce_scatter", "-b", "64M", "-e", "1G", "-f", "2",
+                 "-n", "20", "--out", str(out / f"collective-{n}")], args.dry_run)
+            if not args.dry_run:
+                path = out / f"collective-{n}" / "collective.json"
+                if path.exists():
+                    summary[f"collective_{n}"] = json.loads(path.read_text())["rows"]
+
+    if "memory" not in args.skip:
+        rows = []
+        for name in args.memory_variants:
+            config, ranks, overrides, opts = MEMORY_VARIANTS[name]
+            est = estimate_gb(opts)
+            cmd = [*py, "train", config, *overrides, f"train.steps={args.steps}",
+                   "metrics.log_every=5", "metrics.progress=false", f"run.out_dir={out}",
+                   f"run.name=mem-{name}", "run.suffix=none"]
+            if ranks > 1:
+                cmd += ["--nproc", str(ranks)]
+            run(cmd, args.dry_run)
+            meas = None if args.dry_run else measured_peak_gb(out / f"mem-{name}", ranks)
+            rows.append({"variant": name, "estimate_gb": est, "measured_gb": meas,
+                         "error": None if meas is None else est / meas - 1})
+        summary["memory"] = rows
+        print("\n| variant | plan memory GB | measured peak GB | error |\n|---|---|---|---|")
+        for r in rows:
+            meas = "-" if r["measured_gb"] is None else f"{r['measured_gb']:.1f}"
+            err = "-" if r["error"] is None else f"{100 * r['error']:+.1f}%"
+            print(f"| {r['variant']} | {r['estimate_gb']:.1f} | {meas} | {err} |")
+
+    summary["wall_s"] = time.time() - t0
+    if not args.dry_run:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(f"summary: {out / 'summary.json'} ({summary['wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
