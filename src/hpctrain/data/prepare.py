@@ -21,6 +21,7 @@ import json
 import multiprocessing
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -322,8 +323,8 @@ def prepare(inputs: list[str] | list[Path], out: str | Path, settings: PrepareSe
     writer = _ShardWriter(out, shard_tokens, dtype, shards, checkpoint)
     jobs = [(str(f), settings.text_field, skip_first if i == done_files else 0)
             for i, f in enumerate(files)][done_files:]
-    with _Progress(progress, sum(r["bytes"] for r in records[done_files:])) as bar, \
-            _map(workers, settings.tokenizer, jobs) as results:
+    with _map(workers, settings.tokenizer, jobs) as results, \
+            _Progress(progress, sum(r["bytes"] for r in records[done_files:])) as bar:
         for i, result in enumerate(results, start=done_files):
             if isinstance(result, DataError):
                 raise result
@@ -358,8 +359,11 @@ class _map:
         if self.workers <= 1:
             _init_worker(self.spec)
             return map(tokenize_file, self.jobs)
-        # spawn, not fork: the parent may hold threads (torch, rich) that fork would copy.
-        ctx = multiprocessing.get_context("spawn")
+        # fork while this process has a single thread (the CLI: no torch work has run, the
+        # progress bar starts after the pool): workers start at once, without re-importing the
+        # `hpctrain` entry point (and torch) as spawn would. With other threads, spawn is safe.
+        single = threading.active_count() == 1 and sys.platform == "linux"
+        ctx = multiprocessing.get_context("fork" if single else "spawn")
         self.pool = ctx.Pool(self.workers, initializer=_init_worker, initargs=(self.spec,))
         # imap keeps input order; a small chunk keeps memory bounded to a few files per worker.
         return self.pool.imap(tokenize_file, self.jobs, chunksize=1)
