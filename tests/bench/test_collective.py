@@ -33,7 +33,8 @@ def run_ranks(n: int, **kw) -> list[dict]:
         return torch.load(out)
 
 
-@pytest.fixture(scope="module", params=[2, 3])
+# The 2-rank clean run is tests/bench/test_bench_cli.py's launcher test (real elastic launch).
+@pytest.fixture(scope="module", params=[3])
 def clean(request) -> tuple[int, list[dict]]:
     return request.param, run_ranks(request.param)
 
