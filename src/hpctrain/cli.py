@@ -30,6 +30,24 @@ def _parser() -> argparse.ArgumentParser:
                    help="start this many local ranks (one per GPU, or CPU processes)")
     t.add_argument("--max-restarts", type=int, default=0,
                    help="with --nproc: restart the group this many times after a rank dies")
+    t.add_argument("--resume", default=None, metavar="auto|never|PATH",
+                   help="resume from the newest valid checkpoint of this run (auto, the "
+                   "default), start fresh (never), or from a checkpoint directory")
+
+    s = sub.add_parser("sbatch", help="write a Slurm batch script for a training config",
+                       description="Print a batch script with preemption manners "
+                       "(--signal without B:, --requeue, exit 75 = requeue).")
+    s.add_argument("config", type=Path)
+    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    for flag, kind, default in (("--nodes", int, 1), ("--tasks-per-node", int, 1),
+                                ("--gpus-per-node", int, 0), ("--cpus-per-task", int, 1),
+                                ("--time", str, "01:00:00"), ("--signal-lead-s", int, 120),
+                                ("--job-name", str, "hpctrain"),
+                                ("--log-dir", str, "runs/slurm-logs")):
+        s.add_argument(flag, type=kind, default=default)
+    for flag in ("--partition", "--account", "--array"):
+        s.add_argument(flag, default=None)
+    s.add_argument("-o", "--output", type=Path, default=None, help="write here, not stdout")
 
     c = sub.add_parser("config", help="print the resolved config (defaults + file + overrides)")
     c.add_argument("config", type=Path)
@@ -43,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
 def _train(args: argparse.Namespace) -> None:
     from hpctrain.config import load_config
 
+    if args.resume is not None:
+        args.overrides = [*args.overrides, f"checkpoint.resume={args.resume}"]
     cfg = load_config(args.config, args.overrides)
     if args.nproc is None:
         from hpctrain.train.job import run_training
@@ -61,7 +81,25 @@ def _train(args: argparse.Namespace) -> None:
     worker_args = ["train", str(args.config), *args.overrides,
                    f"run.name={run_dir.root.name}", "run.suffix=none"]
     launch_local(args.nproc, worker_args, run_dir, run_id=run_id,
-                 max_restarts=args.max_restarts)
+                 max_restarts=args.max_restarts, forward_signals=tuple(cfg.preempt.signals),
+                 grace_s=cfg.preempt.grace_s)
+
+
+def _sbatch(args: argparse.Namespace) -> None:
+    from hpctrain.config import load_config
+    from hpctrain.launch.sbatch import SbatchParams, render_sbatch
+
+    load_config(args.config, args.overrides)  # a bad config fails here, not on the cluster
+    text = render_sbatch(SbatchParams(
+        config=str(args.config), overrides=args.overrides, job_name=args.job_name,
+        nodes=args.nodes, tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
+        cpus_per_task=args.cpus_per_task, time=args.time, signal_lead_s=args.signal_lead_s,
+        partition=args.partition, account=args.account, array=args.array,
+        log_dir=args.log_dir))
+    if args.output is None:
+        print(text, end="")
+    else:
+        args.output.write_text(text)
 
 
 def _config(args: argparse.Namespace) -> None:
@@ -75,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``hpctrain`` console script."""
     args = _parser().parse_args(argv)
     try:
-        {"train": _train, "config": _config, "data": lambda a: a.handler(a),
+        {"train": _train, "config": _config, "sbatch": _sbatch, "data": lambda a: a.handler(a),
          "bench": bench_cli.run, "plan": plan_cli.run}[args.command](args)
     except HpctrainError as e:
         print(f"hpctrain: error: {e.render()}", file=sys.stderr)

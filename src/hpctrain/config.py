@@ -19,13 +19,17 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from hpctrain.checkpoint.config import CheckpointConfig
 from hpctrain.data.config import DataConfig
 from hpctrain.errors import ConfigError
 from hpctrain.models.config import ModelConfig
 from hpctrain.observe.config import MetricsConfig
 from hpctrain.parallel.config import ParallelConfig
 from hpctrain.runtime.config import RunConfig
+from hpctrain.runtime.watchdog import WatchdogConfig
 from hpctrain.train.config import OptimConfig, TrainConfig
+from hpctrain.train.guard import GuardConfig
+from hpctrain.train.preemption import PreemptConfig
 
 
 @dataclasses.dataclass
@@ -39,6 +43,10 @@ class JobConfig:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    preempt: PreemptConfig = dataclasses.field(default_factory=PreemptConfig)
+    watchdog: WatchdogConfig = dataclasses.field(default_factory=WatchdogConfig)
+    guard: GuardConfig = dataclasses.field(default_factory=GuardConfig)
 
     def validate(self) -> None:
         """Check each section, then the rules that span sections."""

@@ -71,7 +71,7 @@ class _Net(nn.Module):
 def test_weight_decay_only_on_matrices() -> None:
     net = _Net()
     cfg = OptimConfig(weight_decay=0.05, beta1=0.8, beta2=0.9, eps=1e-6)
-    opt = build_optimizer(net, cfg, lr=0.01, device=torch.device("cpu"))
+    opt = build_optimizer(net, cfg, lr=0.01)
     assert isinstance(opt, torch.optim.AdamW)
     decay, no_decay = opt.param_groups
     assert [id(p) for p in decay["params"]] == [id(net.emb.weight), id(net.lin.weight)]
@@ -87,7 +87,7 @@ def test_weight_decay_only_on_matrices() -> None:
 
 def test_no_decay_params_are_not_decayed() -> None:
     net = _Net()
-    opt = build_optimizer(net, OptimConfig(weight_decay=0.5), lr=0.1, device=torch.device("cpu"))
+    opt = build_optimizer(net, OptimConfig(weight_decay=0.5), lr=0.1)
     for p in net.parameters():
         p.grad = torch.zeros_like(p)
     before = {n: p.detach().clone() for n, p in net.named_parameters()}
@@ -102,7 +102,7 @@ def test_no_decay_params_are_not_decayed() -> None:
 def _sched(total: int = 10):
     net = nn.Linear(2, 2)
     cfg = OptimConfig(warmup_steps=2, min_lr_ratio=0.1)
-    opt = build_optimizer(net, cfg, lr=0.4, device=torch.device("cpu"))
+    opt = build_optimizer(net, cfg, lr=0.4)
     return net, opt, build_scheduler(opt, cfg, total), cfg
 
 

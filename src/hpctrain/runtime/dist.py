@@ -29,6 +29,11 @@ class Distributed:
     device: torch.device
     backend: str
     mesh: DeviceMesh
+    # CPU groups beside the training one: checkpoint I/O runs on its own (possibly in a
+    # background thread) and the per-step control message on another, so neither ever
+    # interleaves with the other or with training collectives.
+    checkpoint_group: dist.ProcessGroup
+    control_group: dist.ProcessGroup
 
     @property
     def rank(self) -> int:
@@ -101,7 +106,10 @@ def init_distributed(cfg: RunConfig, env: ProcessEnv, strategy: str) -> Distribu
             dist.init_process_group(backend, init_method="env://", rank=env.rank,
                                     world_size=env.world_size, timeout=timeout, **kwargs)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_AXES)
-    return Distributed(env=env, device=device, backend=backend, mesh=mesh)
+    checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
+    control_group = dist.new_group(backend="gloo", timeout=timeout)
+    return Distributed(env=env, device=device, backend=backend, mesh=mesh,
+                       checkpoint_group=checkpoint_group, control_group=control_group)
 
 
 def shutdown() -> None:

@@ -9,8 +9,12 @@ import torch
 from hpctrain.train.config import OptimConfig
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float, device: torch.device):
-    """AdamW over the model's parameters; fused on CUDA (one kernel for all tensors)."""
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float):
+    """AdamW over the model's parameters, fused (one kernel for all tensors) on CPU and CUDA.
+
+    Fused also matters for correctness: only the fused kernel takes a device-side
+    ``found_inf`` flag, which the bad-step guard uses to skip an update without a host sync.
+    """
     decay, no_decay = [], []
     for p in model.parameters():
         if not p.requires_grad:
@@ -26,7 +30,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float, device:
         lr=lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
-        fused=device.type == "cuda",
+        fused=True,
     )
 
 

@@ -4,8 +4,9 @@
 micro-batches and returns the step's mean loss with gradients accumulated. Everything that can be
 decided once (model, mesh, optimizer, precision) is built in ``__init__``.
 
-Host syncs are kept to the logging cadence: losses, non-finite flags and token counts accumulate
-on the device and are read every ``metrics.log_every`` steps.
+Host syncs are kept to the logging cadence: losses, bad-step flags and token counts accumulate
+on the device and are read every ``metrics.log_every`` steps. Between steps the ranks exchange
+one small CPU message (preemption, time-based saves) and the checkpoint cadence runs.
 """
 
 from __future__ import annotations
@@ -16,22 +17,30 @@ import os
 import resource
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from hpctrain import faults
+from hpctrain.checkpoint.manager import CheckpointManager, step_dir_name
+from hpctrain.checkpoint.schedule import SaveSchedule
 from hpctrain.config import JobConfig
 from hpctrain.data.loader import BatchLayout, GlobalOrderSampler, TokenLoader, build_dataset
-from hpctrain.errors import HpctrainError
+from hpctrain.errors import ConfigError, HpctrainError
 from hpctrain.models import Transformer, count_params, flops_per_token
 from hpctrain.observe.metrics import MetricsWriter
 from hpctrain.observe.peaks import mfu, peak_tflops
 from hpctrain.observe.progress import TrainProgress
 from hpctrain.parallel.parallelize import autocast_dtype, parallelize
 from hpctrain.runtime.dist import Distributed
+from hpctrain.runtime.watchdog import Watchdog
+from hpctrain.train import checkpointing
+from hpctrain.train.guard import BadStepGuard
 from hpctrain.train.optim import build_optimizer, build_scheduler
+from hpctrain.train.preemption import ControlChannel, Preempted, PreemptionFlag
 
 log = logging.getLogger("hpctrain.train")
 
@@ -42,7 +51,7 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 
 class NonFiniteLossError(HpctrainError):
-    """The loss became NaN or infinite."""
+    """The loss became NaN or infinite (or spiked) and the guard could not recover."""
 
 
 @dataclass
@@ -58,11 +67,18 @@ class TrainResult:
 class Trainer:
     """Builds everything a run needs from a :class:`JobConfig` and trains it."""
 
-    def __init__(self, cfg: JobConfig, dist_ctx: Distributed, metrics: MetricsWriter):
+    def __init__(self, cfg: JobConfig, dist_ctx: Distributed, metrics: MetricsWriter, *,
+                 ckpt: CheckpointManager, watchdog: Watchdog, preempt: PreemptionFlag,
+                 control: ControlChannel):
         self.cfg = cfg
         self.dist = dist_ctx
         self.device = dist_ctx.device
         self.metrics = metrics
+        self.ckpt = ckpt
+        self.watchdog = watchdog
+        self.preempt = preempt
+        self.control = control
+        self.schedule = SaveSchedule(cfg.checkpoint, dist_ctx.world_size)
         tc, pc = cfg.train, cfg.parallel
 
         if tc.deterministic:
@@ -93,14 +109,16 @@ class Trainer:
         self.layout = BatchLayout(tc.micro_batch, tc.grad_accum, dist_ctx.world_size,
                                   dist_ctx.rank)
         peak_lr = cfg.optim.effective_lr(self.layout.global_batch)
-        self.optimizer = build_optimizer(self.model, cfg.optim, peak_lr, self.device)
+        self.optimizer = build_optimizer(self.model, cfg.optim, peak_lr)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, tc.steps)
 
         dataset = build_dataset(cfg.data)
         sampler = GlobalOrderSampler(len(dataset), self.layout, cfg.run.seed)
         self.loader = TokenLoader(dataset, sampler, self.device, cfg.data.prefetch)
 
+        self.guard = BadStepGuard(cfg.guard, self.device)
         self.step = 0
+        self.last_checkpoint: str | None = None
         self.tokens_per_step = self.layout.micro_batch * tc.grad_accum * cfg.data.seq_len
         self.flops_per_token = flops_per_token(self.model_args, cfg.data.seq_len)
         self.peak = cfg.metrics.peak_tflops or self._device_peak(tc.precision)
@@ -128,9 +146,12 @@ class Trainer:
         """
         n = len(micro_batches)
         total = torch.zeros((), device=self.device, dtype=torch.float32)
+        poison = faults.active("nan", self.step + 1)
         for i, (inputs, targets) in enumerate(micro_batches):
             with self._grad_sync(last=i == n - 1), self._autocast():
                 loss = self.loss_fn(self.model(inputs), targets)
+            if poison:
+                loss = loss * float("nan")
             scaled = loss / n
             if self.scaler is not None:
                 self.scaler.scale(scaled).backward()
@@ -140,8 +161,16 @@ class Trainer:
         return total
 
     def train_step(self, micro_batches) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step: gradients, clipping, update, schedule. Returns (loss, grad norm)."""
+        """One optimizer step: gradients, clipping, update, schedule. Returns (loss, grad norm).
+
+        The loss returned is the global mean over ranks; a bad one (non-finite, or a spike)
+        makes the fused optimizer skip the update on the device.
+        """
         loss = self.forward_backward(micro_batches)
+        if self.dist.world_size > 1:
+            dist.all_reduce(loss)  # SUM (gloo has no AVG); every rank judges the same value
+            loss = loss / self.dist.world_size
+        bad = self.guard.check(loss)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -152,16 +181,18 @@ class Trainer:
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         if self.scaler is not None:
+            # The scaler passes its own found_inf (overflow) to the fused kernel.
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
+            self.optimizer.found_inf = bad
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, norm
 
     def train(self, progress: bool = True) -> TrainResult:
-        """Run until ``train.steps``, logging every ``metrics.log_every`` steps."""
+        """Run until ``train.steps``: log, checkpoint, answer preemption, guard bad steps."""
         tc, every = self.cfg.train, self.cfg.metrics.log_every
         window = _Window(self.device)
         rates: list[float] = []
@@ -171,12 +202,19 @@ class Trainer:
         with TrainProgress(tc.steps, self.dist.env, enabled=show, plain_every=1) as bar:
             bar.update(self.step, None, None, None)
             while self.step < tc.steps:
+                hang = faults.active("hang", self.step + 1)
+                if hang:
+                    time.sleep(float(hang.get("seconds", 3600)))
+                self.watchdog.beat(self.step, "data")
                 t0 = time.perf_counter()
                 micro_batches = self.loader.next_step()
                 window.data_time += time.perf_counter() - t0
+                self.watchdog.beat(self.step, "forward_backward")
                 loss, norm = self.train_step(micro_batches)
                 self.step += 1
                 window.add(loss, norm)
+                self.watchdog.beat(self.step, "checkpoint/control")
+                self._between_steps()
                 if self.step % every == 0 or self.step == tc.steps:
                     record = self._log(window)
                     last_loss = record["loss"]
@@ -184,10 +222,87 @@ class Trainer:
                     if self.step > every or tc.steps <= every:  # first window holds warm-up
                         rates.append(record["tokens_per_s"])
                     bar.update(self.step, record["loss"], record["tokens_per_s"], record["mfu"])
-                    window = _Window(self.device)
+                    window = _Window(self.device, skipped_before=window.skipped_before)
+        if self.cfg.checkpoint.save_at_end and self.last_checkpoint != step_dir_name(self.step):
+            self.save(blocking=True)
+        self.ckpt.close()
         self.loader.close()
         mean_rate = sum(rates) / len(rates) if rates else 0.0
         return TrainResult(self.step, last_loss, mean_rate, last_mfu)
+
+    def save(self, *, blocking: bool) -> None:
+        """Checkpoint the current state (collective); records the stall for the schedule."""
+        state = checkpointing.tensor_state(self)
+        meta = checkpointing.meta_state(self)
+        if blocking:
+            with self.watchdog.paused("checkpoint save"):
+                stall = self.ckpt.save(self.step, state, meta, blocking=True)
+        else:
+            stall = self.ckpt.save(self.step, state, meta, blocking=False)
+        self.last_checkpoint = step_dir_name(self.step)
+        self.schedule.saved(stall)
+
+    def resume(self, how: str) -> None:
+        """Start from a checkpoint: ``auto`` (newest verified, if any), ``never``, or a path."""
+        if how == "never":
+            if self.ckpt.committed():
+                raise ConfigError(
+                    f"{self.ckpt.root} already holds checkpoints and checkpoint.resume=never",
+                    hint="use --resume auto to continue, or a new run.name to start over "
+                    "(starting fresh here would overwrite them)",
+                )
+            return
+        if how == "auto":
+            found = self.ckpt.find_resumable()
+            if found is None:
+                log.info("no checkpoint to resume from in %s: starting at step 0", self.ckpt.root)
+                return
+            path, manifest = found
+        else:
+            path = Path(how)
+            if not path.is_dir():
+                raise ConfigError(f"--resume {how}: no such checkpoint directory",
+                                  expected="a step-NNNNNNNN directory, 'auto' or 'never'")
+            manifest = self.ckpt.verify(path)  # a damaged explicit choice is an error
+        checkpointing.restore(self, path, manifest, data=True)
+        self.last_checkpoint = path.name
+
+    def _between_steps(self) -> None:
+        """Raise a failed background save, agree on preemption and saves, roll back if needed."""
+        self.ckpt.poll()
+        due_by_time = self.dist.rank == 0 and self.schedule.due_by_time()
+        preempt, save = self.control.exchange(self.preempt.requested is not None, due_by_time)
+        if preempt:
+            reason = self.preempt.requested or "a signal on another rank"
+            log.warning("preemption (%s): checkpointing at step %d and stopping", reason,
+                        self.step)
+            self.ckpt.wait()
+            if self.last_checkpoint != step_dir_name(self.step):
+                self.save(blocking=True)
+            raise Preempted(f"preempted by {reason} at step {self.step}; checkpoint "
+                            f"{self.last_checkpoint} committed")
+        if save or self.schedule.due_by_step(self.step):
+            self.save(blocking=not self.cfg.checkpoint.async_save)
+
+    def _rollback(self, streak: int) -> None:
+        """Restore the newest good checkpoint, keeping the data position (skips bad batches)."""
+        self.ckpt.wait()
+        found = self.ckpt.find_resumable()
+        if found is None:
+            raise NonFiniteLossError(
+                f"{streak} bad steps in a row (loss NaN or infinite, or spiking) up to step "
+                f"{self.step}, and no checkpoint to roll back to",
+                hint="lower optim.lr, raise optim.warmup_steps, enable train.grad_clip, or use "
+                "train.precision=bf16 instead of fp16",
+            )
+        path, manifest = found
+        skipped_from = self.step
+        checkpointing.restore(self, path, manifest, data=False)
+        self.guard.reset_consecutive()
+        log.warning("rollback: %d bad steps in a row up to step %d; restored %s and skipped "
+                    "the batches since it", streak, skipped_from, path.name)
+        self.metrics.write({"event": "rollback", "step": self.step, "from_step": skipped_from,
+                            "checkpoint": path.name, "bad_streak": streak})
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -205,20 +320,24 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.autocast)
 
     def _log(self, w: _Window) -> dict:
-        """Read the window's device accumulators once, reduce the loss over ranks, write a line."""
+        """Read the window's device accumulators once (the one host sync), write a line."""
         elapsed = time.perf_counter() - w.start
-        stats = torch.stack([w.loss_sum, w.nonfinite]).float()
-        if self.dist.world_size > 1:
-            dist.all_reduce(stats)
-        loss_sum, nonfinite = stats.tolist()
-        if nonfinite:
-            raise NonFiniteLossError(
-                f"the loss was NaN or infinite on some rank in steps {self.step - w.steps + 1}.."
-                f"{self.step}",
-                hint="lower optim.lr, raise optim.warmup_steps, enable train.grad_clip, or use "
-                "train.precision=bf16 instead of fp16",
-            )
-        loss = loss_sum / (w.steps * self.dist.world_size)
+        good_sum, good, skipped, streak = torch.stack(
+            [w.good_loss_sum, w.good_steps, self.guard.skipped, self.guard.consecutive]
+        ).tolist()
+        if skipped > w.skipped_before:
+            new = int(skipped - w.skipped_before)
+            log.warning("%d bad step(s) skipped in steps %d..%d (loss NaN/inf or a spike)", new,
+                        self.step - w.steps + 1, self.step)
+            self.metrics.write({"event": "bad_steps", "step": self.step, "skipped": new})
+            if self.cfg.guard.action == "stop":
+                raise NonFiniteLossError(
+                    f"the loss was NaN or infinite (or spiked) in steps "
+                    f"{self.step - w.steps + 1}..{self.step}",
+                    hint="guard.action=skip skips such steps; or lower optim.lr",
+                )
+        w.skipped_before = skipped
+        loss = good_sum / good if good else float("nan")
         tokens_per_s = w.steps * self.tokens_per_step / elapsed
         record = {
             "step": self.step,
@@ -232,6 +351,8 @@ class Trainer:
             "mem_gb": self._memory_gb(),
         }
         self.metrics.write(record)
+        if streak >= self.cfg.guard.max_consecutive:
+            self._rollback(int(streak))
         # DEBUG: the rank log gets every line; the console shows the progress display instead.
         log.debug("step %d loss %.4f lr %.3g grad_norm %.3f %.0f tok/s step %.3fs data %.4fs",
                  self.step, loss, record["lr"], record["grad_norm"], tokens_per_s,
@@ -248,16 +369,19 @@ class Trainer:
 class _Window:
     """Device-side accumulators for one logging window: no host sync until it is read."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, skipped_before: float = 0.0):
         self.start = time.perf_counter()
         self.steps = 0
         self.data_time = 0.0
-        self.loss_sum = torch.zeros((), device=device)
-        self.nonfinite = torch.zeros((), device=device)
+        self.skipped_before = skipped_before
+        self.good_loss_sum = torch.zeros((), device=device)
+        self.good_steps = torch.zeros((), device=device)
         self.last_norm = torch.zeros((), device=device)
 
     def add(self, loss: torch.Tensor, norm: torch.Tensor) -> None:
+        """Count a step; a non-finite loss is left out of the mean (and flagged by the guard)."""
         self.steps += 1
-        self.loss_sum += loss
-        self.nonfinite += (~torch.isfinite(loss)).float()
+        finite = torch.isfinite(loss)
+        self.good_loss_sum += torch.where(finite, loss, torch.zeros_like(loss))
+        self.good_steps += finite.float()
         self.last_norm = norm.detach()

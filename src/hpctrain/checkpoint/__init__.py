@@ -1,0 +1,1 @@
+"""Sharded checkpoints: DCP shards per rank, an atomic commit with a verified manifest, resume."""
