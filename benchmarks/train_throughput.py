@@ -71,7 +71,7 @@ def summarise(name: str, run_dir: Path, ranks: int, steps: int, wall: float, cmd
     per_rank = []
     for rank in range(ranks):
         rows = [r for r in read_metrics(run_dir / "metrics" / f"rank-{rank:03d}.jsonl")
-                if r["step"] > warm]
+                if "tokens_per_s" in r and r["step"] > warm]  # skip event lines
         per_rank.append(rows)
     tok = statistics.mean(statistics.median(r["tokens_per_s"] for r in rows) for rows in per_rank)
     mfu_vals = [r["mfu"] for rows in per_rank for r in rows if r["mfu"] is not None]

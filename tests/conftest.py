@@ -146,8 +146,9 @@ class RunResult:
         return self
 
     def metrics(self, rank: int = 0) -> list[dict[str, Any]]:
-        """The records of ``metrics/rank-NNN.jsonl``."""
-        return read_metrics(self.run_dir / "metrics" / f"rank-{rank:03d}.jsonl")
+        """The per-step records of ``metrics/rank-NNN.jsonl`` (event records left out)."""
+        records = read_metrics(self.run_dir / "metrics" / f"rank-{rank:03d}.jsonl")
+        return [r for r in records if "event" not in r]
 
     def series(self, key: str, rank: int = 0) -> list[float]:
         """One metric per logged step, checking that steps 1..N were each logged once."""

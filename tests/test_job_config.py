@@ -122,7 +122,8 @@ def test_malformed_override(item: str) -> None:
 def test_unknown_nested_section() -> None:
     err = _error(["trian.steps=3"])
     assert err.what == "unknown config key 'trian'"
-    assert err.expected == "one of: run, model, data, train, optim, parallel, metrics"
+    assert err.expected == ("one of: run, model, data, train, optim, parallel, metrics, "
+                            "checkpoint, preempt, watchdog, guard")
     assert err.hint == "did you mean 'train'?"
 
 

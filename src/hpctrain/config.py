@@ -177,6 +177,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(
                 f"{path} = {value!r} is not a valid choice",
                 expected=f"one of: {', '.join(repr(c) for c in choices)}",
+                hint="YAML reads on/off/yes/no as booleans: quote the value"
+                if isinstance(value, bool) else None,
             )
         return value
     if origin in (list, tuple):

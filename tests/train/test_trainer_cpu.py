@@ -48,8 +48,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory, run_pool: ThreadPoolExecutor,
         "ac_every_k": submit("ac_every_k", "parallel.activation_checkpointing=every_k",
                              "parallel.ac_every=2"),
         # AdamW moves every weight by ~lr per step whatever the gradient; 1e30 overflows the
-        # forward within 3 steps. (Written 1.0e+30: YAML 1.1 reads a bare 1e30 as a string.)
-        "nan": submit("nan", "optim.lr=1.0e+30"),
+        # forward within 3 steps. (Also checks that a dot-less exponent is read as a number.)
+        # guard.action=stop: fail on a bad step instead of skipping it.
+        "nan": submit("nan", "optim.lr=1e30", "guard.action=stop"),
+        # The default guard (skip bad steps) with the same divergence.
+        "nan_skip": submit("nan_skip", "optim.lr=1e30"),
     }
 
 
@@ -155,7 +158,7 @@ def test_activation_checkpointing_does_not_change_results(
 def test_non_finite_loss_stops_the_run(runs: dict[str, Future[RunResult]]) -> None:
     """A diverged loss ends the run with a user error (exit 2, no traceback) and exit info."""
     run = runs["nan"].result()
-    assert run.returncode == 2, run.describe()
+    assert run.returncode == 2, run.describe()  # a user error (HpctrainError), not a crash
     assert "NaN or infinite" in run.stderr, run.describe()
     assert "hpctrain: error:" in run.stderr and "HINT:" in run.stderr
     assert "Traceback" not in run.stderr, run.describe()
@@ -165,3 +168,13 @@ def test_non_finite_loss_stops_the_run(runs: dict[str, Future[RunResult]]) -> No
     # Steps before the divergence were logged and finite; the run stopped well before the end.
     losses = run.losses()
     assert 1 <= len(losses) < STEPS and all(math.isfinite(x) for x in losses), losses
+
+
+def test_skipping_guard_never_reports_a_nan_run_as_completed(
+        runs: dict[str, Future[RunResult]]) -> None:
+    """With guard.action=skip a diverged run may recover or fail, but not succeed with NaN."""
+    run = runs["nan_skip"].result()
+    if run.returncode == 0:
+        info = run.exit_info()
+        assert math.isfinite(float(info["extra"]["final_loss"])), info  # JSON holds "nan"
+        assert all(math.isfinite(g) for g in run.grad_norms()), run.grad_norms()

@@ -14,8 +14,8 @@ class CheckpointConfig:
 
     # steps: every `every` steps; minutes: every `every` minutes of wall time; auto: the
     # Young/Daly optimum from the measured save cost and the job's MTTF (first save after
-    # `every` minutes); off: only on preemption and at the end.
-    interval: Literal["steps", "minutes", "auto", "off"] = "steps"
+    # `every` minutes); none: only on preemption and at the end.
+    interval: Literal["steps", "minutes", "auto", "none"] = "steps"
     every: float = 100
     # Mean time to failure of ONE GPU; the job's MTTF is this divided by the number of GPUs.
     # Llama 3's 16k-GPU run saw ~50k GPU-hours per interruption.
@@ -34,9 +34,9 @@ class CheckpointConfig:
 
     def validate(self) -> None:
         """Check cadence and retention values."""
-        if self.interval != "off" and self.every <= 0:
+        if self.interval != "none" and self.every <= 0:
             raise ConfigError(f"checkpoint.every = {self.every} must be positive",
-                              hint="use checkpoint.interval=off to save only at the end")
+                              hint="use checkpoint.interval=none to save only at the end")
         if self.interval == "steps" and self.every != int(self.every):
             raise ConfigError(f"checkpoint.every = {self.every} must be a whole number of steps")
         if self.keep_last < 1:

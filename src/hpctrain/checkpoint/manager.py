@@ -74,7 +74,9 @@ class CheckpointManager:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_stall_s = 0.0
-        self.last_write_s = 0.0
+        # One record per committed save (step, seconds blocked, seconds writing, bytes), for
+        # the caller to report; appended by whichever thread committed.
+        self.completed: list[dict[str, float]] = []
 
     # -- saving -----------------------------------------------------------------------------
 
@@ -160,6 +162,7 @@ class CheckpointManager:
                     errors.append(f"commit: {type(e).__name__}: {e}")
             if errors:
                 shutil.rmtree(tmp, ignore_errors=True)
+        total = sum(v["size"] for _, part in results for v in part.values())
         outcome = [errors]
         dist.broadcast_object_list(outcome, src=0, group=self.group)
         if outcome[0]:
@@ -169,9 +172,11 @@ class CheckpointManager:
                 hint=f"the previous checkpoint {previous or '(none)'} is intact and is what a "
                 "restart resumes from; check free space and the file system",
             )
-        self.last_write_s = time.perf_counter() - start
-        log.info("checkpoint %s committed (%.2f s write, %.2f s blocked)", name,
-                 self.last_write_s, self.last_stall_s)
+        write_s = time.perf_counter() - start
+        self.completed.append({"step": step, "write_s": write_s, "bytes": total,
+                               "gb_per_s": total / write_s / 1e9})
+        log.info("checkpoint %s committed: %.2f GB in %.2f s (%.2f GB/s)", name, total / 1e9,
+                 write_s, total / write_s / 1e9)
         return self.root / name
 
     def _commit(self, tmp: Path, name: str, files: dict, meta: dict) -> None:

@@ -9,10 +9,12 @@ again; the failure is recorded in the run's ``exit_info.json``.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
 import sys
+import time
 
 import psutil
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -62,6 +64,7 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: RunDir, *, run_id:
         monitor_interval=0.5,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir.logs_dir / "launcher")),
     )
+    started = time.time()
     try:
         elastic_launch(config, sys.executable)("-m", "hpctrain", *worker_args)
     except ChildFailedError as e:
@@ -76,13 +79,25 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: RunDir, *, run_id:
         reason = f"rank {rank} exited with code {failure.exitcode}"
         if failure.exitcode < 0:
             reason += f" ({failure.signal_name()})"
-        run_dir.write_exit_info(exit_code=1, reason=reason, last_checkpoint=None,
-                                extra={"failed_ranks": sorted(e.failures),
-                                       "error_file": failure.error_file or None})
+        if not _rank_reported(run_dir, started):
+            # A killed rank wrote nothing itself; one that raised did, with the real reason.
+            error_file = failure.error_file if os.path.isfile(failure.error_file) else None
+            run_dir.write_exit_info(exit_code=1, reason=reason, last_checkpoint=None,
+                                    extra={"failed_ranks": sorted(e.failures),
+                                           "error_file": error_file})
         raise LaunchError(
             f"training failed: {reason}",
             hint=f"see {run_dir.rank_log(rank)} and {run_dir.exit_info_path}",
         ) from None
+
+
+def _rank_reported(run_dir: RunDir, since: float) -> bool:
+    """Whether a rank of this launch wrote a failure into exit_info.json."""
+    try:
+        info = json.loads(run_dir.exit_info_path.read_text())
+    except (OSError, ValueError):
+        return False
+    return info.get("exit_code") != 0 and info.get("timestamp", 0) >= since
 
 
 def _forward_to_workers(signum: int, frame) -> None:

@@ -75,11 +75,15 @@ def restore(trainer: Trainer, path: Path, manifest: dict[str, Any], *, data: boo
     if manifest.get("config_hash") != mine["config_hash"]:
         log.warning("resuming %s with a changed training config (data/train/optim sections)",
                     path.name)
+    start = time.perf_counter()
     state = tensor_state(trainer)
     with trainer.watchdog.paused("checkpoint load"):
         trainer.ckpt.load(path, state)
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
+    trainer.metrics.write({"event": "checkpoint_load", "checkpoint": path.name,
+                           "step": int(manifest["step"]),
+                           "load_s": time.perf_counter() - start})
     trainer.scheduler.load_state_dict(manifest["scheduler"])
     if trainer.scaler is not None and manifest.get("scaler"):
         trainer.scaler.load_state_dict(manifest["scaler"])

@@ -50,15 +50,19 @@ class BadStepGuard:
         self.skipped = torch.zeros((), dtype=torch.long, device=device)
 
     @torch.no_grad()
-    def check(self, loss: torch.Tensor) -> torch.Tensor:
-        """1.0 where this step must be skipped, else 0.0 (a float tensor, as found_inf)."""
+    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """1.0 where this step must be skipped, else 0.0 (a float tensor, as found_inf).
+
+        A finite loss can still come with non-finite gradients (an overflow in backward);
+        applying those would poison every weight, so the gradient norm is judged too.
+        """
         n = self.good.clamp(max=self.cfg.window)
         denom = n.clamp(min=1).float()
         mask = (torch.arange(self.cfg.window, device=loss.device) < n).float()
         mean = (self.history * mask).sum() / denom
         std = (((self.history - mean) * mask) ** 2).sum().div(denom).sqrt()
         spike = (n >= self.cfg.min_history) & (loss > mean + self.cfg.spike_sigma * std)
-        bad = ~torch.isfinite(loss) | spike
+        bad = ~torch.isfinite(loss) | ~torch.isfinite(grad_norm) | spike
         slot = (self.good % self.cfg.window).view(1)
         kept = torch.where(bad, self.history.index_select(0, slot), loss.view(1).float())
         self.history.index_copy_(0, slot, kept)

@@ -117,6 +117,7 @@ class Trainer:
         self.loader = TokenLoader(dataset, sampler, self.device, cfg.data.prefetch)
 
         self.guard = BadStepGuard(cfg.guard, self.device)
+        self.lr_applied = 0.0  # the learning rate of the last update (for the metrics)
         self.step = 0
         self.last_checkpoint: str | None = None
         self.tokens_per_step = self.layout.micro_batch * tc.grad_accum * cfg.data.seq_len
@@ -170,7 +171,6 @@ class Trainer:
         if self.dist.world_size > 1:
             dist.all_reduce(loss)  # SUM (gloo has no AVG); every rank judges the same value
             loss = loss / self.dist.world_size
-        bad = self.guard.check(loss)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -180,6 +180,8 @@ class Trainer:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
+        bad = self.guard.check(loss, norm)
+        self.lr_applied = self.optimizer.param_groups[0]["lr"]
         if self.scaler is not None:
             # The scaler passes its own found_inf (overflow) to the fused kernel.
             self.scaler.step(self.optimizer)
@@ -226,6 +228,7 @@ class Trainer:
         if self.cfg.checkpoint.save_at_end and self.last_checkpoint != step_dir_name(self.step):
             self.save(blocking=True)
         self.ckpt.close()
+        self._report_saves()
         self.loader.close()
         mean_rate = sum(rates) / len(rates) if rates else 0.0
         return TrainResult(self.step, last_loss, mean_rate, last_mfu)
@@ -241,6 +244,14 @@ class Trainer:
             stall = self.ckpt.save(self.step, state, meta, blocking=False)
         self.last_checkpoint = step_dir_name(self.step)
         self.schedule.saved(stall)
+        self.metrics.write({"event": "checkpoint_stall", "step": self.step, "stall_s": stall,
+                            "async": not blocking})
+        self._report_saves()
+
+    def _report_saves(self) -> None:
+        """Write a metrics event for each save committed since the last report."""
+        while self.ckpt.completed:
+            self.metrics.write({"event": "checkpoint", **self.ckpt.completed.pop(0)})
 
     def resume(self, how: str) -> None:
         """Start from a checkpoint: ``auto`` (newest verified, if any), ``never``, or a path."""
@@ -270,6 +281,7 @@ class Trainer:
     def _between_steps(self) -> None:
         """Raise a failed background save, agree on preemption and saves, roll back if needed."""
         self.ckpt.poll()
+        self._report_saves()
         due_by_time = self.dist.rank == 0 and self.schedule.due_by_time()
         preempt, save = self.control.exchange(self.preempt.requested is not None, due_by_time)
         if preempt:
@@ -342,7 +354,7 @@ class Trainer:
         record = {
             "step": self.step,
             "loss": loss,
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": self.lr_applied,
             "grad_norm": w.last_norm.item(),
             "tokens_per_s": tokens_per_s,
             "step_time_s": elapsed / w.steps,
