@@ -59,6 +59,12 @@ def select_device(cfg: RunConfig, env: ProcessEnv) -> torch.device:
             "use run.device=cpu to train on the CPU",
         )
     count = torch.cuda.device_count()
+    if count == 1:
+        # Slurm with --gpus-per-task (or a per-task CUDA_VISIBLE_DEVICES) shows each task only
+        # its own GPU: it is device 0 whatever the local rank.
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        return device
     if env.local_rank >= count:
         raise RuntimeEnvError(
             f"local rank {env.local_rank} has no GPU: only {count} visible on {env.hostname}",

@@ -21,12 +21,18 @@ class TrainConfig:
     grad_clip: float = 1.0
     # Deterministic kernels and a fixed data order: the same config gives the same loss curve.
     deterministic: bool = False
+    # Evaluate the held-out split (data.val_fraction > 0) every this many steps (0: only at
+    # the end of training).
+    val_every: int = 0
 
     def validate(self) -> None:
         """Check sizes and the clip value."""
         for key in ("steps", "micro_batch", "grad_accum"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key} = {getattr(self, key)} must be >= 1")
+        if self.val_every < 0:
+            raise ConfigError(f"train.val_every = {self.val_every} must be >= 0",
+                              hint="0 validates only at the end")
         if self.grad_clip < 0:
             raise ConfigError(
                 f"train.grad_clip = {self.grad_clip} must be >= 0", hint="0 disables clipping"

@@ -41,6 +41,7 @@ from hpctrain.train import checkpointing
 from hpctrain.train.guard import BadStepGuard
 from hpctrain.train.optim import build_optimizer, build_scheduler
 from hpctrain.train.preemption import ControlChannel, Preempted, PreemptionFlag
+from hpctrain.train.validate import evaluate
 
 log = logging.getLogger("hpctrain.train")
 
@@ -113,6 +114,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, tc.steps)
 
         dataset = build_dataset(cfg.data)
+        self.val_dataset = build_dataset(cfg.data, split="val") if cfg.data.val_fraction else None
         sampler = GlobalOrderSampler(len(dataset), self.layout, cfg.run.seed)
         self.loader = TokenLoader(dataset, sampler, self.device, cfg.data.prefetch)
 
@@ -225,6 +227,9 @@ class Trainer:
                         rates.append(record["tokens_per_s"])
                     bar.update(self.step, record["loss"], record["tokens_per_s"], record["mfu"])
                     window = _Window(self.device, skipped_before=window.skipped_before)
+                if tc.val_every and self.step % tc.val_every == 0 and self.step < tc.steps:
+                    self.validate()
+        self.validate()
         if self.cfg.checkpoint.save_at_end and self.last_checkpoint != step_dir_name(self.step):
             self.save(blocking=True)
         self.ckpt.close()
@@ -232,6 +237,20 @@ class Trainer:
         self.loader.close()
         mean_rate = sum(rates) / len(rates) if rates else 0.0
         return TrainResult(self.step, last_loss, mean_rate, last_mfu)
+
+    def validate(self) -> dict | None:
+        """Evaluate the held-out split (if any) and log it like the training metrics."""
+        if self.val_dataset is None:
+            return None
+        self.watchdog.beat(self.step, "validation")
+        record = {"step": self.step, **evaluate(
+            self.model, self.val_dataset, micro_batch=self.cfg.train.micro_batch,
+            rank=self.dist.rank, world_size=self.dist.world_size, device=self.device,
+            autocast=self.autocast)}
+        self.metrics.write(record)
+        log.info("validation at step %d: loss %.4f, perplexity %.2f over %d tokens",
+                 self.step, record["val_loss"], record["val_ppl"], record["val_tokens"])
+        return record
 
     def save(self, *, blocking: bool) -> None:
         """Checkpoint the current state (collective); records the stall for the schedule."""
