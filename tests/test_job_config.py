@@ -334,3 +334,14 @@ def test_cli_config_prints_resolved_yaml() -> None:
     assert from_dict(JobConfig, printed) == load_config(
         ROOT / "configs" / "demo.yaml", ["train.steps=5"]
     )
+
+
+def test_list_of_dataclasses_is_coerced_item_by_item(tmp_path: Path) -> None:
+    from hpctrain.config import _coerce
+    from hpctrain.data.config import MixSource
+
+    got = _coerce(list[MixSource] | None, [{"path": "a", "weight": 2}, {"path": "b"}], "data.mix")
+    assert got == [MixSource("a", 2.0), MixSource("b", 1.0)]
+    assert _coerce(list[MixSource] | None, None, "data.mix") is None
+    with pytest.raises(ConfigError, match="data.mix"):
+        _coerce(list[MixSource] | None, [{"path": "a", "weight": "heavy"}], "data.mix")

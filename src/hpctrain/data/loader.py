@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -84,9 +85,14 @@ def build_dataset(cfg: DataConfig, split: Split = "train") -> TokenDataset:
         raise ConfigError("a validation split was requested but data.val_fraction = 0",
                           hint="set data.val_fraction, e.g. data.val_fraction=0.01")
     if cfg.source == "shards":
-        ds: TokenDataset = ShardTokens(load_manifest(str(cfg.path)), cfg.seq_len, split=split,
-                                       val_fraction=cfg.val_fraction,
-                                       window_shards=cfg.shuffle_window)
+        ds: TokenDataset = _shards(cfg, str(cfg.path), split)
+    elif cfg.source == "mix":
+        from hpctrain.data.mixing import MixedTokens
+
+        parts = [_shards(cfg, m.path, split) for m in cfg.mix or []]
+        ds = MixedTokens(parts, [m.weight for m in cfg.mix or []],
+                         epoch_samples=cfg.mix_epoch_samples,
+                         names=[m.path for m in cfg.mix or []], weighted=split == "train")
     else:
         base = ContiguousTokens(read_stdlib_bytes(cfg.max_bytes), cfg.seq_len)
         n_val = int(len(base) * cfg.val_fraction)
@@ -98,6 +104,12 @@ def build_dataset(cfg: DataConfig, split: Split = "train") -> TokenDataset:
                 base, 0, n_train)
     check_split_size(len(ds), split, cfg.val_fraction)
     return ds
+
+
+def _shards(cfg: DataConfig, path: str, split: Split) -> ShardTokens:
+    """One prepared directory as a dataset (staged to node-local disk when data.stage_to)."""
+    return ShardTokens(load_manifest(path), cfg.seq_len, split=split,
+                       val_fraction=cfg.val_fraction, window_shards=cfg.shuffle_window)
 
 
 def gather_windows(dataset: TokenDataset, indices: np.ndarray) -> np.ndarray:
@@ -126,6 +138,10 @@ class BatchLayout:
         return self.micro_batch * self.grad_accum * self.world_size
 
 
+# A dataset's own global order: sample indices at positions [start, stop) of an epoch.
+OrderFn = Callable[[int, int, int, int], np.ndarray]
+
+
 class GlobalOrderSampler:
     """Sample indices of rank ``layout.rank`` for each micro-step, in the global order."""
 
@@ -149,6 +165,7 @@ class GlobalOrderSampler:
         self._perm = np.empty(0, dtype=np.int64)
         self.group_sizes: np.ndarray | None = None
         self.window_groups = 0
+        self._order_fn: OrderFn | None = None
         if group_sizes is not None:
             self.set_groups(group_sizes, window_groups)
 
@@ -164,6 +181,10 @@ class GlobalOrderSampler:
         self.window_groups = window_groups
         self._perm_epoch = -1
         self._windows: dict[int, np.ndarray] = {}
+
+    def set_order(self, order_fn: OrderFn) -> None:
+        """Take the order from ``order_fn(seed, epoch, start, stop)`` (e.g. a data mixture's)."""
+        self._order_fn = order_fn
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
@@ -192,6 +213,8 @@ class GlobalOrderSampler:
 
     def order(self, epoch: int, start: int, stop: int) -> np.ndarray:
         """Positions ``[start, stop)`` of epoch ``epoch``'s global order (sample indices)."""
+        if self._order_fn is not None:
+            return self._order_fn(self.seed, epoch, start, stop)
         perm = self._permutation(epoch)
         if self.group_sizes is None:
             return perm[start:stop]
@@ -266,6 +289,10 @@ class TokenLoader:
         self.consumed = sampler.step
         # A shard dataset tells the sampler its shard boundaries, so the order shuffles within
         # windows of shards (the trainer builds the sampler from the sample count alone).
+        # A mixture of datasets brings its own order (see `hpctrain.data.mixing`).
+        order_fn = getattr(dataset, "global_order", None)
+        if order_fn is not None and len(dataset) == sampler.num_samples:
+            sampler.set_order(order_fn)
         counts = getattr(dataset, "shard_sample_counts", None)
         if (counts is not None and sampler.group_sizes is None
                 and len(dataset) == sampler.num_samples):
