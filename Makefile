@@ -28,7 +28,10 @@ demo: $(STAMP)
 	$(BIN)/hpctrain train configs/demo.yaml data.source=shards data.path=$(DEMO_DATA) \
 		model.vocab_size=257 --nproc 2
 
+# tests/slurm start a real single-node Slurm: install it first (as root with apt; else it says why
+# and the Slurm tests skip, or fail under CI=true).
 test: $(STAMP)
+	bash scripts/install-slurm.sh
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -q
 

@@ -1,0 +1,1 @@
+"""Tests against a real single-node Slurm cluster (see conftest.py)."""
