@@ -108,6 +108,11 @@ def build_dataset(cfg: DataConfig, split: Split = "train") -> TokenDataset:
 
 def _shards(cfg: DataConfig, path: str, split: Split) -> ShardTokens:
     """One prepared directory as a dataset (staged to node-local disk when data.stage_to)."""
+    if cfg.stage_to:
+        from hpctrain.data.staging import stage_dataset
+        from hpctrain.runtime.env import detect_env
+
+        path = str(stage_dataset(path, cfg.stage_to, detect_env().local_rank))
     return ShardTokens(load_manifest(path), cfg.seq_len, split=split,
                        val_fraction=cfg.val_fraction, window_shards=cfg.shuffle_window)
 
