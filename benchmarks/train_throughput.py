@@ -1,7 +1,8 @@
 """Training throughput of the built-in model: tokens/s per GPU, MFU and peak memory.
 
-Each variant is a real ``hpctrain train`` run (the same CLI a user types); the numbers are read
-back from the run's per-rank metrics, skipping the warm-up steps (compilation, allocator growth).
+Each variant is measured by `hpctrain.bench.model` (the code behind ``hpctrain bench model``): a
+real ``hpctrain train`` run, the numbers read back from its per-rank metrics after the warm-up
+windows (compilation, allocator growth), GPU energy per token when nvidia-ml-py is installed.
 
     python benchmarks/train_throughput.py                      # every variant that fits the GPUs
     python benchmarks/train_throughput.py --only 1gpu-compile fsdp4-compile --steps 60
@@ -15,16 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from hpctrain.observe.metrics import read_metrics
+from hpctrain.bench.model import run_model_bench
+from hpctrain.errors import HpctrainError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,65 +45,38 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 
 
 def run_variant(name: str, steps: int, out_dir: Path, timeout: float) -> dict:
-    """Train one variant for ``steps`` steps and summarise its metrics."""
+    """Train one variant for ``steps`` steps with `hpctrain.bench.model` and return its row."""
     config, ranks, overrides = VARIANTS[name]
-    run_name = f"bench-{name}"
-    shutil.rmtree(out_dir / run_name, ignore_errors=True)
-    cmd = [sys.executable, "-m", "hpctrain", "train", config, *overrides,
-           f"train.steps={steps}", "metrics.log_every=5", "metrics.progress=false",
-           f"run.out_dir={out_dir}", f"run.name={run_name}", "run.suffix=none"]
-    if ranks > 1:
-        cmd += ["--nproc", str(ranks)]
-    start = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **MULTICAST_OFF}, timeout=timeout,
-                          capture_output=True, text=True)
-    wall = time.time() - start
-    if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-3000:]
-        return {"variant": name, "error": f"exit {proc.returncode}", "log_tail": tail}
-    return summarise(name, out_dir / run_name, ranks, steps, wall, " ".join(cmd[2:]))
-
-
-def summarise(name: str, run_dir: Path, ranks: int, steps: int, wall: float, cmd: str) -> dict:
-    """Median over the windows after warm-up (the first 40% of steps), averaged over ranks."""
-    warm = int(steps * 0.4)
-    per_rank = []
-    for rank in range(ranks):
-        rows = [r for r in read_metrics(run_dir / "metrics" / f"rank-{rank:03d}.jsonl")
-                if "tokens_per_s" in r and r["step"] > warm]  # skip event lines
-        per_rank.append(rows)
-    tok = statistics.mean(statistics.median(r["tokens_per_s"] for r in rows) for rows in per_rank)
-    mfu_vals = [r["mfu"] for rows in per_rank for r in rows if r["mfu"] is not None]
-    step_t = statistics.median(r["step_time_s"] for rows in per_rank for r in rows)
-    data_t = statistics.median(r["data_time_s"] for rows in per_rank for r in rows)
-    return {
-        "variant": name,
-        "ranks": ranks,
-        "tokens_per_s_per_gpu": tok,
-        "mfu": statistics.median(mfu_vals) if mfu_vals else None,
-        "peak_mem_gb": max(r["mem_gb"] for rows in per_rank for r in rows),
-        "step_time_s": step_t,
-        "data_time_frac": data_t / step_t,
-        "final_loss": per_rank[0][-1]["loss"],
-        "wall_s": wall,
-        "command": cmd,
-    }
+    try:
+        row, _ = run_model_bench(REPO / config, overrides, nproc=ranks,
+                                 out=out_dir / f"bench-{name}", steps=steps, log_every=5,
+                                 timeout=timeout, env={**os.environ, **MULTICAST_OFF},
+                                 )
+    except HpctrainError as e:
+        return {"variant": name, "error": str(e).splitlines()[0], "log_tail": str(e)[-3000:]}
+    return {"variant": name, **row}
 
 
 def markdown(rows: list[dict], device: str) -> str:
     """The rows as a Markdown table, with the device and date in the caption."""
     lines = [f"Device: {device}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}", "",
-             "| variant | GPUs | tokens/s/GPU | MFU | peak mem GB | step s | data/step |",
-             "|---|---|---|---|---|---|---|"]
+             "| variant | GPUs | tokens/s/GPU | MFU | HFU | peak mem GB | step s | data/step "
+             "| J/token |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['variant']} | | {r['error']} | | | | |")
+            lines.append(f"| {r['variant']} | | {r['error']} | | | | | | |")
             continue
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        jpt = "n/a" if r["joules_per_token"] is None else f"{r['joules_per_token']:.3g}"
         lines.append(f"| {r['variant']} | {r['ranks']} | {r['tokens_per_s_per_gpu']:,.0f} | "
-                     f"{mfu} | {r['peak_mem_gb']:.1f} | {r['step_time_s']:.3f} | "
-                     f"{100 * r['data_time_frac']:.2f}% |")
+                     f"{pct(r['mfu_pct'])} | {pct(r['hfu_pct'])} | {r['peak_mem_gb']:.1f} | "
+                     f"{r['step_time_s']:.3f} | {r['data_time_pct']:.2f}% | {jpt} |")
     return "\n".join(lines)
+
+
+def pct(value: float | None) -> str:
+    """'41.2%' or 'n/a'."""
+    return "n/a" if value is None else f"{value:.1f}%"
 
 
 def main() -> None:

@@ -4,6 +4,7 @@
     hpctrain bench membw
     hpctrain bench h2d
     hpctrain bench collective --nproc 4 -b 64M -e 1G -f 2
+    hpctrain bench model --size 1b --strategy fsdp --nproc 4 --micro-batch 4
 
 Results go to ``--out`` (default ``runs/bench/<name>-<timestamp>``): ``<name>.csv``,
 ``<name>.json`` and, when matplotlib is installed, a PNG.
@@ -70,11 +71,37 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--corrupt-rank", type=int, default=None, help=argparse.SUPPRESS)
     common(c, 5, 20)
 
+    md = bsub.add_parser("model", help="tokens/s, MFU and HFU of the built-in model (real runs)")
+    md.add_argument("--config", type=Path, default=None,
+                    help="base training YAML (default: built-in settings for the device)")
+    md.add_argument("--size", default=None, help="model size: tiny, 125m, 1b, 8b")
+    md.add_argument("--strategy", default=None, help="none, ddp or fsdp")
+    md.add_argument("--nproc", type=int, default=1, help="local ranks (one per GPU)")
+    md.add_argument("--micro-batch", type=int, default=None)
+    md.add_argument("--seq-len", type=int, default=None)
+    md.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="torch.compile the model (default: on for GPU, off on CPU)")
+    md.add_argument("--ac", default=None, choices=["none", "full", "every_k"],
+                    help="activation checkpointing")
+    md.add_argument("--ac-every", type=int, default=None, help="with --ac every_k")
+    md.add_argument("--precision", default=None, help="bf16, fp16, fp32")
+    md.add_argument("--steps", type=int, default=None,
+                    help="training steps (default 40 on GPU, 12 on CPU)")
+    md.add_argument("--log-every", type=int, default=None,
+                    help="steps per metrics window (default 5 on GPU, 2 on CPU)")
+    md.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="more training-config overrides, e.g. model.n_layers=4")
+    md.add_argument("--timeout", type=float, default=900.0, help="seconds for the training run")
+    md.add_argument("--no-power", action="store_true", help="do not sample GPU power (NVML)")
+    md.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    md.add_argument("--out", type=Path, default=None,
+                    help="results folder (default runs/bench/model-<timestamp>)")
+
 
 def run(args: argparse.Namespace) -> None:
     """Dispatch ``hpctrain bench <command>``."""
     {"gemm": _gemm, "membw": _membw, "h2d": _h2d,
-     "collective": _collective}[args.bench_command](args)
+     "collective": _collective, "model": _model}[args.bench_command](args)
 
 
 def _out_dir(args: argparse.Namespace, name: str) -> Path:
@@ -225,3 +252,84 @@ def _collective_rank(args: argparse.Namespace, opts) -> None:
     if wrong:
         raise WrongResultError(f"{wrong} wrong elements in collective results",
                                hint="see the #wrong columns: a bad link, GPU or NCCL setup")
+
+
+def _model(args: argparse.Namespace) -> None:
+    from hpctrain.bench.common import Results
+    from hpctrain.bench.model import COLUMNS, device_defaults, run_model_bench
+
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"unknown device {args.device!r}", expected="auto, cpu or cuda",
+                          hint="bench model uses GPUs 0..nproc-1; set CUDA_VISIBLE_DEVICES")
+    import torch
+
+    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    overrides = [] if args.config else device_defaults(on_gpu)
+    if args.config is None and args.nproc > 1:
+        overrides.append(f"parallel.strategy={'fsdp' if on_gpu else 'ddp'}")
+    if args.config is None or args.device != "auto":
+        overrides.append(f"run.device={'cuda' if on_gpu else 'cpu'}")
+    for flag, key in (("size", "model.size"), ("strategy", "parallel.strategy"),
+                      ("micro_batch", "train.micro_batch"), ("seq_len", "data.seq_len"),
+                      ("compile", "parallel.compile"), ("ac", "parallel.activation_checkpointing"),
+                      ("ac_every", "parallel.ac_every"), ("precision", "train.precision")):
+        value = getattr(args, flag)
+        if value is not None:
+            overrides.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
+    overrides += args.set
+    steps = args.steps or (40 if on_gpu else 12)
+    log_every = args.log_every or (5 if on_gpu else 2)
+    out = _out_dir(args, "model")
+    sampler_factory, power_note = (None, "power: not sampled (--no-power)") if args.no_power \
+        else _power_sampler_factory(on_gpu)
+    row, cfg = run_model_bench(args.config, overrides, nproc=args.nproc, out=out, steps=steps,
+                               log_every=log_every, timeout=args.timeout,
+                               sampler_factory=sampler_factory)
+    note = None
+    if row["mfu_pct"] is None:
+        note = "MFU/HFU unknown: no datasheet peak for this device (set metrics.peak_tflops)"
+    res = Results("model", COLUMNS, rows=[row],
+                  meta={"device": "cuda" if on_gpu else "cpu", "config": str(out / "config.yaml"),
+                        "steps": steps, "log_every": log_every, "power": power_note,
+                        "note": note})
+    first, last = row["measured_steps"]
+    unit = "GPU" if on_gpu else "rank"
+    print(f"bench model: {cfg.model.size}, {cfg.parallel.strategy} on {args.nproc} {unit}(s), "
+          f"steps {first + 1}-{last} measured (earlier ones are warm-up)")
+    _print_vertical(row, unit)
+    if note:
+        print(note)
+    paths = res.write(out)
+    print(f"results: {', '.join(str(p) for p in paths)}; run: {out / 'train'}")
+    if row["joules_per_token"] is not None:
+        print(f"energy: {row['gpu_watts']:.0f} W over the measured steps, "
+              f"{row['joules_per_token']:.3g} J/token, {row['tokens_per_joule']:.3g} tokens/J")
+    else:
+        print(power_note)
+
+
+def _print_vertical(row: dict, unit: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from hpctrain.bench.common import _fmt
+
+    labels = {"tokens_per_s_per_gpu": f"tokens/s per {unit}", "mfu_pct": "MFU %",
+              "hfu_pct": "HFU %", "peak_mem_gb": "peak memory GB", "step_time_s": "step time s",
+              "data_time_pct": "data wait % of step", "gpu_watts": "GPU power W (all GPUs)",
+              "joules_per_token": "joules per token", "tokens_per_joule": "tokens per joule",
+              "final_loss": "final loss"}
+    table = Table(show_header=False)
+    table.add_column("")
+    table.add_column("", justify="right")
+    for key in ("micro_batch", "seq_len", "compile", "ac", *labels):
+        value = row.get(key)
+        if key in ("mfu_pct", "hfu_pct") and value is None:
+            value = "unknown"
+        table.add_row(labels.get(key, key.replace("_", " ")), _fmt(value))
+    Console(width=120).print(table)
+
+
+def _power_sampler_factory(on_gpu: bool):
+    """(factory or None, note) for sampling GPU power during bench model."""
+    return None, "power: not sampled"
