@@ -1,7 +1,9 @@
-"""The ``hpctrain data`` subcommands: ``prepare`` text into token shards, ``verify`` them.
+"""The ``hpctrain data`` subcommands: ``prepare`` text into token shards, ``pack`` other files
+into tar shards, ``verify`` either.
 
     hpctrain data prepare corpus/ more/*.jsonl.zst --out data/corpus --workers 8
     hpctrain data prepare --stdlib --out runs/data/stdlib
+    hpctrain data pack images/ --out data/images --shard-mb 256
     hpctrain data verify data/corpus
 """
 
@@ -42,8 +44,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=_prepare)
 
+    k = dsub.add_parser("pack", help="pack files grouped by basename into WebDataset tar shards",
+                        description="Pack a directory's files, grouped by key (x.jpg + x.json = "
+                        "sample x), into tar shards readable by WebDataset, with a manifest.")
+    k.add_argument("src", type=Path, metavar="DIR", help="directory of files to pack")
+    k.add_argument("--out", type=Path, required=True, help="output directory")
+    k.add_argument("--shard-mb", type=float, default=256.0,
+                   help="target shard size in MiB (default 256)")
+    k.set_defaults(handler=_pack)
+
     v = dsub.add_parser("verify", help="check every shard's checksum against the manifest")
-    v.add_argument("path", type=Path, help="a prepared directory")
+    v.add_argument("path", type=Path, help="a prepared or packed directory")
     v.set_defaults(handler=_verify)
 
 
@@ -79,9 +90,34 @@ def _prepare(args: argparse.Namespace) -> None:
           f"documents, {time.perf_counter() - t0:.1f}s")
 
 
-def _verify(args: argparse.Namespace) -> None:
-    from hpctrain.data.shards import load_manifest
+def _pack(args: argparse.Namespace) -> None:
+    from hpctrain.data.tar_samples import pack, verify_tar
 
+    if args.shard_mb <= 0:
+        raise ConfigError(f"--shard-mb {args.shard_mb} must be positive")
+    t0 = time.perf_counter()
+    path = pack(args.src, args.out, max(1, int(args.shard_mb * (1 << 20))))
+    raw = verify_tar(path.parent)
+    print(f"{path.parent}: {len(raw['shards'])} tar shards, {raw['samples']:,} samples, "
+          f"{sum(s['bytes'] for s in raw['shards']) / 1e6:,.1f} MB, "
+          f"{time.perf_counter() - t0:.1f}s")
+
+
+def _verify(args: argparse.Namespace) -> None:
+    import json
+
+    from hpctrain.data.shards import load_manifest
+    from hpctrain.data.tar_samples import TAR_FORMAT, verify_tar
+
+    try:
+        fmt = json.loads((args.path / "manifest.json").read_text()).get("format")
+    except (OSError, ValueError):
+        fmt = None
+    if fmt == TAR_FORMAT:
+        raw = verify_tar(args.path)
+        print(f"{args.path}: {len(raw['shards'])} tar shards, {raw['samples']:,} samples, "
+              "checksums OK")
+        return
     m = load_manifest(args.path)
     m.verify()
     print(f"{args.path}: {len(m.shards)} shards, {m.num_tokens:,} tokens, checksums OK")

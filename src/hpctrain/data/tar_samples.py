@@ -1,0 +1,235 @@
+"""Samples that are not text: tar shards readable by WebDataset, in the loader's global order.
+
+    hpctrain data pack images/ --out data/images --shard-mb 256
+
+``pack`` groups the files of a directory tree by key, WebDataset's way: ``a/x.jpg`` and
+``a/x.json`` are sample ``a/x`` with fields ``jpg`` and ``json`` (the key ends at the basename's
+first dot). Samples are sorted by key and written into ``shard-NNNNNN.tar`` files of about the
+target size, each member with fixed metadata (mtime 0, uid 0, mode 0644), so the same input gives
+byte-identical shards. ``webdataset.WebDataset("data/images/shard-{000000..000003}.tar")``
+reads them; ``manifest.json`` lists per shard its sample count, size and SHA-256, and each
+``shard-NNNNNN.idx.json`` the byte range of every member, so `TarSamples` can read any sample of
+a shard directly.
+
+`TarSamples` gives the same guarantees as the token loader: `GlobalOrderSampler` orders the
+samples as a pure function of (seed, epoch, manifest), shuffling within windows of shards; each
+rank takes its slice of every global batch; `SampleLoader`'s state is the step count.
+
+    ds = TarSamples("data/images", decode=lambda s: (Image.open(io.BytesIO(s["jpg"])), s["cls"]))
+    sampler = GlobalOrderSampler(len(ds), BatchLayout(32, 1, world, rank), seed)
+    loader = SampleLoader(ds, sampler)
+    for micro_batch in loader.next_step(): ...   # lists of decoded samples
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import tarfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpctrain.data.shards import atomic_write_json, file_checksum, fsync_dir
+from hpctrain.errors import DataError
+
+TAR_FORMAT = "hpctrain-tar"
+TAR_VERSION = 1
+MANIFEST = "manifest.json"
+PACK_HINT = "run `hpctrain data pack DIR --out OUT` and point the dataset at OUT"
+# WebDataset's split of a member name into key and extension.
+_KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
+
+Sample = dict[str, bytes]
+Decode = Callable[[Sample], Any]
+
+
+def _group(src: Path, exclude: Path | None) -> dict[str, dict[str, Path]]:
+    """key -> {extension: file} for every regular, non-hidden file under ``src``."""
+    samples: dict[str, dict[str, Path]] = {}
+    for dirpath, dirnames, filenames in os.walk(src):
+        d = Path(dirpath)
+        dirnames[:] = sorted(n for n in dirnames if not n.startswith(".")
+                             and (exclude is None or (d / n).resolve() != exclude))
+        for name in filenames:
+            if name.startswith("."):
+                continue
+            rel = (d / name).relative_to(src).as_posix()
+            m = _KEY_EXT.match(rel)
+            if m is None:
+                raise DataError(f"{str(d / name)!r} has no extension, so it belongs to no sample",
+                                expected="files named KEY.EXT (x.jpg, x.json, x.cls)",
+                                hint="rename it or move it out of the directory")
+            samples.setdefault(m.group(1), {})[m.group(2)] = d / name
+    return samples
+
+
+def _member(name: str, size: int) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = size, 0, 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info
+
+
+def _write_tar(out: Path, index: int, batch: list[tuple[str, dict[str, Path]]]) -> dict:
+    stem = f"shard-{index:06d}"
+    tmp = out / f"{stem}.tar.tmp"
+    with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+        for key, fields in batch:
+            for ext in sorted(fields):
+                data = fields[ext].read_bytes()
+                tar.addfile(_member(f"{key}.{ext}", len(data)), io.BytesIO(data))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, out / f"{stem}.tar")
+    # Byte ranges of each sample's members, read back from the tar as written.
+    members: dict[str, list] = {}
+    with tarfile.open(out / f"{stem}.tar") as tar:
+        for info in tar:
+            key, ext = _KEY_EXT.match(info.name).groups()
+            members.setdefault(key, []).append([ext, info.offset_data, info.size])
+    keys = [k for k, _ in batch]
+    atomic_write_json(out / f"{stem}.idx.json",
+                      {"keys": keys, "members": [members[k] for k in keys]})
+    return {"tar": f"{stem}.tar", "idx": f"{stem}.idx.json", "samples": len(batch),
+            "bytes": (out / f"{stem}.tar").stat().st_size,
+            "checksum": file_checksum(out / f"{stem}.tar"),
+            "idx_checksum": file_checksum(out / f"{stem}.idx.json")}
+
+
+def pack(src: str | Path, out: str | Path, shard_bytes: int = 256 << 20) -> Path:
+    """Pack ``src``'s files, grouped by key, into tar shards in ``out``; return the manifest."""
+    src, out = Path(src), Path(out)
+    if not src.is_dir():
+        raise DataError(f"{str(src)!r} is not a directory", hint=PACK_HINT)
+    if shard_bytes < 1:
+        raise DataError(f"shard size {shard_bytes} bytes must be >= 1")
+    out.mkdir(parents=True, exist_ok=True)
+    samples = _group(src, out.resolve())
+    if not samples:
+        raise DataError(f"{str(src)!r} holds no files to pack", hint=PACK_HINT)
+    shards, batch, size = [], [], 0
+    for key in sorted(samples):
+        fields = samples[key]
+        nbytes = sum(512 + -(-p.stat().st_size // 512) * 512 for p in fields.values())
+        if batch and size + nbytes > shard_bytes:
+            shards.append(_write_tar(out, len(shards), batch))
+            batch, size = [], 0
+        batch.append((key, fields))
+        size += nbytes
+    shards.append(_write_tar(out, len(shards), batch))
+    manifest = {"format": TAR_FORMAT, "version": TAR_VERSION, "source": str(src),
+                "samples": sum(s["samples"] for s in shards), "shards": shards}
+    atomic_write_json(out / MANIFEST, manifest)
+    fsync_dir(out)
+    return out / MANIFEST
+
+
+def load_tar_manifest(root: str | Path) -> dict:
+    """``root/manifest.json`` of a packed directory."""
+    path = Path(root) / MANIFEST
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot read {str(path)!r}: {e}", hint=PACK_HINT) from None
+    if raw.get("format") != TAR_FORMAT or raw.get("version") != TAR_VERSION:
+        raise DataError(f"{str(path)!r} is not a version-{TAR_VERSION} hpctrain tar manifest",
+                        hint=PACK_HINT)
+    return raw
+
+
+def verify_tar(root: str | Path) -> dict:
+    """Recompute every shard's checksum; raise DataError naming the first mismatch."""
+    root = Path(root)
+    raw = load_tar_manifest(root)
+    for s in raw["shards"]:
+        for name, want in ((s["tar"], s["checksum"]), (s["idx"], s["idx_checksum"])):
+            path = root / name
+            if not path.is_file():
+                raise DataError(f"shard file {str(path)!r} listed in the manifest is missing")
+            got = file_checksum(path)
+            if got != want:
+                raise DataError(f"checksum mismatch in shard {str(path)!r}: manifest has {want}, "
+                                f"file has {got}", hint="pack the data again")
+    return raw
+
+
+class TarSamples:
+    """Sample ``i`` of a packed directory (shards in order), read directly from its tar."""
+
+    def __init__(self, root: str | Path, decode: Decode | None = None, window_shards: int = 4):
+        self.root = Path(root)
+        self.raw = load_tar_manifest(self.root)
+        self.decode = decode
+        # Read by the sampler hooks: shuffle within windows of this many shards.
+        self.window_shards = window_shards
+        self.shard_sample_counts = np.array([s["samples"] for s in self.raw["shards"]],
+                                            dtype=np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(self.shard_sample_counts)])
+        self._index: dict[int, dict] = {}
+        self._fds: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def _shard_index(self, s: int) -> dict:
+        if s not in self._index:
+            if len(self._index) >= 8:  # a window's worth of shards stays open
+                old = next(iter(self._index))
+                del self._index[old]
+                os.close(self._fds.pop(old))
+            entry = self.raw["shards"][s]
+            self._index[s] = json.loads((self.root / entry["idx"]).read_text())
+            self._fds[s] = os.open(self.root / entry["tar"], os.O_RDONLY)
+        return self._index[s]
+
+    def sample(self, i: int) -> Sample:
+        """Sample ``i`` as ``{"__key__": key bytes, ext: bytes, ...}`` (WebDataset's layout)."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range [0, {len(self)})")
+        s = int(np.searchsorted(self._starts, i, side="right")) - 1
+        idx = self._shard_index(s)
+        j = i - int(self._starts[s])
+        out: Sample = {"__key__": idx["keys"][j].encode()}
+        for ext, offset, size in idx["members"][j]:
+            out[ext] = os.pread(self._fds[s], size, offset)
+        return out
+
+    def __getitem__(self, i: int) -> Any:
+        """Sample ``i`` through ``decode`` (the raw dict when there is none)."""
+        raw = self.sample(i)
+        return raw if self.decode is None else self.decode(raw)
+
+    def close(self) -> None:
+        """Close the open shard files."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._index.clear()
+
+
+class SampleLoader:
+    """Micro-batches of decoded samples in the global order; state = optimizer steps consumed."""
+
+    def __init__(self, dataset: TarSamples, sampler):
+        self.dataset = dataset
+        self.sampler = sampler
+        if sampler.group_sizes is None and len(dataset) == sampler.num_samples:
+            sampler.set_groups(dataset.shard_sample_counts, dataset.window_shards)
+
+    def next_step(self) -> list[list[Any]]:
+        """This rank's ``grad_accum`` micro-batches of the next step, as lists of samples."""
+        return [[self.dataset[i] for i in ix.tolist()] for ix in self.sampler.next_step()]
+
+    def state_dict(self) -> dict[str, int]:
+        """The position in the global order."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue after ``state['step']`` global batches."""
+        self.sampler.load_state_dict(state)
