@@ -47,11 +47,16 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 def run_variant(name: str, steps: int, out_dir: Path, timeout: float) -> dict:
     """Train one variant for ``steps`` steps with `hpctrain.bench.model` and return its row."""
     config, ranks, overrides = VARIANTS[name]
+    from hpctrain.observe.power import sampler_factory
+
+    factory, note = sampler_factory()
+    if factory is None:
+        print(note, flush=True)
     try:
         row, _ = run_model_bench(REPO / config, overrides, nproc=ranks,
                                  out=out_dir / f"bench-{name}", steps=steps, log_every=5,
                                  timeout=timeout, env={**os.environ, **MULTICAST_OFF},
-                                 )
+                                 sampler_factory=factory)
     except HpctrainError as e:
         return {"variant": name, "error": str(e).splitlines()[0], "log_tail": str(e)[-3000:]}
     return {"variant": name, **row}

@@ -332,4 +332,8 @@ def _print_vertical(row: dict, unit: str) -> None:
 
 def _power_sampler_factory(on_gpu: bool):
     """(factory or None, note) for sampling GPU power during bench model."""
-    return None, "power: not sampled"
+    if not on_gpu:
+        return None, "power: not sampled: no GPU (NVML reads NVIDIA GPUs only)"
+    from hpctrain.observe.power import sampler_factory
+
+    return sampler_factory()

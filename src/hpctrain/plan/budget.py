@@ -6,6 +6,18 @@
 The margin (default 15%, 10–20% is usual) covers restarts, checkpoint stalls, evaluation and
 queueing between requeues. tokens/s comes from a benchmark or from a pilot run's
 ``metrics/rank-*.jsonl`` (`tokens_per_s_from_run`: median over the windows after warm-up, per GPU).
+
+Cost and emissions of the planned run (`plan_energy`)::
+
+    cost     = GPU-hours × price per GPU-hour
+    GPU kWh  = GPU watts × GPU-hours / 1000             (a mean board power, e.g. the TDP)
+          or = tokens × joules/token × (1 + margin) / 3.6e6  (measured by `bench model`)
+    site kWh = GPU kWh × PUE                 (cooling, power conversion; 1.0 = the GPUs only)
+    CO2e kg  = site kWh × grid gCO2e/kWh / 1000
+
+Worked example: 1T tokens at 8,600 tokens/s per GPU on 256 GPUs, 15% margin -> 37,145 GPU-hours;
+at $2.50 per GPU-hour $92,862; at 700 W 26,001 kWh; with PUE 1.2 and 400 gCO2e/kWh 12.5 t CO2e.
+Only the GPUs are counted: CPUs, memory, network and storage add to both.
 """
 
 from __future__ import annotations
@@ -47,6 +59,66 @@ def plan_budget(tokens: float, tokens_per_s_per_gpu: float, gpus: int, *, margin
         warning = (f"{gpu_hours:,.0f} GPU-hours exceeds the {warn_gpu_hours:,.0f} threshold: "
                    "check the allocation and run a pilot first")
     return Budget(tokens, tokens_per_s_per_gpu, gpus, margin, walltime, gpu_hours, warning)
+
+
+@dataclass(frozen=True)
+class Energy:
+    """Cost and emissions of a planned run; None where the input for it was not given."""
+
+    cost: float | None
+    gpu_kwh: float | None
+    site_kwh: float | None
+    co2e_kg: float | None
+    basis: str  # how gpu_kwh was obtained
+
+
+def plan_energy(budget: Budget, *, price_per_gpu_hour: float | None = None,
+                gpu_watts: float | None = None, joules_per_token: float | None = None,
+                grid_gco2_per_kwh: float | None = None, pue: float = 1.0) -> Energy:
+    """Return cost, energy and CO2e of `budget` from a price, a power or J/token, and the grid."""
+    for name, value in (("price per GPU-hour", price_per_gpu_hour), ("GPU watts", gpu_watts),
+                        ("joules per token", joules_per_token),
+                        ("grid gCO2e/kWh", grid_gco2_per_kwh)):
+        if value is not None and value < 0:
+            raise ConfigError(f"{name} = {value}", expected="a value >= 0")
+    if gpu_watts is not None and joules_per_token is not None:
+        raise ConfigError("both GPU watts and joules per token given",
+                          expected="one of them", hint="joules/token from `bench model` is "
+                          "measured; watts (e.g. the TDP) is an upper-bound guess")
+    if pue < 1:
+        raise ConfigError(f"PUE = {pue}", expected=">= 1 (1.0 counts the GPUs only)")
+    if grid_gco2_per_kwh is not None and gpu_watts is None and joules_per_token is None:
+        raise ConfigError("CO2e needs the energy of the run",
+                          expected="--gpu-watts W or --joules-per-token J (or --from-bench)",
+                          hint="bench model measures joules per token on the GPUs")
+    cost = None if price_per_gpu_hour is None else budget.gpu_hours * price_per_gpu_hour
+    gpu_kwh, basis = None, "not estimated"
+    if gpu_watts is not None:
+        gpu_kwh = gpu_watts * budget.gpu_hours / 1000
+        basis = f"{gpu_watts:g} W per GPU for {budget.gpu_hours:,.0f} GPU-hours"
+    elif joules_per_token is not None:
+        gpu_kwh = budget.tokens * joules_per_token * (1 + budget.margin) / 3.6e6
+        basis = f"{joules_per_token:.3g} J/token (+{budget.margin:.0%} margin)"
+    site_kwh = None if gpu_kwh is None else gpu_kwh * pue
+    co2e = None
+    if grid_gco2_per_kwh is not None and site_kwh is not None:
+        co2e = site_kwh * grid_gco2_per_kwh / 1000
+    return Energy(cost, gpu_kwh, site_kwh, co2e, basis)
+
+
+def from_bench(path: Path) -> tuple[float, float | None]:
+    """(tokens/s per GPU, joules/token or None) from a `bench model` results dir or model.json."""
+    import json
+
+    p = Path(path)
+    p = p / "model.json" if p.is_dir() else p
+    if not p.is_file():
+        raise ConfigError(f"no bench model results at {path}",
+                          expected="a folder written by `hpctrain bench model` (model.json)")
+    rows = json.loads(p.read_text()).get("rows") or []
+    if not rows or not isinstance(rows[0].get("tokens_per_s_per_gpu"), int | float):
+        raise ConfigError(f"{p} holds no tokens_per_s_per_gpu", hint="rerun bench model")
+    return float(rows[0]["tokens_per_s_per_gpu"]), rows[0].get("joules_per_token")
 
 
 def tokens_per_s_from_run(run_dir: Path, skip_fraction: float = 0.4) -> float:

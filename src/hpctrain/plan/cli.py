@@ -3,6 +3,8 @@
     hpctrain plan memory --model 8b --strategy fsdp --gpus 4 --ac full --micro-batch 2 --gpu h100
     hpctrain plan parallel --model 8b --gpus-per-node 8 --nodes 4 --gpu h100
     hpctrain plan budget --tokens 1T --tokens-per-s 8600 --gpus 256
+    hpctrain plan budget --tokens 1T --from-bench runs/bench/model-X --gpus 256 \
+        --price-per-gpu-hour 2.5 --grid-gco2-per-kwh 400 --pue 1.2
     hpctrain plan interval --save-min 5 --mttf-h 24
 """
 
@@ -69,7 +71,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="pilot run directory: tokens/s from its metrics/rank-*.jsonl")
     b.add_argument("--gpus", type=int, required=True)
     b.add_argument("--margin", type=float, default=0.15, help="safety margin (0.1-0.2)")
+    b.add_argument("--from-bench", type=Path, default=None,
+                   help="`bench model` results folder: its tokens/s and joules/token")
     b.add_argument("--warn-gpu-hours", type=float, default=10_000.0)
+    b.add_argument("--price-per-gpu-hour", type=float, default=None, help="e.g. 2.5 (dollars)")
+    b.add_argument("--gpu-watts", type=float, default=None,
+                   help="mean board power per GPU (e.g. 700 for an H100 SXM at TDP)")
+    b.add_argument("--joules-per-token", type=float, default=None,
+                   help="measured energy per token (bench model), all GPUs together")
+    b.add_argument("--grid-gco2-per-kwh", type=float, default=None,
+                   help="grid carbon intensity, gCO2e per kWh (e.g. 400)")
+    b.add_argument("--pue", type=float, default=1.0,
+                   help="data-centre power usage effectiveness (1.0 = GPUs only)")
 
     i = psub.add_parser("interval", help="Young/Daly checkpoint interval")
     i.add_argument("--save-min", type=float, required=True, help="time to save a checkpoint")
@@ -154,21 +167,46 @@ def _parallel(args: argparse.Namespace) -> None:
 
 
 def _budget(args: argparse.Namespace) -> None:
-    from hpctrain.plan.budget import format_duration, plan_budget, tokens_per_s_from_run
+    from hpctrain.plan.budget import (
+        format_duration,
+        from_bench,
+        plan_budget,
+        plan_energy,
+        tokens_per_s_from_run,
+    )
 
-    if (args.tokens_per_s is None) == (args.from_run is None):
-        raise ConfigError("give exactly one of --tokens-per-s and --from-run",
-                          hint="--from-run runs/<pilot> reads its metrics")
+    sources = [x for x in (args.tokens_per_s, args.from_run, args.from_bench) if x is not None]
+    if len(sources) != 1:
+        raise ConfigError("give exactly one of --tokens-per-s, --from-run and --from-bench",
+                          hint="--from-run runs/<pilot> reads its metrics; --from-bench a "
+                          "`bench model` results folder")
     rate = args.tokens_per_s
     source = "given"
-    if rate is None:
+    jpt = args.joules_per_token
+    if args.from_run is not None:
         rate = tokens_per_s_from_run(args.from_run)
         source = f"median of {args.from_run}/metrics"
+    elif args.from_bench is not None:
+        rate, measured_jpt = from_bench(args.from_bench)
+        source = f"bench model {args.from_bench}"
+        if jpt is None and args.gpu_watts is None:
+            jpt = measured_jpt
     b = plan_budget(parse_count(args.tokens), rate, args.gpus, margin=args.margin,
                     warn_gpu_hours=args.warn_gpu_hours)
     print(f"{b.tokens:.3g} tokens at {rate:,.0f} tokens/s per GPU ({source}) on {b.gpus} GPUs")
     print(f"walltime {format_duration(b.walltime_s)} (incl. {b.margin:.0%} margin), "
           f"{b.gpu_hours:,.0f} GPU-hours")
+    e = plan_energy(b, price_per_gpu_hour=args.price_per_gpu_hour, gpu_watts=args.gpu_watts,
+                    joules_per_token=jpt, grid_gco2_per_kwh=args.grid_gco2_per_kwh,
+                    pue=args.pue)
+    if e.cost is not None:
+        print(f"cost {e.cost:,.0f} at {args.price_per_gpu_hour:g} per GPU-hour")
+    if e.gpu_kwh is not None:
+        site = f", {e.site_kwh:,.0f} kWh with PUE {args.pue:g}" if args.pue != 1 else ""
+        print(f"energy {e.gpu_kwh:,.0f} kWh on the GPUs ({e.basis}){site}")
+    if e.co2e_kg is not None:
+        print(f"emissions {e.co2e_kg / 1000:,.2f} t CO2e at {args.grid_gco2_per_kwh:g} "
+              "gCO2e/kWh (GPUs only: CPUs, network and storage add to it)")
     if b.warning:
         print(f"WARNING: {b.warning}")
 

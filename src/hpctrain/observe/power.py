@@ -1,0 +1,209 @@
+"""GPU power and energy through NVML (the ``nvidia-ml-py`` package, imported as ``pynvml``).
+
+    sampler = PowerSampler(devices=[0, 1])       # CUDA indices, mapped through CUDA_VISIBLE_DEVICES
+    sampler.start()
+    ...                                          # the work to measure
+    sampler.stop()
+    sampler.joules(), sampler.mean_watts()       # summed over the devices
+    sampler.joules(t0, t1)                       # only the span t0..t1 (time.time() seconds)
+
+A background thread samples every ``interval_s``. Where the driver offers the cumulative energy
+counter (``nvmlDeviceGetTotalEnergyConsumption``, Volta and newer) energy is the counter's
+difference, interpolated at the span's ends: exact whatever the sampling rate. Otherwise the
+power readings (``nvmlDeviceGetPowerUsage``) are integrated with the trapezoid rule. The numbers
+are the GPUs' board power only: no CPU, memory, network or cooling.
+
+Missing ``nvidia-ml-py`` or no NVIDIA driver raise `PowerUnavailable` with what to do;
+`sampler_factory` turns that into a note for callers that can go on without power.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import suppress
+from dataclasses import dataclass
+from types import ModuleType
+
+from hpctrain.errors import HpctrainError
+
+
+class PowerUnavailable(HpctrainError):
+    """GPU power cannot be read here: no nvidia-ml-py, no NVIDIA driver, or no GPU."""
+
+
+def load_nvml() -> ModuleType:
+    """Import pynvml (from nvidia-ml-py) or raise PowerUnavailable saying how to get it."""
+    try:
+        import pynvml
+    except ImportError:
+        raise PowerUnavailable(
+            "GPU power needs NVML, but nvidia-ml-py is not installed",
+            hint="pip install nvidia-ml-py (or pip install 'hpctrain[power]')",
+        ) from None
+    return pynvml
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One reading: wall time, board power per device (W), energy counter per device (J)."""
+
+    t: float
+    watts: tuple[float, ...]
+    joules: tuple[float, ...] | None
+
+
+class PowerSampler:
+    """Samples the board power of some GPUs in a background thread; integrates it to joules."""
+
+    def __init__(self, devices: Sequence[int] | None = None, *, interval_s: float = 0.1,
+                 nvml: ModuleType | None = None, clock: Callable[[], float] = time.time):
+        self.nvml = nvml if nvml is not None else load_nvml()
+        self.interval_s = interval_s
+        self.clock = clock
+        self.samples: list[Sample] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            self.nvml.nvmlInit()
+            count = self.nvml.nvmlDeviceGetCount()
+        except self.nvml.NVMLError as e:
+            raise PowerUnavailable(f"NVML could not start: {e}",
+                                   hint="no NVIDIA GPU or driver on this machine") from None
+        if count == 0:
+            raise PowerUnavailable("NVML sees no GPU")
+        wanted = list(devices) if devices is not None else list(range(count))
+        self.handles = [self._handle(i) for i in wanted]
+        self.devices = wanted
+        try:
+            for h in self.handles:
+                self.nvml.nvmlDeviceGetTotalEnergyConsumption(h)
+            self.has_energy_counter = True
+        except (self.nvml.NVMLError, AttributeError):
+            self.has_energy_counter = False
+
+    def _handle(self, cuda_index: int):
+        """NVML handle of CUDA device `cuda_index`, honouring CUDA_VISIBLE_DEVICES."""
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+        entries = [e.strip() for e in visible.split(",") if e.strip()] if visible else []
+        try:
+            if entries:
+                if cuda_index >= len(entries):
+                    raise PowerUnavailable(
+                        f"CUDA device {cuda_index} but CUDA_VISIBLE_DEVICES={visible}")
+                entry = entries[cuda_index]
+                if entry.isdigit():
+                    return self.nvml.nvmlDeviceGetHandleByIndex(int(entry))
+                return self.nvml.nvmlDeviceGetHandleByUUID(entry)
+            return self.nvml.nvmlDeviceGetHandleByIndex(cuda_index)
+        except self.nvml.NVMLError as e:
+            raise PowerUnavailable(f"NVML has no device for CUDA index {cuda_index}: {e}") \
+                from None
+
+    def sample(self) -> Sample:
+        """Take one reading now and keep it."""
+        t = self.clock()
+        watts = tuple(self.nvml.nvmlDeviceGetPowerUsage(h) / 1000.0 for h in self.handles)
+        joules = None
+        if self.has_energy_counter:
+            joules = tuple(self.nvml.nvmlDeviceGetTotalEnergyConsumption(h) / 1000.0
+                           for h in self.handles)
+        s = Sample(t, watts, joules)
+        self.samples.append(s)
+        return s
+
+    def start(self) -> PowerSampler:
+        """Start sampling in a daemon thread (one reading immediately)."""
+        self._stop.clear()
+        self.sample()
+        self._thread = threading.Thread(target=self._run, name="power-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.sample()
+            except self.nvml.NVMLError:  # a transient read error loses one sample, not the run
+                continue
+
+    def stop(self) -> None:
+        """Stop the thread, take a last reading, release NVML."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with suppress(self.nvml.NVMLError):
+            self.sample()
+        with suppress(self.nvml.NVMLError):
+            self.nvml.nvmlShutdown()
+
+    def joules(self, t0: float | None = None, t1: float | None = None) -> float:
+        """Energy of all sampled devices between t0 and t1 (default: the whole sampling)."""
+        if len(self.samples) < 2:
+            return 0.0
+        ts = [s.t for s in self.samples]
+        t0 = ts[0] if t0 is None else max(t0, ts[0])
+        t1 = ts[-1] if t1 is None else min(t1, ts[-1])
+        if t1 <= t0:
+            return 0.0
+        if all(s.joules is not None for s in self.samples):
+            total = [sum(s.joules) for s in self.samples]  # type: ignore[arg-type]
+            return _interp(ts, total, t1) - _interp(ts, total, t0)
+        return _trapezoid(ts, [sum(s.watts) for s in self.samples], t0, t1)
+
+    def mean_watts(self, t0: float | None = None, t1: float | None = None) -> float:
+        """Mean power of all sampled devices together between t0 and t1 (time-weighted)."""
+        if len(self.samples) < 2:
+            return sum(self.samples[0].watts) if self.samples else 0.0
+        lo = self.samples[0].t if t0 is None else max(t0, self.samples[0].t)
+        hi = self.samples[-1].t if t1 is None else min(t1, self.samples[-1].t)
+        return self.joules(lo, hi) / (hi - lo) if hi > lo else 0.0
+
+
+def sampler_factory(interval_s: float = 0.1
+                    ) -> tuple[Callable[[list[int]], PowerSampler | None] | None, str]:
+    """(a function devices -> PowerSampler, a note) or (None, why power cannot be sampled)."""
+    try:
+        nvml = load_nvml()
+    except PowerUnavailable as e:
+        return None, f"power: not sampled: {e.what} ({e.hint})"
+    try:
+        nvml.nvmlInit()
+        nvml.nvmlShutdown()
+    except nvml.NVMLError as e:  # the library is there but not the driver
+        return None, f"power: not sampled: NVML could not start ({e}): no NVIDIA driver/GPU?"
+
+    def factory(devices: list[int]) -> PowerSampler | None:
+        try:
+            return PowerSampler(devices, interval_s=interval_s, nvml=nvml)
+        except PowerUnavailable as e:
+            print(f"power: not sampled: {e.what}", file=sys.stderr)
+            return None
+
+    return factory, "power: sampled through NVML"
+
+
+def _interp(ts: list[float], ys: list[float], t: float) -> float:
+    """Piecewise-linear value of (ts, ys) at t (clamped to the ends)."""
+    i = bisect.bisect_left(ts, t)
+    if i <= 0:
+        return ys[0]
+    if i >= len(ts):
+        return ys[-1]
+    t_a, t_b = ts[i - 1], ts[i]
+    if t_b == t_a:
+        return ys[i]
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (t - t_a) / (t_b - t_a)
+
+
+def _trapezoid(ts: list[float], ys: list[float], t0: float, t1: float) -> float:
+    """Integral of the piecewise-linear (ts, ys) from t0 to t1."""
+    points = [t0, *(t for t in ts if t0 < t < t1), t1]
+    values = [_interp(ts, ys, t) for t in points]
+    return sum((points[k + 1] - points[k]) * (values[k + 1] + values[k]) / 2
+               for k in range(len(points) - 1))
