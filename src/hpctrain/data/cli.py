@@ -4,6 +4,7 @@ into tar shards, ``verify`` either.
     hpctrain data prepare corpus/ more/*.jsonl.zst --out data/corpus --workers 8
     hpctrain data prepare --stdlib --out runs/data/stdlib
     hpctrain data pack images/ --out data/images --shard-mb 256
+    hpctrain data train-tokenizer corpus/ --vocab 32000 --out data/tokenizer.json
     hpctrain data verify data/corpus
 """
 
@@ -53,6 +54,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="target shard size in MiB (default 256)")
     k.set_defaults(handler=_pack)
 
+    t = dsub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer.json",
+                        description="Train a byte-level BPE tokenizer (HuggingFace tokenizers) "
+                        "on the same inputs prepare reads; use it with prepare --tokenizer.")
+    t.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or globs")
+    t.add_argument("--vocab", type=int, required=True, help="vocabulary size (EOS included)")
+    t.add_argument("--out", type=Path, required=True, help="tokenizer.json to write")
+    t.add_argument("--text-field", default="text", help="JSON field / Parquet column")
+    t.add_argument("--eos-token", default="<|endoftext|>", help="special token ending documents")
+    t.set_defaults(handler=_train_tokenizer)
+
     v = dsub.add_parser("verify", help="check every shard's checksum against the manifest")
     v.add_argument("path", type=Path, help="a prepared or packed directory")
     v.set_defaults(handler=_verify)
@@ -88,6 +99,17 @@ def _prepare(args: argparse.Namespace) -> None:
     print(f"{path.parent}: {len(m.shards)} shards, {m.num_tokens:,} tokens "
           f"({m.raw['dtype']}, vocab {m.vocab_size}), {sum(s['docs'] for s in m.shards):,} "
           f"documents, {time.perf_counter() - t0:.1f}s")
+
+
+def _train_tokenizer(args: argparse.Namespace) -> None:
+    from hpctrain.data.tokenizer import HFTokenizer, train_bpe
+
+    t0 = time.perf_counter()
+    path = train_bpe(args.inputs, args.out, args.vocab, text_field=args.text_field,
+                     eos_token=args.eos_token)
+    tok = HFTokenizer(str(path), args.eos_token)
+    print(f"{path}: byte-level BPE, vocab {tok.vocab_size}, EOS {tok.eos_token!r} = {tok.eos_id}, "
+          f"{time.perf_counter() - t0:.1f}s")
 
 
 def _pack(args: argparse.Namespace) -> None:

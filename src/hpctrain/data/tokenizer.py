@@ -94,3 +94,42 @@ def load_tokenizer(spec: TokenizerSpec) -> ByteTokenizer | HFTokenizer:
 def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 when every id fits (vocab <= 65,536), else uint32; always little-endian."""
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def train_bpe(inputs: list[str], out: str | Path, vocab_size: int, *, text_field: str = "text",
+              eos_token: str = "<|endoftext|>", progress: bool = False) -> Path:
+    """Train a byte-level BPE tokenizer on ``inputs`` with ``tokenizers``; write tokenizer.json.
+
+    Byte-level (GPT-2 style): every byte is in the alphabet, so any text encodes without unknown
+    tokens; ``eos_token`` is added as a special token. ``vocab_size`` counts it and the 256 bytes.
+    """
+    from hpctrain.data.prepare import expand_inputs, read_documents
+
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError:
+        raise DataError("training a tokenizer needs the 'tokenizers' package",
+                        hint="pip install tokenizers  (or: pip install 'hpctrain[data]')") from None
+    if vocab_size < 258:
+        raise DataError(f"--vocab {vocab_size} is too small",
+                        expected=">= 258 (256 bytes, the EOS token and at least one merge)")
+    files = expand_inputs(list(inputs))
+
+    def documents():
+        for f in files:
+            for doc in read_documents(f, text_field):
+                yield doc.decode("utf-8", errors="replace") if isinstance(doc, bytes) else doc
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos_token],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=progress)
+    tok.train_from_iterator(documents(), trainer=trainer)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    from hpctrain.data.shards import atomic_write
+
+    atomic_write(out, [tok.to_str(pretty=True).encode()])
+    return out
