@@ -29,7 +29,8 @@ def test_gemm_and_membw_write_results(tmp_path: Path, capsys) -> None:
     main(["bench", "membw", "--device", "cpu", "--sizes", "1M", "-w", "1", "-n", "2",
           "--out", str(tmp_path / "m")])
     out = capsys.readouterr().out
-    assert "GEMM on CPU" in out and "matplotlib" in out
+    assert "GEMM on CPU" in out
+    assert "plot: " in out or "matplotlib is not installed" in out
     data = json.loads((tmp_path / "g" / "gemm.json").read_text())
     assert data["rows"][0]["tflops"] > 0
     assert (tmp_path / "m" / "membw.csv").read_text().startswith("size,")

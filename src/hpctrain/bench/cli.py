@@ -5,6 +5,7 @@
     hpctrain bench h2d
     hpctrain bench collective --nproc 4 -b 64M -e 1G -f 2
     hpctrain bench model --size 1b --strategy fsdp --nproc 4 --micro-batch 4
+    hpctrain bench roofline --from runs/bench-gpu
 
 Results go to ``--out`` (default ``runs/bench/<name>-<timestamp>``): ``<name>.csv``,
 ``<name>.json`` and, when matplotlib is installed, a PNG.
@@ -97,11 +98,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     md.add_argument("--out", type=Path, default=None,
                     help="results folder (default runs/bench/model-<timestamp>)")
 
+    r = bsub.add_parser("roofline", help="roofline plot with measured GEMM and copy results")
+    r.add_argument("--from", dest="sources", type=Path, nargs="*", default=[],
+                   help="folders holding gemm.json / membw.json (also one level down); "
+                   "what is missing is measured briefly")
+    common(r, 3, 10)
+
 
 def run(args: argparse.Namespace) -> None:
     """Dispatch ``hpctrain bench <command>``."""
     {"gemm": _gemm, "membw": _membw, "h2d": _h2d,
-     "collective": _collective, "model": _model}[args.bench_command](args)
+     "collective": _collective, "model": _model,
+     "roofline": _roofline}[args.bench_command](args)
 
 
 def _out_dir(args: argparse.Namespace, name: str) -> Path:
@@ -337,3 +345,50 @@ def _power_sampler_factory(on_gpu: bool):
     from hpctrain.observe.power import sampler_factory
 
     return sampler_factory()
+
+
+def _roofline(args: argparse.Namespace) -> None:
+    import json
+
+    from hpctrain.bench.common import device_name, select_device
+    from hpctrain.bench.gemm import GEMM_DTYPES, run_gemm
+    from hpctrain.bench.membw import run_membw
+    from hpctrain.bench.roofline import build_roofline, find_results, plot_roofline
+
+    for folder in args.sources:
+        if not folder.is_dir():
+            raise ConfigError(f"--from {folder}: no such folder",
+                              expected="a results folder of bench gemm/membw (or bench_gpu.py)")
+    out = _out_dir(args, "roofline")
+    loaded = {}
+    for name in ("gemm", "membw"):
+        path = find_results(args.sources, name)
+        if path is not None:
+            loaded[name] = json.loads(path.read_text())
+            print(f"{name}: {path}")
+    device = None
+    if len(loaded) < 2:
+        device = select_device(args.device)
+    if "gemm" not in loaded:
+        on_gpu = device.type == "cuda"
+        dtypes = list(GEMM_DTYPES) if on_gpu else ["fp32"]
+        sizes = [256, 1024, 4096, 8192] if on_gpu else [64, 256, 512]
+        res = run_gemm(dtypes, sizes, device, warmup=args.warmup, iters=args.iters)
+        res.write(out / "gemm")
+        loaded["gemm"] = {"meta": res.meta, "rows": res.rows}
+    if "membw" not in loaded:
+        sizes = [1024**3] if device.type == "cuda" else [64 * 1024**2]
+        res = run_membw(sizes, device, warmup=args.warmup, iters=args.iters)
+        res.write(out / "membw")
+        loaded["membw"] = {"meta": res.meta, "rows": res.rows}
+    name = loaded["gemm"]["meta"].get("device") or device_name(device)
+    if loaded["membw"]["meta"].get("device") not in (None, name):
+        print(f"warning: gemm ran on {name} but membw on {loaded['membw']['meta']['device']}")
+    res = build_roofline(name, loaded["gemm"]["rows"], loaded["membw"]["rows"])
+    roofs = res.meta["compute_roofs_tflops"]
+    print("compute roofs: " + (", ".join(f"{d} {p:g} TFLOP/s" for d, p in roofs.items())
+                               or "unknown for this device (no datasheet peaks)"))
+    bw_kind = res.meta["bandwidth_roof"]
+    bw = res.meta["datasheet_gbps"] or res.meta["measured_copy_gbps"]
+    print(f"bandwidth roof: {bw:,.0f} GB/s ({bw_kind})" if bw else "bandwidth roof: unknown")
+    _finish(res, args, out, f"roofline of {name}", lambda: plot_roofline(out / "roofline.png", res))
