@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpctrain.data.prepare import PrepareSettings, prepare, read_documents
+from hpctrain.data.prepare import (
+    PrepareSettings,
+    merge,
+    prepare,
+    prepare_task,
+    read_documents,
+    task_slice,
+)
 from hpctrain.data.shards import HEADER_BYTES, MAGIC, load_manifest
 from hpctrain.data.tokenizer import BYTE_EOS, TokenizerSpec
 from hpctrain.errors import DataError
@@ -290,3 +298,57 @@ def test_cli_prepare_and_verify(tmp_path: Path, capsys: pytest.CaptureFixture) -
     victim.write_bytes(victim.read_bytes()[:-1] + b"\7")
     code, _, err = _cli(capsys, "verify", str(tmp_path / "out"))
     assert code == 2 and "shard-000000.idx" in err and "checksum mismatch" in err
+
+
+# -- Slurm array mode: task slices + merge == one prepare, byte for byte ----------------------
+
+ARRAY = PrepareSettings(TokenizerSpec(), shard_tokens=500)
+
+
+def test_task_slices_cover_the_inputs_in_order() -> None:
+    sizes = [5, 1, 1, 9, 3, 3, 100, 2]
+    for count in (1, 2, 3, 5, 8, 11):
+        got = [task_slice(sizes, i, count) for i in range(count)]
+        assert got[0][0] == 0 and got[-1][1] == len(sizes)
+        assert all(a[1] == b[0] for a, b in zip(got, got[1:], strict=False))
+    with pytest.raises(DataError, match="not a valid array task"):
+        task_slice(sizes, 3, 3)
+
+
+@pytest.mark.parametrize("count", [1, 3, 10])
+def test_array_then_merge_is_byte_identical(tmp_path: Path, count: int) -> None:
+    files = _corpus(tmp_path, n_files=7)
+    prepare(files, tmp_path / "ref", ARRAY)
+    out = tmp_path / "out"
+    for i in reversed(range(count)):  # any order of task completion
+        prepare_task(files, out, ARRAY, i, count)
+    merge(out)
+    assert _tree_bytes(out) == _tree_bytes(tmp_path / "ref")
+
+
+def test_merge_refuses_missing_tasks_and_rerun_keeps_parts(tmp_path: Path) -> None:
+    files = _corpus(tmp_path)
+    out = tmp_path / "out"
+    first = prepare_task(files, out, ARRAY, 0, 3)
+    prepare_task(files, out, ARRAY, 2, 3)
+    with pytest.raises(DataError, match=r"1 of 3 array tasks .*\[1\]"):
+        merge(out)
+    mtime = first.stat().st_mtime_ns
+    assert prepare_task(files, out, ARRAY, 0, 3).stat().st_mtime_ns == mtime  # kept
+    with pytest.raises(DataError, match="holds no parts"):
+        merge(tmp_path / "nothing")
+
+
+def test_cli_array_tasks_from_slurm_env_then_merge(tmp_path: Path) -> None:
+    files = _corpus(tmp_path, n_files=4)
+    prepare(files, tmp_path / "ref", ARRAY)
+    base = [sys.executable, "-m", "hpctrain.cli", "data"]
+    for i in range(2):
+        env = {**os.environ, "SLURM_ARRAY_TASK_ID": str(10 + i), "SLURM_ARRAY_TASK_MIN": "10"}
+        r = subprocess.run(base + ["prepare", *map(str, files), "--out", str(tmp_path / "o"),
+                                   "--shard-tokens", "500", "--task-count", "2", "--workers",
+                                   "1"], capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr
+    r = subprocess.run(base + ["merge", str(tmp_path / "o")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert _tree_bytes(tmp_path / "o") == _tree_bytes(tmp_path / "ref")

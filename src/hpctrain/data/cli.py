@@ -3,6 +3,8 @@ into tar shards, ``verify`` either.
 
     hpctrain data prepare corpus/ more/*.jsonl.zst --out data/corpus --workers 8
     hpctrain data prepare --stdlib --out runs/data/stdlib
+    hpctrain data prepare corpus/ --out data/corpus --task-count 16   # in a Slurm array task
+    hpctrain data merge data/corpus                                   # after all 16 finished
     hpctrain data pack images/ --out data/images --shard-mb 256
     hpctrain data train-tokenizer corpus/ --vocab 32000 --out data/tokenizer.json
     hpctrain data verify data/corpus
@@ -11,6 +13,7 @@ into tar shards, ``verify`` either.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -43,7 +46,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=None,
                    help="tokenizer processes (default: the CPUs available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--task-count", type=int, default=None,
+                   help="Slurm array mode: number of tasks; this task tokenizes its slice into "
+                   "OUT/parts/, then `hpctrain data merge OUT` writes the shards")
+    p.add_argument("--task-index", type=int, default=None,
+                   help="this task's index (default: $SLURM_ARRAY_TASK_ID - "
+                   "$SLURM_ARRAY_TASK_MIN)")
     p.set_defaults(handler=_prepare)
+
+    g = dsub.add_parser("merge", help="cut the parts of an array-mode prepare into shards",
+                        description="After every `prepare --task-index I --task-count N` task "
+                        "has finished: write the shards and manifest.json (byte-identical to a "
+                        "single prepare over all inputs) and delete OUT/parts/.")
+    g.add_argument("out", type=Path, metavar="OUT", help="the --out of the array tasks")
+    g.add_argument("--keep-parts", action="store_true", help="keep OUT/parts/")
+    g.set_defaults(handler=_merge)
 
     k = dsub.add_parser("pack", help="pack files grouped by basename into WebDataset tar shards",
                         description="Pack a directory's files, grouped by key (x.jpg + x.json = "
@@ -92,13 +109,40 @@ def _prepare(args: argparse.Namespace) -> None:
     if workers < 1:
         raise ConfigError(f"--workers {workers} must be >= 1")
     t0 = time.perf_counter()
-    path = prepare(inputs, args.out, PrepareSettings(spec, args.text_field, shard_tokens),
-                   workers=workers, progress=not args.no_progress)
+    settings = PrepareSettings(spec, args.text_field, shard_tokens)
+    if args.task_count is not None or args.task_index is not None:
+        from hpctrain.data.prepare import prepare_task
+
+        count, index = args.task_count, args.task_index
+        if index is None and "SLURM_ARRAY_TASK_ID" in os.environ:
+            index = int(os.environ["SLURM_ARRAY_TASK_ID"]) - int(
+                os.environ.get("SLURM_ARRAY_TASK_MIN", "0"))
+        if count is None or index is None:
+            raise ConfigError("array mode needs --task-count and --task-index (or "
+                              "$SLURM_ARRAY_TASK_ID)",
+                              hint="sbatch --array=0-15 ... hpctrain data prepare ... "
+                              "--task-count 16")
+        meta = prepare_task(inputs, args.out, settings, index, count, workers=workers,
+                            progress=not args.no_progress)
+        print(f"{meta}: task {index} of {count} done, {time.perf_counter() - t0:.1f}s; "
+              f"when all are done: hpctrain data merge {args.out}")
+        return
+    path = prepare(inputs, args.out, settings, workers=workers, progress=not args.no_progress)
     m = load_manifest(path.parent)
     m.verify()
     print(f"{path.parent}: {len(m.shards)} shards, {m.num_tokens:,} tokens "
           f"({m.raw['dtype']}, vocab {m.vocab_size}), {sum(s['docs'] for s in m.shards):,} "
           f"documents, {time.perf_counter() - t0:.1f}s")
+
+
+def _merge(args: argparse.Namespace) -> None:
+    from hpctrain.data.prepare import merge
+    from hpctrain.data.shards import load_manifest
+
+    path = merge(args.out, keep_parts=args.keep_parts)
+    m = load_manifest(path.parent)
+    m.verify()
+    print(f"{path.parent}: {len(m.shards)} shards, {m.num_tokens:,} tokens")
 
 
 def _train_tokenizer(args: argparse.Namespace) -> None:

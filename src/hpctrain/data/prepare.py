@@ -20,6 +20,7 @@ import io
 import json
 import multiprocessing
 import os
+import shutil
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -29,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from hpctrain.data.shards import (
+    DTYPES,
     FORMAT_VERSION,
     MANIFEST,
     PARTIAL_MANIFEST,
@@ -260,15 +262,7 @@ def prepare(inputs: list[str] | list[Path], out: str | Path, settings: PrepareSe
     """
     files = expand_inputs([str(i) for i in inputs])
     records = [_input_record(f) for f in files]
-    tok = load_tokenizer(settings.tokenizer)
-    dtype = token_dtype(tok.vocab_size)
-    shard_tokens = settings.shard_tokens or DEFAULT_SHARD_BYTES // dtype.itemsize
-    head = {
-        "format": "hpctrain-tokens", "version": FORMAT_VERSION, "dtype": dtype_name(dtype),
-        "vocab_size": int(tok.vocab_size), "eos_id": int(tok.eos_id),
-        "tokenizer": {"name": tok.name, "hash": tok.hash, **asdict(settings.tokenizer)},
-        "text_field": settings.text_field, "shard_tokens": int(shard_tokens),
-    }
+    head, dtype, shard_tokens = _job_head(settings)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     final, partial = out / MANIFEST, out / PARTIAL_MANIFEST
@@ -342,6 +336,143 @@ def prepare(inputs: list[str] | list[Path], out: str | Path, settings: PrepareSe
     partial.unlink(missing_ok=True)
     fsync_dir(out)
     return final
+
+
+def _job_head(settings: PrepareSettings) -> tuple[dict, np.dtype, int]:
+    """(manifest fields fixed by the settings, token dtype, tokens per shard)."""
+    tok = load_tokenizer(settings.tokenizer)
+    dtype = token_dtype(tok.vocab_size)
+    shard_tokens = settings.shard_tokens or DEFAULT_SHARD_BYTES // dtype.itemsize
+    head = {
+        "format": "hpctrain-tokens", "version": FORMAT_VERSION, "dtype": dtype_name(dtype),
+        "vocab_size": int(tok.vocab_size), "eos_id": int(tok.eos_id),
+        "tokenizer": {"name": tok.name, "hash": tok.hash, **asdict(settings.tokenizer)},
+        "text_field": settings.text_field, "shard_tokens": int(shard_tokens),
+    }
+    return head, dtype, shard_tokens
+
+
+# -- Slurm array mode: task i tokenizes its slice into a part, `merge` cuts the shards ---------
+
+PARTS = "parts"
+
+
+def task_slice(sizes: list[int], task_index: int, task_count: int) -> tuple[int, int]:
+    """Files ``[lo, hi)`` of task ``task_index``: contiguous slices of about equal bytes."""
+    if task_count < 1 or not 0 <= task_index < task_count:
+        raise DataError(f"task {task_index} of {task_count} is not a valid array task",
+                        expected="0 <= --task-index < --task-count")
+    cum = np.cumsum([0, *sizes], dtype=np.float64)
+    bounds = np.searchsorted(cum, cum[-1] * np.arange(task_count + 1) / task_count, side="left")
+    bounds[0], bounds[-1] = 0, len(sizes)
+    bounds = np.maximum.accumulate(bounds)
+    return int(bounds[task_index]), int(bounds[task_index + 1])
+
+
+def _part_stem(task_index: int, task_count: int) -> str:
+    return f"part-{task_index:05d}-of-{task_count:05d}"
+
+
+def prepare_task(inputs: list[str] | list[Path], out: str | Path, settings: PrepareSettings,
+                 task_index: int, task_count: int, workers: int = 1,
+                 progress: bool = False) -> Path:
+    """Array task ``task_index``: tokenize its slice of the inputs into ``out/parts/``.
+
+    The part is the task's token stream (documents with EOS, no shard cuts) and its document
+    starts; `merge` concatenates the parts in task order and cuts the shards, so the result is
+    byte-identical to one `prepare` over all inputs. A finished part is kept on a rerun.
+    """
+    files = expand_inputs([str(i) for i in inputs])
+    records = [_input_record(f) for f in files]
+    head, dtype, _ = _job_head(settings)
+    lo, hi = task_slice([r["bytes"] for r in records], task_index, task_count)
+    parts = Path(out) / PARTS
+    parts.mkdir(parents=True, exist_ok=True)
+    stem = _part_stem(task_index, task_count)
+    meta_path = parts / f"{stem}.json"
+    meta = {**head, "task_index": task_index, "task_count": task_count, "all_inputs": records,
+            "inputs": records[lo:hi]}
+    if meta_path.is_file():
+        old = json.loads(meta_path.read_text())
+        if {k: old.get(k) for k in meta} == meta:
+            return meta_path  # finished earlier
+    tok_tmp, starts_tmp = parts / f"{stem}.tokens.tmp", parts / f"{stem}.starts.tmp"
+    n_tok = n_docs = 0
+    jobs = [(str(f), settings.text_field, 0) for f in files[lo:hi]]
+    with open(tok_tmp, "wb") as ft, open(starts_tmp, "wb") as fs, \
+            _map(workers, settings.tokenizer, jobs) as results, \
+            _Progress(progress, sum(r["bytes"] for r in records[lo:hi])) as bar:
+        for i, result in enumerate(results, start=lo):
+            if isinstance(result, DataError):
+                raise result
+            tokens, starts = result
+            ft.write(np.ascontiguousarray(tokens, dtype=dtype.newbyteorder("<")).tobytes())
+            fs.write(np.ascontiguousarray(starts + n_tok, dtype="<u8").tobytes())
+            n_tok += len(tokens)
+            n_docs += len(starts)
+            bar.advance(records[i]["bytes"])
+        for f in (ft, fs):
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tok_tmp, parts / f"{stem}.tokens")
+    os.replace(starts_tmp, parts / f"{stem}.starts")
+    atomic_write_json(meta_path, {**meta, "tokens": n_tok, "docs": n_docs,
+                                  "tokens_checksum": file_checksum(parts / f"{stem}.tokens")})
+    fsync_dir(parts)
+    return meta_path
+
+
+def merge(out: str | Path, keep_parts: bool = False) -> Path:
+    """Cut the parts of a finished array preparation into shards; write ``manifest.json``."""
+    out = Path(out)
+    parts = out / PARTS
+    metas = [json.loads(p.read_text()) for p in sorted(parts.glob("part-*-of-*.json"))]
+    if not metas:
+        raise DataError(f"{str(parts)!r} holds no parts",
+                        hint="run `hpctrain data prepare ... --task-index I --task-count N` "
+                        "for every I first")
+    count = metas[0]["task_count"]
+    head_keys = [k for k in metas[0] if k not in ("task_index", "inputs", "tokens", "docs",
+                                                   "tokens_checksum")]
+    missing = sorted(set(range(count)) - {m["task_index"] for m in metas
+                                          if m["task_count"] == count})
+    if missing:
+        raise DataError(f"{len(missing)} of {count} array tasks have not finished: "
+                        f"{missing[:10]}{' ...' if len(missing) > 10 else ''}",
+                        hint="rerun those task indices, then merge again")
+    metas = sorted((m for m in metas if m["task_count"] == count), key=lambda m: m["task_index"])
+    if any({k: m.get(k) for k in head_keys} != {k: metas[0][k] for k in head_keys}
+           for m in metas):
+        raise DataError(f"the parts in {str(parts)!r} come from different inputs or settings",
+                        hint="delete the directory and run the array again")
+    head = {k: metas[0][k] for k in head_keys if k not in ("task_count", "all_inputs")}
+    dtype = DTYPES[head["dtype"]]
+    for stale in out.glob("shard-*"):
+        stale.unlink()
+    shards: list[dict] = []
+    writer = _ShardWriter(out, int(head["shard_tokens"]), dtype, shards, lambda: None)
+    chunk = max(int(head["shard_tokens"]), 1 << 24)
+    for m in metas:
+        stem = _part_stem(m["task_index"], count)
+        if file_checksum(parts / f"{stem}.tokens") != m["tokens_checksum"]:
+            raise DataError(f"part {str(parts / stem)!r}.tokens does not match its checksum",
+                            hint=f"rerun array task {m['task_index']}, then merge again")
+        tokens = (np.memmap(parts / f"{stem}.tokens", dtype=dtype, mode="r") if m["tokens"]
+                  else np.zeros(0, dtype))
+        starts = np.fromfile(parts / f"{stem}.starts", dtype="<u8").astype(np.int64)
+        for a in range(0, len(tokens), chunk):
+            b = min(a + chunk, len(tokens))
+            sel = starts[np.searchsorted(starts, a):np.searchsorted(starts, b)] - a
+            writer.add(tokens[a:b], sel)
+    writer.flush()
+    if not shards:
+        raise DataError("the inputs hold no text: every document is empty",
+                        hint="check the inputs and --text-field")
+    atomic_write_json(out / MANIFEST, {**head, "inputs": metas[0]["all_inputs"], "shards": shards})
+    fsync_dir(out)
+    if not keep_parts:
+        shutil.rmtree(parts)
+    return out / MANIFEST
 
 
 def _same_job(manifest: dict, head: dict, records: list[dict]) -> bool:
