@@ -1,5 +1,4 @@
-"""The ``hpctrain data`` subcommands: ``prepare`` text into token shards, ``pack`` other files
-into tar shards, ``verify`` either.
+"""The ``hpctrain data`` subcommands: prepare, merge, pack, train-tokenizer and verify shards.
 
     hpctrain data prepare corpus/ more/*.jsonl.zst --out data/corpus --workers 8
     hpctrain data prepare --stdlib --out runs/data/stdlib
