@@ -6,6 +6,7 @@
     hpctrain bench collective --nproc 4 -b 64M -e 1G -f 2
     hpctrain bench model --size 1b --strategy fsdp --nproc 4 --micro-batch 4
     hpctrain bench roofline --from runs/bench-gpu
+    hpctrain bench node                 # health summary of this node; exit 1 if a GPU is off
 
 Results go to ``--out`` (default ``runs/bench/<name>-<timestamp>``): ``<name>.csv``,
 ``<name>.json`` and, when matplotlib is installed, a PNG.
@@ -104,12 +105,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "what is missing is measured briefly")
     common(r, 3, 10)
 
+    nd = bsub.add_parser("node", help="health check: every GPU vs its siblings and the datasheet")
+    nd.add_argument("--device", default="auto", help="auto (all GPUs, else the CPU), cpu or cuda")
+    nd.add_argument("--tolerance", type=float, default=0.10,
+                    help="flag a GPU this fraction below its siblings' median")
+    nd.add_argument("--min-peak-frac", type=float, default=0.60,
+                    help="flag GEMM below this fraction of the datasheet peak")
+    nd.add_argument("--min-membw-frac", type=float, default=0.70,
+                    help="flag copy bandwidth below this fraction of the datasheet")
+    nd.add_argument("--min-busbw", type=float, default=None,
+                    help="flag all_reduce busbw (GB/s) below this")
+    nd.add_argument("--no-collective", action="store_true", help="skip the all_reduce")
+    nd.add_argument("--quick", action="store_true", help="smaller sizes (a rougher check)")
+    nd.add_argument("--out", type=Path, default=None,
+                    help="results folder (default runs/bench/node-<timestamp>)")
+
 
 def run(args: argparse.Namespace) -> None:
     """Dispatch ``hpctrain bench <command>``."""
     {"gemm": _gemm, "membw": _membw, "h2d": _h2d,
      "collective": _collective, "model": _model,
-     "roofline": _roofline}[args.bench_command](args)
+     "roofline": _roofline,
+     "node": _node}[args.bench_command](args)
 
 
 def _out_dir(args: argparse.Namespace, name: str) -> Path:
@@ -392,3 +409,109 @@ def _roofline(args: argparse.Namespace) -> None:
     bw = res.meta["datasheet_gbps"] or res.meta["measured_copy_gbps"]
     print(f"bandwidth roof: {bw:,.0f} GB/s ({bw_kind})" if bw else "bandwidth roof: unknown")
     _finish(res, args, out, f"roofline of {name}", lambda: plot_roofline(out / "roofline.png", res))
+
+
+def _node(args: argparse.Namespace) -> None:
+    import json
+    import sys
+
+    import torch
+
+    from hpctrain.bench.common import human_bytes, run_command, select_device
+    from hpctrain.bench.node import (
+        METRICS,
+        CollectiveResult,
+        NodeUnhealthy,
+        Thresholds,
+        assess,
+        measure_device,
+    )
+
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"unknown device {args.device!r}", expected="auto, cpu or cuda",
+                          hint="bench node checks every visible GPU; CUDA_VISIBLE_DEVICES "
+                          "narrows them")
+    if not 0 < args.tolerance < 1:
+        raise ConfigError(f"--tolerance {args.tolerance}", expected="a fraction, e.g. 0.1")
+    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if on_gpu:
+        select_device("cuda")  # a clear error when --device cuda finds none
+    devices = ([torch.device("cuda", i) for i in range(torch.cuda.device_count())] if on_gpu
+               else [torch.device("cpu")])
+    out = _out_dir(args, "node")
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        print(f"measuring {'GPU ' + str(device.index) if on_gpu else 'CPU'} ...", flush=True)
+        results.append(measure_device(device, quick=args.quick))
+
+    collective = None
+    ranks = len(devices) if on_gpu else 2
+    if not args.no_collective and ranks >= 2:
+        size = (64 if args.quick else 256) * 1024**2 if on_gpu else 1024**2
+        coll_out = out / "collective"
+        argv = [sys.executable, "-m", "hpctrain", "bench", "collective", "--nproc", str(ranks),
+                "--ops", "all_reduce", "-b", str(size), "-e", str(size), "-w", "5", "-n", "20",
+                "--device", "cuda" if on_gpu else "cpu", "--no-plot", "--out", str(coll_out)]
+        print(f"all_reduce {human_bytes(size)} over {ranks} ranks ...", flush=True)
+        code, tail, _ = run_command(argv, timeout=300)
+        collective = CollectiveResult(ranks, size)
+        path = coll_out / "collective.json"
+        if code == 0 and path.exists():
+            row = json.loads(path.read_text())["rows"][0]
+            collective.busbw_gbps, collective.wrong = row["ip_busbw"], row["ip_wrong"]
+        else:
+            collective.error = f"exit {code}: {tail.strip().splitlines()[-1] if tail else ''}"
+            if path.exists():  # it ran, and found wrong values
+                row = json.loads(path.read_text())["rows"][0]
+                collective.busbw_gbps, collective.wrong = row["ip_busbw"], row["ip_wrong"]
+                collective.error = None if row["ip_wrong"] else collective.error
+
+    report = assess(results, collective,
+                    Thresholds(args.tolerance, args.min_peak_frac, args.min_membw_frac,
+                               args.min_busbw))
+    _print_node(report, METRICS)
+    (out / "node.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    print(f"results: {out / 'node.json'}")
+    if not report.healthy:
+        raise NodeUnhealthy(f"{len(report.findings)} problem(s) on this node",
+                            hint="drain it or exclude it (sbatch --exclude) and tell the admins")
+
+
+def _print_node(report, metrics: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from hpctrain.bench.common import _fmt
+
+    table = Table(title="node health")
+    for col in ("device", "name", "GEMM TFLOP/s", "% peak", "copy GB/s", "% datasheet",
+                "h2d GB/s", "d2h GB/s", "status"):
+        table.add_column(col, justify="right")
+    flagged = {f.device for f in report.findings}
+    for d in report.devices:
+        peak = 100 * d.gemm_tflops / d.gemm_peak_tflops if d.gemm_tflops and \
+            d.gemm_peak_tflops else None
+        sheet = 100 * d.membw_gbps / d.membw_datasheet_gbps if d.membw_gbps and \
+            d.membw_datasheet_gbps else None
+        table.add_row(d.device, d.name, _fmt(d.gemm_tflops), _fmt(peak), _fmt(d.membw_gbps),
+                      _fmt(sheet), _fmt(d.h2d_gbps), _fmt(d.d2h_gbps),
+                      "FLAGGED" if d.device in flagged else "ok")
+    console = Console(width=160)
+    console.print(table)
+    c = report.collective
+    if c is not None:
+        console.print(f"all_reduce {c.size / 1024**2:g} MiB over {c.ranks} ranks: busbw "
+                      f"{_fmt(c.busbw_gbps)} GB/s, #wrong {_fmt(c.wrong)}"
+                      + (f", error: {c.error}" if c.error else ""))
+    if report.healthy:
+        n = len(report.devices)
+        sheet = any(d.gemm_peak_tflops for d in report.devices)
+        console.print("node healthy: " + (f"{n} devices within tolerance of each other"
+                                          if n > 1 else "one device, no siblings to compare")
+                      + ("; within the datasheet floors" if sheet else "; no datasheet for it"))
+    else:
+        for f in report.findings:
+            console.print(f"PROBLEM: {f.message}")

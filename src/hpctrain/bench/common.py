@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import platform
 import re
+import signal
 import socket
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,6 +140,30 @@ def time_each(fn: Callable[[], Any], device: torch.device, *, warmup: int, iters
         fn()
         times.append(time.perf_counter() - t0)
     return times
+
+
+def run_command(argv: list[str], *, timeout: float, env: dict[str, str] | None = None,
+                cwd: Path | None = None) -> tuple[int, str, float]:
+    """Run a command in its own session; return (exit code, output tail, wall seconds).
+
+    On timeout the whole process group (launcher and ranks) is killed, so no rank outlives it.
+    """
+    start = time.time()
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        code = 124
+        out += f"\nkilled after {timeout:.0f} s"
+    finally:
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return code, (out or "")[-4000:], time.time() - start
 
 
 def median(values: Sequence[float]) -> float:

@@ -22,17 +22,13 @@ results. The numbers are read back from the run's ``metrics/rank-*.jsonl``:
 
 from __future__ import annotations
 
-import os
-import signal
 import statistics
-import subprocess
 import sys
-import time
-from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpctrain.bench.common import run_command
 from hpctrain.errors import ConfigError, HpctrainError
 
 COLUMNS = ["size", "strategy", "ranks", "micro_batch", "seq_len", "compile", "ac",
@@ -85,30 +81,6 @@ def train_argv(config_path: Path, nproc: int, python: str = sys.executable) -> l
     if nproc > 1:
         argv += ["--nproc", str(nproc)]
     return argv
-
-
-def run_train(argv: list[str], *, timeout: float, env: dict[str, str] | None = None,
-              cwd: Path | None = None) -> tuple[int, str, float]:
-    """Run a training command in its own session; return (exit code, output tail, wall seconds).
-
-    On timeout the whole process group (launcher and ranks) is killed, so no rank outlives it.
-    """
-    start = time.time()
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        with suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        code = 124
-        out += f"\n[bench model] killed after {timeout:.0f} s"
-    finally:
-        with suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    return code, (out or "")[-4000:], time.time() - start
 
 
 def step_records(run_dir: Path, ranks: int) -> list[list[dict[str, Any]]]:
@@ -220,8 +192,8 @@ def measure(config_path: Path, run_dir: Path, nproc: int, *, hfu_mult: float,
     if sampler is not None:
         sampler.start()
     try:
-        code, tail, wall = run_train(train_argv(config_path, nproc), timeout=timeout, env=env,
-                                     cwd=cwd)
+        code, tail, wall = run_command(train_argv(config_path, nproc), timeout=timeout,
+                                       env=env, cwd=cwd)
     finally:
         if sampler is not None:
             sampler.stop()
