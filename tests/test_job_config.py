@@ -249,7 +249,8 @@ def test_round_trip_with_overrides() -> None:
     assert dataclasses.asdict(back) == dataclasses.asdict(cfg)
     # Section order follows JobConfig, so the written file reads top to bottom like the code.
     assert list(yaml.safe_load(text)) == ["run", "model", "data", "train", "optim", "parallel",
-                                          "metrics"]
+                                          "metrics", "checkpoint", "preempt", "watchdog",
+                                          "guard"]
 
 
 # -- cross-section and section checks ----------------------------------------------------------

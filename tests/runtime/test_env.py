@@ -17,6 +17,7 @@ def slurm_vars(**overrides: str) -> dict[str, str]:
     """Variables srun sets for task 5 of 8 (two nodes, four tasks each), with overrides."""
     env = {
         "SLURM_JOB_ID": "123456",
+        "SLURM_STEP_ID": "0",
         "SLURM_PROCID": "5",
         "SLURM_LOCALID": "1",
         "SLURM_NTASKS": "8",
@@ -178,3 +179,13 @@ def test_default_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     assert detect_env().job_id == "77"
+
+
+def test_batch_shell_is_not_a_rank() -> None:
+    """The batch script itself has SLURM_PROCID=0 and the job's SLURM_NTASKS but no step id:
+    it is one local process, not rank 0 of a group whose other ranks never start."""
+    batch = slurm_vars(SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0")
+    del batch["SLURM_STEP_ID"]
+    env = detect_env(batch)
+    assert (env.launcher, env.rank, env.world_size) == ("local", 0, 1)
+    assert env.job_id == "123456"

@@ -27,6 +27,7 @@ TINY = ["run.device=cpu", "data.source=stdlib", "data.max_bytes=300000", "data.s
 
 
 def _script(tmp: Path, name: str, overrides: list[str], **params) -> Path:
+    (tmp / "logs").mkdir(exist_ok=True)  # Slurm does not create --output directories
     text = render_sbatch(SbatchParams(config="configs/demo.yaml",
                                       overrides=[*TINY, f"run.out_dir={tmp / 'runs'}",
                                                  f"run.name={name}", *overrides],
@@ -44,9 +45,12 @@ def _steps_logged(run_dir: Path) -> int:
     return sum(1 for r in read_metrics(path) if "loss" in r)
 
 
-def _wait_for_steps(run_dir: Path, n: int, timeout: float = 120) -> None:
+def _wait_for_steps(cluster, job: str, run_dir: Path, n: int, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while _steps_logged(run_dir) < n:
+        state = cluster.job_info(job)["JobState"]
+        if state not in ("PENDING", "RUNNING", "CONFIGURING"):
+            raise AssertionError(f"job {job} ended ({state}) before {n} steps:\n{cluster.logs()}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"{run_dir} logged fewer than {n} steps in {timeout:.0f} s")
         time.sleep(0.3)
@@ -75,7 +79,7 @@ def test_signal_checkpoint_requeue_resume_exact(slurm_cluster, tmp_path: Path) -
                      tasks_per_node=2, time="10:00")
     job = slurm_cluster.sbatch(script, cwd=REPO)
     run_dir = tmp_path / "runs" / f"preempt-{job}"
-    _wait_for_steps(run_dir, 5)
+    _wait_for_steps(slurm_cluster, job, run_dir, 5)
     slurm_cluster.scancel(job, signal="USR2")  # to every task of the step, as --signal does
     state = slurm_cluster.wait(job, timeout=240)
     log = (tmp_path / "logs" / f"preempt-{job}.out").read_text()
@@ -119,7 +123,7 @@ def test_array_task_requeues_only_itself(slurm_cluster, tmp_path: Path) -> None:
                      time="10:00", array="0-1")
     job = slurm_cluster.sbatch(script, cwd=REPO)
     run_1 = tmp_path / "runs" / f"arr-{job}_1"
-    _wait_for_steps(run_1, 5)
+    _wait_for_steps(slurm_cluster, f"{job}_1", run_1, 5)
     slurm_cluster.scancel(f"{job}_1", signal="USR2")
     assert slurm_cluster.wait(f"{job}_1", timeout=240) == "COMPLETED"
     assert slurm_cluster.wait(f"{job}_0", timeout=240) == "COMPLETED"

@@ -3,7 +3,7 @@
 Three launchers are recognised, checked in this order:
 
 - ``torchrun`` (torch's elastic agent; our local launcher uses it too): RANK, WORLD_SIZE, ...
-- ``slurm``: one task per GPU started by ``srun``: SLURM_PROCID, SLURM_NTASKS, ...
+- ``slurm``: one task per GPU started by ``srun``: SLURM_STEP_ID, SLURM_PROCID, SLURM_NTASKS, ...
 - ``local``: none of the above, a single process.
 
     env = detect_env()
@@ -72,7 +72,10 @@ def detect_env(environ: Mapping[str, str] | None = None) -> ProcessEnv:
     # SLURM_* ranks count the torchrun agents (one per node), not the training processes.
     if any(name in env for name in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE")):
         return _from_torchrun(env)
-    if "SLURM_PROCID" in env:
+    # The batch shell has SLURM_PROCID=0 and the job's SLURM_NTASKS too, but it is no task of
+    # a step: only srun's tasks carry SLURM_STEP_ID. Without this check `hpctrain train` run
+    # straight in a batch script would wait forever for ranks that never start.
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
         return _from_slurm(env)
     return _local(env)
 
