@@ -42,6 +42,8 @@ def test_gemm_and_membw_write_results(tmp_path: Path, capsys) -> None:
     (["bench", "gemm", "--device", "tpu"], "unknown device"),
     (["bench", "gemm", "--device", "cpu", "--dtypes", "int4"], "unknown GEMM dtype"),
     (["bench", "h2d", "--device", "cpu"], "CUDA device"),
+    (["bench", "collective", "--device", "cpu", "--cuda-graph"], "uses the CPU (gloo)"),
+    (["bench", "collective", "--device", "cpu", "--cuda-graph", "-3"], "calls per graph"),
 ])
 def test_user_errors_exit_2(argv: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as exc:

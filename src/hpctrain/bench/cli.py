@@ -70,6 +70,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--nproc", type=int, default=None,
                    help="start this many local ranks (one per GPU, or CPU processes)")
+    c.add_argument("--cuda-graph", type=int, nargs="?", const=10, default=0, metavar="N",
+                   help="capture N calls (default 10) in a CUDA graph, time its replays "
+                   "(nccl-tests -G; GPUs only)")
     c.add_argument("--corrupt-rank", type=int, default=None, help=argparse.SUPPRESS)
     common(c, 5, 20)
 
@@ -202,6 +205,8 @@ def _collective_worker_args(args: argparse.Namespace, out: Path) -> list[str]:
         argv.append("--no-plot")
     if args.corrupt_rank is not None:
         argv += ["--corrupt-rank", str(args.corrupt_rank)]
+    if args.cuda_graph:
+        argv += ["--cuda-graph", str(args.cuda_graph)]
     return argv
 
 
@@ -213,8 +218,15 @@ def _collective(args: argparse.Namespace) -> None:
                                                             args.stepfactor),
                              dtype=args.datatype, warmup=args.warmup, iters=args.iters,
                              check=not args.no_check, seed=args.seed,
-                             corrupt_rank=args.corrupt_rank)
+                             corrupt_rank=args.corrupt_rank, cuda_graph=args.cuda_graph)
     opts.validate()  # fail before any rank starts
+    if opts.cuda_graph:
+        import torch
+
+        if args.device == "cpu" or not torch.cuda.is_available():
+            raise ConfigError("--cuda-graph captures NCCL calls in a CUDA graph, but this run "
+                              "uses the CPU (gloo)", expected="GPUs (--device auto or cuda)",
+                              hint="drop --cuda-graph on a machine without GPUs")
     if args.nproc is not None:
         if args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc}", expected="at least 1 rank")
@@ -259,7 +271,8 @@ def _collective_rank(args: argparse.Namespace, opts) -> None:
     res = Results("collective", COLUMNS, rows=rows,
                   meta={"device": device_name(device), "backend": backend,
                         "ranks": env.world_size, "warmup": opts.warmup, "iters": opts.iters,
-                        "dtype": opts.dtype, "time": "slowest rank's median"})
+                        "dtype": opts.dtype, "time": "slowest rank's median",
+                        "cuda_graph": opts.cuda_graph})
     out = _out_dir(args, "collective")
 
     def draw() -> str:
@@ -271,7 +284,8 @@ def _collective_rank(args: argparse.Namespace, opts) -> None:
                     title=f"busbw, {env.world_size} ranks, {backend}, {device_name(device)}")
 
     title = (f"collectives: {env.world_size} ranks, {backend} on {device_name(device)}, "
-             f"{opts.dtype}, median of {opts.iters}")
+             f"{opts.dtype}, median of {opts.iters}"
+             + (f" graph replays of {opts.cuda_graph} calls" if opts.cuda_graph else ""))
     _finish(res, args, out, title, draw)
     wrong = sum((r["oop_wrong"] or 0) + (r["ip_wrong"] or 0) for r in rows)
     if wrong:

@@ -13,9 +13,13 @@ that differ, summed over ranks, checked once per size and mode before the timed 
 Timing: warm-up, then the median of ``iters`` repetitions per rank, CUDA events on the rank's own
 device on GPU, a barrier then perf_counter on CPU; the reported time is the slowest rank's median.
 
+CUDA graphs (nccl-tests ``-G``), ``--cuda-graph N``: after the eager correctness check and a
+warm-up on a side stream, N back-to-back calls are captured into one graph; every timed
+repetition is one replay, and the time per call is the replay's time / N. This strips the CPU
+launch overhead that dominates small messages. NCCL only (GPUs); refused on gloo.
+
 torch.distributed has no out-of-place all_reduce, broadcast or reduce, and no in-place
 all_to_all or send/recv; those columns stay empty instead of timing something else.
-CUDA-graph capture (nccl-tests ``-G``) is not implemented yet.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class CollectiveOptions:
     iters: int = 20
     check: bool = True
     seed: int = 0
+    # > 0: capture this many calls in one CUDA graph and time its replays (nccl-tests -G).
+    cuda_graph: int = 0
     # Test hook: this rank adds 1 to one element of every result before the check, so the test
     # suite can prove that a wrong result is reported as #wrong > 0.
     corrupt_rank: int | None = None
@@ -68,6 +74,8 @@ class CollectiveOptions:
         if self.iters < 1 or self.warmup < 0:
             raise ConfigError(f"iters={self.iters}, warmup={self.warmup}",
                               expected="iters >= 1 and warmup >= 0")
+        if self.cuda_graph < 0:
+            raise ConfigError(f"--cuda-graph {self.cuda_graph}", expected="N >= 1 calls per graph")
 
 
 def run_collectives(opts: CollectiveOptions, device: torch.device) -> list[dict]:
@@ -200,8 +208,11 @@ def _bench_one(op: str, size: int, opts: CollectiveOptions, device: torch.device
                 out.view(-1)[0] += 1
             if expected is not None:
                 wrong = int((out != expected).sum().item())
-        before = dist.barrier if device.type == "cpu" else None
-        times = time_each(fn, device, warmup=opts.warmup, iters=opts.iters, before=before)
+        if opts.cuda_graph:
+            times = _graph_times(fn, device, opts)
+        else:
+            before = dist.barrier if device.type == "cpu" else None
+            times = time_each(fn, device, warmup=opts.warmup, iters=opts.iters, before=before)
         stats = torch.tensor([_median(times), float(wrong)], dtype=torch.float64, device=device)
         slowest = stats[:1].clone()
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -215,6 +226,28 @@ def _bench_one(op: str, size: int, opts: CollectiveOptions, device: torch.device
             f"{mode}_wrong": int(wrong_total.item()) if opts.check else None,
         })
     return row
+
+
+def _graph_times(fn: Callable[[], None], device: torch.device,
+                 opts: CollectiveOptions) -> list[float]:
+    """Seconds per call: replays of a graph holding `opts.cuda_graph` calls, divided by that."""
+    if device.type != "cuda":
+        raise ConfigError("--cuda-graph needs NCCL on GPUs", expected="a CUDA device")
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # capture wants its kernels warmed up off the main stream
+            for _ in range(max(1, opts.warmup)):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(opts.cuda_graph):
+                fn()
+        torch.cuda.synchronize()
+    replays = time_each(graph.replay, device, warmup=1, iters=opts.iters)
+    return [t / opts.cuda_graph for t in replays]
 
 
 def _median(values: list[float]) -> float:
