@@ -1,12 +1,15 @@
 """Issue 5's numbers on the device machine: GEMM vs plain torch.matmul, all_reduce busbw on 2 and
-4 GPUs, and `plan memory` against the measured peak of real training runs.
+4 GPUs, `bench model` (tokens/s, MFU, HFU, J/token) of real training runs with `plan memory`
+against their measured peak, the roofline of the GEMM/copy results, and `bench node`.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
         PYTHONPATH=src python3 benchmarks/bench_gpu.py --out runs/bench-gpu
     python3 benchmarks/bench_gpu.py --dry-run          # print the commands and the estimates
 
-Every step is the CLI a user runs (``python -m hpctrain bench ...`` / ``train ...``), started
-with NVLink multicast off. Prints Markdown for benchmarks/RESULTS.md and writes summary.json.
+Every step is the CLI a user runs (``python -m hpctrain bench ...``), started with NVLink
+multicast off. GPU power (J/token) needs nvidia-ml-py; without it those columns say n/a and the
+rest runs. Prints Markdown for benchmarks/RESULTS.md and writes summary.json. 269 s on 4 H200
+(torch 2.11); ``--skip model`` leaves out the five training runs (about 3 of those minutes).
 """
 
 from __future__ import annotations
@@ -88,22 +91,32 @@ def estimate_gb(opts: dict) -> float:
     return estimate_memory(PRESETS[opts["model"]], MemoryOptions(seq_len=2048, **kw)).peak / 1e9
 
 
-def measured_peak_gb(run_dir: Path, ranks: int) -> float | None:
-    """Largest mem_gb any rank logged."""
-    peaks = []
-    for rank in range(ranks):
-        path = run_dir / "metrics" / f"rank-{rank:03d}.jsonl"
-        if path.exists():
-            peaks += [json.loads(line)["mem_gb"] for line in path.read_text().splitlines()
-                      if line.strip()]
-    return max(peaks) if peaks else None
+MODEL_KEYS = ("tokens_per_s_per_gpu", "mfu_pct", "hfu_pct", "gpu_watts", "joules_per_token",
+              "tokens_per_joule", "step_time_s")
+
+
+def read_rows(path: Path) -> list[dict] | None:
+    """The rows of a bench results JSON, or None when the step left none."""
+    return json.loads(path.read_text())["rows"] if path.exists() else None
+
+
+def fmt(value, spec: str) -> str:
+    """format(value, spec), or n/a for None."""
+    return "n/a" if value is None else format(value, spec)
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("runs/bench-gpu"))
     p.add_argument("--dry-run", action="store_true", help="print commands and estimates only")
-    p.add_argument("--skip", nargs="*", default=[], help="gemm, allreduce, memory")
+    p.add_argument("--skip", nargs="*", default=[],
+                   help="gemm, allreduce, model (alias memory), roofline, node")
     p.add_argument("--memory-variants", nargs="*", default=list(MEMORY_VARIANTS))
     p.add_argument("--steps", type=int, default=15)
     args = p.parse_args()
@@ -111,14 +124,18 @@ def main() -> None:
     py = [sys.executable, "-m", "hpctrain"]
     summary: dict = {"time": time.strftime("%Y-%m-%d %H:%M:%S")}
     t0 = time.time()
+    gpus = 4 if args.dry_run else _gpu_count()
 
     if "gemm" not in args.skip:
-        run([*py, "bench", "gemm", "--dtypes", "bf16", "fp8", "--sizes", "4096", "8192",
-             "-n", "50", "--out", str(out / "gemm")], args.dry_run)
+        run([*py, "bench", "gemm", "--dtypes", "bf16", "fp8", "tf32", "--sizes", "1024", "4096",
+             "8192", "-n", "50", "--out", str(out / "gemm")], args.dry_run)
         if not args.dry_run:
             rows = json.loads((out / "gemm" / "gemm.json").read_text())["rows"]
             ours = next(r["tflops"] for r in rows if r["dtype"] == "bf16" and r["m"] == 8192)
             plain = plain_matmul_tflops()
+            import torch
+
+            torch.cuda.empty_cache()  # leave the GPU to the runs that follow
             summary["gemm_bf16_8192"] = {"bench_gemm": ours, "plain_matmul_best": plain,
                                          "ratio": ours / plain}
             print(f"gemm bf16 8192^3: bench {ours:.1f} TFLOP/s, plain torch.matmul {plain:.1f} "
@@ -126,7 +143,7 @@ def main() -> None:
         run([*py, "bench", "membw", "--out", str(out / "membw")], args.dry_run)
 
     if "allreduce" not in args.skip:
-        for n in (2, 4):
+        for n in (n for n in (2, 4) if n <= gpus):
             run([*py, "bench", "collective", "--nproc", str(n), "--ops", "all_reduce",
                  "all_gather", "reduce_scatter", "-b", "64M", "-e", "1G", "-f", "2",
                  "-n", "20", "--out", str(out / f"collective-{n}")], args.dry_run)
@@ -134,27 +151,58 @@ def main() -> None:
                 path = out / f"collective-{n}" / "collective.json"
                 if path.exists():
                     summary[f"collective_{n}"] = json.loads(path.read_text())["rows"]
+        # Small messages, eager vs replayed from a CUDA graph (launch overhead stripped).
+        n = min(gpus, 4)
+        for tag, extra in (("eager", []), ("graph", ["--cuda-graph", "20"])):
+            run([*py, "bench", "collective", "--nproc", str(n), "--ops", "all_reduce",
+                 "-b", "8", "-e", "1M", "-f", "32", "-n", "20", "--no-plot", *extra,
+                 "--out", str(out / f"small-{tag}")], args.dry_run)
+            if not args.dry_run:
+                summary[f"small_all_reduce_{tag}"] = read_rows(
+                    out / f"small-{tag}" / "collective.json")
 
-    if "memory" not in args.skip:
+    if "model" not in args.skip and "memory" not in args.skip:
         rows = []
         for name in args.memory_variants:
             config, ranks, overrides, opts = MEMORY_VARIANTS[name]
+            if ranks > gpus:
+                continue
             est = estimate_gb(opts)
-            cmd = [*py, "train", config, *overrides, f"train.steps={args.steps}",
-                   "metrics.log_every=5", "metrics.progress=false", f"run.out_dir={out}",
-                   f"run.name=mem-{name}", "run.suffix=none"]
-            if ranks > 1:
-                cmd += ["--nproc", str(ranks)]
-            run(cmd, args.dry_run)
-            meas = None if args.dry_run else measured_peak_gb(out / f"mem-{name}", ranks)
+            cmd = [*py, "bench", "model", "--config", config, "--nproc", str(ranks),
+                   "--steps", str(args.steps), "--log-every", "5", "--out",
+                   str(out / f"model-{name}")]
+            if overrides:
+                cmd += ["--set", *overrides]
+            run(cmd, args.dry_run, timeout=400)
+            row = None if args.dry_run else read_rows(out / f"model-{name}" / "model.json")
+            meas = row[0]["peak_mem_gb"] if row else None
             rows.append({"variant": name, "estimate_gb": est, "measured_gb": meas,
-                         "error": None if meas is None else est / meas - 1})
-        summary["memory"] = rows
-        print("\n| variant | plan memory GB | measured peak GB | error |\n|---|---|---|---|")
+                         "error": None if meas is None else est / meas - 1,
+                         **({k: row[0][k] for k in MODEL_KEYS} if row else {})})
+        summary["model"] = rows
+        print("\n| variant | GPUs | tokens/s/GPU | MFU | HFU | J/token | plan memory GB "
+              "| measured peak GB | error |\n|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             meas = "-" if r["measured_gb"] is None else f"{r['measured_gb']:.1f}"
             err = "-" if r["error"] is None else f"{100 * r['error']:+.1f}%"
-            print(f"| {r['variant']} | {r['estimate_gb']:.1f} | {meas} | {err} |")
+            print(f"| {r['variant']} | {MEMORY_VARIANTS[r['variant']][1]} | "
+                  f"{fmt(r.get('tokens_per_s_per_gpu'), ',.0f')} | {fmt(r.get('mfu_pct'), '.1f')}"
+                  f" | {fmt(r.get('hfu_pct'), '.1f')} | {fmt(r.get('joules_per_token'), '.3g')} | "
+                  f"{r['estimate_gb']:.1f} | {meas} | {err} |")
+
+    if "roofline" not in args.skip and "gemm" not in args.skip:
+        run([*py, "bench", "roofline", "--from", str(out / "gemm"), str(out / "membw"),
+             "--out", str(out / "roofline")], args.dry_run)
+        if not args.dry_run:
+            summary["roofline"] = read_rows(out / "roofline" / "roofline.json")
+
+    if "node" not in args.skip:
+        proc = run([*py, "bench", "node", "--out", str(out / "node")], args.dry_run)
+        path = out / "node" / "node.json"
+        if not args.dry_run and path.exists():
+            summary["node"] = json.loads(path.read_text())
+            print(f"bench node: exit {proc.returncode}, healthy={summary['node']['healthy']}")
+            print(proc.stdout[-3000:])
 
     summary["wall_s"] = time.time() - t0
     if not args.dry_run:
