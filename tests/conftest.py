@@ -80,9 +80,17 @@ def cli_command(args: list[str]) -> list[str]:
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the process group `proc` leads (it was started with start_new_session)."""
+    """SIGKILL the process group `proc` leads (started with start_new_session) and every
+    descendant: the elastic agent starts each worker in a session of its own."""
+    try:
+        kids = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        kids = []
     with suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+    for kid in kids:
+        with suppress(psutil.Error):
+            kid.kill()
 
 
 @contextmanager

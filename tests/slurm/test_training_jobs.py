@@ -26,13 +26,23 @@ TINY = ["run.device=cpu", "data.source=stdlib", "data.max_bytes=300000", "data.s
         "metrics.progress=false", "checkpoint.interval=none"]
 
 
-def _script(tmp: Path, name: str, overrides: list[str], **params) -> Path:
+def _script(tmp: Path, name: str, overrides: list[str], *, pause_at: int | None = None,
+            **params) -> Path:
+    """The generated batch script; ``pause_at`` holds step N for 4 s (an injected, harmless
+    stall) so a signal sent after N-1 logged steps lands mid-run, however fast the steps are."""
     (tmp / "logs").mkdir(exist_ok=True)  # Slurm does not create --output directories
+    python = sys.executable
+    if pause_at is not None:
+        python = str(tmp / f"{name}-python.sh")
+        Path(python).write_text("#!/bin/bash\n"
+                                f"export HPCTRAIN_FAULTS='hang@step={pause_at},seconds=4'\n"
+                                f'exec {sys.executable} "$@"\n')
+        os.chmod(python, 0o755)
     text = render_sbatch(SbatchParams(config="configs/demo.yaml",
                                       overrides=[*TINY, f"run.out_dir={tmp / 'runs'}",
                                                  f"run.name={name}", *overrides],
                                       job_name=name, log_dir=str(tmp / "logs"),
-                                      python=sys.executable, **params))
+                                      python=python, **params))
     path = tmp / f"{name}.sh"
     path.write_text(text)
     return path
@@ -76,7 +86,7 @@ def _reference_final_loss(tmp: Path, ranks: int, steps: int, strategy: str) -> f
 def test_signal_checkpoint_requeue_resume_exact(slurm_cluster, tmp_path: Path) -> None:
     steps = 30
     script = _script(tmp_path, "preempt", [f"train.steps={steps}", "parallel.strategy=ddp"],
-                     tasks_per_node=2, time="10:00")
+                     pause_at=6, tasks_per_node=2, time="10:00")
     job = slurm_cluster.sbatch(script, cwd=REPO)
     run_dir = tmp_path / "runs" / f"preempt-{job}"
     _wait_for_steps(slurm_cluster, job, run_dir, 5)
@@ -120,7 +130,7 @@ def test_walltime_signal_reaches_the_ranks(slurm_cluster, tmp_path: Path) -> Non
 @pytest.mark.slow
 def test_array_task_requeues_only_itself(slurm_cluster, tmp_path: Path) -> None:
     script = _script(tmp_path, "arr", ["train.steps=40", "parallel.strategy=none"],
-                     time="10:00", array="0-1")
+                     pause_at=6, time="10:00", array="0-1")
     job = slurm_cluster.sbatch(script, cwd=REPO)
     run_1 = tmp_path / "runs" / f"arr-{job}_1"
     _wait_for_steps(slurm_cluster, f"{job}_1", run_1, 5)

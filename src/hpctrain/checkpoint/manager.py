@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from hpctrain import faults
@@ -35,12 +36,12 @@ from hpctrain.checkpoint.config import CheckpointConfig
 from hpctrain.checkpoint.manifest import (
     CheckpointError,
     describe,
-    fsync_dir,
     read_manifest,
     verify_files,
     write_manifest,
 )
 from hpctrain.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
+from hpctrain.runtime.rundir import fsync_dir
 
 log = logging.getLogger("hpctrain.checkpoint")
 
@@ -148,8 +149,8 @@ class CheckpointManager:
             if self.rank == 0:
                 own.append(tmp / ".metadata")
             mine = {p.name: describe(p) for p in own}
-        except Exception as e:
-            error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            error = f"rank {self.rank}: {_first_line(e)}"
         results: list[Any] = [None] * self.world_size
         dist.all_gather_object(results, (error, mine), group=self.group)
         errors = [err for err, _ in results if err]
@@ -255,8 +256,11 @@ class CheckpointManager:
 
     def load(self, path: Path, state: dict[str, Any]) -> None:
         """Fill ``state`` (current model/optimizer state dicts) in place from ``path``."""
-        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
-                 process_group=self.group)
+        try:
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
+                     process_group=self.group)
+        except CheckpointException as e:  # a BaseException carrying each rank's traceback
+            raise CheckpointError(f"loading {path} failed: {_first_line(e)}") from None
         rng_path = path / f"rng-rank-{self.rank:05d}.pt"
         manifest = read_manifest(path)
         if manifest.get("world_size") == self.world_size and rng_path.is_file():
@@ -281,6 +285,14 @@ class _Writer(FileSystemWriter):
     def write_data(self, plan, planner):
         faults.maybe_fail_save(self._step)
         return super().write_data(plan, planner)
+
+
+def _first_line(e: BaseException) -> str:
+    """The root cause of an error in one line (DCP wraps each rank's traceback)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        inner, _trace = next(iter(e.failures.values()))
+        return f"{type(inner).__name__}: {inner}".splitlines()[0]
+    return f"{type(e).__name__}: {e}".splitlines()[0]
 
 
 def _capture_rng(device: torch.device) -> dict[str, torch.Tensor]:

@@ -8,7 +8,6 @@ write in progress.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -42,15 +41,6 @@ def describe(path: Path) -> dict[str, Any]:
     return {"size": path.stat().st_size, "xxh3": checksum(path)}
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (new files, renames) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_manifest(ckpt_dir: Path, files: dict[str, dict[str, Any]], meta: dict) -> None:
     """Write ``manifest.json`` (atomically) listing ``files`` and the trainer's ``meta``."""
     write_json_atomic(ckpt_dir / MANIFEST,
@@ -66,6 +56,8 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is missing (the save never committed)") from None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} is unreadable: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(data).__name__}, not a manifest")
     if data.get("format_version") != FORMAT_VERSION or "files" not in data:
         raise CheckpointError(f"{path} has format {data.get('format_version')!r}",
                               expected=f"format_version {FORMAT_VERSION} with a file list")

@@ -47,6 +47,10 @@ class DataConfig:
     val_fraction: float = 0.0
     # Shards per shuffle window: samples are permuted within windows of this many shards.
     shuffle_window: int = 4
+    # The end of an epoch, when the samples do not fill a last global batch: drop the rest
+    # (reshuffled each epoch, so nothing is lost for good) or pad it with masked slots that
+    # never count in the loss. Either way every rank runs the same number of steps.
+    remainder: Literal["drop", "pad"] = "drop"
 
     @property
     def vocab_size(self) -> int:

@@ -29,6 +29,9 @@ from hpctrain.data.shards import load_manifest
 from hpctrain.data.stdlib_corpus import read_stdlib_bytes
 from hpctrain.errors import ConfigError
 
+# Target id that the loss skips (PyTorch's cross_entropy default): marks padding rows.
+IGNORE_INDEX = -100
+
 
 class TokenDataset(Protocol):
     """What the loader needs of a token source: a count and random access to windows."""
@@ -151,8 +154,11 @@ class GlobalOrderSampler:
     """Sample indices of rank ``layout.rank`` for each micro-step, in the global order."""
 
     def __init__(self, num_samples: int, layout: BatchLayout, seed: int,
-                 group_sizes: np.ndarray | None = None, window_groups: int = 4):
-        if num_samples < layout.global_batch:
+                 group_sizes: np.ndarray | None = None, window_groups: int = 4,
+                 remainder: str = "drop"):
+        if remainder not in ("drop", "pad"):
+            raise ValueError(f"remainder must be 'drop' or 'pad', not {remainder!r}")
+        if num_samples < layout.global_batch and remainder == "drop":
             raise ConfigError(
                 f"the dataset holds {num_samples} samples, fewer than one global batch "
                 f"({layout.global_batch} = micro_batch {layout.micro_batch} x grad_accum "
@@ -162,9 +168,12 @@ class GlobalOrderSampler:
         self.num_samples = num_samples
         self.layout = layout
         self.seed = seed
-        # Whole global batches per epoch: the remainder is left out of that epoch (a different
-        # remainder each epoch, since the order is reshuffled), so every rank gets equal counts.
-        self.steps_per_epoch = num_samples // layout.global_batch
+        # drop: whole global batches per epoch; the remainder is left out of that epoch (a
+        # different one each epoch, since the order is reshuffled). pad: the last batch of an
+        # epoch is filled up with masked slots. Either way every rank gets equal counts.
+        self.remainder = remainder
+        g = layout.global_batch
+        self.steps_per_epoch = num_samples // g if remainder == "drop" else -(-num_samples // g)
         self.step = 0
         self._perm_epoch = -1
         self._perm = np.empty(0, dtype=np.int64)
@@ -238,17 +247,28 @@ class GlobalOrderSampler:
 
     def next_step(self) -> list[np.ndarray]:
         """Indices for this rank's ``grad_accum`` micro-batches of the next optimizer step."""
+        return self.next_step_masked()[0]
+
+    def next_step_masked(self) -> tuple[list[np.ndarray], list[np.ndarray], int]:
+        """(indices, valid mask) per micro-batch of this rank, and the step's valid samples
+        over all ranks. Padding slots (``remainder="pad"``, last step of an epoch) repeat the
+        step's first sample and are masked out."""
         lay = self.layout
         epoch, within = divmod(self.step, self.steps_per_epoch)
         start = within * lay.global_batch
-        batch = self.order(epoch, start, start + lay.global_batch)
+        batch = self.order(epoch, start, min(start + lay.global_batch, self.num_samples))
+        valid_total = len(batch)
+        valid = np.arange(lay.global_batch) < valid_total
+        if valid_total < lay.global_batch:
+            batch = np.concatenate([batch, np.full(lay.global_batch - valid_total, batch[0])])
         per_micro = lay.micro_batch * lay.world_size
-        out = []
+        indices, masks = [], []
         for a in range(lay.grad_accum):
             lo = a * per_micro + lay.rank * lay.micro_batch
-            out.append(batch[lo : lo + lay.micro_batch])
+            indices.append(batch[lo : lo + lay.micro_batch])
+            masks.append(valid[lo : lo + lay.micro_batch])
         self.step += 1
-        return out
+        return indices, masks, valid_total
 
     def state_dict(self) -> dict[str, int]:
         """Position in the global order: optimizer steps consumed and the batch they assume."""
@@ -292,6 +312,7 @@ class TokenLoader:
         self._error: BaseException | None = None
         # Steps handed to training; the sampler runs ahead of this by the prefetch depth.
         self.consumed = sampler.step
+        self.last_valid_samples = sampler.layout.global_batch
         # A shard dataset tells the sampler its shard boundaries, so the order shuffles within
         # windows of shards (the trainer builds the sampler from the sample count alone).
         # A mixture of datasets brings its own order (see `hpctrain.data.mixing`).
@@ -303,12 +324,14 @@ class TokenLoader:
                 and len(dataset) == sampler.num_samples):
             sampler.set_groups(counts, getattr(dataset, "window_shards", 4))
 
-    def _assemble(self, indices: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(gather_windows(self.dataset, indices))
-        return t.pin_memory() if self._pin else t
-
-    def _host_step(self) -> list[torch.Tensor]:
-        return [self._assemble(ix) for ix in self.sampler.next_step()]
+    def _host_step(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None]], int]:
+        indices, masks, valid = self.sampler.next_step_masked()
+        rows = []
+        for ix, mask in zip(indices, masks, strict=True):
+            t = torch.from_numpy(gather_windows(self.dataset, ix))
+            pad = None if mask.all() else torch.from_numpy(~mask)
+            rows.append((t.pin_memory() if self._pin else t, pad))
+        return rows, valid
 
     def _worker(self) -> None:
         try:
@@ -318,7 +341,11 @@ class TokenLoader:
             self._queue.put(e)
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The ``grad_accum`` micro-batches of the next optimizer step, on the device."""
+        """The ``grad_accum`` micro-batches of the next optimizer step, on the device.
+
+        Targets of padding rows are ``IGNORE_INDEX``; ``last_valid_samples`` then tells how
+        many samples of the step's global batch are real.
+        """
         if self.prefetch == 0:
             host = self._host_step()
         else:
@@ -332,10 +359,14 @@ class TokenLoader:
                 # The worker has stopped: keep failing instead of waiting on an empty queue.
                 self._error = host
                 raise host
+        rows, self.last_valid_samples = host
         out = []
-        for t in host:
+        for t, pad in rows:
             t = t.to(self.device, non_blocking=True)
-            out.append((t[:, :-1], t[:, 1:]))
+            targets = t[:, 1:]
+            if pad is not None:  # padding rows of an epoch's last step: no target counts
+                targets = targets.masked_fill(pad.to(self.device)[:, None], IGNORE_INDEX)
+            out.append((t[:, :-1], targets))
         self.consumed += 1
         return out
 

@@ -37,11 +37,11 @@ from hpctrain.data.shards import (
     atomic_write_json,
     dtype_name,
     file_checksum,
-    fsync_dir,
     write_shard,
 )
 from hpctrain.data.tokenizer import TokenizerSpec, load_tokenizer, token_dtype
 from hpctrain.errors import DataError
+from hpctrain.runtime.rundir import fsync_dir
 
 # Suffixes picked up when an input is a directory; an explicitly named file of any other suffix
 # is read as one plain-text document.

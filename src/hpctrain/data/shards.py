@@ -78,20 +78,6 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write(path, [(json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()])
 
 
-def fsync_dir(path: Path) -> None:
-    """Make renames in ``path`` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_shard(out: Path, index: int, tokens: np.ndarray, doc_starts: np.ndarray) -> dict:
     """Write shard ``index`` (tokens already in the target dtype); return its manifest entry."""
     dtype = np.dtype(tokens.dtype).newbyteorder("<")

@@ -30,8 +30,9 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from hpctrain.data.shards import MANIFEST, atomic_write, fsync_dir, load_manifest
+from hpctrain.data.shards import MANIFEST, atomic_write, load_manifest
 from hpctrain.errors import DataError, HpctrainError
+from hpctrain.runtime.rundir import fsync_dir
 
 log = logging.getLogger("hpctrain.data")
 

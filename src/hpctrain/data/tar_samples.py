@@ -34,8 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from hpctrain.data.shards import atomic_write_json, file_checksum, fsync_dir
+from hpctrain.data.shards import atomic_write_json, file_checksum
 from hpctrain.errors import DataError
+from hpctrain.runtime.rundir import fsync_dir
 
 TAR_FORMAT = "hpctrain-tar"
 TAR_VERSION = 1

@@ -9,7 +9,6 @@ again; the failure is recorded in the run's ``exit_info.json``.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -44,6 +43,11 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: RunDir, *, run_id:
     if nproc < 1:
         raise LaunchError(f"--nproc {nproc} must be >= 1")
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(grace_s)))
+    # The agent's shared rendezvous store outlives a restart with the previous attempt's keys
+    # in it: restarted ranks then read dead peers' addresses and the group never forms
+    # (seen with --max-restarts after a kill -9). Unshared, rank 0 of each attempt hosts a
+    # fresh store on a fresh port.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     for name in set(forward_signals) - _AGENT_HANDLED:
         signal.signal(getattr(signal, name), _forward_to_workers)
     if "OMP_NUM_THREADS" not in os.environ:
@@ -69,7 +73,9 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: RunDir, *, run_id:
         elastic_launch(config, sys.executable)("-m", "hpctrain", *worker_args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        if all(f.exitcode == PREEMPTED for f in e.failures.values()):
+        # The first rank to exit decides: after a preemption the others may be SIGTERMed by
+        # the agent on their way out, which changes their exit code, not the outcome.
+        if failure.exitcode == PREEMPTED:
             # The ranks checkpointed and wrote exit_info.json themselves: keep their account.
             err = LaunchError(f"preempted: all ranks checkpointed and exited with {PREEMPTED}",
                               hint=f"see {run_dir.exit_info_path}; rerun the same command "
@@ -79,8 +85,9 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: RunDir, *, run_id:
         reason = f"rank {rank} exited with code {failure.exitcode}"
         if failure.exitcode < 0:
             reason += f" ({failure.signal_name()})"
-        if not _rank_reported(run_dir, started):
-            # A killed rank wrote nothing itself; one that raised did, with the real reason.
+        if failure.exitcode < 0 or run_dir.failure_since(started) is None:
+            # A killed rank wrote nothing itself (a peer may have recorded its own, secondary
+            # error); a rank that raised did, with the real reason.
             error_file = failure.error_file if os.path.isfile(failure.error_file) else None
             run_dir.write_exit_info(exit_code=1, reason=reason, last_checkpoint=None,
                                     extra={"failed_ranks": sorted(e.failures),
@@ -89,15 +96,6 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: RunDir, *, run_id:
             f"training failed: {reason}",
             hint=f"see {run_dir.rank_log(rank)} and {run_dir.exit_info_path}",
         ) from None
-
-
-def _rank_reported(run_dir: RunDir, since: float) -> bool:
-    """Whether a rank of this launch wrote a failure into exit_info.json."""
-    try:
-        info = json.loads(run_dir.exit_info_path.read_text())
-    except (OSError, ValueError):
-        return False
-    return info.get("exit_code") != 0 and info.get("timestamp", 0) >= since
 
 
 def _forward_to_workers(signum: int, frame) -> None:

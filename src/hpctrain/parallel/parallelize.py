@@ -57,6 +57,9 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh, device:
             device_ids=[device.index] if device.type == "cuda" else None,
             # Gradients are written into the communication buckets directly: one copy fewer.
             gradient_as_bucket_view=True,
+            # The only buffer (the RoPE table) is derived, identical on every rank: broadcasting
+            # it before every forward would be a collective per step for nothing.
+            broadcast_buffers=False,
         )
     return model
 

@@ -116,6 +116,20 @@ class RunDir:
         }
         write_json_atomic(self.exit_info_path, info)
 
+    def failure_since(self, since: float) -> dict[str, Any] | None:
+        """The failure recorded in exit_info.json at or after ``since``, if any.
+
+        The first failure of an attempt is the cause; the ones that follow (peers losing their
+        connection to a dead or hung rank) must not overwrite its account.
+        """
+        try:
+            info = json.loads(self.exit_info_path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(info, dict) or info.get("exit_code") == 0:
+            return None
+        return info if info.get("timestamp", 0) >= since else None
+
 
 def json_safe(value: Any) -> Any:
     """Return `value` with non-finite floats as the strings "nan", "inf", "-inf" (strict JSON)."""
@@ -147,11 +161,12 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def _fsync_dir(folder: Path) -> None:
-    # Makes the rename itself durable: without it a node crash can lose the new directory entry.
+def fsync_dir(folder: Path) -> None:
+    """Make a directory's new entries and renames durable (a no-op where it is refused)."""
+    # Without it a node crash can lose a renamed file's new directory entry.
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:

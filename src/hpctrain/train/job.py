@@ -54,6 +54,7 @@ def run_training(cfg: JobConfig, source: Path | None = None) -> TrainResult:
     setup_rank_logging(run_dir, env, console=env.rank == 0)
     # Installed first: a signal that arrives during start-up is answered at the first step.
     preempt = PreemptionFlag(cfg.preempt)
+    started = time.time()
     watchdog = trainer = None
     try:
         ctx = init_distributed(cfg.run, env, cfg.parallel.strategy)
@@ -81,10 +82,11 @@ def run_training(cfg: JobConfig, source: Path | None = None) -> TrainResult:
     except BaseException as e:
         reason = f"{type(e).__name__}: {e}"
         log.error("rank %d failed: %s", env.rank, reason, exc_info=not _is_user_error(e))
-        run_dir.write_exit_info(
-            exit_code=_exit_code(e), reason=reason,
-            last_checkpoint=trainer.last_checkpoint if trainer else None,
-            extra={"rank": env.rank, "host": socket.gethostname()})
+        if run_dir.failure_since(started) is None:  # a watchdog's or peer's account comes first
+            run_dir.write_exit_info(
+                exit_code=_exit_code(e), reason=reason,
+                last_checkpoint=trainer.last_checkpoint if trainer else None,
+                extra={"rank": env.rank, "host": socket.gethostname()})
         raise
     finally:
         if watchdog is not None:

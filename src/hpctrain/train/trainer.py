@@ -28,7 +28,13 @@ from hpctrain import faults
 from hpctrain.checkpoint.manager import CheckpointManager, step_dir_name
 from hpctrain.checkpoint.schedule import SaveSchedule
 from hpctrain.config import JobConfig
-from hpctrain.data.loader import BatchLayout, GlobalOrderSampler, TokenLoader, build_dataset
+from hpctrain.data.loader import (
+    IGNORE_INDEX,
+    BatchLayout,
+    GlobalOrderSampler,
+    TokenLoader,
+    build_dataset,
+)
 from hpctrain.errors import ConfigError, HpctrainError
 from hpctrain.models import Transformer, count_params, flops_per_token
 from hpctrain.observe.metrics import MetricsWriter
@@ -47,8 +53,9 @@ log = logging.getLogger("hpctrain.train")
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy, computed in fp32 whatever the logits' dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    """Summed next-token cross entropy in fp32; ``IGNORE_INDEX`` targets (padding) add 0."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum",
+                           ignore_index=IGNORE_INDEX)
 
 
 class NonFiniteLossError(HpctrainError):
@@ -115,7 +122,8 @@ class Trainer:
 
         dataset = build_dataset(cfg.data)
         self.val_dataset = build_dataset(cfg.data, split="val") if cfg.data.val_fraction else None
-        sampler = GlobalOrderSampler(len(dataset), self.layout, cfg.run.seed)
+        sampler = GlobalOrderSampler(len(dataset), self.layout, cfg.run.seed,
+                                     remainder=cfg.data.remainder)
         self.loader = TokenLoader(dataset, sampler, self.device, cfg.data.prefetch)
 
         self.guard = BadStepGuard(cfg.guard, self.device)
@@ -143,11 +151,16 @@ class Trainer:
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
                          ) -> torch.Tensor:
-        """Forward and backward over one step's micro-batches; returns the mean loss (on device).
+        """Forward and backward over one step's micro-batches (gradients synchronised across
+        ranks on the last one only); returns this rank's share of the step's global mean loss.
 
-        Gradients are synchronised across ranks only on the last micro-batch.
+        Each micro-batch contributes its summed token loss over the step's global count of
+        real target tokens, so padding and uneven micro-batches weigh exactly what they hold.
+        Data parallelism averages gradients over ranks, hence the ``world`` factor.
         """
         n = len(micro_batches)
+        world = self.dist.world_size
+        denom = float(self.loader.last_valid_samples * micro_batches[0][1].shape[1])
         total = torch.zeros((), device=self.device, dtype=torch.float32)
         poison = faults.active("nan", self.step + 1)
         for i, (inputs, targets) in enumerate(micro_batches):
@@ -155,12 +168,12 @@ class Trainer:
                 loss = self.loss_fn(self.model(inputs), targets)
             if poison:
                 loss = loss * float("nan")
-            scaled = loss / n
+            share = loss / denom
             if self.scaler is not None:
-                self.scaler.scale(scaled).backward()
+                self.scaler.scale(share * world).backward()
             else:
-                scaled.backward()
-            total += scaled.detach()
+                (share * world).backward()
+            total += share.detach()
         return total
 
     def train_step(self, micro_batches) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,8 +184,7 @@ class Trainer:
         """
         loss = self.forward_backward(micro_batches)
         if self.dist.world_size > 1:
-            dist.all_reduce(loss)  # SUM (gloo has no AVG); every rank judges the same value
-            loss = loss / self.dist.world_size
+            dist.all_reduce(loss)  # the sum of the ranks' shares: every rank judges one value
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -217,8 +229,6 @@ class Trainer:
                 loss, norm = self.train_step(micro_batches)
                 self.step += 1
                 window.add(loss, norm)
-                self.watchdog.beat(self.step, "checkpoint/control")
-                self._between_steps()
                 if self.step % every == 0 or self.step == tc.steps:
                     record = self._log(window)
                     last_loss = record["loss"]
@@ -229,6 +239,9 @@ class Trainer:
                     window = _Window(self.device, skipped_before=window.skipped_before)
                 if tc.val_every and self.step % tc.val_every == 0 and self.step < tc.steps:
                     self.validate()
+                # Last: a preemption exits from here, after this step's metrics are written.
+                self.watchdog.beat(self.step, "checkpoint/control")
+                self._between_steps()
         self.validate()
         if self.cfg.checkpoint.save_at_end and self.last_checkpoint != step_dir_name(self.step):
             self.save(blocking=True)

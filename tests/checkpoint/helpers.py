@@ -1,0 +1,107 @@
+"""Small models, optimizers and file damage for the checkpoint tests (no pytest fixtures here).
+
+Imported by the tests in this folder and by the spawned gloo ranks of ``test_manager.py``, so
+it must stay importable by path from a fresh interpreter (``torch.multiprocessing`` spawn).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from hpctrain.checkpoint.config import CheckpointConfig
+from hpctrain.checkpoint.manager import CheckpointManager
+
+
+class TinyNet(torch.nn.Module):
+    """Two linear layers and a norm: matrices (decayed) and vectors (not), like the real model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.out = torch.nn.Linear(16, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.norm(self.inp(x))))
+
+
+def make_model(seed: int = 0) -> TinyNet:
+    """A TinyNet whose weights depend only on ``seed``."""
+    torch.manual_seed(seed)
+    return TinyNet()
+
+
+def make_optimizer(model: torch.nn.Module, lr: float = 1e-2) -> torch.optim.AdamW:
+    """Fused AdamW with two param groups (decay / no decay), as hpctrain builds it."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), fused=True)
+
+
+def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int, seed: int = 1) -> None:
+    """``n`` optimizer steps on fixed random data (fills the optimizer's moments)."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randn(4, 8, generator=g)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """What the trainer hands the manager: canonical model and optimizer state dicts."""
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def put_state(model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load state dicts filled by ``CheckpointManager.load`` back into model and optimizer."""
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def manager(root: Path, **cfg: Any) -> CheckpointManager:
+    """A manager over the default process group (which must be up)."""
+    return CheckpointManager(CheckpointConfig(**cfg), root, rank=dist.get_rank(),
+                             world_size=dist.get_world_size(), device=torch.device("cpu"),
+                             group=dist.group.WORLD)
+
+
+def flip_byte(path: Path, offset: int | None = None) -> None:
+    """Corrupt one byte in place (size unchanged): only a checksum can notice."""
+    raw = bytearray(path.read_bytes())
+    i = len(raw) // 2 if offset is None else offset
+    raw[i] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for a gloo rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tmp_dirs(root: Path) -> list[str]:
+    """Leftover temporary/trash directories of a checkpoint root."""
+    return sorted(p.name for p in root.iterdir() if p.name.startswith((".tmp-", ".trash-")))
+
+
+def on_disk_files(ckpt_dir: Path) -> set[str]:
+    """Every file of a committed checkpoint except the manifest itself."""
+    return {p.name for p in ckpt_dir.iterdir() if p.is_file() and p.name != "manifest.json"}
+
+
+def init_env(rank: int, world_size: int, port: int) -> None:
+    """Environment a gloo rank needs (RANK is also what fault injection reads)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
