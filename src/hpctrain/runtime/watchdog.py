@@ -53,6 +53,7 @@ class Watchdog:
         self.hosts = hosts  # host of each rank, by rank
         self.store = store
         self._deadline_paused = True  # armed by the first beat after start-up/compilation
+        self._started = time.time()
         self._last = time.monotonic()
         self._step = 0
         self._phase = "start-up"
@@ -101,15 +102,21 @@ class Watchdog:
                     faulthandler.dump_traceback(file=stream, all_threads=True)
                     stream.flush()
         suspect, steps = self._suspect()
-        self.run_dir.write_exit_info(
-            exit_code=HUNG,
-            reason=f"watchdog: rank {self.rank} waited {waited:.0f} s in {self._phase!r} at step "
-            f"{self._step + 1}; suspected rank {suspect} on {self._host(suspect)}",
-            last_checkpoint=None,
-            extra={"rank": self.rank, "suspect_rank": suspect,
-                   "suspect_host": self._host(suspect), "phase": self._phase,
-                   "heartbeat_steps": steps},
-        )
+        named = (f"suspected rank {suspect} on {self._host(suspect)}" if suspect is not None
+                 else "no heartbeats readable (the store's host is gone)")
+        log.error("watchdog: %s; heartbeats %s", named, steps)
+        # The first rank to fire still reached the store and names the laggard; a later one
+        # (whose store may have left with that rank) must not overwrite its account.
+        if self.run_dir.failure_since(self._started) is None:
+            self.run_dir.write_exit_info(
+                exit_code=HUNG,
+                reason=f"watchdog: rank {self.rank} waited {waited:.0f} s in {self._phase!r} at "
+                f"step {self._step + 1}; {named}",
+                last_checkpoint=None,
+                extra={"rank": self.rank, "suspect_rank": suspect,
+                       "suspect_host": self._host(suspect), "phase": self._phase,
+                       "heartbeat_steps": steps},
+            )
         os._exit(HUNG)
 
     def _host(self, rank: int | None) -> str | None:
@@ -128,7 +135,9 @@ class Watchdog:
             except Exception:
                 steps[rank] = None  # never beat, or the store is gone
         known = {r: s for r, s in steps.items() if s is not None}
+        if not known:
+            return None, steps
         missing = [r for r, s in steps.items() if s is None]
         if missing:
             return missing[0], steps
-        return (min(known, key=known.get) if known else self.rank), steps
+        return min(known, key=known.get), steps
