@@ -23,7 +23,7 @@ TINY = ["run.device=cpu", "data.source=stdlib", "data.max_bytes=300000", "data.s
         "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
         "model.ffn_dim=128", "train.micro_batch=2", "train.precision=fp32",
         "train.deterministic=true", "optim.warmup_steps=2", "metrics.log_every=1",
-        "metrics.progress=false", "checkpoint.interval=none"]
+        "metrics.progress=false", "checkpoint.interval=none", "preempt.check_every=1"]
 
 
 def _script(tmp: Path, name: str, overrides: list[str], *, pause_at: int | None = None,

@@ -46,7 +46,8 @@ TIMEOUT_S = 180.0
 LOSS_RTOL = 1e-6
 STEPS = 12
 # 2 ranks x micro_batch 2 = global batch 4; one process uses micro_batch 4.
-BASE = [*TINY, "data.source=stdlib", *QUIET, "preempt.grace_s=10"]
+# check_every=1: a signal is answered at the next step, which the assertions name exactly.
+BASE = [*TINY, "data.source=stdlib", *QUIET, "preempt.grace_s=10", "preempt.check_every=1"]
 TWO_DDP = ["parallel.strategy=ddp", "train.micro_batch=2"]
 TWO_FSDP = ["parallel.strategy=fsdp", "train.micro_batch=2"]
 ONE = ["parallel.strategy=none", "train.micro_batch=4"]

@@ -30,11 +30,16 @@ class PreemptConfig:
     # The local launcher waits this long after forwarding SIGTERM before SIGKILL. Under Slurm
     # the same role is played by KillWait (and --signal=SIG@seconds ahead of the time limit).
     grace_s: float = 120.0
+    # Steps between the ranks' agreement on signals (and time-based saves): each agreement is
+    # a CPU collective that makes the ranks' host threads wait for each other.
+    check_every: int = 10
 
     def validate(self) -> None:
         """Every name must be a real catchable signal; the grace positive."""
         if self.grace_s <= 0:
             raise ConfigError(f"preempt.grace_s = {self.grace_s} must be positive")
+        if self.check_every < 1:
+            raise ConfigError(f"preempt.check_every = {self.check_every} must be >= 1")
         for name in self.signals:
             if not hasattr(signal, name) or name in ("SIGKILL", "SIGSTOP"):
                 raise ConfigError(f"preempt.signals: {name!r} is not a catchable signal",

@@ -314,8 +314,13 @@ class Trainer:
         """Raise a failed background save, agree on preemption and saves, roll back if needed."""
         self.ckpt.poll()
         self._report_saves()
-        due_by_time = self.dist.rank == 0 and self.schedule.due_by_time()
-        preempt, save = self.control.exchange(self.preempt.requested is not None, due_by_time)
+        preempt = save = False
+        # The exchange aligns the ranks' host threads; every few steps is soon enough for a
+        # signal that comes minutes ahead of the kill (and for a time-based save).
+        if self.step % self.cfg.preempt.check_every == 0 or self.step == self.cfg.train.steps:
+            due_by_time = self.dist.rank == 0 and self.schedule.due_by_time()
+            preempt, save = self.control.exchange(self.preempt.requested is not None,
+                                                  due_by_time)
         if preempt:
             reason = self.preempt.requested or "a signal on another rank"
             log.warning("preemption (%s): checkpointing at step %d and stopping", reason,
