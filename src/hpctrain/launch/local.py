@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from hpctrain.errors import LaunchError
-from hpctrain.runtime.exit_codes import PREEMPTED
+from hpctrain.runtime.exit_codes import HUNG, PREEMPTED
 from hpctrain.runtime.rundir import RunDir
 
 log = logging.getLogger("hpctrain.launch")
@@ -73,9 +73,10 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: RunDir, *, run_id:
         elastic_launch(config, sys.executable)("-m", "hpctrain", *worker_args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        # The first rank to exit decides: after a preemption the others may be SIGTERMed by
-        # the agent on their way out, which changes their exit code, not the outcome.
-        if failure.exitcode == PREEMPTED:
+        # After a preemption the ranks exit with 75; one still on its way out may be stopped
+        # by the agent's signal, which changes its exit code, not the outcome.
+        codes = [f.exitcode for f in e.failures.values()]
+        if PREEMPTED in codes and all(c == PREEMPTED or c < 0 for c in codes):
             # The ranks checkpointed and wrote exit_info.json themselves: keep their account.
             err = LaunchError(f"preempted: all ranks checkpointed and exited with {PREEMPTED}",
                               hint=f"see {run_dir.exit_info_path}; rerun the same command "
@@ -85,9 +86,13 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: RunDir, *, run_id:
         reason = f"rank {rank} exited with code {failure.exitcode}"
         if failure.exitcode < 0:
             reason += f" ({failure.signal_name()})"
-        if failure.exitcode < 0 or run_dir.failure_since(started) is None:
-            # A killed rank wrote nothing itself (a peer may have recorded its own, secondary
-            # error); a rank that raised did, with the real reason.
+        recorded = run_dir.failure_since(started)
+        # Whose account stays: a watchdog's (it names the rank that fell behind), else the
+        # launcher's when a rank was killed by a signal (it could write nothing; a peer's
+        # "connection closed" is only the echo), else the rank's own error message.
+        keep = recorded is not None and (recorded.get("exit_code") == HUNG
+                                         or failure.exitcode >= 0)
+        if not keep:
             error_file = failure.error_file if os.path.isfile(failure.error_file) else None
             run_dir.write_exit_info(exit_code=1, reason=reason, last_checkpoint=None,
                                     extra={"failed_ranks": sorted(e.failures),
