@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.config import JobConfig, dump_yaml
+from hpctrain.errors import HpctrainError
 from hpctrain.observe.metrics import MetricsWriter
 from hpctrain.runtime.dist import init_distributed, shutdown
 from hpctrain.runtime.env import ProcessEnv, detect_env
@@ -81,7 +82,7 @@ def run_training(cfg: JobConfig, source: Path | None = None) -> TrainResult:
         raise
     except BaseException as e:
         reason = f"{type(e).__name__}: {e}"
-        log.error("rank %d failed: %s", env.rank, reason, exc_info=not _is_user_error(e))
+        log.error("rank %d failed: %s", env.rank, reason, exc_info=not isinstance(e, HpctrainError))
         if run_dir.failure_since(started) is None:  # a watchdog's or peer's account comes first
             run_dir.write_exit_info(
                 exit_code=_exit_code(e), reason=reason,
@@ -139,12 +140,6 @@ def _gather_hosts(world_size: int) -> list[str]:
     hosts: list[str | None] = [None] * world_size
     dist.all_gather_object(hosts, socket.gethostname())
     return hosts
-
-
-def _is_user_error(e: BaseException) -> bool:
-    from hpctrain.errors import HpctrainError
-
-    return isinstance(e, HpctrainError)
 
 
 def _exit_code(e: BaseException) -> int:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.errors import ConfigError, HpctrainError
+from hpctrain.runtime import early_signals
 from hpctrain.runtime.exit_codes import PREEMPTED
 
 log = logging.getLogger("hpctrain.preempt")
@@ -56,7 +57,10 @@ class PreemptionFlag:
     """Installs the handlers; ``requested`` names the first signal received."""
 
     def __init__(self, cfg: PreemptConfig):
-        self.requested: str | None = None
+        # A signal caught while the process was still starting (python -m hpctrain).
+        early = [name for name in early_signals.received if name in cfg.signals]
+        early_signals.uninstall()
+        self.requested: str | None = early[0] if early else None
         self._previous = {}
         for name in cfg.signals:
             sig = getattr(signal, name)
