@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import psutil
 import pytest
 
+from hpctrain.launch.local import kill_tree
 from hpctrain.observe.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,17 +80,9 @@ def cli_command(args: list[str]) -> list[str]:
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the process group `proc` leads (started with start_new_session) and every
-    descendant: the elastic agent starts each worker in a session of its own."""
-    try:
-        kids = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.Error:
-        kids = []
-    with suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    for kid in kids:
-        with suppress(psutil.Error):
-            kid.kill()
+    """SIGKILL the process group `proc` leads (started with start_new_session) and all its
+    descendants (the elastic agent starts each worker in a session of its own)."""
+    kill_tree(proc.pid)
 
 
 @contextmanager

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import platform
 import re
-import signal
 import socket
 import statistics
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +23,7 @@ from typing import Any
 import torch
 
 from hpctrain.errors import ConfigError
+from hpctrain.launch.local import kill_tree
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
@@ -155,14 +153,12 @@ def run_command(argv: list[str], *, timeout: float, env: dict[str, str] | None =
         out, _ = proc.communicate(timeout=timeout)
         code = proc.returncode
     except subprocess.TimeoutExpired:
-        with suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, _ = proc.communicate()
         code = 124
         out += f"\nkilled after {timeout:.0f} s"
     finally:
-        with suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
     return code, (out or "")[-4000:], time.time() - start
 
 

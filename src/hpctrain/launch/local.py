@@ -103,6 +103,23 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: RunDir, *, run_id:
         ) from None
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL process ``pid``, its process group and every descendant.
+
+    The elastic agent starts each worker in a session of its own, so killing the launcher's
+    group alone would leave the ranks running (and holding the caller's pipes open).
+    """
+    try:
+        kids = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        kids = []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for kid in kids:
+        with contextlib.suppress(psutil.Error):
+            kid.kill()
+
+
 def _forward_to_workers(signum: int, frame) -> None:
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.NoSuchProcess):
