@@ -74,7 +74,6 @@ class CheckpointManager:
         self._stager = BlockingAsyncStager(cache_staged_state_dict=device.type == "cuda")
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.last_stall_s = 0.0
         # One record per committed save (step, seconds blocked, seconds writing, bytes), for
         # the caller to report; appended by whichever thread committed.
         self.completed: list[dict[str, float]] = []
@@ -94,16 +93,15 @@ class CheckpointManager:
         rng = _capture_rng(self.device)
         if blocking:
             self._write(step, state, meta, rng)
-            self.last_stall_s = time.perf_counter() - start
-            return self.last_stall_s
+            return time.perf_counter() - start
         staged = self._stager.stage(state)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.last_stall_s = time.perf_counter() - start
+        stall = time.perf_counter() - start
         self._thread = threading.Thread(target=self._background, args=(step, staged, meta, rng),
                                         name="hpctrain-checkpoint", daemon=True)
         self._thread.start()
-        return self.last_stall_s
+        return stall
 
     def poll(self) -> None:
         """Raise the failure of a finished background save (called once per step)."""
