@@ -18,13 +18,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from hpctrain.bench.common import run_command
 from hpctrain.observe.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,11 +51,10 @@ def train(out: Path, name: str, ranks: int, *overrides: str, fresh: bool = True)
     if ranks > 1:
         cmd += ["--nproc", str(ranks)]
     print("$", " ".join(cmd[2:]), flush=True)
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **MULTICAST_OFF},
-                          capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-3000:]
-        raise RuntimeError(f"{name} failed ({proc.returncode}):\n{tail}")
+    # run_command kills the launcher and its ranks on timeout (they live in their own sessions).
+    code, tail, _ = run_command(cmd, timeout=900, env={**os.environ, **MULTICAST_OFF}, cwd=REPO)
+    if code != 0:
+        raise RuntimeError(f"{name} failed ({code}):\n{tail}")
     return run_dir
 
 
