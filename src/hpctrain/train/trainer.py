@@ -128,6 +128,7 @@ class Trainer:
 
         self.guard = BadStepGuard(cfg.guard, self.device)
         self.lr_applied = 0.0  # the learning rate of the last update (for the metrics)
+        self._skipped_logged = 0.0  # bad steps already reported (the guard counts them all)
         self.step = 0
         self.last_checkpoint: str | None = None
         self.tokens_per_step = self.layout.micro_batch * tc.grad_accum * cfg.data.seq_len
@@ -236,7 +237,7 @@ class Trainer:
                     if self.step > every or tc.steps <= every:  # first window holds warm-up
                         rates.append(record["tokens_per_s"])
                     bar.update(self.step, record["loss"], record["tokens_per_s"], record["mfu"])
-                    window = _Window(self.device, skipped_before=window.skipped_before)
+                    window = _Window(self.device)
                 if tc.val_every and self.step % tc.val_every == 0 and self.step < tc.steps:
                     self.validate()
                 # Last: a preemption exits from here, after this step's metrics are written.
@@ -374,8 +375,8 @@ class Trainer:
         good_sum, good, skipped, streak = torch.stack(
             [w.good_loss_sum, w.good_steps, self.guard.skipped, self.guard.consecutive]
         ).tolist()
-        if skipped > w.skipped_before:
-            new = int(skipped - w.skipped_before)
+        if skipped > self._skipped_logged:
+            new = int(skipped - self._skipped_logged)
             log.warning("%d bad step(s) skipped in steps %d..%d (loss NaN/inf or a spike)", new,
                         self.step - w.steps + 1, self.step)
             self.metrics.write({"event": "bad_steps", "step": self.step, "skipped": new})
@@ -385,7 +386,7 @@ class Trainer:
                     f"{self.step - w.steps + 1}..{self.step}",
                     hint="guard.action=skip skips such steps; or lower optim.lr",
                 )
-        w.skipped_before = skipped
+        self._skipped_logged = skipped
         loss = good_sum / good if good else float("nan")
         tokens_per_s = w.steps * self.tokens_per_step / elapsed
         record = {
@@ -418,11 +419,10 @@ class Trainer:
 class _Window:
     """Device-side accumulators for one logging window: no host sync until it is read."""
 
-    def __init__(self, device: torch.device, skipped_before: float = 0.0):
+    def __init__(self, device: torch.device):
         self.start = time.perf_counter()
         self.steps = 0
         self.data_time = 0.0
-        self.skipped_before = skipped_before
         self.good_loss_sum = torch.zeros((), device=device)
         self.good_steps = torch.zeros((), device=device)
         self.last_norm = torch.zeros((), device=device)
