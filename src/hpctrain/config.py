@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import math
 import types
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -75,27 +76,50 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig
     """Read a YAML file (or start from defaults when None), apply ``a.b=value`` overrides."""
     raw: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(
-                f"config file {str(p)!r} does not exist",
-                expected="a YAML file such as configs/demo.yaml",
-                hint="run from the repository root or pass an absolute path",
-            )
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(
-                f"config file {str(p)!r} holds a {type(raw).__name__}",
-                expected="a mapping of sections (run, model, data, train, ...)",
-            )
+        raw = _read_yaml(Path(path))
     for item in overrides:
         apply_override(raw, item)
     cfg = from_dict(JobConfig, raw)
     cfg.validate()
     return cfg
+
+
+def _read_yaml(p: Path) -> dict[str, Any]:
+    """The mapping a config file holds, or ConfigError saying why it cannot be read."""
+    if p.is_dir():
+        raise ConfigError(
+            f"config file {str(p)!r} is a directory",
+            expected="a YAML file",
+            hint=f"pass one of the YAML files inside it, e.g. {p / 'demo.yaml'} "
+            "(the shipped ones are in configs/)",
+        )
+    if not p.is_file():
+        raise ConfigError(
+            f"config file {str(p)!r} does not exist",
+            expected="a YAML file such as configs/demo.yaml",
+            hint="run from the repository root or pass an absolute path",
+        )
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {str(p)!r} is not UTF-8 text (byte {e.start}: {e.reason})",
+            expected="a YAML file encoded as UTF-8",
+            hint="re-save it as UTF-8 (iconv -f latin1 -t utf-8), or check that this is the "
+            "config and not another file",
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror}") from None
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"config file {str(p)!r} holds a {type(raw).__name__}",
+            expected="a mapping of sections (run, model, data, train, ...)",
+        )
+    return raw
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
@@ -164,8 +188,17 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:  # Optional[X]: X's own error says more than "wrong type"
+            try:
+                return _coerce(options[0], value, path)
+            except ConfigError as e:
+                if get_origin(options[0]) in (list, tuple) or dataclasses.is_dataclass(options[0]):
+                    raise  # an error inside the structure: "or null" would not be the fix
+                raise ConfigError(e.what, expected=f"{e.expected or 'a value'} or null",
+                                  hint=e.hint) from None
         errors = []
-        for arg in (a for a in args if a is not type(None)):
+        for arg in options:
             try:
                 return _coerce(arg, value, path)
             except ConfigError as e:
@@ -204,6 +237,12 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
                 value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path} = {value!r} is not a number", expected="a number")
+        if not math.isfinite(value):
+            # NaN passes every comparison a validate() makes (nan <= 0 is False), so it would
+            # slip through and, e.g., turn gradient clipping off without a word.
+            raise ConfigError(f"{path} = {value!r} is not a finite number",
+                              expected="a finite number (NaN and infinity are refused)",
+                              hint="YAML reads .nan, .inf and 1e999 as non-finite floats")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
