@@ -1,0 +1,148 @@
+"""hpctrain beside torchtitan 0.2.2: the same shapes and layouts, alternately, in one call.
+
+    python benchmarks/peers/compare.py --layouts 1b-1gpu 1b-fsdp2 --steps 60
+    python benchmarks/peers/compare.py --layouts 1b-tp2 1b-pp2 8b-fsdp2-ac --repeat 2
+
+Each layout names both sides' settings (`LAYOUTS`); each side is a real training run (hpctrain
+through `hpctrain.bench.model`, torchtitan through `torchtitan_peer.py` beside this file), the
+warm-up windows skipped on both. With ``--repeat 2`` the pairs run hpctrain, torchtitan,
+torchtitan, hpctrain, so drift of the machine falls on both. It prints a Markdown table (tokens/s
+per GPU, MFU by hpctrain's convention for both, peak memory, ratio) and writes every row as JSON
+to ``--out``/compare.json. Every speed claim in the README comes from this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from torchtitan_peer import MULTICAST_OFF, PeerRun, run_peer  # noqa: E402
+
+from hpctrain.bench.model import run_model_bench  # noqa: E402
+from hpctrain.errors import HpctrainError  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Layout:
+    """One comparison: hpctrain's config and overrides, torchtitan's run, the GPUs both use."""
+
+    gpus: int
+    config: str
+    overrides: list[str] = field(default_factory=list)
+    peer: PeerRun = field(default_factory=PeerRun)
+    note: str = ""
+
+
+_1B, _8B = "configs/llama-1b.yaml", "configs/llama-8b-fsdp.yaml"
+LAYOUTS: dict[str, Layout] = {
+    "1b-1gpu": Layout(1, _1B, [], PeerRun(size="1b", gpus=1)),
+    "1b-fsdp2": Layout(2, _1B, ["parallel.strategy=fsdp"], PeerRun(size="1b", gpus=2)),
+    "1b-fsdp4": Layout(4, _1B, ["parallel.strategy=fsdp"], PeerRun(size="1b", gpus=4)),
+    # TP/PP with no FSDP dimension: torchtitan computes in fp32 unless its parameters are bf16
+    # (FIELD_NOTES), so the peer runs pure bf16 there: its fastest setting.
+    "1b-tp2": Layout(2, _1B, ["parallel.tp=2"],
+                     PeerRun(size="1b", gpus=2, tp=2, dp_shard=1, dtype="bfloat16"),
+                     "peer: pure bf16 (its fp32 default computes in fp32 with TP alone)"),
+    "1b-pp2": Layout(2, _1B, ["parallel.pp=2", "parallel.pp_schedule=1f1b",
+                              "train.micro_batch=1", "train.grad_accum=8"],
+                     PeerRun(size="1b", gpus=2, pp=2, dp_shard=1, local_batch=8,
+                             pp_microbatch_size=1, dtype="bfloat16"),
+                     "global batch 8 x 2048, 8 micro-batches of 1; peer: pure bf16"),
+    "8b-fsdp2-ac": Layout(2, _8B, [], PeerRun(size="8b", gpus=2, ac="full", local_batch=2)),
+    "8b-fsdp4-ac": Layout(4, _8B, [], PeerRun(size="8b", gpus=4, ac="full", local_batch=2)),
+}
+
+
+def run_ours(name: str, layout: Layout, steps: int, out: Path, timeout: float) -> dict:
+    """hpctrain's row for one layout."""
+    try:
+        row, _ = run_model_bench(REPO / layout.config, layout.overrides, nproc=layout.gpus,
+                                 out=out / f"hpctrain-{name}", steps=steps, log_every=5,
+                                 timeout=timeout, env={**os.environ, **MULTICAST_OFF})
+    except HpctrainError as e:
+        return {"side": "hpctrain", "layout": name, "error": str(e).splitlines()[0],
+                "log_tail": str(e)[-3000:]}
+    return {"side": "hpctrain", "layout": name, **row}
+
+
+def run_theirs(name: str, layout: Layout, steps: int, out: Path, timeout: float) -> dict:
+    """torchtitan's row for one layout."""
+    row = run_peer(replace(layout.peer, steps=steps), out / "torchtitan", timeout=timeout)
+    return {"side": "torchtitan", "layout": name, **row}
+
+
+def table(rows: list[dict], device: str) -> str:
+    """Side-by-side Markdown: per layout, the median of each side's runs and their ratio."""
+    lines = [f"Device: {device}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}", "",
+             "| layout | hpctrain tok/s/GPU | MFU | mem GB | torchtitan tok/s/GPU | MFU | "
+             "mem GiB | ratio | note |", "|---|---|---|---|---|---|---|---|---|"]
+    for name in dict.fromkeys(r["layout"] for r in rows):
+        ours = [r for r in rows if r["layout"] == name and r["side"] == "hpctrain"]
+        theirs = [r for r in rows if r["layout"] == name and r["side"] == "torchtitan"]
+        a, b = _summary(ours, "peak_mem_gb"), _summary(theirs, "peak_mem_gib")
+        ratio = f"{a[0] / b[0]:.2f}x" if a[0] and b[0] else "n/a"
+        lines.append(f"| {name} | {a[3]} | {a[1]} | {a[2]} | {b[3]} | {b[1]} | {b[2]} | "
+                     f"{ratio} | {LAYOUTS[name].note} |")
+    return "\n".join(lines)
+
+
+def _summary(rows: list[dict], mem_key: str) -> tuple[float | None, str, str, str]:
+    good = [r for r in rows if "error" not in r]
+    if not good:
+        return None, "", "", "error: " + (rows[0]["error"] if rows else "not run")
+    rates = [r["tokens_per_s_per_gpu"] for r in good]
+    mfu = [r["mfu_pct"] for r in good if r.get("mfu_pct") is not None]
+    shown = " / ".join(f"{x:,.0f}" for x in rates)
+    return (statistics.median(rates), f"{statistics.median(mfu):.1f}%" if mfu else "n/a",
+            f"{max(r[mem_key] for r in good):.1f}", shown)
+
+
+def main() -> None:
+    """Run the chosen layouts on both sides and print the table."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), required=True)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--repeat", type=int, default=1, help="pairs per layout (ABBA order)")
+    p.add_argument("--only", choices=["hpctrain", "torchtitan"], default=None)
+    p.add_argument("--out", type=Path, default=Path("runs/peers"))
+    p.add_argument("--timeout", type=float, default=900)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("compare needs CUDA GPUs")
+    out = args.out.resolve()
+    rows = []
+    for name in args.layouts:
+        layout = LAYOUTS[name]
+        if layout.gpus > torch.cuda.device_count():
+            print(f"== {name}: needs {layout.gpus} GPUs, skipped", flush=True)
+            continue
+        sides = [run_ours, run_theirs]
+        for i in range(args.repeat):
+            for run in (sides if i % 2 == 0 else sides[::-1]):
+                side = "hpctrain" if run is run_ours else "torchtitan"
+                if args.only and side != args.only:
+                    continue
+                print(f"== {name} {side}", flush=True)
+                row = run(name, layout, args.steps, out, args.timeout)
+                print(json.dumps({k: v for k, v in row.items() if k != "log_tail"}), flush=True)
+                if "error" in row:
+                    print(row.get("log_tail", ""), flush=True)
+                rows.append(row)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(json.dumps(rows, indent=1))
+    print(table(rows, torch.cuda.get_device_name(0)))
+
+
+if __name__ == "__main__":
+    main()
