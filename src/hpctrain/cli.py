@@ -36,7 +36,9 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sbatch", help="write a Slurm batch script for a training config",
                        description="Print a batch script with preemption manners "
-                       "(--signal without B:, --requeue, exit 75 = requeue).")
+                       "(--signal without B:, --requeue, exit 75 = requeue) that runs as "
+                       "written: the job works in this directory, with this interpreter, "
+                       "and its log folder is created now.")
     s.add_argument("config", type=Path)
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     for flag, kind, default in (("--nodes", int, 1), ("--tasks-per-node", int, 1),
@@ -47,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument(flag, type=kind, default=default)
     for flag in ("--partition", "--account", "--array"):
         s.add_argument(flag, default=None)
+    interpreter = s.add_mutually_exclusive_group()
+    interpreter.add_argument("--python", default=None, metavar="PATH",
+                             help="the job's Python, which must import hpctrain (default: the "
+                             "one running this command)")
+    interpreter.add_argument("--venv", default=None, metavar="DIR",
+                             help="run the job with DIR/bin/python")
     s.add_argument("-o", "--output", type=Path, default=None, help="write here, not stdout")
 
     c = sub.add_parser("config", help="print the resolved config (defaults + file + overrides)")
@@ -87,19 +95,30 @@ def _train(args: argparse.Namespace) -> None:
 
 def _sbatch(args: argparse.Namespace) -> None:
     from hpctrain.config import load_config
-    from hpctrain.launch.sbatch import SbatchParams, render_sbatch
+    from hpctrain.launch.sbatch import (
+        SbatchParams,
+        create_log_dir,
+        render_sbatch,
+        resolve_python,
+    )
 
     load_config(args.config, args.overrides)  # a bad config fails here, not on the cluster
-    text = render_sbatch(SbatchParams(
-        config=str(args.config), overrides=args.overrides, job_name=args.job_name,
-        nodes=args.nodes, tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
-        cpus_per_task=args.cpus_per_task, time=args.time, signal_lead_s=args.signal_lead_s,
-        partition=args.partition, account=args.account, array=args.array,
-        log_dir=args.log_dir))
+    workdir = Path.cwd()
+    params = SbatchParams(
+        config=str(args.config), workdir=str(workdir),
+        python=resolve_python(args.python, args.venv, workdir), overrides=args.overrides,
+        job_name=args.job_name, nodes=args.nodes, tasks_per_node=args.tasks_per_node,
+        gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, time=args.time,
+        signal_lead_s=args.signal_lead_s, partition=args.partition, account=args.account,
+        array=args.array, log_dir=args.log_dir)
+    text = render_sbatch(params)
+    logs = create_log_dir(params)
     if args.output is None:
         print(text, end="")
     else:
         args.output.write_text(text)
+        print(f"wrote {args.output} (logs go to {logs}/); submit it with: sbatch {args.output}",
+              file=sys.stderr)
 
 
 def _config(args: argparse.Namespace) -> None:

@@ -225,10 +225,12 @@ class SlurmCluster:
 
     # -- plumbing ----------------------------------------------------------------------------
     def run(self, tool: str, *args: str, check: bool = True, timeout: float = 30.0,
-            cwd: Path | None = None) -> subprocess.CompletedProcess:
-        """Run a Slurm client (``sbatch``, ``scontrol``, ...) against this cluster."""
+            cwd: Path | None = None, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+        """Run a Slurm client (``sbatch``, ``scontrol``, ...) against this cluster (`env`
+        replaces the client environment, which must then carry SLURM_CONF itself)."""
         cmd = [self.bins.get(tool, tool), *args]
-        done = subprocess.run(cmd, env=self.env, capture_output=True, text=True,
+        done = subprocess.run(cmd, env=env or self.env, capture_output=True, text=True,
                               timeout=timeout, cwd=cwd or self.root)
         if check and done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}\n"
@@ -243,9 +245,11 @@ class SlurmCluster:
 
     # -- jobs --------------------------------------------------------------------------------
     def sbatch(self, script_path: str | os.PathLike[str], *args: str,
-               script_args: Sequence[str] = (), cwd: Path | None = None) -> str:
+               script_args: Sequence[str] = (), cwd: Path | None = None,
+               env: dict[str, str] | None = None) -> str:
         """Submit `script_path` with sbatch options `args`; return the job id."""
-        done = self.run("sbatch", "--parsable", *args, str(script_path), *script_args, cwd=cwd)
+        done = self.run("sbatch", "--parsable", *args, str(script_path), *script_args, cwd=cwd,
+                        env=env)
         return done.stdout.strip().split(";")[0]
 
     def jobs(self, job_id: str) -> list[dict[str, str]]:

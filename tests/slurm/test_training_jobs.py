@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hpctrain.checkpoint.manifest import read_manifest, verify_files
-from hpctrain.launch.sbatch import SbatchParams, render_sbatch
+from hpctrain.launch.sbatch import SbatchParams, create_log_dir, render_sbatch
 from hpctrain.observe.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +30,6 @@ def _script(tmp: Path, name: str, overrides: list[str], *, pause_at: int | None 
             **params) -> Path:
     """The generated batch script; ``pause_at`` holds step N for 4 s (an injected, harmless
     stall) so a signal sent after N-1 logged steps lands mid-run, however fast the steps are."""
-    (tmp / "logs").mkdir(exist_ok=True)  # Slurm does not create --output directories
     python = sys.executable
     if pause_at is not None:
         python = str(tmp / f"{name}-python.sh")
@@ -38,13 +37,13 @@ def _script(tmp: Path, name: str, overrides: list[str], *, pause_at: int | None 
                                 f"export HPCTRAIN_FAULTS='hang@step={pause_at},seconds=4'\n"
                                 f'exec {sys.executable} "$@"\n')
         os.chmod(python, 0o755)
-    text = render_sbatch(SbatchParams(config="configs/demo.yaml",
-                                      overrides=[*TINY, f"run.out_dir={tmp / 'runs'}",
-                                                 f"run.name={name}", *overrides],
-                                      job_name=name, log_dir=str(tmp / "logs"),
-                                      python=python, **params))
+    p = SbatchParams(config="configs/demo.yaml", workdir=str(REPO), python=python,
+                     overrides=[*TINY, f"run.out_dir={tmp / 'runs'}", f"run.name={name}",
+                                *overrides],
+                     job_name=name, log_dir=str(tmp / "logs"), **params)
     path = tmp / f"{name}.sh"
-    path.write_text(text)
+    path.write_text(render_sbatch(p))
+    create_log_dir(p)  # as `hpctrain sbatch` does: Slurm does not create --output directories
     return path
 
 

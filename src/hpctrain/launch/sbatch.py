@@ -11,20 +11,40 @@ The script carries the cluster manners that make preemption cheap:
   ``scontrol`` (per array task); where it could not reach ``scontrol`` (a container), this
   script does it from outside.
 
-    hpctrain sbatch configs/llama-1b.yaml --nodes 2 --gpus-per-node 4 --time 04:00:00 > job.sh
+It also runs as written wherever it is submitted from: the job changes to the directory the
+script was generated in (so relative paths in the config and overrides mean what they meant
+there), runs the interpreter that generated it (or ``--python``/``--venv``), and writes its log
+into a folder created at generation time (Slurm opens ``--output`` before the script starts and
+never creates its folder).
+
+    hpctrain sbatch configs/llama-1b.yaml --nodes 2 --tasks-per-node 4 --gpus-per-node 4 -o train.sh
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hpctrain.errors import ConfigError
 from hpctrain.runtime.exit_codes import PREEMPTED
 
 # #SBATCH lines are not shell: values there cannot be quoted, so they must not need it.
 _SAFE = re.compile(r"[A-Za-z0-9._/-]+")
+_SAFE_CHARS = "letters, digits and . _ - /"
+_NAMES = re.compile(r"[A-Za-z0-9._,-]+")
+_ARRAY = re.compile(r"[0-9,:%-]+")
+_SIGNAL = re.compile(r"[A-Z0-9]+")
+# What the job's interpreter must manage: hpctrain itself, and torch beside it (found, not
+# imported: importing torch takes seconds).
+_CHECK_IMPORT = ("import importlib.util, sys, hpctrain; "
+                 "sys.exit(0 if importlib.util.find_spec('torch') else 3)")
+_CHECK_TIMEOUT_S = 120
 
 
 @dataclass
@@ -32,6 +52,9 @@ class SbatchParams:
     """What the batch script needs; every value is validated before rendering."""
 
     config: str
+    # Absolute: the job runs here, and an interpreter that imports hpctrain (resolve_python).
+    workdir: str
+    python: str
     overrides: list[str] = field(default_factory=list)
     job_name: str = "hpctrain"
     nodes: int = 1
@@ -46,8 +69,13 @@ class SbatchParams:
     partition: str | None = None
     account: str | None = None
     array: str | None = None
+    # Relative to workdir unless absolute.
     log_dir: str = "runs/slurm-logs"
-    python: str = "python3"
+
+    @property
+    def log_path(self) -> str:
+        """The absolute log folder (``--output`` is resolved by Slurm, not by this script)."""
+        return os.path.join(self.workdir, self.log_dir)
 
     def validate(self) -> None:
         """Reject values Slurm would reject later, or that would break the protocol."""
@@ -61,19 +89,91 @@ class SbatchParams:
                 expected="one task per GPU",
                 hint=f"use --tasks-per-node {self.gpus_per_node}",
             )
-        for key in ("job_name", "log_dir"):
-            if not _SAFE.fullmatch(getattr(self, key)):
-                raise ConfigError(f"--{key.replace('_', '-')} {getattr(self, key)!r} has "
-                                  "characters a batch script cannot carry unquoted",
-                                  expected="letters, digits and . _ - /")
+        for key in ("workdir", "python"):
+            if not os.path.isabs(getattr(self, key)):
+                raise ConfigError(f"{key} {getattr(self, key)!r} is not an absolute path",
+                                  expected="an absolute path, so the job finds it from any "
+                                  "directory")
+        for key, value, allowed, chars in (
+                ("job-name", self.job_name, _SAFE, _SAFE_CHARS),
+                ("partition", self.partition, _NAMES, "letters, digits and . _ - ,"),
+                ("account", self.account, _NAMES, "letters, digits and . _ - ,"),
+                ("array", self.array, _ARRAY, "an index list such as 0-15%4 or 1,3,5")):
+            if value is not None and not allowed.fullmatch(value):
+                raise ConfigError(f"--{key} {value!r} has characters an #SBATCH line cannot "
+                                  "carry", expected=chars)
+        if not _SAFE.fullmatch(self.log_path):
+            raise ConfigError(
+                f"the log folder {self.log_path!r} has characters an #SBATCH --output line "
+                "cannot carry (Slurm reads it unquoted, before any shell runs)",
+                expected=_SAFE_CHARS,
+                hint="pass --log-dir with an absolute path made of those characters, e.g. "
+                     "--log-dir $HOME/slurm-logs")
         parts = self.time.replace("-", ":").split(":")
         if not all(p.isdigit() for p in parts) or not 1 <= len(parts) <= 4:
             raise ConfigError(f"--time {self.time!r} is not a Slurm time",
                               expected="MM, HH:MM:SS or D-HH:MM:SS")
-        if self.signal_lead_s < 1 or self.signal.startswith(("B:", "SIG")):
+        if (self.signal_lead_s < 1 or self.signal.startswith(("B:", "SIG"))
+                or not _SIGNAL.fullmatch(self.signal)):
             raise ConfigError(f"--signal {self.signal!r} @ {self.signal_lead_s} s",
                               expected="a bare name such as USR2 and a lead of >= 1 s",
                               hint="no 'B:' prefix: the ranks, not the batch shell, need it")
+
+
+def resolve_python(python: str | None, venv: str | None, workdir: Path) -> str:
+    """The absolute interpreter for the job (default: this one), checked to import hpctrain."""
+    if venv is not None:
+        root = workdir / venv
+        if not root.is_dir():
+            raise ConfigError(f"--venv {venv}: no such directory",
+                              expected="a virtual environment with hpctrain installed",
+                              hint="create it with `make demo` (.venv) or python -m venv")
+        candidate = root / "bin" / "python"
+        if not candidate.exists():
+            raise ConfigError(f"--venv {venv}: {candidate} does not exist",
+                              expected="a virtual environment (DIR/bin/python)")
+    elif python is None:
+        candidate = Path(sys.executable)
+    elif os.sep not in python:
+        found = shutil.which(python)
+        if found is None:
+            raise ConfigError(f"--python {python}: not found on PATH",
+                              expected="a path to a Python interpreter that imports hpctrain")
+        candidate = Path(found)
+    else:
+        candidate = workdir / python
+    # absolute(), not resolve(): a venv's bin/python is a symlink to the base interpreter,
+    # which would lose the venv's site-packages.
+    candidate = candidate.absolute()
+    if not candidate.is_file() or not os.access(candidate, os.X_OK):
+        raise ConfigError(f"python {candidate}: not an executable file",
+                          expected="a Python interpreter that imports hpctrain")
+    check_python(str(candidate), workdir)
+    return str(candidate)
+
+
+def check_python(python: str, workdir: Path) -> None:
+    """Run `python` where the job will run it; refuse it unless it imports hpctrain."""
+    try:
+        done = subprocess.run([python, "-c", _CHECK_IMPORT], cwd=workdir, capture_output=True,
+                              text=True, timeout=_CHECK_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ConfigError(f"python {python}: could not run it ({exc})",
+                          expected="a Python interpreter that imports hpctrain") from exc
+    if done.returncode != 0:
+        missing = "torch" if done.returncode == 3 else "hpctrain"
+        detail = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+        raise ConfigError(
+            f"python {python} cannot import {missing} ({detail[0]}): the job would fail",
+            expected="the interpreter of an environment where hpctrain is installed",
+            hint="pass --venv DIR of that environment, or --python PATH to its interpreter")
+
+
+def create_log_dir(p: SbatchParams) -> Path:
+    """Create the job's log folder now: Slurm cannot start a job whose --output has none."""
+    path = Path(p.log_path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def render_sbatch(p: SbatchParams) -> str:
@@ -94,7 +194,7 @@ def render_sbatch(p: SbatchParams) -> str:
         f"#SBATCH --signal={p.signal}@{p.signal_lead_s}",
         "#SBATCH --requeue",
         "#SBATCH --open-mode=append",
-        f"#SBATCH --output={p.log_dir}/{p.job_name}-{out_pattern}.out",
+        f"#SBATCH --output={p.log_path}/{p.job_name}-{out_pattern}.out",
     ]
     if p.partition:
         lines.append(f"#SBATCH --partition={p.partition}")
@@ -104,9 +204,14 @@ def render_sbatch(p: SbatchParams) -> str:
         lines.append(f"#SBATCH --array={p.array}")
     cmd = " ".join(shlex.quote(a) for a in [p.python, "-m", "hpctrain", "train", p.config,
                                              *p.overrides])
+    log_prefix = shlex.quote(f"{p.log_path}/{p.job_name}-")
     lines += [
         "",
+        "# Slurm opens --output before this script starts and never creates its folder:",
+        "# `hpctrain sbatch` did (recreate it if it is removed before submitting).",
         "set -u",
+        "# Relative paths (config, data, runs/) mean what they meant where this was generated.",
+        f"cd -- {shlex.quote(p.workdir)} || exit 1",
         "# One thread pool per task sized to its CPUs; more would oversubscribe the node.",
         'export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"',
         'echo "hpctrain: job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on '
@@ -121,7 +226,7 @@ def render_sbatch(p: SbatchParams) -> str:
         '    if [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then',
         '        target="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"',
         "    fi",
-        f'    log="{p.log_dir}/{p.job_name}-${{target}}.out"',
+        f'    log={log_prefix}"${{target}}.out"',
         '    marker="HPCTRAIN_REQUEUE_BY_SCRIPT restart=${SLURM_RESTART_COUNT:-0} "',
         '    if grep -qs "$marker" "$log"; then',
         '        scontrol requeue "${target}"',

@@ -1,0 +1,40 @@
+#!/bin/bash
+#SBATCH --job-name=llama
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=4
+#SBATCH --cpus-per-task=16
+#SBATCH --gpus-per-node=4
+#SBATCH --time=04:00:00
+#SBATCH --signal=USR2@180
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=/scratch/alice/logs/llama-%A_%a.out
+#SBATCH --partition=gpu
+#SBATCH --account=proj-42
+#SBATCH --array=0-3%2
+
+# Slurm opens --output before this script starts and never creates its folder:
+# `hpctrain sbatch` did (recreate it if it is removed before submitting).
+set -u
+# Relative paths (config, data, runs/) mean what they meant where this was generated.
+cd -- /home/alice/hpctrain || exit 1
+# One thread pool per task sized to its CPUs; more would oversubscribe the node.
+export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"
+echo "hpctrain: job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}"
+
+srun --kill-on-bad-exit=1 '/opt/envs/train env/bin/python' -m hpctrain train configs/llama-1b.yaml parallel.strategy=fsdp
+rc=$?
+if [ "$rc" -eq 75 ]; then
+    # Preempted with a committed checkpoint. Rank 0 requeues itself when it can reach
+    # scontrol; inside a container it cannot, and asks for it in this log.
+    target="${SLURM_JOB_ID}"
+    if [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then
+        target="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"
+    fi
+    log=/scratch/alice/logs/llama-"${target}.out"
+    marker="HPCTRAIN_REQUEUE_BY_SCRIPT restart=${SLURM_RESTART_COUNT:-0} "
+    if grep -qs "$marker" "$log"; then
+        scontrol requeue "${target}"
+    fi
+fi
+exit "$rc"

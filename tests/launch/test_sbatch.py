@@ -1,0 +1,186 @@
+"""``hpctrain sbatch``: the script text, pinned by golden files, and what the command checks and
+creates so that the script runs as written (tests/slurm/test_sbatch_script.py submits it to a
+real Slurm).
+
+    .venv/bin/pytest tests/launch/test_sbatch.py -q
+    HPCTRAIN_UPDATE_GOLDEN=1 .venv/bin/pytest tests/launch/test_sbatch.py   # intended changes
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpctrain.cli import main
+from hpctrain.errors import ConfigError
+from hpctrain.launch.sbatch import SbatchParams, render_sbatch
+
+# main() is wrapped by torch's @record, which cannot install its fault handler on pytest's
+# captured stderr; that is noise here, not a finding.
+pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).parent / "golden"
+HOME = "/home/alice/hpctrain"
+
+CASES = {
+    "sbatch-single.sh": SbatchParams(
+        config="configs/demo.yaml", workdir=HOME, python=f"{HOME}/.venv/bin/python",
+        overrides=["train.steps=100", "run.name=first try", "data.path=data/web"]),
+    "sbatch-gpu-array.sh": SbatchParams(
+        config="configs/llama-1b.yaml", workdir=HOME, python="/opt/envs/train env/bin/python",
+        overrides=["parallel.strategy=fsdp"], job_name="llama", nodes=2, tasks_per_node=4,
+        gpus_per_node=4, cpus_per_task=16, time="04:00:00", signal_lead_s=180,
+        partition="gpu", account="proj-42", array="0-3%2", log_dir="/scratch/alice/logs"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_script_text_matches_golden_file(name: str) -> None:
+    text = render_sbatch(CASES[name])
+    path = GOLDEN / name
+    if os.environ.get("HPCTRAIN_UPDATE_GOLDEN") == "1":
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    expected = path.read_text()
+    diff = "".join(difflib.unified_diff(expected.splitlines(True), text.splitlines(True),
+                                        str(path), "rendered"))
+    assert text == expected, diff
+
+
+def _srun_argv(text: str) -> list[str]:
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("srun ")]
+    return shlex.split(line)
+
+
+def test_every_body_path_is_shell_quoted() -> None:
+    """Paths with spaces survive as single words: the interpreter, the config, the workdir."""
+    p = SbatchParams(config="my configs/demo.yaml", workdir="/home/a b/proj",
+                     python="/opt/my env/bin/python", overrides=["run.name=x y"],
+                     log_dir="/scratch/logs")
+    text = render_sbatch(p)
+    assert _srun_argv(text)[2:] == ["/opt/my env/bin/python", "-m", "hpctrain", "train",
+                                    "my configs/demo.yaml", "run.name=x y"]
+    (cd,) = [ln for ln in text.splitlines() if ln.startswith("cd ")]
+    assert shlex.split(cd) == ["cd", "--", "/home/a b/proj", "||", "exit", "1"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(log_dir="logs of mine"), "log folder"),            # relative: joined to the workdir
+    (dict(workdir="/home/a b/proj"), "log folder"),          # the default log dir lies below it
+    (dict(log_dir="/scratch/%u/logs"), "log folder"),        # '%' is a Slurm filename pattern
+    (dict(workdir="proj"), "absolute"),
+    (dict(python="python3"), "absolute"),
+    (dict(job_name="a\n#SBATCH --x"), "--job-name"),
+    (dict(partition="gpu --exclusive"), "--partition"),
+    (dict(account="a\nb"), "--account"),
+    (dict(array="0-3\n#SBATCH --x"), "--array"),
+    (dict(signal="USR2\n"), "--signal"),
+])
+def test_values_sbatch_lines_cannot_carry_are_refused(change: dict, message: str) -> None:
+    base = dict(config="c.yaml", workdir="/home/alice/p", python="/usr/bin/python3")
+    with pytest.raises(ConfigError, match=message):
+        render_sbatch(SbatchParams(**{**base, **change}))
+
+
+# -- the command --------------------------------------------------------------------------------
+
+
+def _sbatch(*args: str) -> None:
+    main(["sbatch", *args])
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A newcomer's project folder holding configs/demo.yaml, as the working directory."""
+    root = tmp_path / "proj"
+    (root / "configs").mkdir(parents=True)
+    shutil.copy(REPO / "configs" / "demo.yaml", root / "configs" / "demo.yaml")
+    monkeypatch.chdir(root)
+    return root
+
+
+def test_defaults_run_as_written_from_anywhere(project: Path) -> None:
+    """This interpreter, a cd to the generating folder, an absolute log folder that exists."""
+    assert not (project / "runs").exists()
+    _sbatch("configs/demo.yaml", "train.steps=3", "-o", "train.sh")
+    text = (project / "train.sh").read_text()
+    assert (project / "runs" / "slurm-logs").is_dir()  # created now: Slurm would not
+    assert _srun_argv(text)[2:] == [sys.executable, "-m", "hpctrain", "train",
+                                    "configs/demo.yaml", "train.steps=3"]
+    assert f"cd -- {project} || exit 1" in text.splitlines()
+    assert f"#SBATCH --output={project}/runs/slurm-logs/hpctrain-%j.out" in text.splitlines()
+
+
+def test_stdout_without_output_file(project: Path, capsys: pytest.CaptureFixture) -> None:
+    _sbatch("configs/demo.yaml", "--log-dir", "logs")
+    out = capsys.readouterr().out
+    assert out.startswith("#!/bin/bash\n") and f"--output={project}/logs/" in out
+    assert (project / "logs").is_dir()
+
+
+def test_venv_picks_its_interpreter(project: Path) -> None:
+    _sbatch("configs/demo.yaml", "--venv", sys.prefix, "-o", "train.sh")
+    argv = _srun_argv((project / "train.sh").read_text())
+    assert argv[2] == str(Path(sys.prefix) / "bin" / "python")
+
+
+def _fails(capsys: pytest.CaptureFixture, *args: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        _sbatch(*args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+def test_an_interpreter_without_hpctrain_is_refused(project: Path,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    # -S: no site-packages, so neither hpctrain nor torch; exactly a bare system python3.
+    bare = project / "bare-python"
+    bare.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -S "$@"\n')
+    bare.chmod(0o755)
+    err = _fails(capsys, "configs/demo.yaml", "--python", str(bare), "-o", "train.sh")
+    assert "cannot import hpctrain" in err and "--venv" in err, err
+    assert not (project / "train.sh").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--python", "no/such/python"], "not an executable file"),
+    (["--python", "no-such-python-on-path"], "not found on PATH"),
+    (["--venv", "no-such-venv"], "no such directory"),
+    (["--venv", "."], "bin/python does not exist"),
+    (["--log-dir", "my logs"], "log folder"),
+])
+def test_bad_interpreters_and_paths_are_user_errors(project: Path, capsys: pytest.CaptureFixture,
+                                                   args: list[str], message: str) -> None:
+    err = _fails(capsys, "configs/demo.yaml", *args, "-o", "train.sh")
+    assert message in err, err
+    assert not (project / "train.sh").exists()
+    assert not (project / "my logs").exists()
+
+
+def test_python_and_venv_exclude_each_other(project: Path, capsys: pytest.CaptureFixture) -> None:
+    err = _fails(capsys, "configs/demo.yaml", "--python", sys.executable, "--venv", sys.prefix)
+    assert "not allowed with" in err, err
+
+
+def test_a_folder_with_spaces_needs_an_explicit_log_dir(tmp_path: Path, capsys,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "my project"
+    (root / "configs").mkdir(parents=True)
+    shutil.copy(REPO / "configs" / "demo.yaml", root / "configs" / "demo.yaml")
+    monkeypatch.chdir(root)
+    err = _fails(capsys, "configs/demo.yaml", "-o", "train.sh")
+    assert "--log-dir" in err, err
+    logs = tmp_path / "logs"
+    _sbatch("configs/demo.yaml", "--log-dir", str(logs), "-o", "train.sh")
+    lines = (root / "train.sh").read_text().splitlines()
+    assert f"cd -- '{root}' || exit 1" in lines
+    assert logs.is_dir()
