@@ -1,6 +1,7 @@
 # The two commands a newcomer types. Both create or refresh .venv and install what they need.
 #   make demo   prepare the stdlib corpus into token shards, train the tiny model on them (2 CPU ranks)
-#   make test   run the test suite
+#   make test   install Slurm and munge (apt, as root), then run the test suite; tests/slurm start
+#               and stop their own munged, slurmctld and slurmd
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -28,8 +29,10 @@ demo: $(STAMP)
 	$(BIN)/hpctrain train configs/demo.yaml data.source=shards data.path=$(DEMO_DATA) \
 		model.vocab_size=257 --nproc 2
 
-# tests/slurm start a real single-node Slurm: install it first (as root with apt; else it says why
-# and the Slurm tests skip, or fail under CI=true).
+# Installs Slurm and munge first (scripts/install-slurm.sh: Debian packages with apt-get, as root;
+# a no-op when installed). tests/slurm then start their own single-node cluster (munged, slurmctld,
+# slurmd, config under a temp dir) and stop it at the end. Where it cannot install (not root,
+# offline) it says why and the Slurm tests skip; under CI=true (.ci/run sets it) it fails instead.
 test: $(STAMP)
 	bash scripts/install-slurm.sh
 	$(BIN)/ruff check src tests benchmarks
