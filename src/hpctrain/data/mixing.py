@@ -30,6 +30,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hpctrain.data.order import BatchLayout, GlobalOrderSampler
+from hpctrain.data.windows import gather_windows
 from hpctrain.errors import ConfigError
 
 # Positions per mixing block; must be >= (number of sources)^2 for the counts to be monotone.
@@ -93,8 +95,6 @@ class MixedTokens:
 
     def windows(self, indices: np.ndarray) -> np.ndarray:
         """Samples ``indices`` (global, as returned by `global_order`) stacked as int64."""
-        from hpctrain.data.loader import gather_windows
-
         indices = np.asarray(indices, dtype=np.int64)
         out = np.empty((len(indices), self.seq_len + 1), dtype=np.int64)
         src = np.searchsorted(self.offsets, indices, side="right") - 1
@@ -135,8 +135,6 @@ class MixedTokens:
 
     def _source_orders(self, seed: int) -> list:
         if self._seed != seed:
-            from hpctrain.data.loader import BatchLayout, GlobalOrderSampler
-
             self._orders = []
             for k, src in enumerate(self.sources):
                 s = GlobalOrderSampler(int(self.sizes[k]), BatchLayout(1, 1, 1, 0),
