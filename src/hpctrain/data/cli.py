@@ -18,6 +18,9 @@ from pathlib import Path
 
 from hpctrain.errors import ConfigError
 
+FOLLOW_HELP = ("also read symbolic links that lead out of the inputs (by default they are "
+               "skipped with a warning, so a link to /etc/shadow never ends up in shards)")
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``data`` and its subcommands on the top-level parser's ``sub``."""
@@ -45,6 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=None,
                    help="tokenizer processes (default: the CPUs available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--follow-symlinks", action="store_true", help=FOLLOW_HELP)
     p.add_argument("--task-count", type=int, default=None,
                    help="Slurm array mode: number of tasks; this task tokenizes its slice into "
                    "OUT/parts/, then `hpctrain data merge OUT` writes the shards")
@@ -68,6 +72,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--out", type=Path, required=True, help="output directory")
     k.add_argument("--shard-mb", type=float, default=256.0,
                    help="target shard size in MiB (default 256)")
+    k.add_argument("--follow-symlinks", action="store_true", help=FOLLOW_HELP)
     k.set_defaults(handler=_pack)
 
     t = dsub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer.json",
@@ -78,6 +83,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--out", type=Path, required=True, help="tokenizer.json to write")
     t.add_argument("--text-field", default="text", help="JSON field / Parquet column")
     t.add_argument("--eos-token", default="<|endoftext|>", help="special token ending documents")
+    t.add_argument("--follow-symlinks", action="store_true", help=FOLLOW_HELP)
     t.set_defaults(handler=_train_tokenizer)
 
     v = dsub.add_parser("verify", help="check every shard's checksum against the manifest")
@@ -122,11 +128,12 @@ def _prepare(args: argparse.Namespace) -> None:
                               hint="sbatch --array=0-15 ... hpctrain data prepare ... "
                               "--task-count 16")
         meta = prepare_task(inputs, args.out, settings, index, count, workers=workers,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, follow_symlinks=args.follow_symlinks)
         print(f"{meta}: task {index} of {count} done, {time.perf_counter() - t0:.1f}s; "
               f"when all are done: hpctrain data merge {args.out}")
         return
-    path = prepare(inputs, args.out, settings, workers=workers, progress=not args.no_progress)
+    path = prepare(inputs, args.out, settings, workers=workers, progress=not args.no_progress,
+                   follow_symlinks=args.follow_symlinks)
     m = load_manifest(path.parent)
     m.verify()
     print(f"{path.parent}: {len(m.shards)} shards, {m.num_tokens:,} tokens "
@@ -149,7 +156,7 @@ def _train_tokenizer(args: argparse.Namespace) -> None:
 
     t0 = time.perf_counter()
     path = train_bpe(args.inputs, args.out, args.vocab, text_field=args.text_field,
-                     eos_token=args.eos_token)
+                     eos_token=args.eos_token, follow_symlinks=args.follow_symlinks)
     tok = HFTokenizer(str(path), args.eos_token)
     print(f"{path}: byte-level BPE, vocab {tok.vocab_size}, EOS {tok.eos_token!r} = {tok.eos_id}, "
           f"{time.perf_counter() - t0:.1f}s")
@@ -161,7 +168,8 @@ def _pack(args: argparse.Namespace) -> None:
     if args.shard_mb <= 0:
         raise ConfigError(f"--shard-mb {args.shard_mb} must be positive")
     t0 = time.perf_counter()
-    path = pack(args.src, args.out, max(1, int(args.shard_mb * (1 << 20))))
+    path = pack(args.src, args.out, max(1, int(args.shard_mb * (1 << 20))),
+                follow_symlinks=args.follow_symlinks)
     raw = verify_tar(path.parent)
     print(f"{path.parent}: {len(raw['shards'])} tar shards, {raw['samples']:,} samples, "
           f"{sum(s['bytes'] for s in raw['shards']) / 1e6:,.1f} MB, "

@@ -4,9 +4,11 @@
     hpctrain data prepare --stdlib --out runs/data/stdlib          # the demo's corpus
 
 Inputs are files, directories (searched recursively for the known suffixes, sorted) and globs,
-in the order given. Each input file is one task: worker processes tokenize files in parallel and
-the main process appends their documents, in input order, to a token stream that it cuts into
-shards of ``shard_tokens``. So the output is byte-identical whatever the number of workers.
+in the order given; links out of the inputs, FIFOs and devices are skipped with a warning (see
+`hpctrain.data.inputs`). Each input file is one task: worker processes tokenize files in
+parallel and the main process appends their documents, in input order, to a token stream that
+it cuts into shards of ``shard_tokens``. So the output is byte-identical whatever the number of
+workers.
 Resume: after each shard, ``manifest.partial.json`` lists the finished shards and the input
 files they cover; a rerun with the same inputs and settings keeps those shards and skips the
 files they contain. ``manifest.json`` is written last and marks the directory as complete.
@@ -14,21 +16,19 @@ files they contain. ``manifest.json`` is written last and marks the directory as
 
 from __future__ import annotations
 
-import glob
-import gzip
-import io
 import json
 import multiprocessing
 import os
 import shutil
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from hpctrain.data.inputs import InputFile, expand_inputs, read_documents
 from hpctrain.data.shards import (
     DTYPES,
     FORMAT_VERSION,
@@ -37,15 +37,13 @@ from hpctrain.data.shards import (
     atomic_write_json,
     dtype_name,
     file_checksum,
+    make_out_dir,
     write_shard,
 )
 from hpctrain.data.tokenizer import TokenizerSpec, load_tokenizer, token_dtype
 from hpctrain.errors import DataError
 from hpctrain.runtime.rundir import fsync_dir
 
-# Suffixes picked up when an input is a directory; an explicitly named file of any other suffix
-# is read as one plain-text document.
-KNOWN_SUFFIXES = (".txt", ".md", ".jsonl", ".jsonl.zst", ".json.gz", ".jsonl.gz", ".parquet")
 DEFAULT_SHARD_BYTES = 256 << 20
 
 
@@ -58,112 +56,6 @@ class PrepareSettings:
     shard_tokens: int = 0  # 0: DEFAULT_SHARD_BYTES worth of tokens
 
 
-# -- inputs ------------------------------------------------------------------------------------
-
-
-def _suffix(path: Path) -> str:
-    name = path.name.lower()
-    for suf in sorted(KNOWN_SUFFIXES, key=len, reverse=True):
-        if name.endswith(suf):
-            return suf
-    return path.suffix.lower()
-
-
-def expand_inputs(inputs: list[str]) -> list[Path]:
-    """Files named by ``inputs`` (files, directories, globs), in a fixed order."""
-    files: list[Path] = []
-    for item in inputs:
-        p = Path(item)
-        if p.is_dir():
-            found = sorted((f for f in p.rglob("*") if f.is_file() and _suffix(f) in KNOWN_SUFFIXES
-                            and not any(part.startswith(".") for part in f.relative_to(p).parts)),
-                           key=lambda f: f.relative_to(p).as_posix())
-            if not found:
-                raise DataError(f"input directory {item!r} holds no files ending in "
-                                f"{', '.join(KNOWN_SUFFIXES)}", hint="name the files explicitly")
-            files.extend(found)
-        elif p.is_file():
-            files.append(p)
-        elif glob.has_magic(item):
-            found = sorted(Path(f) for f in glob.glob(item, recursive=True) if Path(f).is_file())
-            if not found:
-                raise DataError(f"input pattern {item!r} matches no files")
-            files.extend(found)
-        else:
-            raise DataError(f"input {item!r} does not exist",
-                            expected="a file, a directory or a glob pattern")
-    if not files:
-        raise DataError("no input files given", hint="hpctrain data prepare INPUT... --out DIR")
-    return files
-
-
-def _json_lines(stream: io.TextIOBase, path: Path, field: str) -> Iterator[str]:
-    first = True
-    for lineno, line in enumerate(stream, 1):
-        if first and line.lstrip().startswith("["):  # a JSON array of records, not JSON lines
-            yield from _json_array(line + stream.read(), path, field)
-            return
-        first = False
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as e:
-            raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
-        if not isinstance(record, dict) or field not in record:
-            raise DataError(f"{path}:{lineno}: record has no field {field!r}",
-                            hint="name the text field with --text-field")
-        yield record[field]
-
-
-def _json_array(text: str, path: Path, field: str) -> Iterator[str]:
-    try:
-        records = json.loads(text)
-    except ValueError as e:
-        raise DataError(f"{path}: not valid JSON ({e})") from None
-    for i, record in enumerate(records):
-        if not isinstance(record, dict) or field not in record:
-            raise DataError(f"{path}: record {i} has no field {field!r}",
-                            hint="name the text field with --text-field")
-        yield record[field]
-
-
-def _optional(module: str, path: Path, package: str):
-    try:
-        return __import__(module, fromlist=["_"])
-    except ImportError:
-        raise DataError(f"reading {str(path)!r} needs the '{package}' package, which is not "
-                        "installed", hint=f"pip install {package}  (or: pip install "
-                        "'hpctrain[data]')") from None
-
-
-def read_documents(path: Path, field: str = "text") -> Iterator[str | bytes]:
-    """The documents of one input file, in file order."""
-    suf = _suffix(path)
-    if suf in (".jsonl", ".jsonl.zst", ".json.gz", ".jsonl.gz"):
-        if suf == ".jsonl.zst":
-            zstd = _optional("zstandard", path, "zstandard")
-            raw = zstd.ZstdDecompressor().stream_reader(open(path, "rb"),  # noqa: SIM115
-                                                        closefd=True)
-        elif suf.endswith(".gz"):
-            raw = gzip.open(path, "rb")  # noqa: SIM115 - closed by the TextIOWrapper below
-        else:
-            raw = open(path, "rb")  # noqa: SIM115
-        with io.TextIOWrapper(raw, encoding="utf-8", errors="replace") as stream:
-            yield from _json_lines(stream, path, field)
-    elif suf == ".parquet":
-        pq = _optional("pyarrow.parquet", path, "pyarrow")
-        pf = pq.ParquetFile(path)
-        if field not in pf.schema_arrow.names:
-            raise DataError(f"{path}: no column {field!r} (columns: "
-                            f"{', '.join(pf.schema_arrow.names)})",
-                            hint="name the text column with --text-field")
-        for batch in pf.iter_batches(columns=[field]):
-            yield from (t for t in batch.column(0).to_pylist() if t is not None)
-    else:
-        yield path.read_bytes()
-
-
 # -- tokenizing (worker side) ------------------------------------------------------------------
 
 _worker_tok = None
@@ -174,15 +66,16 @@ def _init_worker(spec: TokenizerSpec) -> None:
     _worker_tok = load_tokenizer(spec)
 
 
-def tokenize_file(job: tuple[str, str, int]) -> tuple[np.ndarray, np.ndarray] | DataError:
+def tokenize_file(job: tuple[InputFile, str, int]) -> tuple[np.ndarray, np.ndarray] | DataError:
     """(tokens with EOS after each document, document start offsets) of one file."""
-    path, field, skip = job
+    file, field, skip = job
+    path = str(file.path)
     tok = _worker_tok
     dtype = token_dtype(tok.vocab_size)
     eos = np.array([tok.eos_id], dtype=dtype)
     parts, lengths = [], []
     try:
-        for doc in read_documents(Path(path), field):
+        for doc in read_documents(file, field):
             if not isinstance(doc, (str, bytes)):
                 raise DataError(f"{path}: a document is a {type(doc).__name__}, not text")
             ids = tok.encode(doc)
@@ -194,7 +87,7 @@ def tokenize_file(job: tuple[str, str, int]) -> tuple[np.ndarray, np.ndarray] | 
         return e
     except (OSError, EOFError, UnicodeDecodeError) as e:
         return DataError(f"cannot read input {path!r}: {e}")
-    except Exception as e:  # noqa: BLE001 - zstd/arrow errors: report the file, not a traceback
+    except Exception as e:  # noqa: BLE001 - tokenizer errors: report the file, not a traceback
         return DataError(f"cannot read input {path!r}: {type(e).__name__}: {e}")
     tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
     starts = np.cumsum([0, *lengths[:-1]], dtype=np.int64) if lengths else np.zeros(0, np.int64)
@@ -246,25 +139,23 @@ class _ShardWriter:
         self.on_shard()
 
 
-def _input_record(path: Path) -> dict:
-    try:
-        return {"path": str(path), "bytes": path.stat().st_size}
-    except OSError as e:
-        raise DataError(f"cannot read input {str(path)!r}: {e.strerror}") from None
+def _input_record(file: InputFile) -> dict:
+    return {"path": str(file.path), "bytes": file.size}
 
 
 def prepare(inputs: list[str] | list[Path], out: str | Path, settings: PrepareSettings,
-            workers: int = 1, progress: bool = False, stop_after_shards: int | None = None) -> Path:
+            workers: int = 1, progress: bool = False, stop_after_shards: int | None = None,
+            follow_symlinks: bool = False) -> Path:
     """Tokenize ``inputs`` into shards under ``out``; return the manifest path.
 
     ``stop_after_shards`` stops (raising KeyboardInterrupt) once that many shards are finished
-    in this call: the seam the tests use to interrupt a run.
+    in this call: the seam the tests use to interrupt a run. ``follow_symlinks``: also read
+    links that lead out of the inputs (see `hpctrain.data.inputs`).
     """
-    files = expand_inputs([str(i) for i in inputs])
+    files = expand_inputs([str(i) for i in inputs], follow_symlinks=follow_symlinks)
     records = [_input_record(f) for f in files]
     head, dtype, shard_tokens = _job_head(settings)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_out_dir(Path(out))
     final, partial = out / MANIFEST, out / PARTIAL_MANIFEST
     if final.is_file():
         done = json.loads(final.read_text())
@@ -315,7 +206,7 @@ def prepare(inputs: list[str] | list[Path], out: str | Path, settings: PrepareSe
             raise KeyboardInterrupt(f"stopped after {stop['n']} shards (test seam)")
 
     writer = _ShardWriter(out, shard_tokens, dtype, shards, checkpoint)
-    jobs = [(str(f), settings.text_field, skip_first if i == done_files else 0)
+    jobs = [(f, settings.text_field, skip_first if i == done_files else 0)
             for i, f in enumerate(files)][done_files:]
     with _map(workers, settings.tokenizer, jobs) as results, \
             _Progress(progress, sum(r["bytes"] for r in records[done_files:])) as bar:
@@ -375,19 +266,18 @@ def _part_stem(task_index: int, task_count: int) -> str:
 
 def prepare_task(inputs: list[str] | list[Path], out: str | Path, settings: PrepareSettings,
                  task_index: int, task_count: int, workers: int = 1,
-                 progress: bool = False) -> Path:
+                 progress: bool = False, follow_symlinks: bool = False) -> Path:
     """Array task ``task_index``: tokenize its slice of the inputs into ``out/parts/``.
 
     The part is the task's token stream (documents with EOS, no shard cuts) and its document
     starts; `merge` concatenates the parts in task order and cuts the shards, so the result is
     byte-identical to one `prepare` over all inputs. A finished part is kept on a rerun.
     """
-    files = expand_inputs([str(i) for i in inputs])
+    files = expand_inputs([str(i) for i in inputs], follow_symlinks=follow_symlinks)
     records = [_input_record(f) for f in files]
     head, dtype, _ = _job_head(settings)
     lo, hi = task_slice([r["bytes"] for r in records], task_index, task_count)
-    parts = Path(out) / PARTS
-    parts.mkdir(parents=True, exist_ok=True)
+    parts = make_out_dir(make_out_dir(Path(out)) / PARTS)
     stem = _part_stem(task_index, task_count)
     meta_path = parts / f"{stem}.json"
     meta = {**head, "task_index": task_index, "task_count": task_count, "all_inputs": records,
@@ -398,7 +288,7 @@ def prepare_task(inputs: list[str] | list[Path], out: str | Path, settings: Prep
             return meta_path  # finished earlier
     tok_tmp, starts_tmp = parts / f"{stem}.tokens.tmp", parts / f"{stem}.starts.tmp"
     n_tok = n_docs = 0
-    jobs = [(str(f), settings.text_field, 0) for f in files[lo:hi]]
+    jobs = [(f, settings.text_field, 0) for f in files[lo:hi]]
     with open(tok_tmp, "wb") as ft, open(starts_tmp, "wb") as fs, \
             _map(workers, settings.tokenizer, jobs) as results, \
             _Progress(progress, sum(r["bytes"] for r in records[lo:hi])) as bar:

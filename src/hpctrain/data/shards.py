@@ -73,6 +73,19 @@ def atomic_write(path: Path, data_parts: list[bytes | memoryview | np.ndarray]) 
     return "sha256:" + h.hexdigest()
 
 
+def make_out_dir(path: Path) -> Path:
+    """Create the output directory ``path`` and its parents; an existing file is an error."""
+    if path.exists() and not path.is_dir():
+        raise DataError(f"output path {str(path)!r} exists and is not a directory",
+                        hint="name a new or an existing directory with --out")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot create output directory {str(path)!r}: {e.strerror}",
+                        hint="name a directory you can write with --out") from None
+    return path
+
+
 def atomic_write_json(path: Path, obj: Any) -> None:
     """Write JSON (sorted keys, so byte-identical for equal content) atomically."""
     atomic_write(path, [(json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()])

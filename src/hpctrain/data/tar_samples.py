@@ -4,10 +4,12 @@
 
 ``pack`` groups the files of a directory tree by key, WebDataset's way: ``a/x.jpg`` and
 ``a/x.json`` are sample ``a/x`` with fields ``jpg`` and ``json`` (the key ends at the basename's
-first dot). Samples are sorted by key and written into ``shard-NNNNNN.tar`` files of about the
-target size, each member with fixed metadata (mtime 0, uid 0, mode 0644), so the same input gives
-byte-identical shards. ``webdataset.WebDataset("data/images/shard-{000000..000003}.tar")``
-reads them; ``manifest.json`` lists per shard its sample count, size and SHA-256, and each
+first dot). Files are found as `hpctrain.data.inputs` says (no links out of the tree unless
+``follow_symlinks``, no FIFOs or devices). Samples are sorted by key and written into
+``shard-NNNNNN.tar`` files of about the target size, each member with fixed metadata (mtime 0,
+uid 0, mode 0644), so the same input gives byte-identical shards.
+``webdataset.WebDataset("data/images/shard-{000000..000003}.tar")`` reads them;
+``manifest.json`` lists per shard its sample count, size and SHA-256, and each
 ``shard-NNNNNN.idx.json`` the byte range of every member, so `TarSamples` can read any sample of
 a shard directly.
 
@@ -34,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from hpctrain.data.shards import atomic_write_json, file_checksum
+from hpctrain.data.inputs import InputFile, walk_tree
+from hpctrain.data.shards import atomic_write_json, file_checksum, make_out_dir
 from hpctrain.errors import DataError
 from hpctrain.runtime.rundir import fsync_dir
 
@@ -49,23 +52,16 @@ Sample = dict[str, bytes]
 Decode = Callable[[Sample], Any]
 
 
-def _group(src: Path, exclude: Path | None) -> dict[str, dict[str, Path]]:
+def _group(src: Path, exclude: Path, follow_symlinks: bool) -> dict[str, dict[str, InputFile]]:
     """key -> {extension: file} for every regular, non-hidden file under ``src``."""
-    samples: dict[str, dict[str, Path]] = {}
-    for dirpath, dirnames, filenames in os.walk(src):
-        d = Path(dirpath)
-        dirnames[:] = sorted(n for n in dirnames if not n.startswith(".")
-                             and (exclude is None or (d / n).resolve() != exclude))
-        for name in filenames:
-            if name.startswith("."):
-                continue
-            rel = (d / name).relative_to(src).as_posix()
-            m = _KEY_EXT.match(rel)
-            if m is None:
-                raise DataError(f"{str(d / name)!r} has no extension, so it belongs to no sample",
-                                expected="files named KEY.EXT (x.jpg, x.json, x.cls)",
-                                hint="rename it or move it out of the directory")
-            samples.setdefault(m.group(1), {})[m.group(2)] = d / name
+    samples: dict[str, dict[str, InputFile]] = {}
+    for rel, f in walk_tree(src, follow_symlinks=follow_symlinks, exclude={exclude}):
+        m = _KEY_EXT.match(rel)
+        if m is None:
+            raise DataError(f"{str(f.path)!r} has no extension, so it belongs to no sample",
+                            expected="files named KEY.EXT (x.jpg, x.json, x.cls)",
+                            hint="rename it or move it out of the directory")
+        samples.setdefault(m.group(1), {})[m.group(2)] = f
     return samples
 
 
@@ -77,13 +73,18 @@ def _member(name: str, size: int) -> tarfile.TarInfo:
     return info
 
 
-def _write_tar(out: Path, index: int, batch: list[tuple[str, dict[str, Path]]]) -> dict:
+def _write_tar(out: Path, index: int, batch: list[tuple[str, dict[str, InputFile]]]) -> dict:
     stem = f"shard-{index:06d}"
     tmp = out / f"{stem}.tar.tmp"
     with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
         for key, fields in batch:
             for ext in sorted(fields):
-                data = fields[ext].read_bytes()
+                try:
+                    with fields[ext].open() as f:
+                        data = f.read()
+                except OSError as e:
+                    raise DataError(f"cannot read input {str(fields[ext].path)!r}: "
+                                    f"{e.strerror}") from None
                 tar.addfile(_member(f"{key}.{ext}", len(data)), io.BytesIO(data))
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
@@ -103,21 +104,22 @@ def _write_tar(out: Path, index: int, batch: list[tuple[str, dict[str, Path]]]) 
             "idx_checksum": file_checksum(out / f"{stem}.idx.json")}
 
 
-def pack(src: str | Path, out: str | Path, shard_bytes: int = 256 << 20) -> Path:
+def pack(src: str | Path, out: str | Path, shard_bytes: int = 256 << 20,
+         follow_symlinks: bool = False) -> Path:
     """Pack ``src``'s files, grouped by key, into tar shards in ``out``; return the manifest."""
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise DataError(f"{str(src)!r} is not a directory", hint=PACK_HINT)
     if shard_bytes < 1:
         raise DataError(f"shard size {shard_bytes} bytes must be >= 1")
-    out.mkdir(parents=True, exist_ok=True)
-    samples = _group(src, out.resolve())
+    make_out_dir(out)
+    samples = _group(src, out.resolve(), follow_symlinks)
     if not samples:
         raise DataError(f"{str(src)!r} holds no files to pack", hint=PACK_HINT)
     shards, batch, size = [], [], 0
     for key in sorted(samples):
         fields = samples[key]
-        nbytes = sum(512 + -(-p.stat().st_size // 512) * 512 for p in fields.values())
+        nbytes = sum(512 + -(-f.size // 512) * 512 for f in fields.values())
         if batch and size + nbytes > shard_bytes:
             shards.append(_write_tar(out, len(shards), batch))
             batch, size = [], 0

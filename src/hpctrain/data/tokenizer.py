@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hpctrain.data.inputs import expand_inputs, read_documents
+from hpctrain.data.shards import atomic_write
 from hpctrain.errors import DataError
 
 BYTE_EOS = 256
@@ -97,14 +99,17 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def train_bpe(inputs: list[str], out: str | Path, vocab_size: int, *, text_field: str = "text",
-              eos_token: str = "<|endoftext|>", progress: bool = False) -> Path:
+              eos_token: str = "<|endoftext|>", progress: bool = False,
+              follow_symlinks: bool = False) -> Path:
     """Train a byte-level BPE tokenizer on ``inputs`` with ``tokenizers``; write tokenizer.json.
 
     Byte-level (GPT-2 style): every byte is in the alphabet, so any text encodes without unknown
     tokens; ``eos_token`` is added as a special token. ``vocab_size`` counts it and the 256 bytes.
+    Inputs are found as `hpctrain.data.inputs` says (``follow_symlinks`` as there).
     """
-    from hpctrain.data.prepare import expand_inputs, read_documents
-
+    out = Path(out)
+    if out.is_dir():
+        raise DataError(f"--out {str(out)!r} is a directory", expected="a tokenizer.json path")
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError:
@@ -113,7 +118,7 @@ def train_bpe(inputs: list[str], out: str | Path, vocab_size: int, *, text_field
     if vocab_size < 258:
         raise DataError(f"--vocab {vocab_size} is too small",
                         expected=">= 258 (256 bytes, the EOS token and at least one merge)")
-    files = expand_inputs(list(inputs))
+    files = expand_inputs(list(inputs), follow_symlinks=follow_symlinks)
 
     def documents():
         for f in files:
@@ -126,10 +131,11 @@ def train_bpe(inputs: list[str], out: str | Path, vocab_size: int, *, text_field
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos_token],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=progress)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot create the directory of --out {str(out)!r}: "
+                        f"{e.strerror}") from None
     tok.train_from_iterator(documents(), trainer=trainer)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    from hpctrain.data.shards import atomic_write
-
     atomic_write(out, [tok.to_str(pretty=True).encode()])
     return out
