@@ -1,8 +1,9 @@
 """The training loader: token samples in the global order (`hpctrain.data.order`), on the device.
 
 A sample is a window of ``seq_len + 1`` tokens (`hpctrain.data.windows`); `build_dataset` makes
-the source that ``data.source`` names; `TokenLoader` prefetches each step's micro-batches;
-`ValidationSampler` splits a validation set exactly over the ranks.
+the source that ``data.source`` names and holds its token ids against the model's vocabulary;
+`TokenLoader` prefetches each step's micro-batches; `ValidationSampler` splits a validation set
+exactly over the ranks.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from hpctrain.data.config import DataConfig
 from hpctrain.data.mixing import MixedTokens
 from hpctrain.data.order import BatchLayout, GlobalOrderSampler
 from hpctrain.data.shard_dataset import ShardTokens, Split, check_split_size
-from hpctrain.data.shards import load_manifest
+from hpctrain.data.shards import check_token_ids, load_manifest
 from hpctrain.data.stdlib_corpus import read_stdlib_bytes
 from hpctrain.data.windows import ContiguousTokens, SliceWindows, TokenDataset, gather_windows
-from hpctrain.errors import ConfigError
+from hpctrain.errors import ConfigError, DataError
 
 # Names other modules import from here (the loader's public face).
 __all__ = [
@@ -32,11 +33,14 @@ __all__ = [
 IGNORE_INDEX = -100
 
 
-def build_dataset(cfg: DataConfig, split: Split = "train") -> TokenDataset:
+def build_dataset(cfg: DataConfig, split: Split = "train",
+                  vocab_size: int | None = None) -> TokenDataset:
     """The token source named by ``data.source``; ``split="val"`` is the held-out part.
 
     The validation split is the last ``floor(windows * data.val_fraction)`` windows (of each shard
-    for ``shards``; of the corpus for ``stdlib``); the training split is the rest.
+    for ``shards``; of the corpus for ``stdlib``); the training split is the rest. With
+    ``vocab_size`` (the model's), a token id the model cannot embed is refused here, before
+    training, naming the shard (an IndexError mid-run on a CPU, a device-side assert on a GPU).
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', not {split!r}")
@@ -44,14 +48,20 @@ def build_dataset(cfg: DataConfig, split: Split = "train") -> TokenDataset:
         raise ConfigError("a validation split was requested but data.val_fraction = 0",
                           hint="set data.val_fraction, e.g. data.val_fraction=0.01")
     if cfg.source == "shards":
-        ds: TokenDataset = _shards(cfg, str(cfg.path), split)
+        ds: TokenDataset = _shards(cfg, str(cfg.path), split, vocab_size)
     elif cfg.source == "mix":
-        parts = [_shards(cfg, m.path, split) for m in cfg.mix or []]
+        parts = [_shards(cfg, m.path, split, vocab_size) for m in cfg.mix or []]
         ds = MixedTokens(parts, [m.weight for m in cfg.mix or []],
                          epoch_samples=cfg.mix_epoch_samples,
                          names=[m.path for m in cfg.mix or []], weighted=split == "train")
     else:
-        base = ContiguousTokens(read_stdlib_bytes(cfg.max_bytes), cfg.seq_len)
+        tokens = read_stdlib_bytes(cfg.max_bytes)
+        largest = int(tokens.max()) if len(tokens) else -1
+        if vocab_size is not None and largest >= vocab_size:
+            raise DataError(f"data.source 'stdlib' holds token id {largest} (a byte value), but "
+                            f"the model's vocabulary has {vocab_size} ids",
+                            hint="set model.vocab_size >= 256")
+        base = ContiguousTokens(tokens, cfg.seq_len)
         n_val = int(len(base) * cfg.val_fraction)
         if n_val == 0 and split == "train":
             ds = base
@@ -63,15 +73,18 @@ def build_dataset(cfg: DataConfig, split: Split = "train") -> TokenDataset:
     return ds
 
 
-def _shards(cfg: DataConfig, path: str, split: Split) -> ShardTokens:
+def _shards(cfg: DataConfig, path: str, split: Split, vocab_size: int | None) -> ShardTokens:
     """One prepared directory as a dataset (staged to node-local disk when data.stage_to)."""
     if cfg.stage_to:
         from hpctrain.data.staging import stage_dataset
         from hpctrain.runtime.env import detect_env
 
         path = str(stage_dataset(path, cfg.stage_to, detect_env().local_rank))
-    return ShardTokens(load_manifest(path), cfg.seq_len, split=split,
-                       val_fraction=cfg.val_fraction, window_shards=cfg.shuffle_window)
+    manifest = load_manifest(path)
+    # Every shard, not only this split's windows: the two splits share the shards.
+    check_token_ids(manifest, vocab_size)
+    return ShardTokens(manifest, cfg.seq_len, split=split, val_fraction=cfg.val_fraction,
+                       window_shards=cfg.shuffle_window, vocab_size=vocab_size)
 
 
 class TokenLoader:

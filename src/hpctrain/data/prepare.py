@@ -81,6 +81,10 @@ def tokenize_file(job: tuple[InputFile, str, int]) -> tuple[np.ndarray, np.ndarr
             ids = tok.encode(doc)
             if len(ids) == 0:
                 continue  # an empty document adds nothing, not even EOS
+            if int(ids.max()) >= tok.vocab_size:  # would wrap around in a narrower dtype
+                raise DataError(f"{path}: the tokenizer produced id {int(ids.max())}, outside "
+                                f"its vocabulary of {tok.vocab_size}",
+                                hint="check the tokenizer.json")
             parts += [ids.astype(dtype, copy=False), eos]
             lengths.append(len(ids) + 1)
     except DataError as e:

@@ -17,7 +17,7 @@ from typing import Literal
 import numpy as np
 
 from hpctrain.data.shards import Manifest
-from hpctrain.errors import ConfigError
+from hpctrain.errors import ConfigError, DataError
 
 Split = Literal["train", "val"]
 
@@ -36,8 +36,12 @@ class ShardTokens:
     """Windows over all shards of a manifest; window ``i`` of the split in shard order."""
 
     def __init__(self, manifest: Manifest, seq_len: int, *, split: Split = "train",
-                 val_fraction: float = 0.0, window_shards: int = 4):
+                 val_fraction: float = 0.0, window_shards: int = 4,
+                 vocab_size: int | None = None):
         self.manifest = manifest
+        # Ids at or above this are refused per batch: the manifest's maxima are checked before
+        # training, but a shard changed after its manifest was written would slip past them.
+        self.id_limit = min(manifest.vocab_size, vocab_size or manifest.vocab_size)
         self.seq_len = seq_len
         self.split = split
         # Shards per shuffle window (read by `GlobalOrderSampler`): samples are shuffled within
@@ -72,7 +76,9 @@ class ShardTokens:
     def window(self, index: int) -> np.ndarray:
         shard, start = self.locate(np.array([index]))
         s, a = int(shard[0]), int(start[0])
-        return self._shard(s)[a : a + self.seq_len + 1]
+        w = self._shard(s)[a : a + self.seq_len + 1]
+        self._check_ids(w[None, :], shard)
+        return w
 
     def windows(self, indices: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Samples ``indices`` as one ``[len(indices), seq_len + 1]`` array (int64 by default)."""
@@ -82,7 +88,20 @@ class ShardTokens:
             out = np.empty((len(shard), width), dtype=np.int64)
         for row, (s, a) in enumerate(zip(shard.tolist(), start.tolist(), strict=True)):
             out[row] = self._shard(s)[a : a + width]
+        self._check_ids(out, shard)
         return out
+
+    def _check_ids(self, rows: np.ndarray, shard: np.ndarray) -> None:
+        """Raise DataError naming the shard of the first row holding an id >= ``id_limit``."""
+        if len(rows) and int(rows.max()) >= self.id_limit:
+            row = int(np.argmax(rows.max(axis=1) >= self.id_limit))
+            entry = self.manifest.shards[int(shard[row])]
+            raise DataError(
+                f"shard {str(self.manifest.root / entry['bin'])!r} holds token id "
+                f"{int(rows[row].max())}, outside the vocabulary of {self.id_limit} ids (its "
+                f"manifest records at most {entry.get('max_token_id', 'nothing')})",
+                hint="the shard was changed after it was prepared; run `hpctrain data verify` "
+                "on the directory and prepare the data again")
 
 
 def check_split_size(n: int, split: Split, val_fraction: float) -> None:

@@ -1,7 +1,8 @@
 """The token shard format: ``manifest.json`` + ``shard-NNNNNN.bin`` + ``shard-NNNNNN.idx``.
 
     DIR/manifest.json         format version, dtype, vocab size, tokenizer name + hash, EOS id,
-                              and per shard: file names, token count, document count, checksums
+                              and per shard: file names, token count, document count, checksums,
+                              largest token id
     DIR/shard-000000.bin      4096-byte header, then little-endian uint16 or uint32 tokens
     DIR/shard-000000.idx      little-endian uint64 start offsets (in tokens, within the shard)
                               of the documents that begin in this shard
@@ -12,13 +13,19 @@ so ``np.memmap(path, dtype, mode="r", offset=4096)`` reads the tokens directly. 
 Checksums are SHA-256 of whole files (``"sha256:<hex>"``): hashlib's SHA-256 runs at ~660 MB/s
 on this machine's CPU with no extra dependency. Documents are separated by the EOS id (each
 document is followed by EOS) and may continue from one shard into the next.
+
+A manifest is checked when loaded (it may come from anyone who can write the directory): EOS id
+and every recorded largest id below ``vocab_size``, shard file names plain names inside the
+directory. `check_token_ids` holds the shards against a model's vocabulary before training.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 import struct
 from dataclasses import dataclass
 from functools import lru_cache
@@ -29,6 +36,8 @@ import numpy as np
 
 from hpctrain.errors import DataError
 
+log = logging.getLogger("hpctrain.data")
+
 FORMAT_VERSION = 1
 MAGIC = b"HPCTOK01"
 HEADER_BYTES = 4096
@@ -37,6 +46,9 @@ MANIFEST = "manifest.json"
 PARTIAL_MANIFEST = "manifest.partial.json"
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 PREPARE_HINT = "run `hpctrain data prepare INPUT... --out DIR` and point data.path at DIR"
+# Shard file names as written; anything else (``../x``, ``/etc/x``) is refused, since staging
+# copies these names into another directory.
+_SHARD_FILE = re.compile(r"shard-\d{6,}\.(bin|idx)")
 
 
 def shard_name(i: int) -> str:
@@ -102,7 +114,8 @@ def write_shard(out: Path, index: int, tokens: np.ndarray, doc_starts: np.ndarra
     bin_sum = atomic_write(out / f"{stem}.bin", [header, tokens])
     idx_sum = atomic_write(out / f"{stem}.idx", [starts])
     return {"bin": f"{stem}.bin", "idx": f"{stem}.idx", "tokens": int(len(tokens)),
-            "docs": int(len(starts)), "bin_checksum": bin_sum, "idx_checksum": idx_sum}
+            "docs": int(len(starts)), "bin_checksum": bin_sum, "idx_checksum": idx_sum,
+            "max_token_id": int(tokens.max()) if len(tokens) else -1}
 
 
 def read_header(path: Path) -> tuple[int, np.dtype, int, int]:
@@ -181,9 +194,27 @@ class Manifest:
         path = self.root / self.shards[i]["idx"]
         return np.fromfile(path, dtype="<u8")
 
+    def max_token_id(self, i: int) -> int:
+        """Largest token id in shard ``i`` (-1 when empty): recorded, or found by a scan.
+
+        Manifests written before the maximum was recorded are scanned (np.max over the memmap,
+        once per process and shard version) rather than refused: they came from our own prepare,
+        and preparing a large corpus again costs far more than reading it once at disk speed.
+        """
+        recorded = self.shards[i].get("max_token_id")
+        if recorded is not None:
+            return int(recorded)
+        path = self.root / self.shards[i]["bin"]
+        st = path.stat()
+        key = (path, st.st_mtime_ns, st.st_size)
+        if key not in _scanned:
+            tokens = self.tokens(i)
+            _scanned[key] = int(tokens.max()) if len(tokens) else -1
+        return _scanned[key]
+
     def verify(self) -> None:
-        """Recompute every file's checksum; raise DataError naming the first mismatch."""
-        for s in self.shards:
+        """Recompute every file's checksum and largest id; raise DataError at the first mismatch."""
+        for i, s in enumerate(self.shards):
             for kind in ("bin", "idx"):
                 path = self.root / s[kind]
                 if not path.is_file():
@@ -197,6 +228,75 @@ class Manifest:
                         expected="the bytes written by hpctrain data prepare",
                         hint="the file is corrupted or was changed; prepare the data again",
                     )
+            tokens = self.tokens(i)
+            largest = int(tokens.max()) if len(tokens) else -1
+            recorded = s.get("max_token_id", largest)
+            if largest != recorded or largest >= self.vocab_size:
+                raise DataError(
+                    f"shard {str(self.root / s['bin'])!r}: the manifest records largest token id "
+                    f"{recorded}, the shard holds {largest} (vocab_size {self.vocab_size})",
+                    expected="the largest id written by hpctrain data prepare, below vocab_size",
+                    hint="the manifest or shard was changed; prepare the data again")
+
+
+# (path, mtime_ns, size) of shards scanned for their largest id in this process.
+_scanned: dict[tuple[Path, int, int], int] = {}
+
+
+def check_token_ids(m: Manifest, vocab_size: int | None = None) -> None:
+    """Raise DataError naming the first shard with an id >= the manifest's or the model's
+    ``vocab_size``."""
+    legacy = sum("max_token_id" not in s for s in m.shards)
+    if legacy:
+        log.warning("%s: %d shards record no largest token id (prepared by an older hpctrain); "
+                    "reading them to find it. Prepare the data again to skip this.", m.root,
+                    legacy)
+    for i, s in enumerate(m.shards):
+        largest = m.max_token_id(i)
+        path = str(m.root / s["bin"])
+        if largest >= m.vocab_size:
+            raise DataError(f"shard {path!r} holds token id {largest}, outside the vocab_size "
+                            f"{m.vocab_size} of its manifest",
+                            hint="the manifest or shard was changed; prepare the data again")
+        if vocab_size is not None and largest >= vocab_size:
+            raise DataError(
+                f"shard {path!r} holds token id {largest}, but the model's vocabulary has "
+                f"{vocab_size} ids (0..{vocab_size - 1})",
+                expected="data prepared with the model's tokenizer",
+                hint=f"set model.vocab_size >= {largest + 1}, or prepare the data with the "
+                "tokenizer the model was built for")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_manifest(root: Path, raw: dict) -> None:
+    """Refuse a manifest that contradicts itself or names files outside its directory."""
+    path = str(root / MANIFEST)
+    vocab, eos, shards = raw.get("vocab_size"), raw.get("eos_id"), raw.get("shards")
+    if not _is_int(vocab) or vocab < 1 or raw.get("dtype") not in DTYPES:
+        raise DataError(f"{path!r} has vocab_size {vocab!r}, dtype {raw.get('dtype')!r}",
+                        expected="a positive integer vocab_size and dtype uint16 or uint32",
+                        hint=PREPARE_HINT)
+    if not _is_int(eos) or not 0 <= eos < vocab:
+        raise DataError(f"{path!r}: EOS id {eos!r} does not fit vocab_size {vocab}",
+                        expected="0 <= eos_id < vocab_size", hint=PREPARE_HINT)
+    if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
+        raise DataError(f"{path!r} lists no shards", hint=PREPARE_HINT)
+    for s in shards:
+        names = (s.get("bin"), s.get("idx"))
+        if not all(isinstance(n, str) and _SHARD_FILE.fullmatch(n) for n in names) or not _is_int(
+                s.get("tokens")):
+            raise DataError(f"{path!r} has a malformed shard entry (files {names!r})",
+                            expected="files named shard-NNNNNN.bin / .idx in the same directory",
+                            hint=PREPARE_HINT)
+        largest = s.get("max_token_id")
+        if largest is not None and (not _is_int(largest) or largest >= vocab):
+            raise DataError(f"shard {str(root / names[0])!r}: largest token id {largest!r} does "
+                            f"not fit vocab_size {vocab} of {path!r}",
+                            expected="every token id below the manifest's vocab_size",
+                            hint=PREPARE_HINT)
 
 
 def load_manifest(root: str | Path) -> Manifest:
@@ -216,9 +316,11 @@ def load_manifest(root: str | Path) -> Manifest:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise DataError(f"cannot read {str(path)!r}: {e}", hint=PREPARE_HINT) from None
-    if raw.get("format") != "hpctrain-tokens" or raw.get("version") != FORMAT_VERSION:
+    if (not isinstance(raw, dict) or raw.get("format") != "hpctrain-tokens"
+            or raw.get("version") != FORMAT_VERSION):
         raise DataError(f"{str(path)!r} is not a version-{FORMAT_VERSION} hpctrain token manifest",
                         hint=PREPARE_HINT)
+    _check_manifest(root, raw)
     return Manifest(root, raw)
 
 

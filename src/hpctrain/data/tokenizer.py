@@ -69,7 +69,9 @@ class HFTokenizer:
                             expected="a HuggingFace tokenizer.json") from None
         self.name = p.name
         self.hash = "sha256:" + hashlib.sha256(raw).hexdigest()
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # The id range, not the token count: a tokenizer.json may number its tokens sparsely, and
+        # the dtype and the model's embedding must hold the largest id.
+        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         candidates = (eos_token,) if eos_token else EOS_CANDIDATES
         ids = [self._tok.token_to_id(t) for t in candidates]
         found = [(t, i) for t, i in zip(candidates, ids, strict=True) if i is not None]
