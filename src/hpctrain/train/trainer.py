@@ -120,8 +120,11 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, peak_lr)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, tc.steps)
 
-        dataset = build_dataset(cfg.data)
-        self.val_dataset = build_dataset(cfg.data, split="val") if cfg.data.val_fraction else None
+        # With the model's vocabulary: a token id it cannot embed is refused here, shard named.
+        vocab = self.model_args.vocab_size
+        dataset = build_dataset(cfg.data, vocab_size=vocab)
+        self.val_dataset = (build_dataset(cfg.data, split="val", vocab_size=vocab)
+                            if cfg.data.val_fraction else None)
         sampler = GlobalOrderSampler(len(dataset), self.layout, cfg.run.seed,
                                      remainder=cfg.data.remainder)
         self.loader = TokenLoader(dataset, sampler, self.device, cfg.data.prefetch)
