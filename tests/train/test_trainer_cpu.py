@@ -29,6 +29,7 @@ from conftest import (
     train,
 )
 from hpctrain.config import load_config, to_dict
+from hpctrain.observe.metrics import read_metrics
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -170,11 +171,18 @@ def test_non_finite_loss_stops_the_run(runs: dict[str, Future[RunResult]]) -> No
     assert 1 <= len(losses) < STEPS and all(math.isfinite(x) for x in losses), losses
 
 
-def test_skipping_guard_never_reports_a_nan_run_as_completed(
+def test_skipping_guard_gives_up_with_a_user_error_when_nothing_recovers(
         runs: dict[str, Future[RunResult]]) -> None:
-    """With guard.action=skip a diverged run may recover or fail, but not succeed with NaN."""
+    """With guard.action=skip (the default) the diverged run skips each bad step, then, with no
+    checkpoint to roll back to, stops with a user error: not a crash, never "completed"."""
     run = runs["nan_skip"].result()
-    if run.returncode == 0:
-        info = run.exit_info()
-        assert math.isfinite(float(info["extra"]["final_loss"])), info  # JSON holds "nan"
-        assert all(math.isfinite(g) for g in run.grad_norms()), run.grad_norms()
+    assert run.returncode == 2, run.describe()
+    assert "Traceback" not in run.stderr, run.describe()
+    assert "no checkpoint to roll back to" in run.stderr and "HINT:" in run.stderr
+    info = run.exit_info()
+    assert info["exit_code"] == 2 and "NonFiniteLossError" in info["reason"], info
+    assert "final_loss" not in info["extra"], info
+    # Every step after the first was bad and skipped, each reported once, up to the last.
+    skipped = [r["step"] for r in read_metrics(run.run_dir / "metrics" / "rank-000.jsonl")
+               if r.get("event") == "bad_steps"]
+    assert skipped == list(range(2, STEPS + 1)), skipped
