@@ -103,17 +103,18 @@ def test_every_sample_exactly_once_per_epoch(prepared: Path, world: int) -> None
             np.testing.assert_array_equal(a, b)
 
 
-def test_full_epoch_when_divisible_covers_all(prepared: Path) -> None:
-    ds = _dataset(prepared)
-    n = len(ds)
-    for world in (1, 2, 3, 4):
-        micro = next(m for m in range(1, n) if n % (m * world) == 0) if any(
-            n % (m * world) == 0 for m in range(1, n)) else None
-        if micro is None:
-            continue
-        got = np.concatenate(_epoch_by_rank(n, ds.shard_sample_counts, world, micro, 1, 0,
-                                            n // (micro * world)))
-        assert sorted(got.tolist()) == list(range(n))
+@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_full_epoch_when_divisible_covers_all(world: int, accum: int) -> None:
+    """When the global batch divides the sample count, one epoch yields every sample once."""
+    # The prepared fixture is deliberately not divisible by 2-4 ranks; these uneven shards hold
+    # 72 samples, divisible by every global batch below (3 x world x accum).
+    groups = np.array([11, 17, 5, 23, 16])
+    n, micro = int(groups.sum()), 3
+    assert n % (micro * world * accum) == 0
+    got = np.concatenate(_epoch_by_rank(n, groups, world, micro, accum, 0,
+                                        n // (micro * world * accum)))
+    assert sorted(got.tolist()) == list(range(n))
 
 
 def test_window_shuffling_keeps_reads_local(prepared: Path) -> None:
