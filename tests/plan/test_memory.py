@@ -42,22 +42,24 @@ def test_fsdp_shards_states_n_ways() -> None:
     assert four[0] == one[0] / 4 and four[1] == one[1] / 4
 
 
-# Measured peaks (torch.cuda.max_memory_allocated) from benchmarks/RESULTS.md, 4x H200.
+# Every measured peak (torch.cuda.max_memory_allocated) in benchmarks/RESULTS.md, H200.
 MEASURED = [
     ("1b", dict(strategy="none", micro_batch=4), 28.0),
     ("1b", dict(strategy="none", micro_batch=4, compile=False), 35.0),
     ("1b", dict(strategy="none", micro_batch=8), 40.6),
     ("1b", dict(strategy="fsdp", gpus=4, micro_batch=4), 15.3),
     ("1b", dict(strategy="fsdp", gpus=4, micro_batch=4, zero=2), 17.5),
+    ("1b", dict(strategy="fsdp", gpus=4, micro_batch=4, ac="full"), 5.9),
     ("1b", dict(strategy="ddp", gpus=4, micro_batch=4), 35.9),
     ("8b", dict(strategy="fsdp", gpus=4, micro_batch=2, ac="full"), 37.5),
 ]
 
 
 @pytest.mark.parametrize("size, opts, measured_gb", MEASURED)
-def test_within_ten_percent_of_measured_peaks(size: str, opts: dict, measured_gb: float) -> None:
+def test_within_five_percent_of_measured_peaks(size: str, opts: dict, measured_gb: float) -> None:
+    """The README's promise: `plan memory` is within 5% of every measured peak."""
     plan = estimate_memory(PRESETS[size], MemoryOptions(seq_len=2048, **opts))
-    assert plan.peak / 1e9 == pytest.approx(measured_gb, rel=0.10)
+    assert plan.peak / 1e9 == pytest.approx(measured_gb, rel=0.05)
 
 
 def test_fits_and_suggestions() -> None:
