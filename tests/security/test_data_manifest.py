@@ -39,3 +39,26 @@ def test_shard_names_outside_the_directory_are_refused(tmp_path: Path, name: str
     base = local / staging.STAGE_SUBDIR
     assert not (base / "escaped.bin").exists()
     assert not any(p.name == "escaped.bin" for p in local.rglob("*"))
+
+
+@pytest.mark.parametrize("field", ["tar", "idx"])
+@pytest.mark.parametrize("name", ["../escaped.tar", "/etc/hostname", "sub/shard-000000.tar",
+                                  "manifest.json"])
+def test_tar_manifest_names_outside_the_directory_are_refused(tmp_path: Path, field: str,
+                                                              name: str) -> None:
+    from hpctrain.data.tar_samples import TarSamples, load_tar_manifest, pack
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        (src / f"s{i}.txt").write_text(f"sample {i}")
+    out = tmp_path / "shared" / "packed"
+    pack(src, out)
+    raw = json.loads((out / MANIFEST).read_text())
+    (tmp_path / "shared" / "escaped.tar").write_bytes(b"secret bytes")
+    raw["shards"][0][field] = name
+    (out / MANIFEST).write_text(json.dumps(raw))
+    with pytest.raises(DataError, match="malformed shard entry"):
+        load_tar_manifest(out)
+    with pytest.raises(DataError, match="malformed shard entry"):
+        TarSamples(out)

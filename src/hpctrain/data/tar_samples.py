@@ -44,6 +44,8 @@ from hpctrain.runtime.rundir import fsync_dir
 TAR_FORMAT = "hpctrain-tar"
 TAR_VERSION = 1
 MANIFEST = "manifest.json"
+_TAR_FILE = re.compile(r"shard-\d{6,}\.tar")
+_IDX_FILE = re.compile(r"shard-\d{6,}\.idx\.json")
 PACK_HINT = "run `hpctrain data pack DIR --out OUT` and point the dataset at OUT"
 # WebDataset's split of a member name into key and extension.
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
@@ -143,6 +145,19 @@ def load_tar_manifest(root: str | Path) -> dict:
     if raw.get("format") != TAR_FORMAT or raw.get("version") != TAR_VERSION:
         raise DataError(f"{str(path)!r} is not a version-{TAR_VERSION} hpctrain tar manifest",
                         hint=PACK_HINT)
+    shards = raw.get("shards")
+    if not isinstance(shards, list):
+        raise DataError(f"{str(path)!r} has no shard list", hint=PACK_HINT)
+    for s in shards:
+        # Only the names pack writes: "../x" or "/etc/x" would make a reader (or a copy) reach
+        # files outside the packed directory.
+        names = (s.get("tar"), s.get("idx")) if isinstance(s, dict) else (None, None)
+        if not (isinstance(names[0], str) and _TAR_FILE.fullmatch(names[0])
+                and isinstance(names[1], str) and _IDX_FILE.fullmatch(names[1])
+                and isinstance(s.get("samples"), int) and s["samples"] >= 0):
+            raise DataError(f"{str(path)!r} has a malformed shard entry (files {names!r})",
+                            expected="shard-NNNNNN.tar and shard-NNNNNN.idx.json in the same "
+                            "directory, a sample count >= 0", hint=PACK_HINT)
     return raw
 
 
