@@ -177,7 +177,7 @@ def test_config_and_build_dataset_end_to_end(two_dirs: list[Path]) -> None:
     (["data.mix=[{path: /nonexistent, weight: 1}]"], "no manifest.json"),
     (["data.mix=[]"], "data.mix is empty"),
     (["data.mix=[{path: A, weight: -1}]"], "must be > 0"),
-    (["data.mix=[{path: A, wieght: 1}]"], "unknown config key .data.mix\[0\].wieght."),
+    (["data.mix=[{path: A, wieght: 1}]"], r"unknown config key .data\.mix\[0\]\.wieght."),
 ])
 def test_config_errors(two_dirs: list[Path], override: list[str], match: str) -> None:
     items = ["data.source=mix"] + [o.replace("A", str(two_dirs[0])) for o in override]
