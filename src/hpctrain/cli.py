@@ -1,13 +1,14 @@
 """The ``hpctrain`` command. Subcommands parse arguments and delegate; no logic lives here.
 
-    hpctrain train configs/demo.yaml train.steps=100 --nproc 2
+    hpctrain train configs/demo.yaml --nproc 2 train.steps=100
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
-import time
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -16,10 +17,35 @@ from hpctrain.bench import cli as bench_cli
 from hpctrain.data.cli import add_parser as add_data_parser
 from hpctrain.errors import HpctrainError
 from hpctrain.plan import cli as plan_cli
+from hpctrain.runtime.interrupted import INTERRUPTED, Interrupted
+from hpctrain.runtime.runlock import TOKEN_ENV
+
+
+class _Parser(argparse.ArgumentParser):
+    """Options and positional lists in any order, in every subcommand.
+
+    argparse fills a positional list (KEY=VALUE overrides, input files) only up to the first
+    option, so ``train CFG --nproc 2 k=v`` fails; ``parse_intermixed_args`` lifts that but
+    refuses parsers with subcommands. So each leaf parser (no subcommands of its own) parses
+    intermixed, and the parsers above it dispatch as usual. Subparsers inherit this class.
+    """
+
+    _intermixing = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's parse_known_args, intermixed in a leaf parser."""
+        if self._subparsers is not None or self._intermixing:
+            return super().parse_known_args(args, namespace)
+        # parse_known_intermixed_args calls parse_known_args twice (options, then positionals).
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hpctrain", description=__doc__.splitlines()[0])
+    p = _Parser(prog="hpctrain", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     t = sub.add_parser("train", help="train a model from a YAML config",
@@ -32,7 +58,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --nproc: restart the group this many times after a rank dies")
     t.add_argument("--resume", default=None, metavar="auto|never|PATH",
                    help="resume from the newest valid checkpoint of this run (auto, the "
-                   "default), start fresh (never), or from a checkpoint directory")
+                   "default: rerunning a command continues its run), refuse to start if the "
+                   "run has checkpoints (never), or start from a checkpoint directory")
+    t.add_argument("--fresh", action="store_true",
+                   help="start this run over: an existing run directory of the same name is "
+                   "archived as <name>-archived-<time> (never deleted) first")
 
     s = sub.add_parser("sbatch", help="write a Slurm batch script for a training config",
                        description="Print a batch script with preemption manners "
@@ -75,22 +105,13 @@ def _train(args: argparse.Namespace) -> None:
     if args.nproc is None:
         from hpctrain.train.job import run_training
 
-        run_training(cfg, source=args.config)
+        run_training(cfg, source=args.config, fresh=args.fresh)
         return
 
-    from hpctrain.launch.local import launch_local
-    from hpctrain.runtime.env import detect_env
-    from hpctrain.train.job import resolve_run_dir
+    from hpctrain.launch.local import launch_training
 
-    # Resolve the name once here so every rank (and every restart) writes to one directory.
-    run_id = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = resolve_run_dir(cfg, detect_env(), run_id=run_id)
-    run_dir.create()
-    worker_args = ["train", str(args.config), *args.overrides,
-                   f"run.name={run_dir.root.name}", "run.suffix=none"]
-    launch_local(args.nproc, worker_args, run_dir, run_id=run_id,
-                 max_restarts=args.max_restarts, forward_signals=tuple(cfg.preempt.signals),
-                 grace_s=cfg.preempt.grace_s)
+    launch_training(cfg, args.config, args.overrides, args.nproc,
+                    max_restarts=args.max_restarts, fresh=args.fresh)
 
 
 def _sbatch(args: argparse.Namespace) -> None:
@@ -127,13 +148,31 @@ def _config(args: argparse.Namespace) -> None:
     print(dump_yaml(load_config(args.config, args.overrides)), end="")
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line as a namespace; options and positionals may come in any order."""
+    return _parser().parse_args(argv)
+
+
 @record
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``hpctrain`` console script."""
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         {"train": _train, "config": _config, "sbatch": _sbatch, "data": lambda a: a.handler(a),
          "bench": bench_cli.run, "plan": plan_cli.run}[args.command](args)
+    except Interrupted as e:
+        if TOKEN_ENV not in os.environ:  # a rank of our launcher: the launcher says it once
+            print(e.line(), file=sys.stderr)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Exit now: threads of the interrupted step (collectives, a checkpoint write) make the
+        # interpreter's teardown abort (std::terminate), and nothing is left to clean up: the
+        # exit info is written, the lock released, the last checkpoint committed or untouched.
+        os._exit(e.exit_code)
+    except KeyboardInterrupt:
+        print("hpctrain: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(INTERRUPTED)
     except HpctrainError as e:
         print(f"hpctrain: error: {e.render()}", file=sys.stderr)
         sys.exit(e.exit_code)

@@ -316,6 +316,10 @@ def _model(args: argparse.Namespace) -> None:
         if value is not None:
             overrides.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
     overrides += args.set
+    if not on_gpu and args.device == "auto":
+        from hpctrain.bench.model import refuse_gpu_size_on_cpu
+
+        refuse_gpu_size_on_cpu(args.config, overrides)  # before anything is allocated
     steps = args.steps or (40 if on_gpu else 12)
     log_every = args.log_every or (5 if on_gpu else 2)
     out = _out_dir(args, "model")

@@ -75,6 +75,17 @@ def device_defaults(on_gpu: bool) -> list[str]:
             "optim.warmup_steps=2"]
 
 
+def refuse_gpu_size_on_cpu(config: Path | None, overrides: list[str]) -> None:
+    """With --device auto and no GPU, refuse a model too large for the CPU (--device cpu forces)."""
+    from hpctrain.config import load_config
+    from hpctrain.models.flops import count_params
+    from hpctrain.runtime.config import refuse_large_model_on_cpu
+
+    model = load_config(config, overrides).model
+    refuse_large_model_on_cpu(count_params(model.resolve(), include_embedding=True),
+                              model=f"model size {model.size}", force="--device cpu")
+
+
 def train_argv(config_path: Path, nproc: int, python: str = sys.executable) -> list[str]:
     """The command line that trains `config_path` on `nproc` local ranks (1: no launcher)."""
     argv = [python, "-m", "hpctrain", "train", str(config_path)]

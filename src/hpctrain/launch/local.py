@@ -1,9 +1,11 @@
 """Start N ranks on this machine through PyTorch's elastic launcher (what torchrun runs).
 
-The launcher resolves the run directory once and hands the same name to every rank, so nobody
-writes a torchrun line and all ranks agree on where to write. When any rank fails, the elastic
-agent stops the others (SIGTERM, then SIGKILL) and, within ``max_restarts``, starts the group
-again; the failure is recorded in the run's ``exit_info.json``.
+The launcher resolves and locks the run directory once, holds the lock across restarts and
+hands the same name (and the lock's token) to every rank, so nobody writes a torchrun line and
+all ranks agree on where to write. When any rank fails, the elastic agent stops the others
+(SIGTERM, then SIGKILL) and, within ``max_restarts``, starts the group again; the failure is
+recorded in the run's ``exit_info.json``. Its own exit code tells a wrapper what to do: 75
+preempted (checkpoint committed), 130 Ctrl-C, 1 a rank failed.
 """
 
 from __future__ import annotations
@@ -14,21 +16,49 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import psutil
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from hpctrain.errors import LaunchError
+from hpctrain.config import JobConfig
+from hpctrain.errors import HpctrainError, LaunchError
+from hpctrain.runtime.env import detect_env
 from hpctrain.runtime.exit_codes import HUNG, PREEMPTED
+from hpctrain.runtime.interrupted import INTERRUPTED, Interrupted
 from hpctrain.runtime.rundir import RunDir
+from hpctrain.runtime.runlock import TOKEN_ENV
+from hpctrain.train.job import check_device_fits, claim_run_dir
 
 log = logging.getLogger("hpctrain.launch")
 
 
 # The elastic agent itself forwards these to the workers (then SIGKILLs after the grace).
 _AGENT_HANDLED = {"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"}
+
+
+def launch_training(cfg: JobConfig, config: Path, overrides: list[str], nproc: int, *,
+                    max_restarts: int = 0, fresh: bool = False) -> None:
+    """``hpctrain train CONFIG --nproc N``: lock the run directory, run the ranks, unlock."""
+    check_device_fits(cfg)  # once here, before any rank starts
+    claim = claim_run_dir(cfg, detect_env(), fresh=fresh)
+    for note in claim.notes:
+        print(f"hpctrain: {note}", file=sys.stderr)
+    run_dir = claim.run_dir
+    try:
+        run_dir.create()
+        # The ranks write exactly here (suffix resolved once) and find the lock ours.
+        worker_args = ["train", str(config), *overrides, f"run.name={run_dir.root.name}",
+                       "run.suffix=none"]
+        os.environ[TOKEN_ENV] = claim.lock.token
+        launch_local(nproc, worker_args, run_dir, run_id=time.strftime("%Y%m%d-%H%M%S"),
+                     max_restarts=max_restarts, forward_signals=tuple(cfg.preempt.signals),
+                     grace_s=cfg.preempt.grace_s)
+    finally:
+        os.environ.pop(TOKEN_ENV, None)
+        claim.lock.release()
 
 
 def launch_local(nproc: int, worker_args: list[str], run_dir: RunDir, *, run_id: str,
@@ -68,21 +98,22 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: RunDir, *, run_id:
         monitor_interval=0.5,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir.logs_dir / "launcher")),
     )
+    # The agent's warnings ("Received 2 death signal", "Sending process N closing signal")
+    # would bury the one line this launcher prints; its errors still show.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.ERROR)
     started = time.time()
     try:
         elastic_launch(config, sys.executable)("-m", "hpctrain", *worker_args)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
         # After a preemption the ranks exit with 75; one still on its way out may be stopped
         # by the agent's signal, which changes its exit code, not the outcome.
         codes = [f.exitcode for f in e.failures.values()]
         if PREEMPTED in codes and all(c == PREEMPTED or c < 0 for c in codes):
             # The ranks checkpointed and wrote exit_info.json themselves: keep their account.
-            err = LaunchError(f"preempted: all ranks checkpointed and exited with {PREEMPTED}",
-                              hint=f"see {run_dir.exit_info_path}; rerun the same command "
-                              "with run.name/run.suffix=none, or --resume PATH, to continue")
-            err.exit_code = PREEMPTED
-            raise err from None
+            raise _preempted(run_dir) from None
+        rank, failure = blamed_failure(e.failures)
         reason = f"rank {rank} exited with code {failure.exitcode}"
         if failure.exitcode < 0:
             reason += f" ({failure.signal_name()})"
@@ -94,13 +125,67 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: RunDir, *, run_id:
                                          or failure.exitcode >= 0)
         if not keep:
             error_file = failure.error_file if os.path.isfile(failure.error_file) else None
-            run_dir.write_exit_info(exit_code=1, reason=reason, last_checkpoint=None,
+            run_dir.write_exit_info(exit_code=1, reason=reason,
+                                    last_checkpoint=run_dir.latest_checkpoint(),
                                     extra={"failed_ranks": sorted(e.failures),
                                            "error_file": error_file})
         raise LaunchError(
             f"training failed: {reason}",
             hint=f"see {run_dir.rank_log(rank)} and {run_dir.exit_info_path}",
         ) from None
+    except SignalException as e:
+        # The agent has stopped the ranks (same signal, then SIGKILL after the grace).
+        raise _stopped_by(signal.Signals(e.sigval), run_dir, started) from None
+
+
+def blamed_failure(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
+    """The rank that failed first; one the agent stopped with SIGTERM is a victim, not a cause.
+
+    torch's own choice is the smallest timestamp, but timestamps are whole seconds and a rank
+    killed by a signal gets the time the agent noticed: ties and inversions are common. So: a
+    rank killed by another signal first (it could not report), then one that exited by itself,
+    then the agent's victims (SIGTERM, or exit 75 after checkpointing on it); earliest within.
+    """
+    def order(item: tuple[int, ProcessFailure]) -> tuple[int, int, int]:
+        rank, failure = item
+        code = failure.exitcode
+        if code < 0 and code != -signal.SIGTERM:
+            tier = 0
+        elif code >= 0 and code != PREEMPTED:
+            tier = 1
+        else:
+            tier = 2
+        return tier, failure.timestamp, rank
+
+    return min(failures.items(), key=order)
+
+
+def _preempted(run_dir: RunDir) -> LaunchError:
+    err = LaunchError(f"preempted: all ranks checkpointed and exited with {PREEMPTED}",
+                      hint=f"rerun the same command to resume from "
+                      f"{run_dir.latest_checkpoint()} (see {run_dir.exit_info_path})")
+    err.exit_code = PREEMPTED
+    return err
+
+
+def _stopped_by(sig: signal.Signals, run_dir: RunDir, started: float) -> HpctrainError:
+    """The error (and exit code) for a launcher stopped by ``sig``: 75, 130 or 128 + sig."""
+    recorded = run_dir.failure_since(started)
+    if recorded is not None and recorded.get("exit_code") == PREEMPTED:
+        return _preempted(run_dir)  # SIGTERM in preempt.signals: the ranks checkpointed
+    latest = run_dir.latest_checkpoint()
+    if sig == signal.SIGINT:
+        if recorded is None:
+            run_dir.write_exit_info(exit_code=INTERRUPTED, reason="interrupted by SIGINT "
+                                    "(Ctrl-C) to the launcher", last_checkpoint=latest)
+        return Interrupted(run_dir.root, latest)
+    reason = f"the launcher was stopped by {sig.name} before the ranks committed a checkpoint"
+    if recorded is None:
+        run_dir.write_exit_info(exit_code=128 + sig, reason=reason, last_checkpoint=latest)
+    err = LaunchError(reason, hint=f"add {sig.name} to preempt.signals to checkpoint on it; "
+                      f"a rerun resumes from {latest or 'step 0 (no checkpoint yet)'}")
+    err.exit_code = 128 + sig
+    return err
 
 
 def kill_tree(pid: int) -> None:

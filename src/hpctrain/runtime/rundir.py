@@ -4,9 +4,10 @@ runs/llama-123456/
   config/                 resolved config as the run saw it
   logs/rank-000.log       one log per rank
   metrics/rank-000.jsonl  one JSON object per line per rank
-  checkpoints/
+  checkpoints/            latest: name of the last committed checkpoint
   provenance/             provenance.json, packages.txt
   exit_info.json          why and how the run ended (written atomically)
+  run.lock                held by the run while it runs (see runlock.py)
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.runtime.env import ProcessEnv
+from hpctrain.runtime.runlock import LOCK_NAME, JobAttempt, acquire
+
+# The checkpoint manager's pointer, moved only after a checkpoint is committed.
+LATEST_POINTER = "latest"
 
 
 def run_name(base: str, env: ProcessEnv) -> str:
@@ -73,6 +78,13 @@ class RunDir:
     def exit_info_path(self) -> Path:
         """Path of exit_info.json, written when the run ends."""
         return self.root / "exit_info.json"
+
+    def latest_checkpoint(self) -> str | None:
+        """The name of the last committed checkpoint (``checkpoints/latest``), if any."""
+        try:
+            return (self.checkpoints_dir / LATEST_POINTER).read_text().strip() or None
+        except (OSError, UnicodeDecodeError):
+            return None
 
     def rank_log(self, rank: int) -> Path:
         """Return the log file of `rank`, e.g. logs/rank-003.log."""
@@ -129,6 +141,33 @@ class RunDir:
         if not isinstance(info, dict) or info.get("exit_code") == 0:
             return None
         return info if info.get("timestamp", 0) >= since else None
+
+
+def archive_run(root: Path, attempt: JobAttempt | None = None) -> Path | None:
+    """Move a previous run at ``root`` aside to ``<root>-archived-<time>``; None if none was there.
+
+    Done under the run's lock, so a run that is still going is never moved (RunLockedError).
+    Nothing is copied or deleted: a rename within the output folder.
+    """
+    root = Path(root)
+    if not root.is_dir() or not any(root.iterdir()):
+        return None
+    lock = acquire(root, attempt)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = root.with_name(f"{root.name}-archived-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = root.with_name(f"{root.name}-archived-{stamp}-{n}")
+    lock.stop()
+    try:
+        os.rename(root, target)
+    except BaseException:
+        lock.release()
+        raise
+    (target / LOCK_NAME).unlink(missing_ok=True)
+    fsync_dir(root.parent)
+    return target
 
 
 def json_safe(value: Any) -> Any:

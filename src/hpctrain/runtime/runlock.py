@@ -90,6 +90,8 @@ class RunLock:
         self.path = path
         self.info = info
         self.token: str = info["token"]
+        # Why a stale lock was replaced to get this one (for the run's log), else None.
+        self.took_over: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, args=(heartbeat_s,),
                                          name="hpctrain-run-lock", daemon=True)
@@ -105,9 +107,13 @@ class RunLock:
             with contextlib.suppress(OSError):
                 os.utime(self.path)
 
+    def stop(self) -> None:
+        """Stop the heartbeat; the lock file stays (e.g. to move the run directory with it)."""
+        self._stop.set()
+
     def release(self) -> None:
         """Stop the heartbeat and remove the lock file if it is still ours (idempotent)."""
-        self._stop.set()
+        self.stop()
         holder = _read(self.path)
         if holder is not None and holder.get("token") == self.token:
             with contextlib.suppress(FileNotFoundError):
@@ -132,9 +138,10 @@ def acquire(root: Path, attempt: JobAttempt | None = None, *, stale_s: float = S
         if why is None:
             raise _locked_error(root, path, holder, age)
         if _take_over(path, key, info):
-            log.warning("took over the lock of %s: %s (%s)", root, why,
-                        describe(holder) if holder else "unreadable lock file")
-            return RunLock(path, info, heartbeat_s)
+            lock = RunLock(path, info, heartbeat_s)
+            lock.took_over = (f"took over the stale lock of {root}: {why} "
+                              f"({describe(holder) if holder else 'unreadable lock file'})")
+            return lock
     holder, _, age = _inspect(path)
     raise _locked_error(root, path, holder, age)
 

@@ -10,21 +10,34 @@ import logging
 import os
 import socket
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.config import JobConfig, dump_yaml
-from hpctrain.errors import HpctrainError
+from hpctrain.errors import ConfigError, HpctrainError
+from hpctrain.models.flops import count_params
 from hpctrain.observe.metrics import MetricsWriter
-from hpctrain.runtime.dist import init_distributed, shutdown
+from hpctrain.runtime.config import refuse_large_model_on_cpu
+from hpctrain.runtime.dist import Distributed, init_distributed, shutdown
 from hpctrain.runtime.env import ProcessEnv, detect_env
 from hpctrain.runtime.exit_codes import PREEMPTED
+from hpctrain.runtime.interrupted import INTERRUPTED, Interrupted
 from hpctrain.runtime.logs import log_device_binding, setup_rank_logging
 from hpctrain.runtime.provenance import collect_provenance, write_provenance
 from hpctrain.runtime.requeue import requeue
-from hpctrain.runtime.rundir import RunDir, run_name
+from hpctrain.runtime.rundir import RunDir, archive_run, run_name
+from hpctrain.runtime.runlock import (
+    TOKEN_ENV,
+    RunLock,
+    RunLockedError,
+    acquire,
+    check_held,
+    current_attempt,
+)
 from hpctrain.runtime.watchdog import Watchdog
 from hpctrain.train.preemption import ControlChannel, Preempted, PreemptionFlag
 from hpctrain.train.trainer import Trainer, TrainResult
@@ -32,33 +45,133 @@ from hpctrain.train.trainer import Trainer, TrainResult
 log = logging.getLogger("hpctrain.job")
 
 
-def resolve_run_dir(cfg: JobConfig, env: ProcessEnv, run_id: str | None = None) -> RunDir:
-    """``<out_dir>/<name>[-suffix]``: Slurm job id, else the launcher's run id, else a timestamp."""
-    name = cfg.run.name
-    run_id = run_id or os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    if cfg.run.suffix == "auto":
-        if env.job_id:
-            name = run_name(name, env)
-        elif run_id != "none":
-            name = f"{name}-{run_id}"
-        elif env.world_size == 1:
-            name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        # Several ranks without a shared id cannot agree on a timestamp: use the name as is.
+def resolve_run_dir(cfg: JobConfig, env: ProcessEnv) -> RunDir:
+    """``<out_dir>/<name>``; under Slurm ``<name>-<job id>`` (arrays: ``<job>_<task>``).
+
+    The same command finds the same directory again (a requeue keeps its job id), so a rerun
+    resumes from the run's last checkpoint; ``--fresh`` archives the old run first.
+    """
+    name = run_name(cfg.run.name, env) if cfg.run.suffix == "auto" else cfg.run.name
     return RunDir(Path(cfg.run.out_dir) / name)
 
 
-def run_training(cfg: JobConfig, source: Path | None = None) -> TrainResult:
-    """Train as this rank; write config, provenance, metrics, logs and exit info."""
-    env = detect_env()
+@dataclass
+class Claim:
+    """A locked run directory, and what was done to get it (for the user)."""
+
+    run_dir: RunDir
+    lock: RunLock
+    notes: list[str] = field(default_factory=list)
+
+
+def claim_run_dir(cfg: JobConfig, env: ProcessEnv, *, fresh: bool = False) -> Claim:
+    """Lock this run's directory (RunLockedError if a live run holds it).
+
+    With ``fresh`` a previous run there is first archived under a new name, never deleted.
+    """
     run_dir = resolve_run_dir(cfg, env)
-    run_dir.create()
-    setup_rank_logging(run_dir, env, console=env.rank == 0)
+    attempt = current_attempt()
+    notes = []
+    if fresh and attempt.attempt[0] > 0:
+        # The batch script runs the same command again after a requeue: continue, or the
+        # requeued job would archive its own checkpoints.
+        notes.append(f"--fresh ignored: Slurm restart {attempt.attempt[0]} of this job "
+                     f"resumes {run_dir.root}")
+    elif fresh:
+        resume = cfg.checkpoint.resume
+        if resume not in ("auto", "never") and _inside(Path(resume), run_dir.root):
+            raise ConfigError(
+                f"--fresh archives {run_dir.root}, which holds --resume {resume}",
+                hint="copy that checkpoint elsewhere first, or drop --fresh to continue the run")
+        archived = archive_run(run_dir.root, attempt)
+        if archived is not None:
+            notes.append(f"previous run {run_dir.root} archived to {archived}")
+    lock = acquire(run_dir.root, attempt)
+    if lock.took_over:
+        notes.append(lock.took_over)
+    return Claim(run_dir, lock, notes)
+
+
+def check_device_fits(cfg: JobConfig) -> None:
+    """Refuse a GPU-sized model that run.device=auto would put on the CPU (no GPU visible)."""
+    if cfg.run.device != "auto" or torch.cuda.is_available():
+        return
+    n_params = count_params(cfg.model.resolve(), include_embedding=True)
+    refuse_large_model_on_cpu(n_params, model=f"model.size={cfg.model.size}",
+                              force="run.device=cpu")
+
+
+def run_training(cfg: JobConfig, source: Path | None = None, *, fresh: bool = False
+                 ) -> TrainResult:
+    """Train as this rank under the run's lock; a refused run writes nothing into its directory."""
+    check_device_fits(cfg)  # before anything is allocated
+    env = detect_env()
     # Installed first: a signal that arrives during start-up is answered at the first step.
     preempt = PreemptionFlag(cfg.preempt)
+    lock = None
+    try:
+        run_dir, lock, ctx, notes = _claim(cfg, env, fresh)
+        run_dir.create()
+        setup_rank_logging(run_dir, env, console=env.rank == 0)
+        for note in notes:
+            log.info("%s", note)
+        return _train(cfg, env, run_dir, ctx, preempt, source)
+    finally:
+        preempt.restore()
+        if lock is not None:
+            lock.release()
+
+
+def _claim(cfg: JobConfig, env: ProcessEnv, fresh: bool
+           ) -> tuple[RunDir, RunLock | None, Distributed | None, list[str]]:
+    """(run dir, lock this process holds, process group if already up, notes)."""
+    token = os.environ.get(TOKEN_ENV)
+    if fresh and (token or env.launcher != "local"):
+        raise ConfigError("--fresh is for the command that starts the run, not for its ranks",
+                          hint="pass --fresh to `hpctrain train` (with or without --nproc), "
+                          "or choose a new run.name")
+    if token:
+        # Started by `hpctrain train --nproc`: the launcher holds the lock for every restart.
+        run_dir = resolve_run_dir(cfg, env)
+        check_held(run_dir.root, token)
+        return run_dir, None, None, []
+    if env.world_size == 1:
+        claim = claim_run_dir(cfg, env, fresh=fresh)
+        return claim.run_dir, claim.lock, None, claim.notes
+    # Ranks of srun or torchrun: rank 0 takes the lock once the group is up and every rank
+    # learns the outcome, so all of them start or all exit with the same error.
+    ctx = init_distributed(cfg.run, env, cfg.parallel)
+    claim, refusal = None, [None]
+    try:
+        if env.rank == 0:
+            try:
+                claim = claim_run_dir(cfg, env)
+            except HpctrainError as e:
+                refusal = [(e.what, e.expected, e.hint)]
+            except BaseException as e:
+                refusal = [(f"rank 0 could not lock the run directory: {e}", None, None)]
+                dist.broadcast_object_list(refusal, src=0, group=ctx.control_group)
+                raise
+        dist.broadcast_object_list(refusal, src=0, group=ctx.control_group)
+        if refusal[0] is not None:
+            what, expected, hint = refusal[0]
+            raise RunLockedError(what, expected=expected, hint=hint)
+    except BaseException:
+        shutdown()
+        raise
+    if claim is None:
+        return resolve_run_dir(cfg, env), None, ctx, []
+    return claim.run_dir, claim.lock, ctx, claim.notes
+
+
+def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | None,
+           preempt: PreemptionFlag, source: Path | None) -> TrainResult:
+    """Everything after the lock: process group, Trainer, exit info."""
     started = time.time()
     watchdog = trainer = None
     try:
-        ctx = init_distributed(cfg.run, env, cfg.parallel.strategy)
+        if ctx is None:
+            ctx = init_distributed(cfg.run, env, cfg.parallel)
         log_device_binding(log, env, ctx.device)
         hosts = _gather_hosts(env.world_size)
         if env.rank == 0:
@@ -80,19 +193,30 @@ def run_training(cfg: JobConfig, source: Path | None = None) -> TrainResult:
     except Preempted as e:
         _after_preemption(cfg, env, run_dir, e, trainer)
         raise
+    except KeyboardInterrupt:
+        step = trainer.step if trainer else 0
+        latest = run_dir.latest_checkpoint()
+        # The one line the user sees comes from the CLI or the launcher; the log keeps this.
+        log.debug("stopped by SIGINT (Ctrl-C) at step %d; last checkpoint %s", step, latest)
+        if run_dir.failure_since(started) is None:
+            run_dir.write_exit_info(exit_code=INTERRUPTED,
+                                    reason=f"interrupted by SIGINT (Ctrl-C) at step {step}",
+                                    last_checkpoint=latest,
+                                    extra={"rank": env.rank, "host": socket.gethostname()})
+        raise Interrupted(run_dir.root, latest) from None
     except BaseException as e:
         reason = f"{type(e).__name__}: {e}"
         log.error("rank %d failed: %s", env.rank, reason, exc_info=not isinstance(e, HpctrainError))
         if run_dir.failure_since(started) is None:  # a watchdog's or peer's account comes first
+            # The committed one: an async save still in flight (or failed) is not a checkpoint.
             run_dir.write_exit_info(
                 exit_code=_exit_code(e), reason=reason,
-                last_checkpoint=trainer.last_checkpoint if trainer else None,
+                last_checkpoint=run_dir.latest_checkpoint(),
                 extra={"rank": env.rank, "host": socket.gethostname()})
         raise
     finally:
         if watchdog is not None:
             watchdog.stop()
-        preempt.restore()
         shutdown()
     if env.rank == 0:
         run_dir.write_exit_info(exit_code=0, reason="completed",
@@ -143,6 +267,8 @@ def _gather_hosts(world_size: int) -> list[str]:
 
 
 def _exit_code(e: BaseException) -> int:
-    if isinstance(e, KeyboardInterrupt):
-        return 130
     return getattr(e, "exit_code", 1)
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path.resolve().is_relative_to(root.resolve())

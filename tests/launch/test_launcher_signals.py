@@ -1,0 +1,117 @@
+"""What the local launcher (``--nproc``) and a single process say when stopped: SIGTERM means
+"checkpoint and exit 75", Ctrl-C means one line, exit 130 and how to continue, and after a
+``kill -9`` of a rank exit_info.json blames that rank and names the last committed checkpoint.
+
+Real processes, real signals: the tiny demo on CPU, signalled once it has logged a few steps.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from conftest import DDP, wait_gone
+from hpctrain.launch.local import blamed_failure
+from lifecycle import kill_tree_of, start, train_argv
+
+LONG = ["train.steps=5000", "preempt.check_every=1", "preempt.grace_s=60"]
+
+
+def _no_noise(output: str) -> None:
+    for noise in ("Traceback", "SignalException", "KeyboardInterrupt", "ChildFailedError"):
+        assert noise not in output, output[-4000:]
+
+
+def test_sigterm_to_the_launcher_checkpoints_and_exits_75(tmp_path: Path) -> None:
+    run = start(train_argv(tmp_path, "term", *DDP, *LONG, "--nproc", "2"),
+                tmp_path / "console.txt", tmp_path / "term")
+    try:
+        run.wait_for("3 steps", lambda: run.steps() >= 3)
+        workers = run.workers()
+        run.proc.send_signal(signal.SIGTERM)  # the launcher only, as Slurm or kill would
+        code = run.finish()
+        output = run.output()
+        assert code == 75, output[-4000:]
+        _no_noise(output)
+        assert "preempted" in output
+        info = run.exit_info()
+        assert info["exit_code"] == 75, info
+        assert info["last_checkpoint"] == run.latest() is not None, info
+        assert not wait_gone(workers), "ranks outlived the launcher"
+    finally:
+        kill_tree_of(run)
+
+
+@pytest.mark.parametrize("nproc", [None, 2], ids=["single-process", "launcher"])
+def test_ctrl_c_is_one_line_exit_130_and_a_hint(tmp_path: Path, nproc: int | None) -> None:
+    extra = [*LONG, "checkpoint.interval=steps", "checkpoint.every=2"]
+    extra += [*DDP, "--nproc", str(nproc)] if nproc else ["parallel.strategy=none"]
+    run = start(train_argv(tmp_path, "ctrlc", *extra), tmp_path / "console.txt",
+                tmp_path / "ctrlc")
+    try:
+        run.wait_for("a committed checkpoint", lambda: run.latest() is not None)
+        before = len(run.output())
+        workers = run.workers()
+        os.killpg(run.proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+        code = run.finish()
+        output = run.output()
+        after = output[before:]
+        assert code == 130, output[-4000:]
+        _no_noise(output)
+        said = [line for line in after.splitlines() if "interrupted" in line.lower()]
+        assert len(said) == 1, after
+        assert said[0].startswith("hpctrain: interrupted"), said
+        assert "rerun the same command" in said[0] and run.latest() in said[0], said
+        assert not [line for line in after.splitlines() if "torch.distributed" in line], after
+        info = run.exit_info()
+        assert info["exit_code"] == 130, info
+        assert not wait_gone(workers), "ranks outlived the launcher"
+    finally:
+        kill_tree_of(run)
+
+
+def test_kill_9_of_rank_0_blames_rank_0_and_names_the_committed_checkpoint(
+        tmp_path: Path) -> None:
+    run = start(train_argv(tmp_path, "kill0", *DDP, *LONG, "checkpoint.interval=steps",
+                           "checkpoint.every=2", "--nproc", "2"),
+                tmp_path / "console.txt", tmp_path / "kill0")
+    try:
+        run.wait_for("a committed checkpoint", lambda: run.latest() is not None)
+        run.rank_process(0).kill()
+        code = run.finish()
+        output = run.output()
+        assert code == 1, output[-4000:]
+        assert "training failed: rank 0 exited with code -9 (SIGKILL)" in output, output[-4000:]
+        info = run.exit_info()
+        assert info["reason"] == "rank 0 exited with code -9 (SIGKILL)", info
+        assert info["last_checkpoint"] == run.latest() is not None, info
+    finally:
+        kill_tree_of(run)
+
+
+def _failure(rank: int, exitcode: int, timestamp: int) -> ProcessFailure:
+    failure = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode,
+                             error_file="/nonexistent")
+    failure.timestamp = timestamp
+    return failure
+
+
+def test_a_rank_stopped_by_the_agents_sigterm_is_a_victim_not_the_cause() -> None:
+    """Timestamps are whole seconds: rank 1, SIGTERMed by the agent, can tie with rank 0's
+    SIGKILL and come first in the dict; torch's own choice then blames rank 1."""
+    failures = {1: _failure(1, -signal.SIGTERM, 100), 0: _failure(0, -signal.SIGKILL, 100)}
+    assert ChildFailedError("x", failures).get_first_failure()[0] == 1  # torch's pick
+    assert blamed_failure(failures)[0] == 0
+    # A rank that exited by itself (an error) is blamed before one that died of SIGTERM.
+    failures = {0: _failure(0, -signal.SIGTERM, 99), 1: _failure(1, 2, 100)}
+    assert blamed_failure(failures)[0] == 1
+    # A rank killed by a signal is blamed before a peer that exited on the broken connection.
+    failures = {0: _failure(0, 1, 99), 1: _failure(1, -signal.SIGKILL, 100)}
+    assert blamed_failure(failures)[0] == 1
+    # Otherwise the earliest.
+    failures = {0: _failure(0, 1, 101), 1: _failure(1, 1, 100)}
+    assert blamed_failure(failures)[0] == 1

@@ -1,0 +1,99 @@
+"""Two real runs, one run directory: the second is refused at once (exit 2, naming the holder)
+and writes nothing there, whether it is one process, the ``--nproc`` launcher, ranks started
+by torchrun, or a ``--fresh`` that would archive the live run. A stale lock (dead pid) is
+taken over, and the lock is gone once the run has ended.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import run_cli
+from lifecycle import kill_tree_of, start, train_argv
+
+REFUSED_S = 120  # generous: each refusal still imports torch on a shared 2-core machine
+
+
+def _snapshot(run_dir: Path) -> dict[str, tuple[int, int]]:
+    """Size and mtime of every file the *first* run could not have changed meanwhile."""
+    out = {}
+    for p in sorted(run_dir.rglob("*")):
+        if p.is_file() and p.name not in ("run.lock",) and "metrics" not in p.parts \
+                and p.name != "rank-000.log" and "checkpoints" not in p.parts:
+            st = p.stat()
+            out[str(p.relative_to(run_dir))] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def test_a_second_run_in_a_live_run_directory_is_refused(tmp_path: Path) -> None:
+    argv = train_argv(tmp_path, "shared", "parallel.strategy=none", "train.steps=100000",
+                      "preempt.check_every=1")
+    first = start(argv, tmp_path / "first.txt", tmp_path / "shared")
+    try:
+        first.wait_for("2 steps", lambda: first.steps() >= 2)
+        holder = json.loads((first.run_dir / "run.lock").read_text())
+        assert holder["pid"] == first.proc.pid and holder["host"] == socket.gethostname()
+        before = _snapshot(first.run_dir)
+        log_before = (first.run_dir / "logs" / "rank-000.log").read_text().count(
+            "device binding")
+
+        attempts = {
+            "single process": argv,
+            "launcher": [*argv, "--nproc", "2"],
+            "fresh": [*argv, "--fresh"],
+        }
+        for what, args in attempts.items():
+            done = run_cli(args, timeout=REFUSED_S)
+            assert done.returncode == 2, f"{what}: {done.stderr[-3000:]}"
+            assert "is in use by another run" in done.stderr, f"{what}: {done.stderr}"
+            assert f"pid {first.proc.pid}" in done.stderr and socket.gethostname() in done.stderr
+            assert "started 20" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+        # Ranks of torchrun (not our launcher): rank 0 checks after the group forms and both
+        # ranks leave with the same error.
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.pop("TORCHELASTIC_RUN_ID", None)
+        torchrun = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             "2", "-m", "hpctrain", *argv, "parallel.strategy=ddp"],
+            cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
+            timeout=REFUSED_S, start_new_session=True)
+        assert torchrun.returncode != 0
+        both = torchrun.stdout + torchrun.stderr
+        assert both.count("is in use by another run") == 2, both[-4000:]
+
+        # Nothing of the refused runs landed in the directory.
+        assert _snapshot(first.run_dir) == before
+        assert not (first.run_dir / "exit_info.json").exists()
+        assert not (first.run_dir / "logs" / "rank-001.log").exists()
+        log = (first.run_dir / "logs" / "rank-000.log").read_text()
+        assert log.count("device binding") == log_before == 1
+        assert [p.name for p in tmp_path.iterdir() if "archived" in p.name] == []
+
+        first.proc.send_signal(signal.SIGTERM)
+        assert first.finish() == 75, first.output()[-3000:]
+        assert not (first.run_dir / "run.lock").exists(), "the lock outlived its run"
+    finally:
+        kill_tree_of(first)
+
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path: Path) -> None:
+    run_dir = tmp_path / "stale"
+    run_dir.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (run_dir / "run.lock").write_text(json.dumps({
+        "host": socket.gethostname(), "pid": gone.pid, "started": 1.0e9, "job": None,
+        "attempt": [0, 0], "token": "left-by-a-crash"}))
+    done = run_cli(train_argv(tmp_path, "stale", "parallel.strategy=none", "train.steps=2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = (run_dir / "logs" / "rank-000.log").read_text()
+    assert f"took over the stale lock of {run_dir}: process {gone.pid} on this host is gone" \
+        in log, log[-2000:]
+    assert not (run_dir / "run.lock").exists()
