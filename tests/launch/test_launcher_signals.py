@@ -115,3 +115,21 @@ def test_a_rank_stopped_by_the_agents_sigterm_is_a_victim_not_the_cause() -> Non
     # Otherwise the earliest.
     failures = {0: _failure(0, 1, 101), 1: _failure(1, 1, 100)}
     assert blamed_failure(failures)[0] == 1
+
+
+def test_sigterm_while_the_launcher_starts_is_not_lost(tmp_path: Path) -> None:
+    """SIGTERM right after the launcher took the lock, before or while the ranks start: it
+    stops the run (75 if the ranks got to checkpoint, else 143), never lets it train on."""
+    run = start(train_argv(tmp_path, "early", *DDP, *LONG, "--nproc", "2"),
+                tmp_path / "console.txt", tmp_path / "early")
+    try:
+        run.wait_for("the run lock", (run.run_dir / "run.lock").exists, timeout=120)
+        run.proc.send_signal(signal.SIGTERM)
+        code = run.finish()
+        output = run.output()
+        assert code in (75, 143), output[-4000:]
+        _no_noise(output)
+        assert not (run.run_dir / "run.lock").exists()
+        assert run.exit_info()["exit_code"] == code
+    finally:
+        kill_tree_of(run)

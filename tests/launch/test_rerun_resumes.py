@@ -59,6 +59,15 @@ def test_fresh_archives_the_old_run_and_starts_over(tmp_path: Path) -> None:
     assert "resumed from step-00000003" in again.stderr
     old = (tmp_path / "over" / "metrics" / "rank-000.jsonl").read_text()
 
+    info = (tmp_path / "over" / "exit_info.json").read_text()
+    log = (tmp_path / "over" / "logs" / "rank-000.log").read_text()
+    never = run_cli([*argv, "--resume", "never"])  # refused before it touches the old run
+    assert never.returncode == 2, never.stderr[-3000:]
+    assert "already holds checkpoints and checkpoint.resume=never" in never.stderr
+    assert "add --fresh to archive it and start over" in never.stderr
+    assert (tmp_path / "over" / "exit_info.json").read_text() == info
+    assert (tmp_path / "over" / "logs" / "rank-000.log").read_text() == log
+
     fresh = run_cli([*argv, "--fresh"])
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     (archived,) = [p for p in tmp_path.iterdir() if p.name.startswith("over-archived-")]

@@ -25,6 +25,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from hpctrain.config import JobConfig
 from hpctrain.errors import HpctrainError, LaunchError
+from hpctrain.runtime import early_signals
 from hpctrain.runtime.env import detect_env
 from hpctrain.runtime.exit_codes import HUNG, PREEMPTED
 from hpctrain.runtime.interrupted import INTERRUPTED, Interrupted
@@ -105,6 +106,13 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: RunDir, *, run_id:
             logging.getLogger(name).setLevel(logging.ERROR)
     started = time.time()
     try:
+        # Until the agent installs its own handlers (when the ranks start), a stop signal
+        # would kill this process outright, or under `python -m hpctrain` be recorded and
+        # ignored: raise what the agent raises instead, and answer one that came already.
+        for name in _AGENT_HANDLED:
+            signal.signal(getattr(signal, name), _raise_stop)
+        if "SIGTERM" in early_signals.received:
+            _raise_stop(signal.SIGTERM, None)
         elastic_launch(config, sys.executable)("-m", "hpctrain", *worker_args)
     except ChildFailedError as e:
         # After a preemption the ranks exit with 75; one still on its way out may be stopped
@@ -203,6 +211,11 @@ def kill_tree(pid: int) -> None:
     for kid in kids:
         with contextlib.suppress(psutil.Error):
             kid.kill()
+
+
+def _raise_stop(signum: int, frame) -> None:
+    sig = signal.Signals(signum)
+    raise SignalException(f"launcher got {sig.name}", sigval=sig)
 
 
 def _forward_to_workers(signum: int, frame) -> None:

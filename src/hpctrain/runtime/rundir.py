@@ -86,6 +86,12 @@ class RunDir:
         except (OSError, UnicodeDecodeError):
             return None
 
+    def committed_checkpoints(self) -> list[Path]:
+        """Committed checkpoint folders (``checkpoints/step-*``), in no particular order."""
+        if not self.checkpoints_dir.is_dir():
+            return []
+        return [p for p in self.checkpoints_dir.glob("step-*") if p.is_dir()]
+
     def rank_log(self, rank: int) -> Path:
         """Return the log file of `rank`, e.g. logs/rank-003.log."""
         return self.logs_dir / f"rank-{rank:03d}.log"

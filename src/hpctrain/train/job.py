@@ -87,6 +87,13 @@ def claim_run_dir(cfg: JobConfig, env: ProcessEnv, *, fresh: bool = False) -> Cl
         if archived is not None:
             notes.append(f"previous run {run_dir.root} archived to {archived}")
     lock = acquire(run_dir.root, attempt)
+    if cfg.checkpoint.resume == "never" and run_dir.committed_checkpoints():
+        # Refused here, before this attempt appends to the old run's log or exit info.
+        lock.release()
+        raise ConfigError(
+            f"{run_dir.root} already holds checkpoints and checkpoint.resume=never",
+            hint="rerun without --resume never to continue that run, add --fresh to archive "
+            "it and start over, or choose another run.name")
     if lock.took_over:
         notes.append(lock.took_over)
     return Claim(run_dir, lock, notes)
