@@ -59,8 +59,10 @@ def test_generated_script_trains_unchanged_from_any_directory(slurm_cluster: Slu
                                capture_output=True, timeout=60)
         assert probe.returncode != 0, f"{bare} imports hpctrain: this test would prove nothing"
 
-    hpctrain = Path(sys.executable).with_name("hpctrain")  # the console script `make` installs
-    generated = slurm_cluster.run(str(hpctrain), "sbatch", "configs/demo.yaml", *TINY,
+    # The console script `make` installs (the same command through -m where there is none).
+    script_cmd = Path(sys.executable).with_name("hpctrain")
+    hpctrain = [str(script_cmd)] if script_cmd.is_file() else [sys.executable, "-m", "hpctrain"]
+    generated = slurm_cluster.run(*hpctrain, "sbatch", "configs/demo.yaml", *TINY,
                                   "--job-name", "newcomer", "-o", "train.sh", cwd=project,
                                   env=env, timeout=120)
     script = project / "train.sh"
