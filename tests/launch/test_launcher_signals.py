@@ -7,6 +7,7 @@ Real processes, real signals: the tiny demo on CPU, signalled once it has logged
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -70,6 +71,7 @@ def test_ctrl_c_is_one_line_exit_130_and_a_hint(tmp_path: Path, nproc: int | Non
         info = run.exit_info()
         assert info["exit_code"] == 130, info
         assert not wait_gone(workers), "ranks outlived the launcher"
+        assert not (run.run_dir / "run.lock").exists()
     finally:
         kill_tree_of(run)
 
@@ -89,6 +91,28 @@ def test_kill_9_of_rank_0_blames_rank_0_and_names_the_committed_checkpoint(
         info = run.exit_info()
         assert info["reason"] == "rank 0 exited with code -9 (SIGKILL)", info
         assert info["last_checkpoint"] == run.latest() is not None, info
+        assert not (run.run_dir / "run.lock").exists()
+    finally:
+        kill_tree_of(run)
+
+
+def test_restarted_ranks_keep_the_launchers_lock(tmp_path: Path) -> None:
+    """--max-restarts: the launcher holds the lock across the restart, the new ranks run."""
+    run = start(train_argv(tmp_path, "restart", *DDP, "train.steps=8", "checkpoint.every=2",
+                           "--max-restarts", "1", "--nproc", "2"),
+                tmp_path / "console.txt", tmp_path / "restart",
+                env={"HPCTRAIN_FAULTS": "hang@step=4,seconds=3"})
+    try:
+        run.wait_for("a committed checkpoint", lambda: run.latest() is not None)
+        token = json.loads((run.run_dir / "run.lock").read_text())["token"]
+        run.rank_process(1).kill()
+        code = run.finish()
+        output = run.output()
+        assert code == 0, output[-4000:]
+        assert "resumed from step-" in output, output[-4000:]
+        assert output.count("device binding: host") == 2  # rank 0, before and after
+        assert "in use by another run" not in output and token
+        assert not (run.run_dir / "run.lock").exists()
     finally:
         kill_tree_of(run)
 

@@ -178,6 +178,7 @@ def test_every_rank_failing_ends_the_launch(background: dict[str, Future]) -> No
     assert "fewer than one global batch" in launch.output, launch.output[-3000:]
     assert re.search(r"training failed: rank [01] exited with code 2", launch.output)
     assert "Traceback" not in launch.output, launch.output[-3000:]
+    assert not (launch.run_dir.root / "run.lock").exists(), "the lock outlived a failed run"
     info = launch.exit_info()
     # The ranks' own account stays (a user error, code 2), not the launcher's "exited with 2".
     assert info["exit_code"] == 2, info

@@ -83,6 +83,20 @@ def test_a_second_run_in_a_live_run_directory_is_refused(tmp_path: Path) -> None
         kill_tree_of(first)
 
 
+def test_a_fresh_lock_of_another_host_is_respected(tmp_path: Path) -> None:
+    run_dir = tmp_path / "elsewhere"
+    run_dir.mkdir()
+    (run_dir / "run.lock").write_text(json.dumps({
+        "host": "gpu-node-042", "pid": 31337, "started": 1.7e9, "job": "slurm:991",
+        "attempt": [0, 0], "token": "theirs"}))
+    done = run_cli(train_argv(tmp_path, "elsewhere", "parallel.strategy=none", "train.steps=2"),
+                   timeout=REFUSED_S)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "host gpu-node-042, pid 31337, started 2023-11-14 22:13:20 UTC, job slurm:991" \
+        in done.stderr, done.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == ["run.lock"]
+
+
 def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path: Path) -> None:
     run_dir = tmp_path / "stale"
     run_dir.mkdir()
