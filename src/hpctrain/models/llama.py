@@ -1,7 +1,11 @@
 """A Llama-style decoder: pre-norm blocks of grouped-query attention with RoPE and a SwiGLU FFN.
 
 Holds no parallelism code: `hpctrain.parallel` wraps each entry of `Transformer.layers` (the blocks
-are self-contained direct children of that ModuleList). Meta-device construction is supported::
+are self-contained direct children of that ModuleList). Two things keep it shardable without
+knowing how: attention takes its local head count from the projected tensor (tensor parallelism
+shards the heads), and a pipeline stage is this same class with the parts it does not hold set to
+None (the embedding, blocks, final norm, output), so its parameters keep their canonical names.
+Meta-device construction is supported::
 
     with torch.device("meta"):
         model = Transformer(args)
@@ -63,8 +67,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """Map `x [B, T, dim]` to `[B, T, dim]`, attending only to earlier positions."""
+        """Map `x [B, T, dim]` to `[B, T, dim]`, attending only to earlier positions.
+
+        ``rope`` holds at least T positions; the first T are used.
+        """
         bsz, seqlen, _ = x.shape
+        # Sliced here, where the whole sequence is present: a block's input may hold only a
+        # slice of it (sequence parallelism), so the caller cannot know T.
+        rope = rope[:seqlen]
         # -1 instead of n_heads so tensor parallelism can shard the heads without touching this.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
@@ -106,7 +116,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """Map `x [B, T, dim]` to `[B, T, dim]` given the RoPE table sliced to T."""
+        """Map `x [B, T, dim]` to `[B, T, dim]` given the RoPE table (at least T positions)."""
         h = x + self.attention(self.attention_norm(x), rope)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -185,19 +195,27 @@ class Transformer(nn.Module):
                 self.init_parameter(name, param)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Return logits `[B, T, vocab_size]` for token ids `tokens [B, T]`."""
-        seqlen = tokens.shape[1]
-        if seqlen > self.rope.shape[0]:
-            raise ConfigError(
-                f"sequence length {seqlen} exceeds model.max_seq_len={self.rope.shape[0]}",
-                expected=f"sequences of at most {self.rope.shape[0]} tokens",
-                hint=f"set model.max_seq_len to at least {seqlen} or shorten the sequences",
-            )
-        rope = self.rope[:seqlen]
-        h = self.tok_embeddings(tokens)
+        """Return logits `[B, T, vocab_size]` for token ids `tokens [B, T]`.
+
+        A pipeline stage without the embedding takes the hidden state `[B, T, dim]` instead,
+        and one without the output layer returns the hidden state.
+        """
+        h = tokens
+        if self.tok_embeddings is not None:
+            seqlen = tokens.shape[1]
+            if seqlen > self.rope.shape[0]:
+                raise ConfigError(
+                    f"sequence length {seqlen} exceeds model.max_seq_len={self.rope.shape[0]}",
+                    expected=f"sequences of at most {self.rope.shape[0]} tokens",
+                    hint=f"set model.max_seq_len to at least {seqlen} or shorten the sequences",
+                )
+            h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, rope)
-        return self.output(self.norm(h))
+            if layer is not None:
+                h = layer(h, self.rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
 
 
 def _trunc_normal_(

@@ -1,8 +1,16 @@
-"""Apply activation checkpointing, compile and the data-parallel strategy, in one fixed order.
+"""The one function that spreads a model over the mesh, applying every transform in a fixed order.
 
-Order, as in torchtitan: activation checkpointing wraps each block, then each block is compiled
-(so the compiled graph includes the recomputation), then FSDP shards each block and finally the
-root (or DDP wraps the whole model). The model itself knows none of this.
+Per model part (the whole model, or each pipeline stage this rank holds), as in torchtitan:
+
+1. tensor parallelism (``parallel/tensor.py``) shards heads, FFN and vocabulary over ``tp``;
+2. activation checkpointing wraps each block;
+3. each block is compiled (so the compiled graph includes the recomputation and the TP
+   redistributions);
+4. FSDP/HSDP shards each block and the part's root, or DDP wraps the part
+   (``parallel/data.py``).
+
+Pipeline parallelism (``parallel/pipeline.py``) comes first of all: it cuts the model into stages,
+and each stage goes through 1-4. The model itself knows none of this.
 
 Parameters live on the meta device until here. FSDP shards them first and each rank then
 materialises only its shard, so an 8B model never exists whole on one rank; DDP needs whole
@@ -11,24 +19,79 @@ tensors, so it materialises first and wraps after.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.nn.parallel import DistributedDataParallel
 
-from hpctrain.parallel.config import ParallelConfig
+from hpctrain.parallel.config import ZERO_BUBBLE_SCHEDULES, ParallelConfig
+from hpctrain.parallel.data import DTYPES, apply_ddp, apply_fsdp
+from hpctrain.parallel.layout import ParallelLayout
 from hpctrain.parallel.materialize import materialize
+from hpctrain.parallel.pipeline import (
+    Pipeline,
+    StageUnion,
+    autocast_forward,
+    build_pipeline,
+    split_model,
+)
+from hpctrain.parallel.stages import balance_stages, module_costs
+from hpctrain.parallel.tensor import apply_tensor_parallel
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+@dataclass
+class Parallelized:
+    """A model spread over the mesh.
+
+    ``model`` is what the optimizer and checkpoints see, under the model's own parameter names
+    (for pipeline parallelism: this rank's stages together); without pipeline parallelism it is
+    also what runs. ``pipeline`` runs the stages otherwise.
+    """
+
+    model: nn.Module
+    pipeline: Pipeline | None = None
 
 
-def parallelize(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh, device: torch.device,
-                precision: str, seed: int) -> nn.Module:
-    """Return the model ready to train: transformed, sharded or replicated, and initialised."""
+def parallelize(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout, mesh: DeviceMesh,
+                device: torch.device, precision: str, seed: int, *,
+                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                seq_len: int = 0, microbatch_tokens: int = 0) -> Parallelized:
+    """Transform, shard and initialise ``model`` (built on meta) for this rank of ``mesh``.
+
+    With pipeline parallelism ``loss_fn(logits, targets)`` (summed token loss) runs on the last
+    stage; ``seq_len`` and ``microbatch_tokens`` feed the stage-balancing cost model.
+    """
+    if layout.pp == 1:
+        return Parallelized(_parallelize_part(model, cfg, layout, mesh, device, precision, seed))
+    if loss_fn is None:
+        raise ValueError("pipeline parallelism needs the loss function")
+    args = model.args
+    bounds = balance_stages(args.n_layers, layout.num_stages,
+                            module_costs(args, seq_len, microbatch_tokens))
+    parts = split_model(model, layout, mesh.get_local_rank("pp"), bounds)
+    autocast = autocast_dtype(cfg, precision)
+    stages = []
+    for s, part in parts:
+        if autocast is not None:
+            autocast_forward(part, device.type, autocast)
+        stages.append((s, _parallelize_part(part, cfg, layout, mesh, device, precision, seed)))
+    union = StageUnion([part for _, part in parts], args.n_layers)
+    return Parallelized(union, build_pipeline(stages, layout, mesh["pp"], device, loss_fn,
+                                              bounds))
+
+
+def _parallelize_part(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout,
+                      mesh: DeviceMesh, device: torch.device, precision: str,
+                      seed: int) -> nn.Module:
+    if layout.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
     blocks: nn.ModuleList = model.layers
     for i, block in enumerate(list(blocks)):
+        if block is None:  # held by another pipeline stage
+            continue
         if _checkpointed(i, cfg):
             # preserve_rng_state=False: the blocks hold no dropout, so no RNG state to replay.
             block = checkpoint_wrapper(block, preserve_rng_state=False)
@@ -39,36 +102,28 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh, device:
         blocks[i] = block
 
     if cfg.strategy == "fsdp":
-        mp = MixedPrecisionPolicy(param_dtype=_DTYPES[precision], reduce_dtype=torch.float32)
-        shard_mesh = mesh["dp_shard"]
-        for block in blocks:
-            fully_shard(block, mesh=shard_mesh, mp_policy=mp,
-                        reshard_after_forward=cfg.reshard_after_forward)
-        fully_shard(model, mesh=shard_mesh, mp_policy=mp,
-                    reshard_after_forward=cfg.reshard_after_forward)
+        # Zero-bubble schedules compute weight gradients in a pass of their own after the
+        # input gradients; FSDP must keep the parameters gathered for it (resharded after
+        # forward, the weight gradients come out wrong: measured, PyTorch 2.13).
+        zero_bubble = layout.pp > 1 and layout.schedule in ZERO_BUBBLE_SCHEDULES
+        apply_fsdp(model, mesh, precision, cfg.reshard_after_forward and not zero_bubble)
         materialize(model, device, seed)
         return model
-
     materialize(model, device, seed)
     if cfg.strategy == "ddp":
-        return DistributedDataParallel(
-            model,
-            device_mesh=mesh["dp_replicate"],
-            device_ids=[device.index] if device.type == "cuda" else None,
-            # Gradients are written into the communication buckets directly: one copy fewer.
-            gradient_as_bucket_view=True,
-            # The only buffer (the RoPE table) is derived, identical on every rank: broadcasting
-            # it before every forward would be a collective per step for nothing.
-            broadcast_buffers=False,
-        )
+        return apply_ddp(model, mesh, device)
     return model
 
 
 def autocast_dtype(cfg: ParallelConfig, precision: str) -> torch.dtype | None:
-    """The autocast dtype the forward needs, or None where FSDP already casts parameters."""
+    """The autocast dtype the forward needs, or None where FSDP already casts parameters.
+
+    Tensor and pipeline parallelism without FSDP compute in ``precision`` through autocast,
+    like DDP (fp32 master weights, bf16 matmuls): never silently in fp32.
+    """
     if precision == "fp32" or cfg.strategy == "fsdp":
         return None
-    return _DTYPES[precision]
+    return DTYPES[precision]
 
 
 def _checkpointed(index: int, cfg: ParallelConfig) -> bool:

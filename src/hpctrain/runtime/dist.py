@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hpctrain.errors import ConfigError, RuntimeEnvError
+from hpctrain.errors import RuntimeEnvError
+from hpctrain.parallel.config import ParallelConfig
+from hpctrain.parallel.layout import mesh_degrees
 from hpctrain.runtime.config import RunConfig
 from hpctrain.runtime.env import ProcessEnv, export_torch_env
 
@@ -44,6 +46,20 @@ class Distributed:
     def world_size(self) -> int:
         """Number of ranks."""
         return self.env.world_size
+
+    def axis(self, name: str) -> tuple[int, int]:
+        """(this rank's index, size) along mesh axis ``name``."""
+        return self.mesh.get_local_rank(name), self.mesh.size(MESH_AXES.index(name))
+
+    @property
+    def dp(self) -> tuple[int, int]:
+        """(rank, size) among the data-parallel replicas: ranks that see different batches.
+
+        Ranks of one tensor-parallel group or one pipeline share the same coordinate.
+        """
+        rep, n_rep = self.axis("dp_replicate")
+        shard, n_shard = self.axis("dp_shard")
+        return rep * n_shard + shard, n_rep * n_shard
 
 
 def select_device(cfg: RunConfig, env: ProcessEnv) -> torch.device:
@@ -77,24 +93,9 @@ def select_device(cfg: RunConfig, env: ProcessEnv) -> torch.device:
     return device
 
 
-def mesh_shape(strategy: str, world_size: int) -> tuple[int, int, int, int]:
-    """Sizes of (pp, dp_replicate, dp_shard, tp) for a data-parallel strategy."""
-    if strategy == "fsdp":
-        return (1, 1, world_size, 1)
-    if strategy == "ddp":
-        return (1, world_size, 1, 1)
-    if world_size > 1:
-        raise ConfigError(
-            f"parallel.strategy = 'none' with {world_size} ranks",
-            expected="'ddp' or 'fsdp' when more than one rank trains",
-            hint="set parallel.strategy=ddp (or fsdp), or run with --nproc 1",
-        )
-    return (1, 1, 1, 1)
-
-
-def init_distributed(cfg: RunConfig, env: ProcessEnv, strategy: str) -> Distributed:
+def init_distributed(cfg: RunConfig, env: ProcessEnv, parallel: ParallelConfig) -> Distributed:
     """Bind the device, start the process group (nccl on CUDA, gloo on CPU) and build the mesh."""
-    shape = mesh_shape(strategy, env.world_size)
+    shape = mesh_degrees(parallel, env.world_size)  # a bad layout fails before any rendezvous
     device = select_device(cfg, env)
     backend = cfg.backend
     if backend == "auto":

@@ -14,7 +14,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from hpctrain.config import to_dict
 from hpctrain.errors import ConfigError
@@ -23,6 +27,11 @@ if TYPE_CHECKING:
     from hpctrain.train.trainer import Trainer
 
 log = logging.getLogger("hpctrain.train")
+
+# Optimizer state keyed by parameter name, param-group settings included (``param_groups.<fqn>
+# .lr``): no entry depends on how parameters are grouped per rank, so a checkpoint saved by a
+# pipeline stage loads into any other layout.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 # Sections that may change between a save and a resume without changing what is trained.
 _RUNTIME_SECTIONS = ("run", "metrics", "checkpoint", "preempt", "watchdog", "parallel")
@@ -43,7 +52,7 @@ def config_hashes(cfg) -> dict[str, str]:
 
 def tensor_state(trainer: Trainer) -> dict[str, Any]:
     """Model and optimizer state dicts with canonical names (no DDP/compile/AC prefixes)."""
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=_OPTIONS)
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -80,7 +89,8 @@ def restore(trainer: Trainer, path: Path, manifest: dict[str, Any], *, data: boo
     with trainer.watchdog.paused("checkpoint load"):
         trainer.ckpt.load(path, state)
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+                   optim_state_dict=state["optim"],
+                   options=_OPTIONS)
     trainer.metrics.write({"event": "checkpoint_load", "checkpoint": path.name,
                            "step": int(manifest["step"]),
                            "load_s": time.perf_counter() - start})

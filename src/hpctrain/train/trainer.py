@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from hpctrain import faults
 from hpctrain.checkpoint.manager import CheckpointManager, step_dir_name
@@ -40,8 +39,11 @@ from hpctrain.models import Transformer, count_params, flops_per_token
 from hpctrain.observe.metrics import MetricsWriter
 from hpctrain.observe.peaks import mfu, peak_tflops
 from hpctrain.observe.progress import TrainProgress
+from hpctrain.parallel.grad_norm import clip_grads_, global_grad_norm
+from hpctrain.parallel.layout import check_layout
 from hpctrain.parallel.parallelize import autocast_dtype, parallelize
-from hpctrain.runtime.dist import Distributed
+from hpctrain.parallel.tensor import tp_loss_fn
+from hpctrain.runtime.dist import MESH_AXES, Distributed
 from hpctrain.runtime.watchdog import Watchdog
 from hpctrain.train import checkpointing
 from hpctrain.train.guard import BadStepGuard
@@ -96,15 +98,32 @@ class Trainer:
             torch.backends.cudnn.benchmark = False
         torch.manual_seed(cfg.run.seed)
 
+        # Every layout rule (degrees against the world size, heads, vocabulary, layers,
+        # micro-batches) is checked before anything is built.
+        self.par = check_layout(cfg, dist_ctx.world_size)
         self.model_args = cfg.model.resolve()
+        mesh = dist_ctx.mesh
+        if self.par.tp > 1:
+            # The logits stay split along the vocabulary: the loss works on the shards.
+            self.loss_fn = tp_loss_fn(mesh["tp"], self.model_args.vocab_size)
+        else:
+            # Compiled, the fp32 upcast, log-softmax and gather fuse instead of materialising
+            # the [tokens, vocab] fp32 logits several times.
+            self.loss_fn = torch.compile(cross_entropy_loss) if pc.compile else cross_entropy_loss
         with torch.device("meta"):
             model = Transformer(self.model_args)
-        self.model = parallelize(model, pc, dist_ctx.mesh, self.device, tc.precision,
-                                 cfg.run.seed)
+        local_batch = tc.micro_batch * tc.grad_accum
+        parallel = parallelize(model, pc, self.par, mesh, self.device, tc.precision,
+                               cfg.run.seed, loss_fn=self.loss_fn, seq_len=cfg.data.seq_len,
+                               microbatch_tokens=local_batch // self.par.microbatches
+                               * cfg.data.seq_len)
+        self.model, self.pipeline = parallel.model, parallel.pipeline
         self.autocast = autocast_dtype(pc, tc.precision)
-        # Compiled, the fp32 upcast, log-softmax and gather fuse instead of materialising the
-        # [tokens, vocab] fp32 logits several times.
-        self.loss_fn = torch.compile(cross_entropy_loss) if pc.compile else cross_entropy_loss
+        self.pp_group = mesh["pp"].get_group() if self.par.pp > 1 else None
+        # Ranks of one tensor-parallel group hold the same loss and only the last pipeline
+        # stage holds it at all: one rank per model replica contributes it to global sums.
+        self.holds_loss = (mesh.get_local_rank("tp") == 0
+                           and (self.pipeline is None or self.pipeline.has_last))
         # fp16 overflows without loss scaling; the sharded scaler agrees on inf/NaN across
         # ranks so no rank skips a step the others take.
         self.scaler = None
@@ -114,8 +133,10 @@ class Trainer:
             scaler_cls = ShardedGradScaler if pc.strategy == "fsdp" else torch.amp.GradScaler
             self.scaler = scaler_cls(self.device.type)
 
-        self.layout = BatchLayout(tc.micro_batch, tc.grad_accum, dist_ctx.world_size,
-                                  dist_ctx.rank)
+        # Batches go to data-parallel coordinates: the ranks of one model replica (its tensor-
+        # and pipeline-parallel ranks) read the same samples.
+        dp_rank, dp_size = dist_ctx.dp
+        self.layout = BatchLayout(tc.micro_batch, tc.grad_accum, dp_size, dp_rank)
         peak_lr = cfg.optim.effective_lr(self.layout.global_batch)
         self.optimizer = build_optimizer(self.model, cfg.optim, peak_lr)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, tc.steps)
@@ -134,17 +155,36 @@ class Trainer:
         self._skipped_logged = 0.0  # bad steps already reported (the guard counts them all)
         self.step = 0
         self.last_checkpoint: str | None = None
-        self.tokens_per_step = self.layout.micro_batch * tc.grad_accum * cfg.data.seq_len
+        # Per GPU: a model replica's tokens are counted once, shared by its tp x pp ranks.
+        self.tokens_per_step = (self.layout.micro_batch * tc.grad_accum * cfg.data.seq_len
+                                / (self.par.tp * self.par.pp))
         self.flops_per_token = flops_per_token(self.model_args, cfg.data.seq_len)
         self.peak = cfg.metrics.peak_tflops or self._device_peak(tc.precision)
         n_params = count_params(self.model_args, include_embedding=True)
         log.info(
-            "model %s: %.1fM params, strategy %s, global batch %d samples = %d tokens, "
-            "peak lr %.3g, device peak %s",
-            cfg.model.size, n_params / 1e6, pc.strategy, self.layout.global_batch,
-            self.layout.global_batch * cfg.data.seq_len, peak_lr,
+            "model %s: %.1fM params, strategy %s, layout %s, global batch %d samples = %d "
+            "tokens, peak lr %.3g, device peak %s",
+            cfg.model.size, n_params / 1e6, pc.strategy, self.par.describe(),
+            self.layout.global_batch, self.layout.global_batch * cfg.data.seq_len, peak_lr,
             f"{self.peak:.0f} TFLOP/s" if self.peak else "unknown device (MFU not reported)",
         )
+        self.metrics.write(self._layout_record())
+
+    def _layout_record(self) -> dict:
+        """The layout event: degrees, this rank's coordinates and, with PP, its stages."""
+        mesh = self.dist.mesh
+        record = {"event": "layout", "pp": self.par.pp, "dp_replicate": self.par.dp_replicate,
+                  "dp_shard": self.par.dp_shard, "tp": self.par.tp,
+                  "coords": {axis: mesh.get_local_rank(axis) for axis in MESH_AXES}}
+        if self.pipeline is not None:
+            bounds = self.pipeline.bounds
+            record.update(
+                schedule=self.par.schedule, microbatches=self.par.microbatches,
+                pp_bubble=self.pipeline.bubble,
+                stages={stage.stage_index: [bounds[stage.stage_index],
+                                            bounds[stage.stage_index + 1]]
+                        for stage in self.pipeline.stages})
+        return record
 
     def _device_peak(self, precision: str) -> float | None:
         if self.device.type != "cuda":
@@ -160,13 +200,25 @@ class Trainer:
 
         Each micro-batch contributes its summed token loss over the step's global count of
         real target tokens, so padding and uneven micro-batches weigh exactly what they hold.
-        Data parallelism averages gradients over ranks, hence the ``world`` factor.
+        Data parallelism averages gradients over its replicas, hence the ``dp`` factor. Only
+        the ranks holding the loss (``holds_loss``) return their share; the others return 0,
+        so a sum over all ranks counts each replica once.
+
+        With pipeline parallelism the micro-batches make one batch that the schedule cuts into
+        ``parallel.pp_microbatches`` and runs forward and backward through the stages.
         """
         n = len(micro_batches)
-        world = self.dist.world_size
+        dp = self.layout.world_size
         denom = float(self.loader.last_valid_samples * micro_batches[0][1].shape[1])
         total = torch.zeros((), device=self.device, dtype=torch.float32)
         poison = faults.active("nan", self.step + 1)
+        if self.pipeline is not None:
+            inputs = torch.cat([x for x, _ in micro_batches])
+            targets = torch.cat([y for _, y in micro_batches])
+            summed = self.pipeline.step(inputs, targets, scale=dp / denom, poison=bool(poison))
+            if summed is not None and self.holds_loss:
+                total += summed.detach() / dp
+            return total
         for i, (inputs, targets) in enumerate(micro_batches):
             with self._grad_sync(last=i == n - 1), self._autocast():
                 loss = self.loss_fn(self.model(inputs), targets)
@@ -174,11 +226,11 @@ class Trainer:
                 loss = loss * float("nan")
             share = loss / denom
             if self.scaler is not None:
-                self.scaler.scale(share * world).backward()
+                self.scaler.scale(share * dp).backward()
             else:
-                (share * world).backward()
+                (share * dp).backward()
             total += share.detach()
-        return total
+        return total if self.holds_loss else total.zero_()
 
     def train_step(self, micro_batches) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step: gradients, clipping, update, schedule. Returns (loss, grad norm).
@@ -191,13 +243,11 @@ class Trainer:
             dist.all_reduce(loss)  # the sum of the ranks' shares: every rank judges one value
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        # The norm of the whole model's gradient (all stages and shards), equal on every rank.
+        params = list(self.model.parameters())
+        norm = global_grad_norm(params, self.pp_group)
         if self.cfg.train.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip, foreach=True)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+            clip_grads_(params, self.cfg.train.grad_clip, norm)
         bad = self.guard.check(loss, norm)
         self.lr_applied = self.optimizer.param_groups[0]["lr"]
         if self.scaler is not None:
@@ -260,10 +310,14 @@ class Trainer:
         if self.val_dataset is None:
             return None
         self.watchdog.beat(self.step, "validation")
+        tc = self.cfg.train
+        # Through a pipeline, batches have the training step's shape (the schedule's).
+        micro_batch = tc.micro_batch * tc.grad_accum if self.pipeline else tc.micro_batch
         record = {"step": self.step, **evaluate(
-            self.model, self.val_dataset, micro_batch=self.cfg.train.micro_batch,
-            rank=self.dist.rank, world_size=self.dist.world_size, device=self.device,
-            autocast=self.autocast)}
+            self.model, self.val_dataset, micro_batch=micro_batch, rank=self.layout.rank,
+            world_size=self.layout.world_size, device=self.device, autocast=self.autocast,
+            loss_fn=self.loss_fn if self.par.tp > 1 else None, pipeline=self.pipeline,
+            holds_loss=self.holds_loss)}
         self.metrics.write(record)
         log.info("validation at step %d: loss %.4f, perplexity %.2f over %d tokens",
                  self.step, record["val_loss"], record["val_ppl"], record["val_tokens"])
@@ -403,6 +457,8 @@ class Trainer:
             "mfu": mfu(tokens_per_s, self.flops_per_token, self.peak) if self.peak else None,
             "mem_gb": self._memory_gb(),
         }
+        if self.pipeline is not None:
+            record["pp_bubble"] = self.pipeline.bubble
         self.metrics.write(record)
         if streak >= self.cfg.guard.max_consecutive:
             self._rollback(int(streak))

@@ -1,0 +1,52 @@
+"""Data parallelism: DDP (replicas), FSDP2 (shards) and HSDP (replicas of FSDP shard groups).
+
+FSDP shards each block and then the root (embedding, final norm, output layer), over the mesh
+axis ``dp_shard``, or over ``(dp_replicate, dp_shard)`` for HSDP: parameters are sharded inside a
+replica group, gradients reduce-scattered inside it and all-reduced across replicas. With tensor
+parallelism the parameters are already DTensors on the ``tp`` axis and FSDP shards them further
+(2-D). DDP needs whole parameters, so it wraps after they are materialised.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP shards over: ``dp_shard``, or ``(dp_replicate, dp_shard)`` for HSDP."""
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: str,
+               reshard_after_forward: bool) -> None:
+    """Shard every block of ``model``, then its root, in place (parameters may be on meta)."""
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+    shard_mesh = dp_mesh(mesh)
+    for block in model.layers:
+        if block is not None:
+            fully_shard(block, mesh=shard_mesh, mp_policy=mp,
+                        reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device
+              ) -> DistributedDataParallel:
+    """Wrap ``model`` (materialised) for gradient all-reduce over ``dp_replicate``."""
+    return DistributedDataParallel(
+        model,
+        device_mesh=mesh["dp_replicate"],
+        device_ids=[device.index] if device.type == "cuda" else None,
+        # Gradients are written into the communication buckets directly: one copy fewer.
+        gradient_as_bucket_view=True,
+        # The only buffer (the RoPE table) is derived, identical on every rank: broadcasting
+        # it before every forward would be a collective per step for nothing.
+        broadcast_buffers=False,
+    )

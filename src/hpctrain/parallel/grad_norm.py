@@ -1,0 +1,36 @@
+"""The global gradient norm over every axis of the mesh, and clipping by it.
+
+Sharded gradients (FSDP, tensor parallelism) are DTensors: their norm is reduced over the axes
+they are sharded on. Pipeline stages hold disjoint parameters, so their squared norms add up
+across the ``pp`` axis. The result is one value, the same on every rank: what one process holding
+the whole model would compute, which the bad-step guard and clipping need.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def global_grad_norm(params: list[torch.nn.Parameter], pp_group: dist.ProcessGroup | None
+                     ) -> torch.Tensor:
+    """L2 norm of all gradients of the whole model (every stage and shard)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+    else:  # a stage whose parameters got no gradient still joins the pipeline's sum
+        norm = torch.zeros((), device=params[0].device if params else None)
+    if pp_group is not None:
+        squared = norm.float() ** 2
+        dist.all_reduce(squared, group=pp_group)
+        norm = squared.sqrt()
+    return norm
+
+
+def clip_grads_(params: list[torch.nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale gradients so that their global norm ``norm`` is at most ``max_norm``."""
+    grads = [p for p in params if p.grad is not None]
+    torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)

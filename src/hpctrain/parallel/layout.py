@@ -1,0 +1,211 @@
+"""The degrees of every parallelism axis, and every rule they must obey, checked before training.
+
+``mesh_degrees`` needs only the ``parallel:`` section and the world size (it shapes the device
+mesh); ``check_layout`` adds the rules that involve the model and the batch: heads, KV heads, FFN
+width, vocabulary and sequence length divisible by ``tp``; layers enough for the stages;
+the data-parallel batch divisible into pipeline micro-batches the schedule accepts. Each refusal
+says what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hpctrain.errors import ConfigError
+from hpctrain.parallel.config import ZERO_BUBBLE_SCHEDULES, ParallelConfig
+
+if TYPE_CHECKING:
+    from hpctrain.config import JobConfig
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Degrees of the mesh axes and, with pipeline parallelism, how the pipeline runs."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 1  # pipeline micro-batches per optimizer step (pp > 1 only)
+    stages_per_rank: int = 1
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: model replicas (each spanning tp x pp ranks)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the layout spans."""
+        return self.pp * self.dp * self.tp
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages over all ranks."""
+        return self.pp * self.stages_per_rank
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """Sizes of the mesh axes (pp, dp_replicate, dp_shard, tp)."""
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+
+    def describe(self) -> str:
+        """One line for logs: 'pp 2 x dp 1x2 x tp 2 (1f1b, 4 micro-batches)'."""
+        text = f"pp {self.pp} x dp {self.dp_replicate}x{self.dp_shard} x tp {self.tp}"
+        if self.pp > 1:
+            text += (f" ({self.schedule}, {self.num_stages} stages, {self.microbatches} "
+                     "micro-batches)")
+        return text
+
+
+def mesh_degrees(pc: ParallelConfig, world_size: int) -> tuple[int, int, int, int]:
+    """Sizes of (pp, dp_replicate, dp_shard, tp) for ``world_size`` ranks."""
+    model_ranks = pc.tp * pc.pp
+    fixed = model_ranks * pc.dp_replicate
+    if world_size % fixed:
+        raise ConfigError(
+            f"{world_size} ranks cannot be split into tp {pc.tp} x pp {pc.pp} x dp_replicate "
+            f"{pc.dp_replicate} (= {fixed}) times a data-parallel shard degree",
+            expected=f"a world size that is a multiple of {fixed}",
+            hint=f"run on a multiple of {fixed} ranks, or lower parallel.tp / parallel.pp / "
+            "parallel.dp_replicate",
+        )
+    dp = world_size // model_ranks
+    if pc.strategy == "none":
+        if dp > 1:
+            raise ConfigError(
+                f"parallel.strategy = 'none' with {world_size} ranks and tp x pp = "
+                f"{model_ranks}",
+                expected="'ddp' or 'fsdp' when more than one rank holds the same model part",
+                hint=f"set parallel.strategy=ddp (or fsdp), or run with --nproc {model_ranks}",
+            )
+        return (pc.pp, 1, 1, pc.tp)
+    if pc.strategy == "ddp":
+        return (pc.pp, dp, 1, pc.tp)
+    return (pc.pp, pc.dp_replicate, dp // pc.dp_replicate, pc.tp)
+
+
+def check_layout(cfg: JobConfig, world_size: int) -> ParallelLayout:
+    """Every rule a layout must obey for this model and batch; the layout, or a ConfigError."""
+    pc, tc = cfg.parallel, cfg.train
+    pp, dp_replicate, dp_shard, tp = mesh_degrees(pc, world_size)
+    args = cfg.model.resolve()
+    if tp > 1:
+        _check_tensor_parallel(cfg, tp)
+    if pp > 1 or tp > 1:
+        if tc.precision == "fp16":
+            raise ConfigError(
+                "train.precision = fp16 with tensor or pipeline parallelism",
+                expected="bf16 or fp32 (fp16's loss scaling is not wired through TP/PP)",
+                hint="set train.precision=bf16",
+            )
+        if args.tie_embeddings:
+            raise ConfigError(
+                "model.tie_embeddings = true with tensor or pipeline parallelism",
+                expected="separate input and output embeddings (they live on different "
+                "stages, or are sharded differently)",
+                hint="set model.tie_embeddings=false",
+            )
+    if pc.strategy == "ddp" and (tp > 1 or pp > 1):
+        raise ConfigError(
+            f"parallel.strategy = ddp with parallel.tp = {tp}, parallel.pp = {pp}",
+            expected="fsdp (or none) with tensor or pipeline parallelism: DDP handles neither "
+            "sharded (DTensor) parameters nor gradients accumulated inside a pipeline schedule",
+            hint=f"set parallel.strategy=fsdp; parallel.dp_replicate={world_size // (tp * pp)} "
+            "then replicates without sharding, like DDP",
+        )
+    if pp == 1:
+        return ParallelLayout(1, dp_replicate, dp_shard, tp)
+    stages_per_rank = _stages_per_rank(pc)
+    num_stages = pp * stages_per_rank
+    if args.n_layers < num_stages:
+        raise ConfigError(
+            f"model.n_layers = {args.n_layers} is fewer than the {num_stages} pipeline stages "
+            f"(pp {pp} x {stages_per_rank} per rank)",
+            expected="at least one block per stage",
+            hint="lower parallel.pp or parallel.pp_stages_per_rank, or use more layers",
+        )
+    if pc.compile and pc.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+        raise ConfigError(
+            f"parallel.pp_schedule = {pc.pp_schedule} with parallel.compile = true",
+            expected="an eager model: zero-bubble schedules split backward into input and "
+            "weight passes, which compiled graphs do not support",
+            hint="set parallel.compile=false, or pp_schedule=1f1b / interleaved_1f1b",
+        )
+    microbatches = _check_microbatches(cfg, pp, stages_per_rank)
+    return ParallelLayout(pp, dp_replicate, dp_shard, tp, pc.pp_schedule, microbatches,
+                          stages_per_rank)
+
+
+def _check_tensor_parallel(cfg: JobConfig, tp: int) -> None:
+    args = cfg.model.resolve()
+    rules = (
+        ("model.n_heads", args.n_heads, "the attention heads are split over tp ranks"),
+        ("model.n_kv_heads", args.n_kv_heads, "the key/value heads are split over tp ranks"),
+        ("model.ffn_dim", args.ffn_dim, "the FFN's hidden width is split over tp ranks"),
+        ("model.vocab_size", args.vocab_size, "the output layer and the loss are split along "
+         "the vocabulary"),
+        ("data.seq_len", cfg.data.seq_len, "norms and residuals are split along the sequence "
+         "(sequence parallelism)"),
+    )
+    for key, value, why in rules:
+        if value % tp:
+            divisors = [d for d in range(2, value + 1) if value % d == 0][:4]
+            raise ConfigError(
+                f"{key} = {value} is not divisible by parallel.tp = {tp}",
+                expected=f"{key} a multiple of tp: {why}",
+                hint=f"use a tp dividing {value} (e.g. {', '.join(map(str, divisors))}) or "
+                f"change {key}" if divisors else f"change {key}",
+            )
+
+
+def _stages_per_rank(pc: ParallelConfig) -> int:
+    v = pc.stages_per_rank
+    if pc.pp_schedule in ("gpipe", "1f1b") and pc.pp_stages_per_rank > 1:
+        raise ConfigError(
+            f"parallel.pp_stages_per_rank = {pc.pp_stages_per_rank} with pp_schedule "
+            f"{pc.pp_schedule}",
+            expected="one stage per rank: gpipe and 1f1b do not interleave stages",
+            hint="use pp_schedule=interleaved_1f1b (or interleaved_zb, zbv) for several stages "
+            "per rank",
+        )
+    if pc.pp_schedule == "zbv" and v != 2:
+        raise ConfigError(
+            f"parallel.pp_stages_per_rank = {v} with pp_schedule zbv",
+            expected="exactly 2 stages per rank (the V shape: stage r and 2*pp-1-r)",
+            hint="set parallel.pp_stages_per_rank=2 (or 0 for the default)",
+        )
+    return v
+
+
+def _check_microbatches(cfg: JobConfig, pp: int, stages_per_rank: int) -> int:
+    pc, tc = cfg.parallel, cfg.train
+    local = tc.micro_batch * tc.grad_accum
+    m = pc.pp_microbatches or tc.grad_accum
+    if local % m:
+        raise ConfigError(
+            f"parallel.pp_microbatches = {m} does not divide the {local} samples each "
+            f"data-parallel rank takes per step (train.micro_batch {tc.micro_batch} x "
+            f"train.grad_accum {tc.grad_accum})",
+            expected="equal pipeline micro-batches",
+            hint="pick pp_microbatches dividing micro_batch x grad_accum",
+        )
+    need = {"1f1b": pp, "zbv": 2 * pp - 1}.get(pc.pp_schedule, 1)
+    if m < need:
+        raise ConfigError(
+            f"parallel.pp_microbatches = {m} with pp_schedule {pc.pp_schedule} and pp {pp}",
+            expected=f"at least {need} micro-batches per step for this schedule",
+            hint=f"raise train.grad_accum (or parallel.pp_microbatches) to {need} or more",
+        )
+    if stages_per_rank > 1 or pc.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+        rounds = max(1, m // pp)
+        if m % rounds:
+            raise ConfigError(
+                f"parallel.pp_microbatches = {m} with pp_schedule {pc.pp_schedule} and pp {pp}",
+                expected=f"a multiple of the {rounds} rounds (micro-batches // pp) the "
+                "interleaved schedule runs",
+                hint=f"use a multiple of pp ({pp}) micro-batches, or fewer than {pp}",
+            )
+    return m

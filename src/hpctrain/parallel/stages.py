@@ -1,0 +1,107 @@
+"""Where pipeline stages cut the model and what they cost: plain arithmetic, shared by the
+pipeline (``parallel/pipeline.py``) and the planner (``hpctrain plan``).
+
+Stages are balanced by a cost model (``module_costs``): a block costs its training FLOPs per
+token; the head (final norm, output layer, loss) its matmul FLOPs plus the memory-bound loss over
+the ``[tokens, vocab]`` logits; the embedding its memory-bound lookup and dense gradient. Memory
+traffic is converted to FLOP-equivalents at ``FLOPS_PER_BYTE`` (an H100/H200's dense bf16 peak
+over its HBM bandwidth). With the 1b shape the head weighs about two blocks, with 8b about three.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from hpctrain.models.flops import count_params
+from hpctrain.models.sizes import ModelArgs
+
+# Dense bf16 peak over HBM bandwidth of an H100 SXM (989 TFLOP/s / 3.35 TB/s): what one byte of
+# memory traffic costs in FLOPs of time on a GPU of that balance.
+FLOPS_PER_BYTE = 300.0
+# Bytes moved per logit by the loss in fp32: the upcast, max, exp and sum forward; softmax minus
+# one-hot and the downcast backward (about six fp32 passes).
+LOSS_BYTES_PER_LOGIT = 24.0
+
+
+def module_costs(args: ModelArgs, seq_len: int, microbatch_tokens: int
+                 ) -> tuple[float, float, float]:
+    """Modelled training cost per token, in FLOP-equivalents, of (embedding, one block, head)."""
+    per_layer = (count_params(args, include_embedding=False) - args.dim
+                 - (0 if args.tie_embeddings else args.vocab_size * args.dim)) / args.n_layers
+    block = 6 * per_layer + 12 * args.n_heads * args.head_dim * seq_len
+    head = 6 * args.vocab_size * args.dim + LOSS_BYTES_PER_LOGIT * args.vocab_size * FLOPS_PER_BYTE
+    # Forward reads one bf16 row per token; backward zeroes and accumulates a dense fp32
+    # [vocab, dim] gradient once per micro-batch, shared by its tokens.
+    embedding_bytes = 2 * args.dim + 8 * args.vocab_size * args.dim / max(1, microbatch_tokens)
+    return embedding_bytes * FLOPS_PER_BYTE, block, head
+
+
+@functools.lru_cache(maxsize=1024)  # the planner sizes many layouts of one model
+def balance_stages(n_layers: int, num_stages: int, costs: tuple[float, float, float]
+                   ) -> tuple[int, ...]:
+    """Stage boundaries ``b`` (stage s holds blocks ``b[s]..b[s+1]-1``) minimising the costliest
+    stage; every stage gets at least one block."""
+    embedding, block, head = costs
+
+    def stage_cost(s: int, lo: int, hi: int) -> float:
+        return ((hi - lo) * block + (embedding if s == 0 else 0.0)
+                + (head if s == num_stages - 1 else 0.0))
+
+    # best[s][i]: the least possible max cost of stages 0..s-1 holding blocks 0..i-1.
+    best = [[math.inf] * (n_layers + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n_layers + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for i in range(s, n_layers - (num_stages - s) + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], stage_cost(s - 1, j, i))
+                # Ties go to the later cut: earlier stages hold more micro-batches in flight
+                # (1F1B), so they get the fewer blocks.
+                if value <= best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    bounds = [n_layers]
+    for s in range(num_stages, 0, -1):
+        bounds.append(cut[s][bounds[-1]])
+    return tuple(bounds[::-1])
+
+
+def stage_indices(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
+    """The stages a pipeline rank holds: ``r, r + pp, ...`` (loop) or ``r, 2pp-1-r`` (zbv)."""
+    if schedule == "zbv":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(stages_per_rank)]
+
+
+def bubble_estimate(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> float:
+    """Idle share of a step, with equal costs per micro-batch for forward and backward.
+
+    GPipe and 1F1B: (p-1)/(m+p-1); interleaved 1F1B: (p-1)/(v*m+p-1) (Narayanan et al. 2021).
+    Zero bubble (Qi et al. 2024), with forward = input-gradient = weight-gradient time:
+    (p-1)/(3*v*m+p-1) (zbv: v = 2), which is what counting PyTorch's own action tables gives.
+    """
+    p, m, v = pp, microbatches, stages_per_rank
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if schedule == "interleaved_1f1b":
+        return (p - 1) / (v * m + p - 1)
+    return (p - 1) / (3 * v * m + p - 1)
+
+
+def inflight_chunks(schedule: str, pp: int, microbatches: int, stages_per_rank: int,
+                    pp_rank: int) -> int:
+    """Stage-micro-batches whose activations a rank holds at its peak (start of its first
+    backward): all for GPipe; p - r for 1F1B; the warm-up forwards plus one for interleaved
+    schedules (PyTorch's warm-up count); 2p for zbv (p micro-batches of each of its two
+    stages, as 1F1B's first stage)."""
+    p, m, v = pp, microbatches, stages_per_rank
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(m, p - pp_rank)
+    if schedule == "zbv":
+        return min(2 * p, 2 * m)
+    rounds = max(1, m // p)
+    per_round = m // rounds
+    warmup = min((v - 1) * per_round + 2 * (p - 1 - pp_rank), m * v)
+    return min(warmup + 1, m * v)

@@ -1,0 +1,127 @@
+"""Tensor parallelism with sequence parallelism (Megatron-style), on PyTorch's DTensor.
+
+Each block: the norms run on a slice of the sequence (``SequenceParallel``); before attention and
+the FFN the sequence is all-gathered, q/k/v and w1/w3 are split by output columns (heads and FFN
+width), wo and w2 by input rows, and their partial sums are reduce-scattered back to sequence
+slices. So the residual stream between blocks is ``[B, T / tp, dim]`` per rank and no activation is
+ever replicated whole. The embedding is split along the vocabulary (a masked lookup, then a
+reduce-scatter onto sequence slices) and so is the output layer, whose logits stay sharded:
+``vocab_parallel_cross_entropy`` computes the loss from the shards (Megatron's
+vocabulary-parallel cross entropy: one all-reduce of a max and one of two sums per token), so the
+``[tokens, vocab]`` logits are never gathered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from hpctrain.data.loader import IGNORE_INDEX
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard ``model`` (a whole Transformer or a pipeline stage of one) over ``tp_mesh``."""
+    root: dict[str, nn.Module] = {}
+    if model.tok_embeddings is not None:
+        root["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
+                                                 output_layouts=Shard(1))
+    if model.norm is not None:
+        root["norm"] = SequenceParallel()
+    if model.output is not None:
+        # Local logits [B, T, vocab / tp]: the loss works on the shards.
+        root["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                         use_local_output=True)
+    if root:
+        parallelize_module(model, tp_mesh, root)
+    for block in model.layers:
+        if block is None:  # a block of another pipeline stage
+            continue
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            # The RoPE table (second argument) is a plain tensor every rank holds whole.
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                            desired_input_layouts=(Replicate(), None),
+                                            use_local_output=True),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),),
+                                               use_local_output=True),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Summed cross entropy of logits split along the vocabulary over ``group``."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup,
+                vocab_start: int) -> torch.Tensor:
+        # logits [N, V / tp] (fp32) hold vocabulary ids [vocab_start, vocab_start + V / tp).
+        local_vocab = logits.shape[-1]
+        row_max = logits.max(dim=-1).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - row_max[:, None]
+        local_ids = targets - vocab_start
+        mine = (local_ids >= 0) & (local_ids < local_vocab)
+        index = torch.where(mine, local_ids, torch.zeros_like(local_ids))[:, None]
+        target_logit = shifted.gather(1, index).squeeze(1) * mine
+        exp = shifted.exp_()
+        # One all-reduce for both per-row sums: the target's logit (held by one rank) and the
+        # softmax denominator.
+        sums = torch.stack((target_logit, exp.sum(dim=-1)))
+        dist.all_reduce(sums, group=group)
+        target_logit, sum_exp = sums
+        valid = targets != IGNORE_INDEX
+        loss = ((sum_exp.log() - target_logit) * valid).sum()
+        softmax = exp.div_(sum_exp[:, None])
+        ctx.save_for_backward(softmax, index, mine & valid, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # d loss / d logits = softmax - one_hot(target) on valid rows; no communication.
+        softmax, index, hit, valid = ctx.saved_tensors
+        grad_logits = softmax * valid[:, None].to(softmax.dtype)
+        grad_logits.scatter_add_(1, index, -hit[:, None].to(softmax.dtype))
+        return grad_logits * grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                                 group: dist.ProcessGroup, vocab_start: int) -> torch.Tensor:
+    """Summed next-token cross entropy (fp32) of vocabulary-sharded ``logits [B, T, V / tp]``.
+
+    ``targets [B, T]`` hold global vocabulary ids; ``IGNORE_INDEX`` targets add 0. Every rank of
+    ``group`` gets the same, whole loss.
+    """
+    return _VocabParallelCrossEntropy.apply(logits.flatten(0, 1).float(), targets.flatten(),
+                                            group, vocab_start)
+
+
+def tp_loss_fn(tp_mesh: DeviceMesh, vocab_size: int
+               ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss function for this rank's vocabulary shard: ``loss(logits, targets)``."""
+    group = tp_mesh.get_group()
+    vocab_start = tp_mesh.get_local_rank() * (vocab_size // tp_mesh.size())
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, group, vocab_start)
+
+    return loss
