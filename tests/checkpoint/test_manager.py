@@ -38,7 +38,12 @@ from helpers import (
 
 from hpctrain import faults
 from hpctrain.checkpoint.manager import LATEST, CheckpointManager, step_dir_name
-from hpctrain.checkpoint.manifest import CheckpointError, describe, read_manifest
+from hpctrain.checkpoint.manifest import (
+    CheckpointError,
+    DamagedCheckpoint,
+    describe,
+    read_manifest,
+)
 from hpctrain.checkpoint.safe_io import SafeFileSystemReader
 
 SPAWN_TIMEOUT_S = 150
@@ -107,21 +112,24 @@ def _corrupt(out: Path, m: CheckpointManager) -> dict:
     if dist.get_rank() == 0:
         flip_byte(shard)
     dist.barrier()
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("hpctrain.checkpoint").addHandler(handler)
-    try:
-        found = m.find_resumable()
-    finally:
-        logging.getLogger("hpctrain.checkpoint").removeHandler(handler)
     try:
         m.verify(newest)
         explicit = None
     except CheckpointError as e:
         explicit = e.what
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("hpctrain.checkpoint").addHandler(handler)
+    state = state_of(*_trained(seed=4))
+    try:
+        found = m.restore_newest(lambda path, _manifest: m.load(path, state))
+    finally:
+        logging.getLogger("hpctrain.checkpoint").removeHandler(handler)
     return {"found": found[0].name if found else None, "logged": records,
-            "explicit": explicit, "shard": str(shard)}
+            "explicit": explicit, "shard": str(shard),
+            "set_aside": sorted(p.name for p in (m.root / "damaged").iterdir()),
+            "latest": m.latest_name()}
 
 
 def _fsdp(out: Path) -> dict:
@@ -318,8 +326,14 @@ def _damage(kind: str, ckpt: Path) -> str:
     return shard.name
 
 
+def _load_into_fresh(m: CheckpointManager):
+    """A loader for ``restore_newest``: fills a fresh model's state like a resume does."""
+    state = state_of(*_trained(seed=6))
+    return lambda path, _manifest: m.load(path, state)
+
+
 @pytest.mark.parametrize("kind", ["flip", "truncate", "lost-file", "no-manifest"])
-def test_find_resumable_skips_damaged_newest(pg, no_faults, tmp_path: Path, kind: str,
+def test_restore_newest_skips_damaged_newest(pg, no_faults, tmp_path: Path, kind: str,
                                              caplog: pytest.LogCaptureFixture) -> None:
     model, opt = _trained()
     m = manager(tmp_path, keep_last=3)
@@ -327,24 +341,43 @@ def test_find_resumable_skips_damaged_newest(pg, no_faults, tmp_path: Path, kind
         m.save(step, state_of(model, opt), {"step": step}, blocking=True)
     newest = tmp_path / "step-00000002"
     culprit = _damage(kind, newest)
+    with pytest.raises(CheckpointError) as e:
+        m.verify(newest)
+    assert culprit in e.value.what
     with caplog.at_level(logging.WARNING, logger="hpctrain.checkpoint"):
-        found = m.find_resumable()
+        found = m.restore_newest(_load_into_fresh(m))
     assert found is not None and found[0].name == "step-00000001"
     assert found[1]["step"] == 1
     skipped = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
     assert len(skipped) == 1 and "step-00000002" in skipped[0] and culprit in skipped[0], skipped
-    with pytest.raises(CheckpointError) as e:
-        m.verify(newest)
-    assert culprit in e.value.what
+    assert m.last_committed == "step-00000001"
+    assert [p.name for p in m.committed()] == ["step-00000001"]
+    assert (tmp_path / "damaged" / "step-00000002").is_dir()  # moved aside, not deleted
 
 
-def test_find_resumable_none_when_all_damaged(pg, no_faults, tmp_path: Path) -> None:
+def test_restore_newest_none_without_checkpoints(pg, no_faults, tmp_path: Path) -> None:
+    m = manager(tmp_path / "absent")
+    assert m.restore_newest(_load_into_fresh(m)) is None  # no checkpoints at all (root missing)
+    assert m.last_committed is None
+
+
+def test_restore_newest_refuses_when_all_damaged(pg, no_faults, tmp_path: Path) -> None:
+    """Every checkpoint damaged: an error naming each and why, and nothing moved or deleted."""
     model, opt = _trained()
-    m = manager(tmp_path)
-    assert m.find_resumable() is None  # no checkpoints at all (root missing)
-    m.save(1, state_of(model, opt), {"step": 1}, blocking=True)
+    m = manager(tmp_path, keep_last=3)
+    for step in (1, 2):
+        m.save(step, state_of(model, opt), {"step": step}, blocking=True)
     _damage("flip", tmp_path / "step-00000001")
-    assert m.find_resumable() is None
+    _damage("no-manifest", tmp_path / "step-00000002")
+    with pytest.raises(DamagedCheckpoint) as e:
+        m.restore_newest(_load_into_fresh(m))
+    lines = e.value.what.splitlines()
+    assert "every checkpoint" in lines[0] and str(tmp_path) in lines[0]
+    assert "step-00000002" in lines[1] and "manifest.json" in lines[1], lines
+    assert "step-00000001" in lines[2] and "checksum" in lines[2], lines
+    assert e.value.exit_code == 2 and e.value.hint
+    assert [p.name for p in m.committed()] == ["step-00000001", "step-00000002"]
+    assert not (tmp_path / "damaged").exists()
 
 
 class _Payload:
@@ -496,6 +529,9 @@ def test_two_ranks_resume_skips_corrupted_newest(two_ranks) -> None:
         assert seen["explicit"] and shard in seen["explicit"] and "checksum" in seen["explicit"]
     logged = [m for m in res[0]["logged"] if "skipping" in m]
     assert logged and "step-00000007" in logged[0] and shard in logged[0], res[0]["logged"]
+    # Moved aside once (by rank 0), never deleted; ``latest`` names what was resumed.
+    assert res[0]["set_aside"] == res[1]["set_aside"] == ["step-00000007"]
+    assert res[0]["latest"] == "step-00000006"
 
 
 def test_fsdp_two_ranks_loads_into_one_process(two_ranks, pg, no_faults) -> None:

@@ -2,12 +2,14 @@
 
 A checkpoint directory is only ever renamed into place after its manifest is written, so a
 directory named ``step-*`` without a manifest that verifies is a damaged one, never a partial
-write in progress.
+write in progress. The manifest itself is read as untrusted input: every value it holds is
+checked for type and consistency before anything acts on it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +21,39 @@ from hpctrain.runtime.rundir import write_json_atomic
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _CHUNK = 8 << 20
+_STEP_DIR = re.compile(r"step-(\d+)")
+_XXH3 = re.compile(r"[0-9a-f]{16}")
 
 
 class CheckpointError(HpctrainError):
     """A checkpoint is missing, damaged, or could not be written."""
 
     exit_code = 1
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint's files or values are damaged or hostile: resume falls back past it; named
+    explicitly (``--resume PATH``) it is a usage error."""
+
+    exit_code = 2
+
+
+def step_dir_name(step: int) -> str:
+    """Directory name of the checkpoint taken after ``step`` optimizer steps."""
+    return f"step-{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a checkpoint directory name as ``step_dir_name`` writes it, else None."""
+    match = _STEP_DIR.fullmatch(name)
+    if match is None or step_dir_name(int(match[1])) != name:
+        return None
+    return int(match[1])
+
+
+def is_int(value: object, minimum: int = 0) -> bool:
+    """A JSON integer (not a bool) of at least ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 def checksum(path: Path) -> str:
@@ -48,34 +77,58 @@ def write_manifest(ckpt_dir: Path, files: dict[str, dict[str, Any]], meta: dict)
 
 
 def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
-    """The parsed manifest, or CheckpointError naming what is wrong with it."""
+    """The parsed and checked manifest, or DamagedCheckpoint naming what is wrong with it."""
     path = ckpt_dir / MANIFEST
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing (the save never committed)") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is unreadable: {e}") from None
+        raise DamagedCheckpoint(f"{path} is missing (the save never committed)") from None
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise DamagedCheckpoint(f"{path} is unreadable: {e}") from None
     if not isinstance(data, dict):
-        raise CheckpointError(f"{path} holds a JSON {type(data).__name__}, not a manifest")
-    if data.get("format_version") != FORMAT_VERSION or "files" not in data:
-        raise CheckpointError(f"{path} has format {data.get('format_version')!r}",
-                              expected=f"format_version {FORMAT_VERSION} with a file list")
+        raise DamagedCheckpoint(f"{path} holds a JSON {type(data).__name__}, not a manifest")
+    if data.get("format_version") != FORMAT_VERSION or not isinstance(data.get("files"), dict):
+        raise DamagedCheckpoint(f"{path} has format {data.get('format_version')!r}",
+                                expected=f"format_version {FORMAT_VERSION} with a file list")
+    for name, entry in data["files"].items():
+        if not is_plain_name(name):
+            raise DamagedCheckpoint(f"{path} lists {name!r}, which is not a file of this "
+                                    "checkpoint (a plain file name is expected)")
+        if not (isinstance(entry, dict) and is_int(entry.get("size"))
+                and isinstance(entry.get("xxh3"), str) and _XXH3.fullmatch(entry["xxh3"])):
+            raise DamagedCheckpoint(f"{path}: the entry of {name} is {entry!r}",
+                                    expected='{"size": <bytes>, "xxh3": <16 hex digits>}')
+    step = data.get("step")
+    if not is_int(step):
+        raise DamagedCheckpoint(f"{path}: step = {step!r} is not a step count")
+    named = step_of(ckpt_dir.name)
+    if named is not None and named != step:
+        raise DamagedCheckpoint(f"{path} says step {step}, its folder {ckpt_dir.name} says "
+                                f"{named}")
     return data
 
 
+def is_plain_name(name: object) -> bool:
+    """A file name inside the checkpoint directory: no separators, no ``..``, not empty."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
+            and "\\" not in name and "\0" not in name)
+
+
 def verify_files(ckpt_dir: Path, files: dict[str, dict[str, Any]], names: list[str]) -> None:
-    """Check size and checksum of ``names``; raise CheckpointError naming the first bad file."""
+    """Check size and checksum of ``names``; raise DamagedCheckpoint naming the first bad file."""
     for name in names:
         path = ckpt_dir / name
         want = files[name]
         if not path.is_file():
-            raise CheckpointError(f"{path} is missing")
-        size = path.stat().st_size
-        if size != want["size"]:
-            raise CheckpointError(f"{path} is {size} bytes, the manifest says {want['size']} "
-                                  "(truncated or overwritten)")
-        got = checksum(path)
+            raise DamagedCheckpoint(f"{path} is missing")
+        try:
+            size = path.stat().st_size
+            if size != want["size"]:
+                raise DamagedCheckpoint(f"{path} is {size} bytes, the manifest says "
+                                        f"{want['size']} (truncated or overwritten)")
+            got = checksum(path)
+        except OSError as e:
+            raise DamagedCheckpoint(f"{path} is unreadable: {e}") from None
         if got != want["xxh3"]:
-            raise CheckpointError(f"{path} checksum {got} does not match the manifest's "
-                                  f"{want['xxh3']} (corrupted)")
+            raise DamagedCheckpoint(f"{path} checksum {got} does not match the manifest's "
+                                    f"{want['xxh3']} (corrupted)")

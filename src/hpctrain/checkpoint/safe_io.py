@@ -1,66 +1,255 @@
-"""DCP reading without arbitrary unpickling.
+"""Reading checkpoint files without running code from them.
 
-PyTorch's distributed checkpoint pickles two things: the ``.metadata`` index and non-tensor
-values (optimizer hyper-parameters). Its stock reader unpickles both with full trust
-(``pickle.load`` and ``torch.load(weights_only=False)``). A checkpoint directory on a shared
-file system is not trusted code, so here the index goes through an allow-list unpickler that
-builds only DCP's own metadata classes, and values load with ``weights_only=True``.
+PyTorch's distributed checkpoint pickles the ``.metadata`` index, and ``torch.save``s every
+tensor and non-tensor value (optimizer hyper-parameters) into the ``.distcp`` shards. Its stock
+reader unpickles the index and the values with full trust (``pickle.load``,
+``torch.load(weights_only=False)``). A checkpoint folder on a shared file system is not trusted
+code, and its manifest has no key (anyone who can write a file can reseal the checksums), so:
+
+- the index goes through an unpickler that resolves exactly the ``(module, name)`` pairs DCP's
+  metadata refers to (its own classes, ``torch.Size``, dtypes, layouts, a ``PosixPath``), each
+  to a fixed object: nothing is imported, no attribute path is followed (protocol 4 resolves
+  ``os.system`` through any module that imports ``os``), so a dotted name is always refused;
+- the index is then checked: it may point only at files the manifest lists, with no stream
+  transforms (hpctrain's writer never uses them);
+- every item of a shard, and the RNG files, load with ``torch.load(weights_only=True)``;
+- a refusal names the file and the global it refused, as a :class:`DamagedCheckpoint`.
 """
 
 from __future__ import annotations
 
+import _compat_pickle
+import dataclasses
 import io
 import pickle
+import re
+from collections.abc import Collection
+from pathlib import Path, PosixPath
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
-from hpctrain.checkpoint.manifest import CheckpointError
+from hpctrain.checkpoint.manifest import DamagedCheckpoint, is_int, is_plain_name
 
-# Exactly what DCP's metadata pickle refers to (checked on torch 2.11 and 2.13).
-_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata",
-                    "torch.distributed.checkpoint.filesystem")
-_ALLOWED_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"),
-                    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-                    ("collections", "OrderedDict")}
+# What a tensor's or a value's bytes may hold is torch's weights-only allow-list; these
+# patterns pull the refused global out of its (long, advice-laden) message.
+_WEIGHTS_ONLY_REFUSALS = (
+    re.compile(r"GLOBAL (\S+) was not an allowed global"),
+    re.compile(r"unsupported GLOBAL (\S+) whose module"),
+    re.compile(r"reduce for unrecognized function (.+?)(?: which belongs to|$)", re.M),
+)
+
+
+def _layouts() -> dict[str, torch.layout]:
+    return {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+
+
+_LAYOUTS = _layouts()
+
+
+def _layout(name: object) -> torch.layout:
+    """Stands in for ``torch.serialization._get_layout``: a layout by name, nothing else."""
+    if not isinstance(name, str) or name not in _LAYOUTS:
+        raise pickle.UnpicklingError(f"{name!r} is not a torch layout")
+    return _LAYOUTS[name]
+
+
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    """Every global DCP's metadata pickle refers to (torch 2.6 to 2.13), resolved once.
+
+    The classes are keyed by where they live, which is what the pickler writes. A dtype pickles
+    as ``("torch", dtype.__reduce__())``; a layout through ``copyreg`` as
+    ``torch.serialization._get_layout(name)``; ``StorageMeta.checkpoint_id`` holds the writer's
+    ``PosixPath`` (``pathlib._local`` since Python 3.13).
+    """
+    classes = (Metadata, StorageMeta, MetadataIndex, TensorStorageMetadata,
+               BytesStorageMetadata, ChunkStorageMetadata, TensorProperties,
+               _MEM_FORMAT_ENCODING, _StorageInfo)
+    allowed: dict[tuple[str, str], Any] = {(c.__module__, c.__qualname__): c for c in classes}
+    allowed[("torch", "Size")] = torch.Size
+    for value in vars(torch).values():
+        if isinstance(value, torch.dtype):
+            allowed[("torch", value.__reduce__())] = value
+    allowed[("torch.serialization", "_get_layout")] = _layout
+    allowed[("pathlib", "PosixPath")] = PosixPath
+    allowed[("pathlib._local", "PosixPath")] = PosixPath
+    return allowed
+
+
+ALLOWED_GLOBALS = _allowed_globals()
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """A pickle referred to a global that is not on the allow-list."""
+
+    def __init__(self, module: str, name: str):
+        self.global_name = f"{module}.{name}"
+        why = " (a dotted name)" if "." in name else ""
+        super().__init__(f"global {self.global_name} is not allowed{why}")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+        # Never the base class's lookup: it imports ``module`` and follows dots in ``name``.
+        if "." in name or (module, name) not in ALLOWED_GLOBALS:
+            raise RefusedGlobal(module, name)
+        return ALLOWED_GLOBALS[(module, name)]
+
+
+def load_index(path: Path, files: Collection[str] | None = None) -> Metadata:
+    """Unpickle and check a DCP ``.metadata`` index; ``files``: what the manifest lists."""
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except RefusedGlobal as e:
+        raise DamagedCheckpoint(f"{path}: {e} (a checkpoint index may hold only DCP's "
+                                "metadata classes)") from None
+    except Exception as e:  # noqa: BLE001 - any way a hostile pickle fails is damage
+        raise DamagedCheckpoint(f"{path}: unreadable checkpoint index: "
+                                f"{type(e).__name__}: {e}") from None
+    _check_index(path, metadata, files)
+    return metadata
+
+
+def _check_index(path: Path, metadata: object, files: Collection[str] | None) -> None:
+    if not isinstance(metadata, Metadata):
+        raise DamagedCheckpoint(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+    entries = metadata.state_dict_metadata
+    if not (isinstance(entries, dict) and all(
+            isinstance(k, str) and isinstance(v, TensorStorageMetadata | BytesStorageMetadata)
+            for k, v in entries.items())):
+        raise DamagedCheckpoint(f"{path}: malformed state_dict_metadata")
+    if not isinstance(metadata.storage_data, dict):
+        raise DamagedCheckpoint(f"{path}: malformed storage_data")
+    for index, info in metadata.storage_data.items():
+        if not (isinstance(index, MetadataIndex) and isinstance(info, _StorageInfo)
+                and is_int(info.offset) and is_int(info.length)):
+            raise DamagedCheckpoint(f"{path}: malformed storage entry {index!r}: {info!r}")
+        rel = info.relative_path
+        if not is_plain_name(rel) or (files is not None and rel not in files):
+            raise DamagedCheckpoint(f"{path}: the index refers to {rel!r}, which is not a file "
+                                    "this checkpoint's manifest lists")
+        if info.transform_descriptors:
+            raise DamagedCheckpoint(f"{path}: stream transforms {info.transform_descriptors!r} "
+                                    "(hpctrain never writes them)")
+    if not isinstance(metadata.storage_meta, StorageMeta | None):
+        raise DamagedCheckpoint(f"{path}: malformed storage_meta")
+
+
+def refusal(e: BaseException) -> str:
+    """What ``torch.load(weights_only=True)`` refused, in one line without its unsafe advice."""
+    text = str(e)
+    for pattern in _WEIGHTS_ONLY_REFUSALS:
+        match = pattern.search(text)
+        if match:
+            return f"global {_python3_name(match[1].strip())} is not allowed"
+    detail = text.partition("WeightsUnpickler error:")[2] or text
+    first = next((line.strip() for line in detail.splitlines() if line.strip()), "")
+    return f"cannot be loaded: {type(e).__name__}: {first}"
+
+
+def _python3_name(name: str) -> str:
+    """The global a trusting unpickler would have called: torch drops ``builtins.`` from its
+    message, and ``torch.save`` writes Python 2 names (``commands.Popen``) that load as
+    Python 3 ones (``subprocess.Popen``)."""
+    module, _, attr = name.rpartition(".")
+    if not module:
+        return f"builtins.{attr}"
+    module, attr = _compat_pickle.NAME_MAPPING.get(
+        (module, attr), (_compat_pickle.IMPORT_MAPPING.get(module, module), attr))
+    return f"{module}.{attr}"
+
+
+def load_weights_only(path: Path) -> Any:
+    """``torch.load(weights_only=True)`` of one checkpoint file; DamagedCheckpoint otherwise."""
+    try:
+        with open(path, "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except (MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001 - refused, truncated or not a torch file: damage
+        raise DamagedCheckpoint(f"{path}: {refusal(e)} (a checkpoint file may hold only "
+                                "tensors and plain values)") from None
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """A FileSystemReader whose metadata index cannot run code when it is read."""
+    """A FileSystemReader that runs no code from the checkpoint and names the file it refuses.
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
+    ``files``: the names the manifest lists; the index may refer to no other file.
+    """
+
+    def __init__(self, path: str | Path, files: Collection[str] | None = None):
+        super().__init__(path)
+        self._files = files
+        self._metadata: Metadata | None = None
+
+    # No ``**kwargs``: DCP then never falls back to per-rank ``__N.metadata`` files, which
+    # hpctrain does not write and the manifest would not cover.
+    def read_metadata(self) -> Metadata:
+        """The checked index, read once (DCP asks for it again on every rank)."""
+        if self._metadata is None:
+            metadata = load_index(Path(self._get_metadata_path()), self._files)
+            if metadata.storage_meta is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            self._metadata = metadata
+        return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read one file at a time, so a refusal names the file (and entry) it came from."""
+        by_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path,
+                               []).append(item)
+        for name, items in by_file.items():
             try:
-                metadata = _MetadataUnpickler(f).load()
-            except (pickle.UnpicklingError, EOFError, AttributeError) as e:
-                raise CheckpointError(f"{path}: unreadable checkpoint index: {e}") from None
-        if not isinstance(metadata, Metadata):
-            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+                self._read(plan, items, planner)
+            except (MemoryError, torch.OutOfMemoryError, DamagedCheckpoint):
+                raise
+            except Exception as e:  # noqa: BLE001 - a refused pickle, a short read, a bad shape
+                raise self._damage(name, plan, items, planner, e) from None
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read(self, plan: LoadPlan, items: list[ReadItem], planner: LoadPlanner) -> None:
+        super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+
+    def _damage(self, name: str, plan: LoadPlan, items: list[ReadItem], planner: LoadPlanner,
+                error: Exception) -> DamagedCheckpoint:
+        """The file's failure, naming the first entry that fails on its own (the state is
+        being discarded anyway, so reading entries again does no harm)."""
+        entry = ""
+        for item in items:
+            try:
+                self._read(plan, [item], planner)
+            except Exception as e:  # noqa: BLE001 - the culprit found
+                entry, error = f" (entry {item.storage_index.fqn})", e
+                break
+        return DamagedCheckpoint(f"{Path(self.path) / name}{entry}: {refusal(error)}")
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """Loads non-tensor values with ``torch.load(weights_only=True)``."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Unpickle one value (tensors and plain types only) into the state dict."""
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)

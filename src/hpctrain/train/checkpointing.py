@@ -1,8 +1,13 @@
-"""What a checkpoint of the Trainer holds, and putting it back.
+"""What a checkpoint of a training run holds, checking it, and putting it back.
 
 Tensors (model and optimizer, sharded as they live) go through DCP; everything else is plain
 JSON in the manifest: step, tokens seen, LR schedule, data position, loss scaler, and hashes of
 the config, so a resume with another model shape is refused instead of silently mis-loaded.
+
+The trainer hands a :class:`TrainState` (the objects a checkpoint fills) and calls these
+functions; nothing here knows the Trainer. A manifest is untrusted input: ``check_meta`` refuses
+values of the wrong type or that contradict each other as a damaged checkpoint, which resume
+falls back past.
 """
 
 from __future__ import annotations
@@ -11,20 +16,22 @@ import hashlib
 import json
 import logging
 import time
+from dataclasses import dataclass
+from numbers import Real
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
 
-from hpctrain.config import to_dict
+from hpctrain.checkpoint.manager import CheckpointManager
+from hpctrain.checkpoint.manifest import MANIFEST, DamagedCheckpoint, is_int
+from hpctrain.config import JobConfig, to_dict
 from hpctrain.errors import ConfigError
-
-if TYPE_CHECKING:
-    from hpctrain.train.trainer import Trainer
 
 log = logging.getLogger("hpctrain.train")
 
@@ -37,7 +44,30 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _RUNTIME_SECTIONS = ("run", "metrics", "checkpoint", "preempt", "watchdog", "parallel")
 
 
-def config_hashes(cfg) -> dict[str, str]:
+class DataPosition(Protocol):
+    """Where the data stream stands (the token loader)."""
+
+    def state_dict(self) -> dict[str, int]:
+        """The position, as JSON."""
+        ...
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a saved position."""
+        ...
+
+
+@dataclass
+class TrainState:
+    """The objects a checkpoint saves and fills."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    loader: DataPosition
+    scaler: torch.amp.GradScaler | None
+
+
+def config_hashes(cfg: JobConfig) -> dict[str, str]:
     """Hashes of the model section and of everything that shapes training."""
     full = to_dict(cfg)
 
@@ -50,56 +80,102 @@ def config_hashes(cfg) -> dict[str, str]:
     return {"model_hash": digest(full["model"]), "config_hash": digest(training)}
 
 
-def tensor_state(trainer: Trainer) -> dict[str, Any]:
+def tensor_state(s: TrainState) -> dict[str, Any]:
     """Model and optimizer state dicts with canonical names (no DDP/compile/AC prefixes)."""
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=_OPTIONS)
+    model_sd, optim_sd = get_state_dict(s.model, s.optimizer, options=_OPTIONS)
     return {"model": model_sd, "optim": optim_sd}
 
 
-def meta_state(trainer: Trainer) -> dict[str, Any]:
+def meta_state(s: TrainState, cfg: JobConfig, *, step: int, world_size: int) -> dict[str, Any]:
     """The JSON part: counters, schedule, data position, scaler, config hashes."""
-    loader = trainer.loader.state_dict()
+    loader = s.loader.state_dict()
     return {
-        "step": trainer.step,
-        "tokens_seen": loader["step"] * trainer.layout.global_batch * trainer.cfg.data.seq_len,
-        "world_size": trainer.dist.world_size,
-        "strategy": trainer.cfg.parallel.strategy,
-        "scheduler": trainer.scheduler.state_dict(),
+        "step": step,
+        "tokens_seen": loader["step"] * loader["global_batch"] * cfg.data.seq_len,
+        "world_size": world_size,
+        "strategy": cfg.parallel.strategy,
+        "scheduler": s.scheduler.state_dict(),
         "loader": loader,
-        "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
+        "scaler": s.scaler.state_dict() if s.scaler is not None else None,
         "saved_at": time.time(),
-        **config_hashes(trainer.cfg),
+        **config_hashes(cfg),
     }
 
 
-def restore(trainer: Trainer, path: Path, manifest: dict[str, Any], *, data: bool) -> None:
-    """Load ``path`` into the trainer; ``data=False`` keeps the loader where it is (rollback)."""
-    mine = config_hashes(trainer.cfg)
-    if manifest.get("model_hash") != mine["model_hash"]:
+def _numbers(value: object, n: int) -> bool:
+    return (isinstance(value, list) and len(value) == n
+            and all(isinstance(v, Real) and not isinstance(v, bool) for v in value))
+
+
+def check_meta(s: TrainState, path: Path, manifest: dict[str, Any], cfg: JobConfig) -> None:
+    """Refuse a manifest whose values are malformed or inconsistent (DamagedCheckpoint), or
+    that was saved for another model shape (ConfigError: the checkpoint is fine, the config
+    is not)."""
+    where = path / MANIFEST
+    step = manifest["step"]  # an integer matching the folder name: read_manifest checked it
+
+    def damaged(what: str) -> DamagedCheckpoint:
+        return DamagedCheckpoint(f"{where}: {what}")
+
+    for key, ok, expected in (
+        ("world_size", is_int(manifest.get("world_size"), 1), "a rank count"),
+        ("tokens_seen", is_int(manifest.get("tokens_seen")), "a token count"),
+        ("strategy", isinstance(manifest.get("strategy"), str), "a strategy name"),
+        ("model_hash", isinstance(manifest.get("model_hash"), str), "a hash"),
+        ("config_hash", isinstance(manifest.get("config_hash"), str), "a hash"),
+        ("scaler", isinstance(manifest.get("scaler"), dict | None), "the loss scaler's state"),
+    ):
+        if not ok:
+            raise damaged(f"{key} = {manifest.get(key)!r} is not {expected}")
+    scheduler = manifest.get("scheduler")
+    groups = len(s.optimizer.param_groups)
+    if not (isinstance(scheduler, dict) and is_int(scheduler.get("last_epoch"))
+            and all(_numbers(scheduler[k], groups) for k in ("base_lrs", "_last_lr")
+                    if k in scheduler)):
+        raise damaged(f"scheduler = {scheduler!r} is not the state of this run's LR schedule")
+    # The schedule steps once per optimizer step, and a rollback restores both together.
+    if scheduler["last_epoch"] != step:
+        raise damaged(f"the LR schedule is at step {scheduler['last_epoch']}, the checkpoint "
+                      f"at step {step}")
+    loader = manifest.get("loader")
+    if not (isinstance(loader, dict) and all(
+            is_int(loader.get(k)) for k in ("step", "global_batch", "seed"))):
+        raise damaged(f"loader = {loader!r} is not a data position")
+    # Each step consumes one batch; a rollback skips batches, so the data may be ahead, but
+    # never behind.
+    if loader["step"] < step:
+        raise damaged(f"the data position ({loader['step']} batches) is behind step {step}")
+    scaler = manifest["scaler"]
+    if s.scaler is not None and scaler and not all(
+            isinstance(scaler.get(k), Real) for k in s.scaler.state_dict()):
+        raise damaged(f"scaler = {scaler!r} is not a loss scaler's state")
+    if manifest["model_hash"] != config_hashes(cfg)["model_hash"]:
         raise ConfigError(
             f"checkpoint {path} was saved for another model shape",
             expected="the same model section as the run that saved it",
             hint="resume with the original config, or start a new run (run.name=...)",
         )
-    if manifest.get("config_hash") != mine["config_hash"]:
+
+
+def restore(s: TrainState, ckpt: CheckpointManager, path: Path, manifest: dict[str, Any],
+            cfg: JobConfig, *, data: bool) -> int:
+    """Load ``path`` into ``s``; returns its step. ``data=False`` keeps the loader where it is
+    (a rollback skips the batches since the checkpoint)."""
+    check_meta(s, path, manifest, cfg)
+    if manifest["config_hash"] != config_hashes(cfg)["config_hash"]:
         log.warning("resuming %s with a changed training config (data/train/optim sections)",
                     path.name)
-    start = time.perf_counter()
-    state = tensor_state(trainer)
-    with trainer.watchdog.paused("checkpoint load"):
-        trainer.ckpt.load(path, state)
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
+    state = tensor_state(s)
+    ckpt.load(path, state)
+    set_state_dict(s.model, s.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"],
                    options=_OPTIONS)
-    trainer.metrics.write({"event": "checkpoint_load", "checkpoint": path.name,
-                           "step": int(manifest["step"]),
-                           "load_s": time.perf_counter() - start})
-    trainer.scheduler.load_state_dict(manifest["scheduler"])
-    if trainer.scaler is not None and manifest.get("scaler"):
-        trainer.scaler.load_state_dict(manifest["scaler"])
+    # Only the keys this schedule has: ``load_state_dict`` sets whatever it is given as an
+    # attribute of the scheduler.
+    known = s.scheduler.state_dict()
+    s.scheduler.load_state_dict({k: v for k, v in manifest["scheduler"].items() if k in known})
+    if s.scaler is not None and manifest["scaler"]:
+        s.scaler.load_state_dict(manifest["scaler"])
     if data:
-        trainer.loader.load_state_dict(manifest["loader"])
-    trainer.step = int(manifest["step"])
-    log.info("resumed from %s: step %d, %s tokens seen (saved with %s on %d ranks)", path.name,
-             trainer.step, f"{manifest['tokens_seen']:,}", manifest["strategy"],
-             manifest["world_size"])
+        s.loader.load_state_dict(manifest["loader"])
+    return manifest["step"]

@@ -24,7 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hpctrain import faults
-from hpctrain.checkpoint.manager import CheckpointManager, step_dir_name
+from hpctrain.checkpoint.manager import CheckpointManager, Loader, step_dir_name
+from hpctrain.checkpoint.manifest import DamagedCheckpoint
 from hpctrain.checkpoint.schedule import SaveSchedule
 from hpctrain.config import JobConfig
 from hpctrain.data.loader import (
@@ -154,7 +155,6 @@ class Trainer:
         self.lr_applied = 0.0  # the learning rate of the last update (for the metrics)
         self._skipped_logged = 0.0  # bad steps already reported (the guard counts them all)
         self.step = 0
-        self.last_checkpoint: str | None = None
         # Per GPU: a model replica's tokens are counted once, shared by its tp x pp ranks.
         self.tokens_per_step = (self.layout.micro_batch * tc.grad_accum * cfg.data.seq_len
                                 / (self.par.tp * self.par.pp))
@@ -323,16 +323,30 @@ class Trainer:
                  self.step, record["val_loss"], record["val_ppl"], record["val_tokens"])
         return record
 
+    @property
+    def last_checkpoint(self) -> str | None:
+        """The newest checkpoint known to be committed (what exit_info reports and a restart
+        resumes from): an async save counts once its commit is known, never when it starts."""
+        return self.ckpt.last_committed
+
     def save(self, *, blocking: bool) -> None:
-        """Checkpoint the current state (collective); records the stall for the schedule."""
-        state = checkpointing.tensor_state(self)
-        meta = checkpointing.meta_state(self)
+        """Checkpoint the current state (collective); records the stall for the schedule.
+
+        A step already committed (an async save that finished) is not saved again.
+        """
+        self.ckpt.wait()  # raises a failed background save
+        self._report_saves()
+        if self.last_checkpoint == step_dir_name(self.step):
+            return
+        state = self._train_state()
+        tensors = checkpointing.tensor_state(state)
+        meta = checkpointing.meta_state(state, self.cfg, step=self.step,
+                                        world_size=self.dist.world_size)
         if blocking:
             with self.watchdog.paused("checkpoint save"):
-                stall = self.ckpt.save(self.step, state, meta, blocking=True)
+                stall = self.ckpt.save(self.step, tensors, meta, blocking=True)
         else:
-            stall = self.ckpt.save(self.step, state, meta, blocking=False)
-        self.last_checkpoint = step_dir_name(self.step)
+            stall = self.ckpt.save(self.step, tensors, meta, blocking=False)
         self.schedule.saved(stall)
         self.metrics.write({"event": "checkpoint_stall", "step": self.step, "stall_s": stall,
                             "async": not blocking})
@@ -344,7 +358,8 @@ class Trainer:
             self.metrics.write({"event": "checkpoint", **self.ckpt.completed.pop(0)})
 
     def resume(self, how: str) -> None:
-        """Start from a checkpoint: ``auto`` (newest verified, if any), ``never``, or a path."""
+        """Start from a checkpoint: ``auto`` (the newest that verifies and loads; damaged ones
+        are skipped, and refused when all are), ``never``, or a path (damage is an error)."""
         if how == "never":
             if self.ckpt.committed():
                 raise ConfigError(
@@ -354,19 +369,35 @@ class Trainer:
                 )
             return
         if how == "auto":
-            found = self.ckpt.find_resumable()
-            if found is None:
+            if self.ckpt.restore_newest(self._loader(data=True)) is None:
                 log.info("no checkpoint to resume from in %s: starting at step 0", self.ckpt.root)
-                return
-            path, manifest = found
-        else:
-            path = Path(how)
-            if not path.is_dir():
-                raise ConfigError(f"--resume {how}: no such checkpoint directory",
-                                  expected="a step-NNNNNNNN directory, 'auto' or 'never'")
-            manifest = self.ckpt.verify(path)  # a damaged explicit choice is an error
-        checkpointing.restore(self, path, manifest, data=True)
-        self.last_checkpoint = path.name
+            return
+        path = Path(how)
+        if not path.is_dir():
+            raise ConfigError(f"--resume {how}: no such checkpoint directory",
+                              expected="a step-NNNNNNNN directory, 'auto' or 'never'")
+        self.ckpt.restore(path, self._loader(data=True))
+
+    def _train_state(self) -> checkpointing.TrainState:
+        return checkpointing.TrainState(self.model, self.optimizer, self.scheduler, self.loader,
+                                        self.scaler)
+
+    def _loader(self, *, data: bool) -> Loader:
+        """What the checkpoint manager calls to fill this trainer from a verified checkpoint."""
+
+        def load(path: Path, manifest: dict) -> None:
+            start = time.perf_counter()
+            with self.watchdog.paused("checkpoint load"):
+                step = checkpointing.restore(self._train_state(), self.ckpt, path, manifest,
+                                             self.cfg, data=data)
+            self.step = step
+            self.metrics.write({"event": "checkpoint_load", "checkpoint": path.name,
+                                "step": step, "load_s": time.perf_counter() - start})
+            log.info("resumed from %s: step %d, %s tokens seen (saved with %s on %d ranks)",
+                     path.name, step, f"{manifest['tokens_seen']:,}", manifest["strategy"],
+                     manifest["world_size"])
+
+        return load
 
     def _between_steps(self) -> None:
         """Raise a failed background save, agree on preemption and saves, roll back if needed."""
@@ -392,19 +423,21 @@ class Trainer:
             self.save(blocking=not self.cfg.checkpoint.async_save)
 
     def _rollback(self, streak: int) -> None:
-        """Restore the newest good checkpoint, keeping the data position (skips bad batches)."""
+        """Restore the newest good checkpoint, keeping the data position (skips bad batches);
+        damaged checkpoints are passed over as on resume."""
         self.ckpt.wait()
-        found = self.ckpt.find_resumable()
-        if found is None:
-            raise NonFiniteLossError(
-                f"{streak} bad steps in a row (loss NaN or infinite, or spiking) up to step "
-                f"{self.step}, and no checkpoint to roll back to",
-                hint="lower optim.lr, raise optim.warmup_steps, enable train.grad_clip, or use "
-                "train.precision=bf16 instead of fp16",
-            )
-        path, manifest = found
         skipped_from = self.step
-        checkpointing.restore(self, path, manifest, data=False)
+        what = (f"{streak} bad steps in a row (loss NaN or infinite, or spiking) up to step "
+                f"{self.step}, and no checkpoint to roll back to")
+        hint = ("lower optim.lr, raise optim.warmup_steps, enable train.grad_clip, or use "
+                "train.precision=bf16 instead of fp16")
+        try:
+            found = self.ckpt.restore_newest(self._loader(data=False))
+        except DamagedCheckpoint as e:
+            raise NonFiniteLossError(f"{what} that is not damaged: {e.what}", hint=hint) from None
+        if found is None:
+            raise NonFiniteLossError(what, hint=hint)
+        path = found[0]
         self.guard.reset_consecutive()
         log.warning("rollback: %d bad steps in a row up to step %d; restored %s and skipped "
                     "the batches since it", streak, skipped_from, path.name)
