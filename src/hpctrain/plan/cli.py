@@ -1,6 +1,7 @@
 """``hpctrain plan ...``: memory per GPU, parallel layout, GPU-hours budget, checkpoint interval.
 
     hpctrain plan memory --model 8b --strategy fsdp --gpus 4 --ac full --micro-batch 2 --gpu h100
+    hpctrain plan memory --model 8b --strategy none --tp 2 --pp 2 --pp-microbatches 8 --gpu h100
     hpctrain plan parallel --model 8b --gpus-per-node 8 --nodes 4 --gpu h100
     hpctrain plan budget --tokens 1T --tokens-per-s 8600 --gpus 256
     hpctrain plan budget --tokens 1T --from-bench runs/bench/model-X --gpus 256 \
@@ -52,10 +53,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--strategy", default="fsdp", help="none, ddp or fsdp")
     m.add_argument("--gpus", type=int, default=1, help="data-parallel GPUs")
     m.add_argument("--zero", type=int, default=3, help="FSDP: 3 (reshard) or 2")
-    m.add_argument("--tp", type=int, default=1)
-    m.add_argument("--pp", type=int, default=1)
+    m.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    m.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    m.add_argument("--pp-schedule", default="1f1b",
+                   help="gpipe, 1f1b, interleaved_1f1b, interleaved_zb or zbv")
+    m.add_argument("--pp-microbatches", type=int, default=0,
+                   help="micro-batches per step through the pipeline (0: pp x stages per rank)")
+    m.add_argument("--pp-stages-per-rank", type=int, default=0,
+                   help="stages per rank for interleaved schedules (0: 2)")
     m.add_argument("--ac", default="none", help="activation checkpointing: none or full")
-    m.add_argument("--micro-batch", type=int, default=1)
+    m.add_argument("--micro-batch", type=int, default=1,
+                   help="samples per micro-batch (per pipeline micro-batch with --pp)")
+    m.add_argument("--grad-accum", type=int, default=1, help="micro-batches accumulated per step")
     m.add_argument("--no-compile", action="store_true", help="eager (more activations)")
     m.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -63,6 +72,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     model_args(q)
     q.add_argument("--gpus-per-node", type=int, default=8)
     q.add_argument("--nodes", type=int, default=1)
+    q.add_argument("--global-batch", type=int, default=None,
+                   help="samples per optimizer step all layouts are compared at (default: 4 per "
+                   "GPU)")
+    q.add_argument("--top", type=int, default=5, help="how many layouts to list")
+    q.add_argument("--config", default="config.yaml", help="config file named in the command")
 
     b = psub.add_parser("budget", help="walltime and GPU-hours from tokens and tokens/s")
     b.add_argument("--tokens", required=True, help="tokens to train, e.g. 300B or 1T")
@@ -116,7 +130,9 @@ def _memory(args: argparse.Namespace) -> None:
     opts = MemoryOptions(strategy=args.strategy, gpus=args.gpus, zero=args.zero, tp=args.tp,
                          pp=args.pp, precision=args.precision, ac=args.ac,
                          micro_batch=args.micro_batch, seq_len=args.seq_len,
-                         compile=not args.no_compile)
+                         compile=not args.no_compile, grad_accum=args.grad_accum,
+                         pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
+                         pp_stages_per_rank=args.pp_stages_per_rank)
     gpu = gpu_memory_bytes(args.gpu) if args.gpu else None
     plan = estimate_memory(model, opts, gpu)
     if args.json:
@@ -124,9 +140,12 @@ def _memory(args: argparse.Namespace) -> None:
         return
     n = count_params(model, include_embedding=True)
     layout = f"{opts.strategy}" + (f" ZeRO-{opts.zero}" if opts.strategy == "fsdp" else "")
+    pipeline = (f" ({opts.pp_schedule}, {opts.microbatches} micro-batches, "
+                f"{opts.stages_per_rank} stage{'s' if opts.stages_per_rank > 1 else ''} per rank)"
+                if opts.pp > 1 else "")
     title = (f"{args.model or 'custom'} ({n / 1e9:.2f}B params), {layout} over {opts.gpus} GPU"
-             f"{'s' if opts.gpus > 1 else ''}, tp {opts.tp}, pp {opts.pp}, {opts.precision}, "
-             f"AC {opts.ac}, micro-batch {opts.micro_batch} x {opts.seq_len}"
+             f"{'s' if opts.gpus > 1 else ''}, tp {opts.tp}, pp {opts.pp}{pipeline}, "
+             f"{opts.precision}, AC {opts.ac}, micro-batch {opts.micro_batch} x {opts.seq_len}"
              f"{'' if opts.compile else ', eager'}")
     console = Console(width=160)
     console.print(title)
@@ -139,6 +158,9 @@ def _memory(args: argparse.Namespace) -> None:
         table.add_row(label, f"{value / 1e9:.1f}")
     table.add_row(f"peak ({plan.peak_moment})", f"{plan.peak / 1e9:.1f}", style="bold")
     console.print(table)
+    if plan.stage is not None:
+        console.print(f"largest on pipeline rank {plan.stage} of {opts.pp}; pipeline bubble "
+                      f"{plan.bubble:.1%} of each step")
     if plan.fits is None:
         console.print("give --gpu (e.g. h100 or 80) to check whether it fits")
     elif plan.fits:
@@ -152,18 +174,28 @@ def _memory(args: argparse.Namespace) -> None:
 
 def _parallel(args: argparse.Namespace) -> None:
     from hpctrain.plan.memory import gpu_memory_bytes
-    from hpctrain.plan.parallel import plan_parallel
+    from hpctrain.plan.parallel import describe, gpu_peak_tflops, rank_layouts
 
     if not args.gpu:
         raise ConfigError("plan parallel needs the GPU memory", expected="--gpu h100 or --gpu 80")
-    plan = plan_parallel(_model(args), gpus_per_node=args.gpus_per_node, nodes=args.nodes,
+    peak = gpu_peak_tflops(args.gpu, args.precision)
+    plans = rank_layouts(_model(args), gpus_per_node=args.gpus_per_node, nodes=args.nodes,
                          gpu_bytes=gpu_memory_bytes(args.gpu), seq_len=args.seq_len,
-                         precision=args.precision)
-    print(f"strategy {plan.strategy}: data {plan.dp} x tensor {plan.tp} x pipeline {plan.pp}, "
-          f"micro-batch {plan.micro_batch}, activation checkpointing {plan.ac}, "
-          f"~{plan.memory.peak / 1e9:.1f} GB per GPU")
-    for line in plan.explanation:
+                         precision=args.precision, peak=peak, global_batch=args.global_batch)
+    best = plans[0]
+    print(f"strategy {best.strategy}: data {best.dp} x tensor {best.tp} x pipeline {best.pp}, "
+          f"micro-batch {best.micro_batch}, activation checkpointing {best.ac}, "
+          f"~{best.memory.peak / 1e9:.1f} GB per GPU")
+    for line in best.explanation:
         print(f"  {line}")
+    if peak is None:
+        print("  (GPU given by memory only: speeds assume an H100's 989 TFLOP/s)")
+    command = best.command(args.config, args.model or "custom", args.gpus_per_node, args.nodes)
+    print(f"\n  {command}")
+    print(f"\n{len(plans)} layouts fit; the fastest {min(args.top, len(plans))} by predicted "
+          "tokens/s per GPU:")
+    for i, plan in enumerate(plans[: args.top], start=1):
+        print(f"  {i}. {describe(plan)}")
 
 
 def _budget(args: argparse.Namespace) -> None:

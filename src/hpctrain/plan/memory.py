@@ -31,19 +31,45 @@ measured peaks ``torch.cuda.max_memory_allocated`` in benchmarks/RESULTS.md, 4x 
 
 The peak is the larger of two moments: the start of backward (all activations live, gradients
 not yet allocated since the optimizer sets them to None) and the end of backward / optimizer step
-(all gradients live, activations freed). Tensor and pipeline degrees divide parameters and
-activations evenly: an approximation not yet checked against a measurement (hpctrain has no
-TP/PP runs yet). CUDA context and allocator fragmentation (outside max_memory_allocated, typically
-0.5–2 GB) are not included: keep ~10% headroom.
+(all gradients live, activations freed).
+
+Tensor parallelism (``tp``, with sequence parallelism, as ``hpctrain.parallel.tensor`` builds it):
+matrices, embedding and output layer are split tp ways, norm weights are whole on every rank.
+Activations split along the sequence (the residual stream the norms keep) or the heads and FFN
+width (q, k, v, attention output, w1·x, w3·x, their product, the log-sum-exp) are divided by tp;
+the two all-gathered norm outputs each projection saves for backward are whole. The loss keeps
+its fp32 softmax over the rank's vocabulary shard (4 B per logit / tp).
+
+Pipeline parallelism (``pp`` ranks, ``pp_stages_per_rank`` stages each, cut where
+``hpctrain.parallel.stages`` cuts them, embedding and output layer included): every pipeline rank
+is sized and the largest is reported (``MemoryPlan.stage``). A rank holds the activations of the
+stage-micro-batches in flight at its peak (``inflight_chunks``: p - r for 1F1B, all for GPipe,
+the warm-up of interleaved schedules), each of ``micro_batch`` samples. Inside a pipeline
+gradients accumulate over the micro-batches, unsharded even with FSDP (reduce-scattered once,
+after the last backward), and FSDP keeps the stage's parameters gathered once backward began:
+so the peak is one moment holding the states, the gathered parameters, the fp32 gradient
+accumulators and the in-flight activations. ``MemoryPlan.bubble`` is the schedule's idle share.
+
+CUDA context and allocator fragmentation (outside max_memory_allocated, typically 0.5–2 GB) are
+not included: keep ~10% headroom.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from hpctrain.errors import ConfigError
 from hpctrain.models import PRESETS, ModelArgs, count_params
+from hpctrain.parallel.config import MULTI_STAGE_SCHEDULES, PP_SCHEDULES
+from hpctrain.parallel.stages import (
+    balance_stages,
+    bubble_estimate,
+    inflight_chunks,
+    module_costs,
+    stage_indices,
+)
 
 STRATEGIES = ("none", "ddp", "fsdp")
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -68,9 +94,27 @@ class MemoryOptions:
     pp: int = 1
     precision: str = "bf16"
     ac: str = "none"
-    micro_batch: int = 1
+    micro_batch: int = 1  # samples per (pipeline) micro-batch
+    # Micro-batches accumulated per step without a pipeline. FSDP then keeps unsharded fp32
+    # gradient accumulators until the last one (no reduce-scatter before).
+    grad_accum: int = 1
     seq_len: int = 2048
     compile: bool = True
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 0  # micro-batches per step through the pipeline; 0: pp x stages
+    pp_stages_per_rank: int = 0  # 0: 2 for interleaved schedules, else 1
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages on each rank."""
+        if self.pp_schedule not in MULTI_STAGE_SCHEDULES:
+            return 1
+        return self.pp_stages_per_rank or 2
+
+    @property
+    def microbatches(self) -> int:
+        """Pipeline micro-batches per optimizer step."""
+        return self.pp_microbatches or self.pp * self.stages_per_rank
 
     def validate(self, args: ModelArgs) -> None:
         """Raise ConfigError for unknown choices or impossible degrees."""
@@ -81,7 +125,8 @@ class MemoryOptions:
                 raise ConfigError(f"{name} {value!r} is not known",
                                   expected=f"one of {', '.join(allowed)}")
         for name, value in (("gpus", self.gpus), ("tp", self.tp), ("pp", self.pp),
-                            ("micro-batch", self.micro_batch), ("seq-len", self.seq_len)):
+                            ("micro-batch", self.micro_batch), ("seq-len", self.seq_len),
+                            ("grad-accum", self.grad_accum)):
             if value < 1:
                 raise ConfigError(f"{name} = {value}", expected="a positive integer")
         if self.zero not in (2, 3):
@@ -93,9 +138,18 @@ class MemoryOptions:
             raise ConfigError(f"tp = {self.tp} does not divide the heads "
                               f"({args.n_heads} query, {args.n_kv_heads} kv)",
                               expected="a tensor-parallel degree dividing both head counts")
-        if args.n_layers % self.pp:
-            raise ConfigError(f"pp = {self.pp} does not divide {args.n_layers} layers",
-                              expected="a pipeline degree dividing the layer count")
+        if args.ffn_dim % self.tp or args.vocab_size % self.tp or self.seq_len % self.tp:
+            raise ConfigError(f"tp = {self.tp} does not divide the FFN width {args.ffn_dim}, "
+                              f"the vocabulary {args.vocab_size} and the sequence "
+                              f"{self.seq_len}", expected="a tensor-parallel degree dividing "
+                              "all three (they are split tp ways)")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ConfigError(f"pipeline schedule {self.pp_schedule!r} is not known",
+                              expected=f"one of {', '.join(PP_SCHEDULES)}")
+        if args.n_layers < self.pp * self.stages_per_rank:
+            raise ConfigError(f"pp = {self.pp} x {self.stages_per_rank} stages per rank for "
+                              f"{args.n_layers} layers",
+                              expected="at least one layer per pipeline stage")
 
 
 @dataclass
@@ -111,6 +165,8 @@ class MemoryPlan:
     peak_moment: str
     gpu_bytes: float | None = None
     suggestions: list[str] = field(default_factory=list)
+    stage: int | None = None  # pipeline rank whose peak this is (the largest), None without PP
+    bubble: float = 0.0  # idle share of a step (pipeline bubble)
 
     @property
     def fits(self) -> bool | None:
@@ -157,46 +213,140 @@ def n_param_tensors(args: ModelArgs) -> int:
     return 9 * args.n_layers + 2 + (0 if args.tie_embeddings else 1)
 
 
-def state_bytes(args: ModelArgs, opts: MemoryOptions) -> tuple[float, float, float]:
+@dataclass(frozen=True)
+class RankShare:
+    """What one rank holds: its blocks, the embedding and/or the head, and how many blocks'
+    activations (per micro-batch, summed over the micro-batches in flight) it keeps."""
+
+    blocks: int
+    embedding: bool
+    head: bool
+    inflight_layers: float
+    logits_live: int
+
+    @staticmethod
+    def whole(args: ModelArgs) -> RankShare:
+        """The whole model on one rank (no pipeline)."""
+        return RankShare(args.n_layers, True, True, args.n_layers, 1)
+
+
+def rank_shares(args: ModelArgs, opts: MemoryOptions) -> list[RankShare]:
+    """Each pipeline rank's share of the model, stages cut as the trainer cuts them."""
+    if opts.pp == 1:
+        return [RankShare.whole(args)]
+    v, m = opts.stages_per_rank, opts.microbatches
+    n_stages = opts.pp * v
+    tokens = opts.micro_batch * opts.seq_len
+    bounds = balance_stages(args.n_layers, n_stages, module_costs(args, opts.seq_len, tokens))
+    shares = []
+    for rank in range(opts.pp):
+        stages = stage_indices(rank, opts.pp, v, opts.pp_schedule)
+        blocks = sum(bounds[s + 1] - bounds[s] for s in stages)
+        chunks = inflight_chunks(opts.pp_schedule, opts.pp, m, v, rank)
+        head = n_stages - 1 in stages
+        shares.append(RankShare(blocks, 0 in stages, head, chunks * blocks / len(stages),
+                                (m if opts.pp_schedule == "gpipe" else 1) if head else 0))
+    return shares
+
+
+def _rank_params(args: ModelArgs, opts: MemoryOptions, share: RankShare
+                 ) -> tuple[float, float, float]:
+    """(all, root, one block) parameter counts on a rank, before data-parallel sharding.
+
+    Matrices, embedding and output layer are split tp ways; norm weights are whole.
+    """
+    d, vd = args.dim, args.vocab_size * args.dim
+    layer = count_params(dataclasses.replace(args, n_layers=1, vocab_size=0),
+                         include_embedding=True) - d  # one block's parameters
+    block = (layer - 2 * d) / opts.tp + 2 * d
+    root = (vd / opts.tp if share.embedding else 0.0)
+    if share.head:
+        root += d + (0 if args.tie_embeddings and share.embedding else vd / opts.tp)
+    return share.blocks * block + root, root, block
+
+
+def state_bytes(args: ModelArgs, opts: MemoryOptions, share: RankShare | None = None
+                ) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer) bytes per GPU, as persistent fp32 tensors."""
-    p = count_params(args, include_embedding=True) / (opts.tp * opts.pp)
+    share = share or rank_shares(args, opts)[0]
+    p, _, _ = _rank_params(args, opts, share)
+    tensors = 9 * share.blocks + share.embedding + share.head * (
+        1 + (0 if args.tie_embeddings and share.embedding else 1))
     shard = opts.gpus if opts.strategy == "fsdp" else 1
     params = 4.0 * p / shard
     grads = 4.0 * p / shard
-    optimizer = 8.0 * p / shard + 4.0 * n_param_tensors(args) / opts.pp
+    optimizer = 8.0 * p / shard + 4.0 * tensors
     return params, grads, optimizer
 
 
-def activation_bytes(args: ModelArgs, opts: MemoryOptions) -> float:
+def activation_bytes(args: ModelArgs, opts: MemoryOptions, share: RankShare | None = None
+                     ) -> float:
     """Bytes of activations alive at the start of backward on one GPU (see module docstring)."""
+    share = share or rank_shares(args, opts)[0]
     e = 4 if opts.precision == "fp32" else 2
     autocast = opts.precision != "fp32" and opts.strategy != "fsdp"
     r = 4 if autocast else e
-    d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim
-    layer = 2 * r * d + e * (4 * d + 2 * kv + 3 * f) + 4 * args.n_heads
+    d, kv, f, tp = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim, opts.tp
+    # Residual stream (split along the sequence), the two gathered norm outputs (whole), the
+    # head- and width-split projections.
+    layer = 2 * r * d / tp + e * 2 * d + (e * (2 * d + 2 * kv + 3 * f) + 4 * args.n_heads) / tp
     if not opts.compile:
-        layer += e * (6 * d + 2 * kv + f)
-    layer /= opts.tp
+        layer += e * (6 * d + 2 * kv + f) / tp
     tokens = opts.micro_batch * opts.seq_len
     # Full AC: the block inputs, plus one block's activations while it is recomputed.
-    layers = args.n_layers * r * d + layer if opts.ac == "full" else args.n_layers * layer
-    logits = (2 if opts.compile else 4) * e * args.vocab_size / opts.tp
-    return tokens * (layers + logits)
+    if opts.ac == "full":
+        layers = share.inflight_layers * r * d / tp + layer
+    else:
+        layers = share.inflight_layers * layer
+    if tp > 1:
+        logits = 4 * args.vocab_size / tp  # the vocabulary-parallel loss's fp32 softmax
+    else:
+        logits = (2 if opts.compile else 4) * e * args.vocab_size
+    return tokens * (layers + share.logits_live * logits)
 
 
 def estimate_memory(args: ModelArgs, opts: MemoryOptions, gpu_bytes: float | None = None,
                     *, suggest: bool = True) -> MemoryPlan:
-    """Estimate the per-GPU peak for training `args` with `opts`; suggest fixes if it won't fit."""
-    opts.validate(args)
-    params, grads, optimizer = state_bytes(args, opts)
-    p = count_params(args, include_embedding=True) / (opts.tp * opts.pp)
-    p_root = (args.vocab_size * args.dim * (1 if args.tie_embeddings else 2) + args.dim) / opts.tp
-    p_block = (p - p_root) / max(1, args.n_layers // opts.pp)
-    e = 4 if opts.precision == "fp32" else 2
-    acts = activation_bytes(args, opts)
+    """Estimate the per-GPU peak for training `args` with `opts`; suggest fixes if it won't fit.
 
+    With pipeline parallelism every pipeline rank is sized and the largest peak is returned.
+    """
+    opts.validate(args)
+    plans = [_estimate_rank(args, opts, share, gpu_bytes) for share in rank_shares(args, opts)]
+    rank = max(range(len(plans)), key=lambda i: plans[i].peak)
+    plan = plans[rank]
+    if opts.pp > 1:
+        plan.stage = rank
+        plan.bubble = bubble_estimate(opts.pp_schedule, opts.pp, opts.microbatches,
+                                      opts.stages_per_rank)
+    if plan.fits is False and suggest:
+        plan.suggestions = _suggest(args, opts, gpu_bytes)
+    return plan
+
+
+def _estimate_rank(args: ModelArgs, opts: MemoryOptions, share: RankShare,
+                   gpu_bytes: float | None) -> MemoryPlan:
+    params, grads, optimizer = state_bytes(args, opts, share)
+    p, p_root, p_block = _rank_params(args, opts, share)
+    e = 4 if opts.precision == "fp32" else 2
+    acts = activation_bytes(args, opts, share)
+    embedding = args.vocab_size * args.dim / opts.tp if share.embedding else 0.0
+
+    if opts.pp > 1:
+        # Gradients accumulate unsharded over the micro-batches; FSDP keeps the parameters
+        # gathered from the first backward on and reduce-scatters after the last one.
+        if opts.strategy == "fsdp":
+            working = e * p
+        else:
+            working = 0.0 if opts.precision == "fp32" else 2.0 * (p - embedding)
+        peak = params + optimizer + working + 4.0 * p + acts
+        return MemoryPlan(params=params, grads=4.0 * p, optimizer=optimizer, working=working,
+                          activations=acts, peak=peak, peak_moment="pipeline steady state",
+                          gpu_bytes=gpu_bytes)
     if opts.strategy == "fsdp":
         gathered = e * p if opts.zero == 2 else e * (p_root + 2 * p_block)
+        if opts.grad_accum > 1:  # every block's unsharded fp32 accumulators
+            gathered += 4 * p
         working_start = gathered
         working_end = gathered + 4 * p_root  # root's unsharded fp32 grads before reduce-scatter
         start = params + optimizer + working_start + acts
@@ -206,17 +356,14 @@ def estimate_memory(args: ModelArgs, opts: MemoryOptions, gpu_bytes: float | Non
         if opts.strategy == "ddp":
             grads = 8.0 * p  # buckets + a second fp32 copy (calibrated, see docstring)
         # Autocast keeps bf16 copies of the weights (not the embedding) for backward.
-        working = 0.0 if opts.precision == "fp32" else 2.0 * (p - args.vocab_size * args.dim)
+        working = 0.0 if opts.precision == "fp32" else 2.0 * (p - embedding)
         persistent_grads = grads if opts.strategy == "ddp" else 0.0
         start = params + optimizer + working + acts + persistent_grads
         end = params + optimizer + grads
     moment = "start of backward" if start >= end else "end of backward"
-    plan = MemoryPlan(params=params, grads=grads, optimizer=optimizer, working=working,
+    return MemoryPlan(params=params, grads=grads, optimizer=optimizer, working=working,
                       activations=acts, peak=max(start, end), peak_moment=moment,
                       gpu_bytes=gpu_bytes)
-    if plan.fits is False and suggest:
-        plan.suggestions = _suggest(args, opts, gpu_bytes)
-    return plan
 
 
 def _suggest(args: ModelArgs, opts: MemoryOptions, gpu_bytes: float) -> list[str]:

@@ -1,32 +1,61 @@
-"""Pick data/FSDP/tensor/pipeline degrees for a model on a cluster shape, the textbook way.
+"""Rank parallel layouts for a model on a cluster shape by predicted throughput, within memory.
 
-1. The model trains on one GPU (DDP's memory) → data parallel (DDP) on every GPU: no
-   communication but one gradient all-reduce per step.
-2. It fits once sharded over one node → FSDP (ZeRO-3) over all GPUs: parameters, gradients and
-   optimizer state split n ways, gathered block by block.
-3. It fits no node → tensor parallel inside the node (it all-reduces activations in every layer,
-   so it must stay on NVLink; degree ≤ GPUs per node and dividing the heads) and pipeline
-   parallel across nodes (only activations at stage borders cross InfiniBand), FSDP over what is
-   left.
+    hpctrain plan parallel --model 8b --gpus-per-node 8 --nodes 4 --gpu h100
 
-Within a choice the largest micro-batch that fits (8, 4, 2, 1) is taken, activation checkpointing
-only when nothing fits without it. Memory comes from `hpctrain.plan.memory`.
+Layouts are compared at one global batch (``--global-batch`` samples per step, default 4 per
+GPU). Every layout the trainer accepts is a candidate: tensor parallel ``tp`` inside a node
+(dividing the GPUs per node, the heads, KV heads, FFN width and vocabulary), pipeline parallel
+``pp`` (1F1B, a power of two), data parallel over what is left (DDP when the model is whole on
+each GPU, else FSDP), micro-batch 8, 4, 2 or 1 (the rest of each replica's share of the batch is
+accumulated, or is the pipeline's micro-batches), activation checkpointing off or full. Each is
+sized with ``hpctrain.plan.memory`` (peak + 10% must fit) and timed with a model of one optimizer
+step per GPU:
+
+- compute: training FLOPs (PaLM convention, x4/3 with full recomputation) of the GPU's share of
+  the replica's tokens at ``MATMUL_EFFICIENCY`` of the dense peak, times ``TP_EFFICIENCY`` with
+  tensor parallelism and ``PP_EFFICIENCY`` with pipeline parallelism;
+- tensor parallelism: per block and micro-batch, forward and backward, two all-gathers and two
+  reduce-scatters of the ``[tokens, dim]`` activations over NVLink, not overlapped (PyTorch runs
+  them in line);
+- pipeline: the step stretched by the 1F1B bubble ``(p-1)/(m+p-1)``, plus the activations and
+  their gradients sent between stages (over the network when the stages are on two nodes);
+- data parallelism: FSDP's all-gathers (per micro-batch; once per step inside a pipeline) and
+  reduce-scatter, or DDP's all-reduce, over NVLink when the group fits in a node, else over the
+  network, overlapped with compute but for ``DP_EXPOSED`` of it.
+
+Bandwidths are bus bandwidths measured here (``benchmarks/RESULTS.md``, FIELD_NOTES): ~340 GB/s
+NVLink all-reduce for large buffers on H100/H200, ~240 GB/s for the tens of MB tensor parallelism
+moves; the network is taken as 400 Gb/s per GPU (NDR InfiniBand). ``TP_EFFICIENCY`` and
+``PP_EFFICIENCY`` are fitted to torchtitan 0.2.2's 1b runs on 2 H200s (FIELD_NOTES: TP2 39.1k and
+PP2 31.4k tokens/s per GPU against FSDP2's ~56k): smaller matrix products, DTensor dispatch,
+pipeline scheduling and stage waits. Refit them to hpctrain's own TP2/PP2 measurements. The model
+ranks layouts; its absolute numbers are estimates.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from hpctrain.errors import ConfigError
-from hpctrain.models import ModelArgs
+from hpctrain.models import ModelArgs, flops_per_token
+from hpctrain.observe.peaks import peak_tflops
 from hpctrain.plan.memory import MemoryOptions, MemoryPlan, estimate_memory, fmt_gb
 
 MICRO_BATCHES = (8, 4, 2, 1)
+MATMUL_EFFICIENCY = 0.55  # share of the dense peak a 1b-8b Llama step reaches (52% measured)
+NVLINK_BYTES_PER_S = 340e9
+TP_NVLINK_BYTES_PER_S = 240e9  # all-gather / reduce-scatter of ~32 MB (nccl-tests, FIELD_NOTES)
+TP_EFFICIENCY = 0.8
+PP_EFFICIENCY = 0.65
+NETWORK_BYTES_PER_S = 50e9
+DP_EXPOSED = 0.3  # share of overlapped data-parallel traffic still seen in the step time
+DEFAULT_PEAK_TFLOPS = 989.0  # H100 SXM / H200 dense bf16, when the GPU is given by memory only
 
 
 @dataclass
 class ParallelPlan:
-    """Degrees, micro-batch, AC, the memory estimate and a 2-3 line explanation."""
+    """One layout: degrees, batch shape, memory, predicted speed and a short explanation."""
 
     strategy: str
     dp: int
@@ -36,74 +65,216 @@ class ParallelPlan:
     ac: str
     memory: MemoryPlan
     explanation: list[str]
+    microbatches: int = 1  # per step: accumulated, or the pipeline's
+    tokens_per_s: float = 0.0  # predicted, per GPU
+    step_parts: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds
+
+    def overrides(self) -> list[str]:
+        """The config overrides that train this layout."""
+        out = [f"parallel.strategy={self.strategy}", f"train.micro_batch={self.micro_batch}",
+               f"parallel.activation_checkpointing={self.ac}"]
+        if self.microbatches > 1:  # accumulated, or the pipeline's micro-batches
+            out.append(f"train.grad_accum={self.microbatches}")
+        if self.tp > 1:
+            out.append(f"parallel.tp={self.tp}")
+        if self.pp > 1:
+            out += [f"parallel.pp={self.pp}", "parallel.pp_schedule=1f1b"]
+        return out
+
+    def command(self, config: str, model: str, gpus_per_node: int, nodes: int) -> str:
+        """The command line that trains this layout."""
+        overrides = " ".join([f"model.size={model}", *self.overrides()])
+        if nodes == 1:
+            return f"hpctrain train {config} {overrides} --nproc {gpus_per_node}"
+        return (f"hpctrain sbatch {config} {overrides} --nodes {nodes} "
+                f"--tasks-per-node {gpus_per_node} --gpus-per-node {gpus_per_node}")
 
 
-def _try(args: ModelArgs, gpu_bytes: float, **kw) -> tuple[MemoryOptions, MemoryPlan] | None:
-    for ac in ("none", "full"):
-        for mb in MICRO_BATCHES:
-            opts = MemoryOptions(ac=ac, micro_batch=mb, **kw)
-            try:
-                plan = estimate_memory(args, opts, gpu_bytes, suggest=False)
-            except ConfigError:
-                return None
-            if plan.fits:
-                return opts, plan
-    return None
-
-
-def plan_parallel(args: ModelArgs, *, gpus_per_node: int, nodes: int, gpu_bytes: float,
-                  seq_len: int = 2048, precision: str = "bf16") -> ParallelPlan:
-    """Recommend a layout for training `args` on `nodes` x `gpus_per_node` GPUs."""
+def rank_layouts(args: ModelArgs, *, gpus_per_node: int, nodes: int, gpu_bytes: float,
+                 seq_len: int = 2048, precision: str = "bf16", peak: float | None = None,
+                 global_batch: int | None = None) -> list[ParallelPlan]:
+    """Every layout that fits, fastest first (predicted tokens/s per GPU)."""
     if gpus_per_node < 1 or nodes < 1:
         raise ConfigError(f"{nodes} nodes x {gpus_per_node} GPUs", expected="positive counts")
     total = gpus_per_node * nodes
-    common = {"seq_len": seq_len, "precision": precision}
+    batch = global_batch or 4 * total
+    peak = peak or DEFAULT_PEAK_TFLOPS
+    plans = []
+    for tp in _tp_degrees(args, gpus_per_node, seq_len):
+        for pp in _pp_degrees(args, total // tp):
+            dp = total // (tp * pp)
+            if batch % dp:
+                continue
+            for strategy in _strategies(tp, pp, dp):
+                best = None
+                for opts, mem in _fitting(args, gpu_bytes, batch // dp, strategy=strategy,
+                                          gpus=dp, tp=tp, pp=pp, seq_len=seq_len,
+                                          precision=precision):
+                    accum = batch // dp // opts.micro_batch
+                    plan = ParallelPlan(strategy, dp, tp, pp, opts.micro_batch, opts.ac, mem,
+                                        [], accum)
+                    _predict(plan, args, opts, gpus_per_node, peak)
+                    if best is None or plan.tokens_per_s > best.tokens_per_s:
+                        best = plan
+                if best is not None:
+                    plans.append(best)
+    if not plans:
+        raise ConfigError(
+            f"no layout fits: {nodes} nodes x {gpus_per_node} GPUs of {fmt_gb(gpu_bytes)} at a "
+            f"global batch of {batch} samples",
+            expected="enough GPU memory for the model's states and activations",
+            hint="use more nodes, GPUs with more memory, a shorter sequence, or another "
+            "--global-batch",
+        )
+    plans.sort(key=lambda p: -p.tokens_per_s)
+    for plan in plans:
+        plan.explanation = _explain(plan, plans, args)
+    return plans
 
-    found = _try(args, gpu_bytes, strategy="ddp" if total > 1 else "none", gpus=total,
-                 **common)
-    if found:
-        opts, mem = found
-        return ParallelPlan(opts.strategy, total, 1, 1, opts.micro_batch, opts.ac, mem, [
-            f"The model trains on one GPU ({fmt_gb(mem.peak)} at micro-batch "
-            f"{opts.micro_batch}), so plain data parallel over all {total} GPUs is simplest.",
-            "Each step costs one gradient all-reduce, overlapped with backward.",
-        ])
 
-    found = _try(args, gpu_bytes, strategy="fsdp", gpus=gpus_per_node, **common)
-    if found:
-        opts, _ = found
-        _, mem = _try(args, gpu_bytes, strategy="fsdp", gpus=total, **common) or found
-        return ParallelPlan("fsdp", total, 1, 1, opts.micro_batch, opts.ac, mem, [
-            f"It does not fit one GPU but fits once sharded over a node's {gpus_per_node} GPUs "
-            f"(FSDP/ZeRO-3: {fmt_gb(mem.peak)} per GPU over {total}).",
-            "FSDP gathers one block at a time and overlaps the all-gathers with compute; "
-            "no model changes needed.",
-        ])
+def plan_parallel(args: ModelArgs, *, gpus_per_node: int, nodes: int, gpu_bytes: float,
+                  seq_len: int = 2048, precision: str = "bf16", peak: float | None = None,
+                  global_batch: int | None = None) -> ParallelPlan:
+    """The fastest layout that fits ``nodes`` x ``gpus_per_node`` GPUs."""
+    return rank_layouts(args, gpus_per_node=gpus_per_node, nodes=nodes, gpu_bytes=gpu_bytes,
+                        seq_len=seq_len, precision=precision, peak=peak,
+                        global_batch=global_batch)[0]
 
-    tp_choices = [t for t in range(gpus_per_node, 0, -1) if gpus_per_node % t == 0
-                  and args.n_heads % t == 0 and args.n_kv_heads % t == 0]
-    tp = tp_choices[0]
-    # Across nodes the layers are split into stages rather than sharding every layer's
-    # parameters over InfiniBand: at least 2 stages when there is more than one node.
-    first = 2 if nodes > 1 else 1
-    for pp in [p for p in range(first, args.n_layers + 1) if args.n_layers % p == 0]:
-        if tp * pp > total:
-            break
-        dp = total // (tp * pp)
-        found = _try(args, gpu_bytes, strategy="fsdp" if dp > 1 else "none", gpus=dp, tp=tp,
-                     pp=pp, **common)
+
+def gpu_peak_tflops(gpu: str, precision: str) -> float | None:
+    """Dense peak of a GPU given by name (None for a size in GB or an unknown name)."""
+    try:
+        float(gpu)
+        return None
+    except ValueError:
+        return peak_tflops(gpu, precision)
+
+
+def _tp_degrees(args: ModelArgs, gpus_per_node: int, seq_len: int) -> list[int]:
+    return [t for t in range(1, gpus_per_node + 1) if gpus_per_node % t == 0
+            and all(x % t == 0 for x in (args.n_heads, args.n_kv_heads, args.ffn_dim,
+                                         args.vocab_size, seq_len))]
+
+
+def _pp_degrees(args: ModelArgs, ranks: int) -> list[int]:
+    return [p for p in (1, 2, 4, 8, 16, 32, 64) if p <= args.n_layers and ranks % p == 0]
+
+
+def _strategies(tp: int, pp: int, dp: int) -> list[str]:
+    if dp == 1:
+        return ["none"]
+    if tp == 1 and pp == 1:
+        return ["ddp", "fsdp"]
+    return ["fsdp"]  # the trainer refuses DDP with TP or PP
+
+
+def _fitting(args: ModelArgs, gpu_bytes: float, replica_batch: int, **kw):
+    """(options, memory) of each micro-batch that fits, without recomputation where possible."""
+    pp = kw["pp"]
+    for ac in ("none", "full"):
+        found = False
+        for mb in MICRO_BATCHES:
+            if replica_batch % mb or (pp > 1 and replica_batch // mb < pp):
+                continue
+            accum = replica_batch // mb
+            opts = MemoryOptions(ac=ac, micro_batch=mb, **kw,
+                                 **({"pp_microbatches": accum} if pp > 1
+                                    else {"grad_accum": accum}))
+            try:
+                plan = estimate_memory(args, opts, gpu_bytes, suggest=False)
+            except ConfigError:
+                return
+            if plan.fits:
+                found = True
+                yield opts, plan
         if found:
-            opts, mem = found
-            return ParallelPlan(opts.strategy, dp, tp, pp, opts.micro_batch, opts.ac, mem, [
-                f"It fits no single node even sharded, so tensor parallel {tp} runs inside each "
-                f"node (it all-reduces activations every layer: NVLink only).",
-                f"Pipeline parallel {pp} splits the {args.n_layers} layers across nodes (only "
-                f"stage-border activations cross the network); FSDP over the remaining {dp}.",
-                f"Estimated {fmt_gb(mem.peak)} per GPU at micro-batch {opts.micro_batch}, "
-                f"activation checkpointing {opts.ac}.",
-            ])
-    raise ConfigError(
-        f"no layout fits: {nodes} nodes x {gpus_per_node} GPUs of {fmt_gb(gpu_bytes)}",
-        expected="enough GPU memory for the model's states and activations",
-        hint="use more nodes, GPUs with more memory, or a shorter sequence",
-    )
+            return
+
+
+def _predict(plan: ParallelPlan, args: ModelArgs, opts: MemoryOptions, gpus_per_node: int,
+             peak: float) -> None:
+    """Fill in the predicted step time parts and tokens/s per GPU."""
+    e = 4 if opts.precision == "fp32" else 2
+    tokens = opts.micro_batch * opts.seq_len * plan.microbatches  # per replica and step
+    flops = flops_per_token(args, opts.seq_len) * tokens * (4 / 3 if opts.ac == "full" else 1)
+    efficiency = (MATMUL_EFFICIENCY * (TP_EFFICIENCY if plan.tp > 1 else 1.0)
+                  * (PP_EFFICIENCY if plan.pp > 1 else 1.0))
+    compute = flops / (plan.tp * plan.pp) / (peak * 1e12 * efficiency)
+    tp_comm = 0.0
+    if plan.tp > 1:
+        # Per block and micro-batch: 2 all-gathers + 2 reduce-scatters forward, as many
+        # backward (and again when the forward is recomputed).
+        passes = 12 if opts.ac == "full" else 8
+        per_block = passes * (plan.tp - 1) / plan.tp * opts.micro_batch * opts.seq_len * args.dim
+        blocks = args.n_layers / plan.pp
+        tp_comm = per_block * e * blocks * plan.microbatches / TP_NVLINK_BYTES_PER_S
+    pp_comm = 0.0
+    if plan.pp > 1:
+        # Each micro-batch's activations forward and their gradients back across a boundary;
+        # pipeline ranks are the outermost mesh axis, so stages share a node only if the rest
+        # of the mesh (tp x dp) leaves room in it.
+        crossing = 2 * plan.microbatches * opts.micro_batch * opts.seq_len * args.dim * e
+        same_node = plan.tp * plan.dp * plan.pp <= gpus_per_node
+        pp_comm = crossing / (NVLINK_BYTES_PER_S if same_node else NETWORK_BYTES_PER_S)
+    params = _rank_params(plan.memory, plan)
+    dp_bytes = 0.0
+    if plan.strategy == "fsdp":
+        # ZeRO-3 gathers for forward and again for backward, each micro-batch; inside a
+        # pipeline the parameters stay gathered for the whole step.
+        gathers = 2 * plan.microbatches if plan.pp == 1 else 1
+        dp_bytes = params * (gathers * e + 4) * (plan.dp - 1) / plan.dp
+    elif plan.strategy == "ddp":
+        dp_bytes = 2 * params * 4 * (plan.dp - 1) / plan.dp
+    in_node = plan.tp * plan.dp <= gpus_per_node
+    dp_comm = dp_bytes / (NVLINK_BYTES_PER_S if in_node else NETWORK_BYTES_PER_S)
+    busy = compute + tp_comm + pp_comm
+    bubble = (plan.pp - 1) / (plan.microbatches + plan.pp - 1) if plan.pp > 1 else 0.0
+    step = busy / (1 - bubble) + max(0.0, dp_comm - busy) + DP_EXPOSED * min(dp_comm, busy)
+    plan.step_parts = {"compute": compute, "tp_comm": tp_comm, "pp_comm": pp_comm,
+                       "bubble": step * bubble, "dp_comm": dp_comm, "step": step}
+    plan.tokens_per_s = tokens / (plan.tp * plan.pp) / step
+
+
+def _rank_params(memory: MemoryPlan, plan: ParallelPlan) -> float:
+    """Parameters a GPU holds before data-parallel sharding (from the fp32 master bytes)."""
+    shard = plan.dp if plan.strategy == "fsdp" else 1
+    return memory.params / 4 * shard
+
+
+def _explain(plan: ParallelPlan, plans: list[ParallelPlan], args: ModelArgs) -> list[str]:
+    parts = plan.step_parts
+    where = []
+    if plan.tp > 1:
+        where.append(f"tensor parallel {plan.tp} inside each node (it all-gathers and "
+                     "reduce-scatters activations in every block: NVLink only)")
+    if plan.pp > 1:
+        bubble = parts["bubble"] / parts["step"]
+        where.append(f"pipeline parallel {plan.pp} over the {args.n_layers} layers "
+                     f"({plan.microbatches} micro-batches, bubble {bubble:.0%})")
+    dp = {"ddp": f"DDP over {plan.dp} GPUs (the model is whole on each)",
+          "fsdp": f"FSDP over {plan.dp} GPUs", "none": "no data parallelism"}[plan.strategy]
+    lines = [(", ".join(where) + "; " if where else "") + dp + ".",
+             f"Predicted {plan.tokens_per_s:,.0f} tokens/s per GPU: compute "
+             f"{parts['compute'] * 1e3:.0f} ms, TP traffic {parts['tp_comm'] * 1e3:.0f} ms, "
+             f"data-parallel traffic {parts['dp_comm'] * 1e3:.0f} ms (mostly overlapped) per "
+             f"step; {fmt_gb(plan.memory.peak)} per GPU at micro-batch {plan.micro_batch}, "
+             f"activation checkpointing {plan.ac}."]
+    others = [p for p in plans if p is not plan]
+    if others and plan is plans[0]:
+        nxt = others[0]
+        lines.append(f"Next best: {_label(nxt)} at {nxt.tokens_per_s:,.0f} tokens/s per GPU "
+                     f"({nxt.tokens_per_s / plan.tokens_per_s - 1:+.0%}).")
+    return lines
+
+
+def _label(plan: ParallelPlan) -> str:
+    """'fsdp dp 8 x tp 2 x pp 1, micro-batch 4'."""
+    return (f"{plan.strategy} dp {plan.dp} x tp {plan.tp} x pp {plan.pp}, micro-batch "
+            f"{plan.micro_batch}{', AC full' if plan.ac == 'full' else ''}")
+
+
+def describe(plan: ParallelPlan) -> str:
+    """One line naming a layout and its predicted speed."""
+    return (f"{_label(plan)}: ~{plan.tokens_per_s:,.0f} tokens/s per GPU, "
+            f"{plan.memory.peak / 1e9:.1f} GB per GPU")
+

@@ -1,0 +1,121 @@
+"""`plan memory` with tensor and pipeline parallelism, and `plan parallel`'s ranking."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hpctrain.cli import main
+from hpctrain.models import PRESETS, ModelArgs, Transformer
+from hpctrain.parallel.layout import ParallelLayout
+from hpctrain.parallel.pipeline import split_model
+from hpctrain.parallel.stages import balance_stages, module_costs
+from hpctrain.plan.memory import (
+    MemoryOptions,
+    activation_bytes,
+    estimate_memory,
+    gpu_memory_bytes,
+    rank_shares,
+    state_bytes,
+)
+from hpctrain.plan.parallel import rank_layouts
+
+SMALL = ModelArgs(dim=32, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,
+                  max_seq_len=16)
+H100 = gpu_memory_bytes("h100")
+
+
+@pytest.mark.parametrize(("pp", "schedule"), [(2, "1f1b"), (3, "1f1b"),
+                                               (2, "interleaved_1f1b"), (2, "zbv")])
+def test_pipeline_states_exact_against_the_split_model(pp: int, schedule: str) -> None:
+    """Each pipeline rank's parameters are counted from the stages the trainer builds."""
+    opts = MemoryOptions(strategy="none", pp=pp, pp_schedule=schedule, seq_len=8,
+                         micro_batch=2, pp_microbatches=2 * pp)
+    shares = rank_shares(SMALL, opts)
+    with torch.device("meta"):
+        model = Transformer(SMALL)
+    layout = ParallelLayout(pp=pp, schedule=schedule, microbatches=opts.microbatches,
+                            stages_per_rank=opts.stages_per_rank)
+    bounds = balance_stages(SMALL.n_layers, layout.num_stages,
+                            module_costs(SMALL, opts.seq_len, opts.micro_batch * opts.seq_len))
+    for rank, share in enumerate(shares):
+        parts = [part for _, part in split_model(model, layout, rank, bounds)]
+        real = [p for part in parts for p in part.parameters()]
+        params, _, optimizer = state_bytes(SMALL, opts, share)
+        assert params == 4 * sum(p.numel() for p in real)
+        assert optimizer == 8 * sum(p.numel() for p in real) + 4 * len(real)
+
+
+def test_tensor_parallel_splits_matrices_not_norms() -> None:
+    model = Transformer(SMALL)
+    matrices = sum(p.numel() for p in model.parameters() if p.ndim == 2)
+    norms = sum(p.numel() for p in model.parameters() if p.ndim == 1)
+    for tp in (1, 2, 4):
+        params, _, _ = state_bytes(SMALL, MemoryOptions(strategy="none", tp=tp))
+        assert params == 4 * (matrices / tp + norms)
+
+
+def test_sequence_parallel_activations_shrink_but_not_by_tp() -> None:
+    """Split along the sequence or the heads: 1/tp; the gathered norm outputs stay whole."""
+    args = PRESETS["8b"]
+    one = MemoryOptions(strategy="none", micro_batch=2, seq_len=4096)
+    two = dataclasses.replace(one, tp=2)
+    a1, a2 = activation_bytes(args, one), activation_bytes(args, two)
+    assert a1 / 2 < a2 < a1 * 0.7
+
+
+def test_one_f_one_b_holds_p_micro_batches_on_the_first_stage() -> None:
+    """1F1B: rank r keeps p - r micro-batches in flight, GPipe all of them."""
+    opts = MemoryOptions(strategy="none", pp=4, pp_microbatches=8, micro_batch=1, seq_len=64)
+    shares = rank_shares(SMALL.__class__(**{**SMALL.__dict__, "n_layers": 8}), opts)
+    assert [round(s.inflight_layers / s.blocks) for s in shares] == [4, 3, 2, 1]
+    gpipe = rank_shares(SMALL.__class__(**{**SMALL.__dict__, "n_layers": 8}),
+                        dataclasses.replace(opts, pp_schedule="gpipe"))
+    assert all(round(s.inflight_layers / s.blocks) == 8 for s in gpipe)
+
+
+def test_pipeline_plan_reports_its_largest_rank_and_bubble() -> None:
+    args = PRESETS["8b"]
+    opts = MemoryOptions(strategy="fsdp", gpus=2, pp=2, pp_microbatches=8, micro_batch=1)
+    plan = estimate_memory(args, opts)
+    assert plan.stage in (0, 1) and plan.bubble == pytest.approx(1 / 9)
+    # Inside a pipeline FSDP accumulates unsharded fp32 gradients until the last micro-batch.
+    shard_params = plan.params
+    assert plan.grads == pytest.approx(shard_params * 2)
+    gpipe = estimate_memory(args, dataclasses.replace(opts, pp_schedule="gpipe"))
+    assert gpipe.activations > plan.activations
+
+
+def test_layouts_are_ranked_and_each_fits() -> None:
+    plans = rank_layouts(PRESETS["8b"], gpus_per_node=8, nodes=2, gpu_bytes=H100)
+    speeds = [p.tokens_per_s for p in plans]
+    assert speeds == sorted(speeds, reverse=True) and len(plans) > 3
+    assert all(p.memory.fits for p in plans)
+    assert all(p.dp * p.tp * p.pp == 16 for p in plans)
+    best = plans[0]
+    command = best.command("config.yaml", "8b", 8, 2)
+    assert command.startswith("hpctrain sbatch config.yaml model.size=8b")
+    assert f"parallel.strategy={best.strategy}" in command and "--nodes 2" in command
+
+
+def test_small_model_on_one_node_gets_data_parallel() -> None:
+    plans = rank_layouts(PRESETS["1b"], gpus_per_node=2, nodes=1, gpu_bytes=H100)
+    assert (plans[0].tp, plans[0].pp) == (1, 1)
+    assert {(p.tp, p.pp) for p in plans} >= {(2, 1), (1, 2)}  # TP2 and PP2 fit, ranked lower
+
+
+def test_cli_plan_parallel_prints_the_command_and_ranking(capsys) -> None:
+    main(["plan", "parallel", "--model", "1b", "--gpus-per-node", "2", "--nodes", "1",
+          "--gpu", "h100"])
+    out = capsys.readouterr().out
+    assert "hpctrain train config.yaml model.size=1b" in out and "--nproc 2" in out
+    assert "layouts fit" in out and "tokens/s per GPU" in out
+
+
+def test_cli_plan_memory_with_pipeline(capsys) -> None:
+    main(["plan", "memory", "--model", "8b", "--strategy", "none", "--tp", "2", "--pp", "2",
+          "--pp-microbatches", "8", "--gpu", "h100"])
+    out = capsys.readouterr().out
+    assert "largest on pipeline rank" in out and "bubble 11.1%" in out
