@@ -71,7 +71,8 @@ def _layout(name: object) -> torch.layout:
 
 
 def _allowed_globals() -> dict[tuple[str, str], Any]:
-    """Every global DCP's metadata pickle refers to (torch 2.6 to 2.13), resolved once.
+    """Every global DCP's metadata pickle refers to, resolved once (checked against what
+    torch 2.11 and 2.13 write, CPU and CUDA tensors, plain and FSDP state dicts).
 
     The classes are keyed by where they live, which is what the pickler writes. A dtype pickles
     as ``("torch", dtype.__reduce__())``; a layout through ``copyreg`` as
@@ -99,9 +100,8 @@ class RefusedGlobal(pickle.UnpicklingError):
     """A pickle referred to a global that is not on the allow-list."""
 
     def __init__(self, module: str, name: str):
-        self.global_name = f"{module}.{name}"
         why = " (a dotted name)" if "." in name else ""
-        super().__init__(f"global {self.global_name} is not allowed{why}")
+        super().__init__(f"global {module}.{name} is not allowed{why}")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
