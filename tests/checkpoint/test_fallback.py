@@ -213,7 +213,7 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
                           capture_output=True, text=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); the message is "
-                    "checked through fault injection in tests/train/test_resume_truth.py")
+                    "checked through fault injection in tests/train/test_resume_fallback.py")
     try:
         yield mnt
     finally:
