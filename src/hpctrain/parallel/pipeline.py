@@ -32,6 +32,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from hpctrain.errors import ConfigError
 from hpctrain.parallel.layout import ParallelLayout
 from hpctrain.parallel.stages import bubble_estimate, stage_indices
 
@@ -200,11 +201,27 @@ def _recv(peer: int, group: dist.ProcessGroup, device: torch.device) -> torch.Te
     return tensor
 
 
+def schedule_supported(schedule: str, device_type: str) -> bool:
+    """False where the installed PyTorch cannot run ``schedule`` on this device type."""
+    # Before PyTorch's P2P warm-up vote (2.13), a V-shaped pipeline's first step sends from a
+    # rank to its own next stage through the process group, which gloo cannot do (seen with
+    # 2.11: "Pair is not connected"); NCCL can.
+    return not (schedule == "zbv" and device_type == "cpu"
+                and not hasattr(PipelineStage, "_warmup_forward_vote"))
+
+
 def build_pipeline(parts: list[tuple[int, nn.Module]], layout: ParallelLayout,
                    pp_mesh: DeviceMesh, device: torch.device,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                    bounds: tuple[int, ...]) -> Pipeline:
     """Stages over ``pp_mesh`` and the configured schedule (scaling left to the loss)."""
+    if not schedule_supported(layout.schedule, device.type):
+        raise ConfigError(
+            f"parallel.pp_schedule = {layout.schedule} on {device.type} with PyTorch "
+            f"{torch.__version__}",
+            expected="PyTorch >= 2.13 for zbv on CPU (gloo), or a GPU",
+            hint="use pp_schedule=interleaved_zb (zero bubble too) or interleaved_1f1b",
+        )
     group = pp_mesh.get_group()
     stages = [PipelineStage(module, stage_index=s, num_stages=layout.num_stages, device=device,
                             group=group) for s, module in parts]

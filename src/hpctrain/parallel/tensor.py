@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -66,6 +66,21 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
             "feed_forward.w3": ColwiseParallel(),
         })
+
+
+def reduce_partial_grads(params: list[nn.Parameter]) -> None:
+    """Sum the gradients DTensor leaves as per-rank partial sums, in place of each parameter's.
+
+    A replicated weight used on a slice of the sequence (the norms under sequence parallelism)
+    gets on each tensor-parallel rank the gradient of its slice only. What the optimizer does
+    with such a ``Partial`` gradient depends on the PyTorch version (2.11's fused AdamW applied
+    the local part: the norm weights drifted apart from one process's), so it is summed here,
+    once per step, before clipping and the update.
+    """
+    for p in params:
+        grad = p.grad
+        if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
+            p.grad = grad.redistribute(grad.device_mesh, p.placements)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -43,7 +43,7 @@ from hpctrain.observe.progress import TrainProgress
 from hpctrain.parallel.grad_norm import clip_grads_, global_grad_norm
 from hpctrain.parallel.layout import check_layout
 from hpctrain.parallel.parallelize import autocast_dtype, parallelize
-from hpctrain.parallel.tensor import tp_loss_fn
+from hpctrain.parallel.tensor import reduce_partial_grads, tp_loss_fn
 from hpctrain.runtime.dist import MESH_AXES, Distributed
 from hpctrain.runtime.watchdog import Watchdog
 from hpctrain.train import checkpointing
@@ -102,6 +102,13 @@ class Trainer:
         # Every layout rule (degrees against the world size, heads, vocabulary, layers,
         # micro-batches) is checked before anything is built.
         self.par = check_layout(cfg, dist_ctx.world_size)
+        local = dist_ctx.env.local_world_size
+        if self.par.tp > 1 and (local % self.par.tp or self.par.tp > local):
+            # Ranks are numbered node by node and tp is the innermost mesh axis: a TP group
+            # stays inside a node only if tp divides the ranks per node.
+            log.warning("parallel.tp = %d does not divide the %d ranks per node: tensor-"
+                        "parallel groups span nodes, and their per-block collectives cross "
+                        "the network", self.par.tp, local)
         self.model_args = cfg.model.resolve()
         mesh = dist_ctx.mesh
         if self.par.tp > 1:
@@ -175,7 +182,8 @@ class Trainer:
         mesh = self.dist.mesh
         record = {"event": "layout", "pp": self.par.pp, "dp_replicate": self.par.dp_replicate,
                   "dp_shard": self.par.dp_shard, "tp": self.par.tp,
-                  "coords": {axis: mesh.get_local_rank(axis) for axis in MESH_AXES}}
+                  "coords": {axis: mesh.get_local_rank(axis) for axis in MESH_AXES},
+                  "tokens_per_step_per_gpu": self.tokens_per_step}
         if self.pipeline is not None:
             bounds = self.pipeline.bounds
             record.update(
@@ -245,6 +253,8 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
         # The norm of the whole model's gradient (all stages and shards), equal on every rank.
         params = list(self.model.parameters())
+        if self.par.tp > 1:
+            reduce_partial_grads(params)
         norm = global_grad_norm(params, self.pp_group)
         if self.cfg.train.grad_clip > 0:
             clip_grads_(params, self.cfg.train.grad_clip, norm)
