@@ -61,6 +61,15 @@ def test_secret_options_in_argv_redacted(monkeypatch: pytest.MonkeyPatch) -> Non
     assert argv == ["train", "--hf-token=<redacted>", "--api-key", "<redacted>", "--lr", "3"]
 
 
+def test_secret_overrides_in_argv_redacted(monkeypatch: pytest.MonkeyPatch) -> None:
+    # KEY=VALUE overrides are how every setting reaches a run: a token there is a secret too.
+    monkeypatch.setattr(sys, "argv", ["train", "c.yaml", "tracking.api_token=abc",
+                                      "run.name=x", "--resume", "auto"])
+    argv = collect_provenance([])["argv"]
+    assert argv == ["train", "c.yaml", "tracking.api_token=<redacted>", "run.name=x",
+                    "--resume", "auto"]
+
+
 def test_git_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     try:
         subprocess.run(["git", "init", "-q", str(tmp_path)], check=True, timeout=10)

@@ -207,3 +207,17 @@ def test_concurrent_takeover_of_a_stale_lock_has_one_winner(tmp_path: Path, roun
             p.wait(timeout=60)
             p.stdout.close()
     assert not (root / "run.lock").exists()
+
+
+def test_lock_file_holds_no_secret_from_the_command_line(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # The lock file is world-readable; the command in it must not carry a token.
+    monkeypatch.setattr(sys, "argv", ["hpctrain", "train", "c.yaml", "tracking.api_token=s3cr3t",
+                                      "--hf-token", "s3cr3t2", "run.name=x"])
+    lock = acquire(tmp_path / "run")
+    try:
+        text = (tmp_path / "run" / "run.lock").read_text()
+    finally:
+        lock.release()
+    assert "s3cr3t" not in text
+    assert "run.name=x" in json.loads(text)["command"]

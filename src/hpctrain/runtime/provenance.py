@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
-import re
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -18,6 +17,7 @@ from typing import Any
 
 import torch
 
+from hpctrain.runtime.redact import SECRET_WORDS, redact_argv
 from hpctrain.runtime.rundir import RunDir, write_json_atomic
 
 _ENV_ALLOW = (
@@ -28,7 +28,6 @@ _ENV_ALLOW = (
     "OMP_NUM_THREADS",
 )
 _ENV_ALLOW_PREFIX = "NCCL_"
-_SECRET_WORDS = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD", re.IGNORECASE)
 _GIT_TIMEOUT_S = 10
 
 
@@ -50,7 +49,7 @@ def collect_provenance(hosts: list[str]) -> dict[str, Any]:
         "hpctrain": _hpctrain_version(),
         "packages": _packages(),
         "hosts": list(hosts),
-        "argv": _redact_argv(sys.argv),
+        "argv": redact_argv(sys.argv),
         "env": _allowed_env(os.environ),
     }
 
@@ -116,23 +115,4 @@ def _allowed_env(environ: Mapping[str, str]) -> dict[str, str]:
         for name, value in environ.items()
         if name in _ENV_ALLOW or name.startswith(_ENV_ALLOW_PREFIX)
     }
-    return {name: allowed[name] for name in sorted(allowed) if not _SECRET_WORDS.search(name)}
-
-
-def _redact_argv(argv: list[str]) -> list[str]:
-    """Hide values of secret-looking options: ``--hf-token=abc`` and ``--api-key abc``."""
-    redacted: list[str] = []
-    hide_next = False
-    for arg in argv:
-        if hide_next:
-            redacted.append("<redacted>")
-            hide_next = False
-        elif arg.startswith("-") and _SECRET_WORDS.search(arg.split("=", 1)[0]):
-            if "=" in arg:
-                redacted.append(arg.split("=", 1)[0] + "=<redacted>")
-            else:
-                redacted.append(arg)
-                hide_next = True
-        else:
-            redacted.append(arg)
-    return redacted
+    return {name: allowed[name] for name in sorted(allowed) if not SECRET_WORDS.search(name)}

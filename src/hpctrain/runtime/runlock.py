@@ -41,6 +41,7 @@ from typing import Any
 import psutil
 
 from hpctrain.errors import HpctrainError
+from hpctrain.runtime.redact import redact_argv
 
 log = logging.getLogger("hpctrain.runlock")
 
@@ -204,7 +205,9 @@ def _new_info(attempt: JobAttempt) -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "started": now,
             "started_utc": datetime.fromtimestamp(now, tz=timezone.utc).isoformat(),
             "job": attempt.job, "attempt": list(attempt.attempt),
-            "token": uuid.uuid4().hex, "command": " ".join(sys.argv)[:1000]}
+            "token": uuid.uuid4().hex,
+            # The file is world-readable: no secret from the command line goes into it.
+            "command": " ".join(redact_argv(sys.argv))[:1000]}
 
 
 def _create(path: Path, info: dict[str, Any]) -> bool:
