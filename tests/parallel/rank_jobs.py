@@ -34,8 +34,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(nproc: int, spec: dict[str, Any], workdir: Path, timeout: float) -> None:
-    """Run ``spec``'s jobs on ``nproc`` ranks; fail (killing all) if one rank fails or hangs."""
+def launch(nproc: int, spec: dict[str, Any], workdir: Path, timeout: float,
+           env: dict[str, str] | None = None) -> None:
+    """Run ``spec``'s jobs on ``nproc`` ranks; fail (killing all) if one rank fails or hangs.
+
+    ``env`` adds variables to the ranks' environment (e.g. ``HPCTRAIN_FAULTS``).
+    """
+    extra = env or {}
     from hpctrain.launch.local import kill_tree
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -44,14 +49,15 @@ def launch(nproc: int, spec: dict[str, Any], workdir: Path, timeout: float) -> N
     port = free_port()
     procs, logs = [], []
     for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        env.pop("TORCHELASTIC_RUN_ID", None)
+        rank_env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc),
+                        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                        **extra)
+        rank_env.pop("TORCHELASTIC_RUN_ID", None)
         log = (workdir / f"rank-{rank}.log").open("w")
         logs.append(log)
         procs.append(subprocess.Popen([sys.executable, __file__, str(spec_path)], cwd=REPO,
-                                      env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      env=rank_env, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
     deadline = time.monotonic() + timeout
     failed = None
