@@ -37,8 +37,12 @@ log = logging.getLogger("hpctrain.train")
 
 # Optimizer state keyed by parameter name, param-group settings included (``param_groups.<fqn>
 # .lr``): no entry depends on how parameters are grouped per rank, so a checkpoint saved by a
-# pipeline stage loads into any other layout.
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# pipeline stage loads into any other layout. The manifest names the layout; one without the
+# field was written by hpctrain 0.1.0 (PyTorch's default: ``param_groups`` as one list), which
+# is still read so that a run checkpointed before an upgrade continues.
+OPTIM_LAYOUT = "by_param"
+_OPTIONS = {OPTIM_LAYOUT: StateDictOptions(flatten_optimizer_state_dict=True),
+            None: StateDictOptions()}
 
 # Sections that may change between a save and a resume without changing what is trained.
 _RUNTIME_SECTIONS = ("run", "metrics", "checkpoint", "preempt", "watchdog", "parallel")
@@ -80,9 +84,10 @@ def config_hashes(cfg: JobConfig) -> dict[str, str]:
     return {"model_hash": digest(full["model"]), "config_hash": digest(training)}
 
 
-def tensor_state(s: TrainState) -> dict[str, Any]:
-    """Model and optimizer state dicts with canonical names (no DDP/compile/AC prefixes)."""
-    model_sd, optim_sd = get_state_dict(s.model, s.optimizer, options=_OPTIONS)
+def tensor_state(s: TrainState, layout: str | None = OPTIM_LAYOUT) -> dict[str, Any]:
+    """Model and optimizer state dicts with canonical names (no DDP/compile/AC prefixes), the
+    optimizer's in ``layout`` (see ``OPTIM_LAYOUT``)."""
+    model_sd, optim_sd = get_state_dict(s.model, s.optimizer, options=_OPTIONS[layout])
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -98,6 +103,7 @@ def meta_state(s: TrainState, cfg: JobConfig, *, step: int, world_size: int) -> 
         "loader": loader,
         "scaler": s.scaler.state_dict() if s.scaler is not None else None,
         "saved_at": time.time(),
+        "optim_layout": OPTIM_LAYOUT,
         **config_hashes(cfg),
     }
 
@@ -127,6 +133,9 @@ def check_meta(s: TrainState, path: Path, manifest: dict[str, Any], cfg: JobConf
     ):
         if not ok:
             raise damaged(f"{key} = {manifest.get(key)!r} is not {expected}")
+    if manifest.get("optim_layout") not in _OPTIONS:
+        raise damaged(f"optim_layout = {manifest.get('optim_layout')!r} is not one this version "
+                      f"reads ({OPTIM_LAYOUT!r}, or none for hpctrain 0.1.0)")
     scheduler = manifest.get("scheduler")
     groups = len(s.optimizer.param_groups)
     if not (isinstance(scheduler, dict) and is_int(scheduler.get("last_epoch"))
@@ -165,11 +174,11 @@ def restore(s: TrainState, ckpt: CheckpointManager, path: Path, manifest: dict[s
     if manifest["config_hash"] != config_hashes(cfg)["config_hash"]:
         log.warning("resuming %s with a changed training config (data/train/optim sections)",
                     path.name)
-    state = tensor_state(s)
+    layout = manifest.get("optim_layout")
+    state = tensor_state(s, layout)
     ckpt.load(path, state)
     set_state_dict(s.model, s.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"],
-                   options=_OPTIONS)
+                   optim_state_dict=state["optim"], options=_OPTIONS[layout])
     # Only the keys this schedule has: ``load_state_dict`` sets whatever it is given as an
     # attribute of the scheduler.
     known = s.scheduler.state_dict()
