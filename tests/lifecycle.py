@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -98,9 +99,17 @@ def start(argv: list[str], log: Path, run_dir: Path, *, env: dict[str, str] | No
     full_env.update(env or {})
     handle = log.open("w")
     proc = subprocess.Popen(command or cli_command(argv), cwd=REPO, env=full_env, text=True,
-                            stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_default_sigint)
     handle.close()
     return Running(proc, log, run_dir)
+
+
+def _default_sigint() -> None:
+    # A shell without job control starts background commands (`make test &`, some CI runners)
+    # with SIGINT ignored, and Python then keeps it ignored: the run under test would never see
+    # the Ctrl-C a test sends. A terminal's foreground job has the default disposition.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def kill_tree_of(run: Running) -> None:
