@@ -16,6 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from hpctrain.bench import cli as bench_cli
 from hpctrain.data.cli import add_parser as add_data_parser
 from hpctrain.errors import HpctrainError
+from hpctrain.launch import sbatch as sbatch_cli
 from hpctrain.plan import cli as plan_cli
 from hpctrain.runtime.interrupted import INTERRUPTED, Interrupted
 from hpctrain.runtime.runlock import TOKEN_ENV
@@ -64,28 +65,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="start this run over: an existing run directory of the same name is "
                    "archived as <name>-archived-<time> (never deleted) first")
 
-    s = sub.add_parser("sbatch", help="write a Slurm batch script for a training config",
-                       description="Print a batch script with preemption manners "
-                       "(--signal without B:, --requeue, exit 75 = requeue) that runs as "
-                       "written: the job works in this directory, with this interpreter, "
-                       "and its log folder is created now.")
-    s.add_argument("config", type=Path)
-    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    for flag, kind, default in (("--nodes", int, 1), ("--tasks-per-node", int, 1),
-                                ("--gpus-per-node", int, 0), ("--cpus-per-task", int, 1),
-                                ("--time", str, "01:00:00"), ("--signal-lead-s", int, 120),
-                                ("--job-name", str, "hpctrain"),
-                                ("--log-dir", str, "runs/slurm-logs")):
-        s.add_argument(flag, type=kind, default=default)
-    for flag in ("--partition", "--account", "--array"):
-        s.add_argument(flag, default=None)
-    interpreter = s.add_mutually_exclusive_group()
-    interpreter.add_argument("--python", default=None, metavar="PATH",
-                             help="the job's Python, which must import hpctrain (default: the "
-                             "one running this command)")
-    interpreter.add_argument("--venv", default=None, metavar="DIR",
-                             help="run the job with DIR/bin/python")
-    s.add_argument("-o", "--output", type=Path, default=None, help="write here, not stdout")
+    sbatch_cli.add_parser(sub)
 
     c = sub.add_parser("config", help="print the resolved config (defaults + file + overrides)")
     c.add_argument("config", type=Path)
@@ -114,34 +94,6 @@ def _train(args: argparse.Namespace) -> None:
                     max_restarts=args.max_restarts, fresh=args.fresh)
 
 
-def _sbatch(args: argparse.Namespace) -> None:
-    from hpctrain.config import load_config
-    from hpctrain.launch.sbatch import (
-        SbatchParams,
-        create_log_dir,
-        render_sbatch,
-        resolve_python,
-    )
-
-    load_config(args.config, args.overrides)  # a bad config fails here, not on the cluster
-    workdir = Path.cwd()
-    params = SbatchParams(
-        config=str(args.config), workdir=str(workdir),
-        python=resolve_python(args.python, args.venv, workdir), overrides=args.overrides,
-        job_name=args.job_name, nodes=args.nodes, tasks_per_node=args.tasks_per_node,
-        gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, time=args.time,
-        signal_lead_s=args.signal_lead_s, partition=args.partition, account=args.account,
-        array=args.array, log_dir=args.log_dir)
-    text = render_sbatch(params)
-    logs = create_log_dir(params)
-    if args.output is None:
-        print(text, end="")
-    else:
-        args.output.write_text(text)
-        print(f"wrote {args.output} (logs go to {logs}/); submit it with: sbatch {args.output}",
-              file=sys.stderr)
-
-
 def _config(args: argparse.Namespace) -> None:
     from hpctrain.config import dump_yaml, load_config
 
@@ -158,8 +110,10 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``hpctrain`` console script."""
     args = parse_args(argv)
     try:
-        {"train": _train, "config": _config, "sbatch": _sbatch, "data": lambda a: a.handler(a),
-         "bench": bench_cli.run, "plan": plan_cli.run}[args.command](args)
+        {"train": _train, "config": _config, "data": lambda a: a.handler(a),
+         "bench": bench_cli.run, "plan": plan_cli.run,
+         "sbatch": lambda a: a.handler(a),
+         }[args.command](args)
     except Interrupted as e:
         if TOKEN_ENV not in os.environ:  # a rank of our launcher: the launcher says it once
             print(e.line(), file=sys.stderr)

@@ -37,7 +37,8 @@ CASES = {
         config="configs/llama-1b.yaml", workdir=HOME, python="/opt/envs/train env/bin/python",
         overrides=["parallel.strategy=fsdp"], job_name="llama", nodes=2, tasks_per_node=4,
         gpus_per_node=4, cpus_per_task=16, time="04:00:00", signal_lead_s=180,
-        partition="gpu", account="proj-42", array="0-3%2", log_dir="/scratch/alice/logs"),
+        partition="gpu", account="proj-42", array="0-3%2", log_dir="/scratch/alice/logs",
+        dependency="afterok:4242:4243"),
 }
 
 
@@ -54,9 +55,28 @@ def test_script_text_matches_golden_file(name: str) -> None:
     assert text == expected, diff
 
 
+def test_ranks_fill_a_node_before_the_next() -> None:
+    """Block distribution: ranks 0..k-1 on the first node, so tp (innermost) stays in a node."""
+    argv = _srun_argv(render_sbatch(CASES["sbatch-gpu-array.sh"]))
+    assert "--distribution=block" in argv[:argv.index("-m")]
+
+
+def test_a_dependency_never_leaves_the_job_pending_forever() -> None:
+    lines = render_sbatch(CASES["sbatch-gpu-array.sh"]).splitlines()
+    assert "#SBATCH --dependency=afterok:4242:4243" in lines
+    assert "#SBATCH --kill-on-invalid-dep=yes" in lines
+    assert "#SBATCH --kill-on-invalid-dep=yes" not in render_sbatch(CASES["sbatch-single.sh"])
+
+
 def _srun_argv(text: str) -> list[str]:
     (line,) = [ln for ln in text.splitlines() if ln.startswith("srun ")]
     return shlex.split(line)
+
+
+def _program(text: str) -> list[str]:
+    """What srun starts: the interpreter and its arguments (srun's own options dropped)."""
+    argv = _srun_argv(text)
+    return argv[argv.index("-m") - 1:]
 
 
 def test_every_body_path_is_shell_quoted() -> None:
@@ -65,7 +85,7 @@ def test_every_body_path_is_shell_quoted() -> None:
                      python="/opt/my env/bin/python", overrides=["run.name=x y"],
                      log_dir="/scratch/logs")
     text = render_sbatch(p)
-    assert _srun_argv(text)[2:] == ["/opt/my env/bin/python", "-m", "hpctrain", "train",
+    assert _program(text) == ["/opt/my env/bin/python", "-m", "hpctrain", "train",
                                     "my configs/demo.yaml", "run.name=x y"]
     (cd,) = [ln for ln in text.splitlines() if ln.startswith("cd ")]
     assert shlex.split(cd) == ["cd", "--", "/home/a b/proj", "||", "exit", "1"]
@@ -82,6 +102,9 @@ def test_every_body_path_is_shell_quoted() -> None:
     (dict(account="a\nb"), "--account"),
     (dict(array="0-3\n#SBATCH --x"), "--array"),
     (dict(signal="USR2\n"), "--signal"),
+    (dict(dependency="afterok:1\n#SBATCH --x"), "--dependency"),
+    (dict(dependency="after-ok:12"), "--dependency"),
+    (dict(dependency="afterok"), "--dependency"),
 ])
 def test_values_sbatch_lines_cannot_carry_are_refused(change: dict, message: str) -> None:
     base = dict(config="c.yaml", workdir="/home/alice/p", python="/usr/bin/python3")
@@ -112,7 +135,7 @@ def test_defaults_run_as_written_from_anywhere(project: Path) -> None:
     _sbatch("configs/demo.yaml", "train.steps=3", "-o", "train.sh")
     text = (project / "train.sh").read_text()
     assert (project / "runs" / "slurm-logs").is_dir()  # created now: Slurm would not
-    assert _srun_argv(text)[2:] == [sys.executable, "-m", "hpctrain", "train",
+    assert _program(text) == [sys.executable, "-m", "hpctrain", "train",
                                     "configs/demo.yaml", "train.steps=3"]
     assert f"cd -- {project} || exit 1" in text.splitlines()
     assert f"#SBATCH --output={project}/runs/slurm-logs/hpctrain-%j.out" in text.splitlines()
@@ -127,8 +150,8 @@ def test_stdout_without_output_file(project: Path, capsys: pytest.CaptureFixture
 
 def test_venv_picks_its_interpreter(project: Path) -> None:
     _sbatch("configs/demo.yaml", "--venv", sys.prefix, "-o", "train.sh")
-    argv = _srun_argv((project / "train.sh").read_text())
-    assert argv[2] == str(Path(sys.prefix) / "bin" / "python")
+    argv = _program((project / "train.sh").read_text())
+    assert argv[0] == str(Path(sys.prefix) / "bin" / "python")
 
 
 def _fails(capsys: pytest.CaptureFixture, *args: str) -> str:
@@ -164,6 +187,29 @@ def test_bad_interpreters_and_paths_are_user_errors(project: Path, capsys: pytes
     assert message in err, err
     assert not (project / "train.sh").exists()
     assert not (project / "my logs").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    # 3 ranks per node with tp 2: ranks 2 and 3 form a group across two nodes.
+    (["parallel.strategy=fsdp", "parallel.tp=2", "--nodes", "2", "--tasks-per-node", "3"],
+     "tensor-parallel groups would span nodes"),
+    (["parallel.strategy=fsdp", "parallel.tp=4", "--nodes", "2", "--tasks-per-node", "2"],
+     "tensor-parallel groups would span nodes"),
+    # The layout rules of training apply before anything is written: 6 ranks, tp 4.
+    (["parallel.strategy=fsdp", "parallel.tp=4", "--nodes", "1", "--tasks-per-node", "6"],
+     "cannot be split"),
+])
+def test_layouts_that_place_tp_across_nodes_are_refused(project: Path, capsys, args: list[str],
+                                                        message: str) -> None:
+    err = _fails(capsys, "configs/demo.yaml", *args, "-o", "train.sh")
+    assert message in err and "HINT" in err, err
+    assert not (project / "train.sh").exists()
+
+
+def test_tp_inside_each_node_is_accepted(project: Path) -> None:
+    _sbatch("configs/demo.yaml", "parallel.strategy=fsdp", "parallel.tp=2", "--nodes", "2",
+            "--tasks-per-node", "4", "-o", "train.sh")
+    assert "--distribution=block" in _srun_argv((project / "train.sh").read_text())
 
 
 def test_python_and_venv_exclude_each_other(project: Path, capsys: pytest.CaptureFixture) -> None:

@@ -9,7 +9,12 @@ The script carries the cluster manners that make preemption cheap:
 - ``--requeue`` and ``--open-mode=append`` so the requeued run continues the same log;
 - exit code 75 means "checkpoint committed, please run me again": rank 0 requeues with
   ``scontrol`` (per array task); where it could not reach ``scontrol`` (a container), this
-  script does it from outside.
+  script does it from outside;
+- ``--distribution=block``: ranks fill one node before the next, so the mesh's innermost axis
+  (``tp``) stays inside a node and pipeline stages and FSDP groups span nodes; a layout whose
+  tensor-parallel groups would straddle two nodes is refused before anything is written;
+- a dependency comes with ``--kill-on-invalid-dep=yes``: a job whose parent failed is
+  cancelled instead of pending forever.
 
 It also runs as written wherever it is submitted from: the job changes to the directory the
 script was generated in (so relative paths in the config and overrides mean what they meant
@@ -22,6 +27,7 @@ never creates its folder).
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shlex
@@ -31,7 +37,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpctrain.config import JobConfig
 from hpctrain.errors import ConfigError
+from hpctrain.parallel.layout import check_layout
 from hpctrain.runtime.exit_codes import PREEMPTED
 
 # #SBATCH lines are not shell: values there cannot be quoted, so they must not need it.
@@ -40,6 +48,11 @@ _SAFE_CHARS = "letters, digits and . _ - /"
 _NAMES = re.compile(r"[A-Za-z0-9._,-]+")
 _ARRAY = re.compile(r"[0-9,:%-]+")
 _SIGNAL = re.compile(r"[A-Z0-9]+")
+# sbatch --dependency: TYPE[:ID[+MIN]]... joined by ',' (all) or '?' (any); or singleton.
+_DEP_TYPES = ("after", "afterany", "afterburstbuffer", "aftercorr", "afternotok", "afterok",
+              "singleton")
+_DEPENDENCY = re.compile(r"(?:singleton|[a-z]+(?::[0-9]+(?:_[0-9]+)?(?:\+[0-9]+)?)+)"
+                         r"(?:[,?](?:singleton|[a-z]+(?::[0-9]+(?:_[0-9]+)?(?:\+[0-9]+)?)+))*")
 # What the job's interpreter must manage: hpctrain itself, and torch beside it (found, not
 # imported: importing torch takes seconds).
 _CHECK_IMPORT = ("import importlib.util, sys, hpctrain; "
@@ -69,6 +82,8 @@ class SbatchParams:
     partition: str | None = None
     account: str | None = None
     array: str | None = None
+    # sbatch --dependency, e.g. afterok:123:124 (the job waits for both to succeed).
+    dependency: str | None = None
     # Relative to workdir unless absolute.
     log_dir: str = "runs/slurm-logs"
 
@@ -109,6 +124,14 @@ class SbatchParams:
                 expected=_SAFE_CHARS,
                 hint="pass --log-dir with an absolute path made of those characters, e.g. "
                      "--log-dir $HOME/slurm-logs")
+        if self.dependency is not None and not (
+                _DEPENDENCY.fullmatch(self.dependency)
+                and all(item.split(":")[0] in _DEP_TYPES
+                        for item in re.split(r"[,?]", self.dependency))):
+            raise ConfigError(f"--dependency {self.dependency!r} is not a Slurm dependency",
+                              expected="TYPE:JOBID[:JOBID...] joined by ',' (all) or '?' "
+                              f"(any), TYPE one of {', '.join(_DEP_TYPES)}",
+                              hint="e.g. --dependency afterok:123456")
         parts = self.time.replace("-", ":").split(":")
         if not all(p.isdigit() for p in parts) or not 1 <= len(parts) <= 4:
             raise ConfigError(f"--time {self.time!r} is not a Slurm time",
@@ -118,6 +141,22 @@ class SbatchParams:
             raise ConfigError(f"--signal {self.signal!r} @ {self.signal_lead_s} s",
                               expected="a bare name such as USR2 and a lead of >= 1 s",
                               hint="no 'B:' prefix: the ranks, not the batch shell, need it")
+
+
+def check_placement(cfg: JobConfig, nodes: int, tasks_per_node: int) -> None:
+    """Refuse a layout training would refuse, or one whose TP groups straddle two nodes."""
+    check_layout(cfg, nodes * tasks_per_node)
+    tp = cfg.parallel.tp
+    if nodes > 1 and tasks_per_node % tp:
+        fits = [d for d in range(1, tasks_per_node + 1) if tasks_per_node % d == 0 and d <= tp]
+        raise ConfigError(
+            f"parallel.tp = {tp} with --tasks-per-node {tasks_per_node} on {nodes} nodes: "
+            "tensor-parallel groups would span nodes (ranks are numbered node by node and tp "
+            "is the innermost mesh axis)",
+            expected="parallel.tp dividing the tasks (GPUs) per node: its all-reduces run every "
+            "layer and need NVLink, not the network",
+            hint=f"use parallel.tp={fits[-1]}, or --tasks-per-node a multiple of {tp}; "
+            "scale across nodes with pipeline (parallel.pp) or FSDP instead")
 
 
 def resolve_python(python: str | None, venv: str | None, workdir: Path) -> str:
@@ -202,6 +241,8 @@ def render_sbatch(p: SbatchParams) -> str:
         lines.append(f"#SBATCH --account={p.account}")
     if p.array:
         lines.append(f"#SBATCH --array={p.array}")
+    if p.dependency:
+        lines += [f"#SBATCH --dependency={p.dependency}", "#SBATCH --kill-on-invalid-dep=yes"]
     cmd = " ".join(shlex.quote(a) for a in [p.python, "-m", "hpctrain", "train", p.config,
                                              *p.overrides])
     log_prefix = shlex.quote(f"{p.log_path}/{p.job_name}-")
@@ -217,7 +258,8 @@ def render_sbatch(p: SbatchParams) -> str:
         'echo "hpctrain: job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on '
         '${SLURM_JOB_NODELIST}"',
         "",
-        f"srun --kill-on-bad-exit=1 {cmd}",
+        "# One task per GPU, numbered node by node (block): tensor-parallel groups stay in a node.",
+        f"srun --kill-on-bad-exit=1 --distribution=block {cmd}",
         "rc=$?",
         f"if [ \"$rc\" -eq {PREEMPTED} ]; then",
         "    # Preempted with a committed checkpoint. Rank 0 requeues itself when it can reach",
@@ -236,3 +278,71 @@ def render_sbatch(p: SbatchParams) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+# -- the command line (shared by `hpctrain sbatch` and `hpctrain submit`) -------------------------
+
+
+def add_job_options(p: argparse.ArgumentParser) -> None:
+    """The config, its overrides and the job's shape and manners, as options of `p`."""
+    p.add_argument("config", type=Path, help="YAML config, e.g. configs/demo.yaml")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    for flag, kind, default in (("--nodes", int, 1), ("--tasks-per-node", int, 1),
+                                ("--gpus-per-node", int, 0), ("--cpus-per-task", int, 1),
+                                ("--time", str, "01:00:00"), ("--signal-lead-s", int, 120),
+                                ("--job-name", str, "hpctrain"),
+                                ("--log-dir", str, "runs/slurm-logs")):
+        p.add_argument(flag, type=kind, default=default)
+    for flag in ("--partition", "--account", "--array"):
+        p.add_argument(flag, default=None)
+    p.add_argument("--dependency", default=None, metavar="TYPE:JOBID",
+                   help="start after other jobs, e.g. afterok:123 (cancelled if they fail)")
+    interpreter = p.add_mutually_exclusive_group()
+    interpreter.add_argument("--python", default=None, metavar="PATH",
+                             help="the job's Python, which must import hpctrain (default: the "
+                             "one running this command)")
+    interpreter.add_argument("--venv", default=None, metavar="DIR",
+                             help="run the job with DIR/bin/python")
+
+
+def params_from_args(args: argparse.Namespace) -> tuple[SbatchParams, JobConfig]:
+    """Check the config and the layout on this shape; the script's parameters and the config."""
+    from hpctrain.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # a bad config fails here, not on the cluster
+    check_placement(cfg, args.nodes, args.tasks_per_node)
+    workdir = Path.cwd()
+    params = SbatchParams(
+        config=str(args.config), workdir=str(workdir),
+        python=resolve_python(args.python, args.venv, workdir), overrides=args.overrides,
+        job_name=args.job_name, nodes=args.nodes, tasks_per_node=args.tasks_per_node,
+        gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, time=args.time,
+        signal_lead_s=args.signal_lead_s, partition=args.partition, account=args.account,
+        array=args.array, dependency=args.dependency, log_dir=args.log_dir)
+    params.validate()
+    return params, cfg
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``hpctrain sbatch`` on the top-level parser's ``sub``."""
+    s = sub.add_parser("sbatch", help="write a Slurm batch script for a training config",
+                       description="Print a batch script with preemption manners "
+                       "(--signal without B:, --requeue, exit 75 = requeue) that runs as "
+                       "written: the job works in this directory, with this interpreter, "
+                       "and its log folder is created now.")
+    add_job_options(s)
+    s.add_argument("-o", "--output", type=Path, default=None, help="write here, not stdout")
+    s.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    """``hpctrain sbatch``: print or write the script, create its log folder."""
+    params, _ = params_from_args(args)
+    text = render_sbatch(params)
+    logs = create_log_dir(params)
+    if args.output is None:
+        print(text, end="")
+    else:
+        args.output.write_text(text)
+        print(f"wrote {args.output} (logs go to {logs}/); submit it with: sbatch {args.output}",
+              file=sys.stderr)

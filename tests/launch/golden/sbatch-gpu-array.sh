@@ -12,6 +12,8 @@
 #SBATCH --partition=gpu
 #SBATCH --account=proj-42
 #SBATCH --array=0-3%2
+#SBATCH --dependency=afterok:4242:4243
+#SBATCH --kill-on-invalid-dep=yes
 
 # Slurm opens --output before this script starts and never creates its folder:
 # `hpctrain sbatch` did (recreate it if it is removed before submitting).
@@ -22,7 +24,8 @@ cd -- /home/alice/hpctrain || exit 1
 export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"
 echo "hpctrain: job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}"
 
-srun --kill-on-bad-exit=1 '/opt/envs/train env/bin/python' -m hpctrain train configs/llama-1b.yaml parallel.strategy=fsdp
+# One task per GPU, numbered node by node (block): tensor-parallel groups stay in a node.
+srun --kill-on-bad-exit=1 --distribution=block '/opt/envs/train env/bin/python' -m hpctrain train configs/llama-1b.yaml parallel.strategy=fsdp
 rc=$?
 if [ "$rc" -eq 75 ]; then
     # Preempted with a committed checkpoint. Rank 0 requeues itself when it can reach

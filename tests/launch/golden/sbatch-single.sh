@@ -18,7 +18,8 @@ cd -- /home/alice/hpctrain || exit 1
 export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"
 echo "hpctrain: job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}"
 
-srun --kill-on-bad-exit=1 /home/alice/hpctrain/.venv/bin/python -m hpctrain train configs/demo.yaml train.steps=100 'run.name=first try' data.path=data/web
+# One task per GPU, numbered node by node (block): tensor-parallel groups stay in a node.
+srun --kill-on-bad-exit=1 --distribution=block /home/alice/hpctrain/.venv/bin/python -m hpctrain train configs/demo.yaml train.steps=100 'run.name=first try' data.path=data/web
 rc=$?
 if [ "$rc" -eq 75 ]; then
     # Preempted with a committed checkpoint. Rank 0 requeues itself when it can reach
