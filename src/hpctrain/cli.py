@@ -17,6 +17,7 @@ from hpctrain.bench import cli as bench_cli
 from hpctrain.data.cli import add_parser as add_data_parser
 from hpctrain.errors import HpctrainError
 from hpctrain.launch import sbatch as sbatch_cli
+from hpctrain.launch import submit as submit_cli
 from hpctrain.plan import cli as plan_cli
 from hpctrain.runtime.interrupted import INTERRUPTED, Interrupted
 from hpctrain.runtime.runlock import TOKEN_ENV
@@ -66,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
                    "archived as <name>-archived-<time> (never deleted) first")
 
     sbatch_cli.add_parser(sub)
+    submit_cli.add_parser(sub)
 
     c = sub.add_parser("config", help="print the resolved config (defaults + file + overrides)")
     c.add_argument("config", type=Path)
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         {"train": _train, "config": _config, "data": lambda a: a.handler(a),
          "bench": bench_cli.run, "plan": plan_cli.run,
          "sbatch": lambda a: a.handler(a),
+         "submit": lambda a: a.handler(a),
          }[args.command](args)
     except Interrupted as e:
         if TOKEN_ENV not in os.environ:  # a rank of our launcher: the launcher says it once
