@@ -1,4 +1,5 @@
-"""A real single-node Slurm cluster for the test suite: the ``slurm_cluster`` session fixture.
+"""Real Slurm clusters for the test suite: ``slurm_cluster`` (one node, the whole session) and
+``slurm_two_nodes`` (two nodes on this machine, per test module).
 
     scripts/install-slurm.sh                 # as root: Debian's slurmctld, slurmd, client, munge
     .venv/bin/pytest tests/slurm -q          # `make test` does both
@@ -18,6 +19,14 @@ Settings worth knowing (see FIELD_NOTES "A real Slurm on one Debian 12 machine")
 (proctrack/linuxproc, task/none), no accounting (``sacct`` fails: read ``scontrol show job``),
 ``AuthInfo=cred_expire=10`` so a requeued job may run again after ~11 s instead of ~121 s, and
 ``KillWait=30``: the grace between SIGTERM and SIGKILL that a preemption save relies on.
+
+The two-node cluster runs two slurmd on this one machine, ``hpctrain-n1`` on 127.0.0.1 and
+``hpctrain-n2`` on 127.0.0.2, each with its own port, spool, pid and log files
+(``SlurmdParameters=config_overrides``, ``%n`` in the paths). Jobs find rank 0 by the first name
+of ``SLURM_JOB_NODELIST``, so both names must resolve: the fixture appends
+``127.0.0.1 hpctrain-n1`` / ``127.0.0.2 hpctrain-n2`` to /etc/hosts when they do not (once;
+the lines carry the tag ``# hpctrain test cluster``, nothing else is changed; remove them with
+``sed -i '/# hpctrain test cluster/d' /etc/hosts``).
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from .jobs import ReferenceLosses
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel", "munge")
@@ -156,17 +167,45 @@ def node_hardware(slurmd: str) -> dict[str, str]:
     return {k: info[k] for k in keys if k in info}
 
 
-def write_config(root: Path, ctld_port: int, slurmd_port: int, hw: dict[str, str]) -> Path:
-    """Write slurm.conf (+ an empty-of-cgroups cgroup.conf) under `root`; return slurm.conf."""
-    for sub in ("state", "spool", "log", "run"):
+@dataclass(frozen=True)
+class Node:
+    """One slurmd of the test cluster: its node name, address and port."""
+
+    name: str
+    addr: str
+    port: int
+
+
+# The two "nodes" of the multi-node cluster, one machine: names resolved through /etc/hosts.
+TWO_NODES = (("hpctrain-n1", "127.0.0.1"), ("hpctrain-n2", "127.0.0.2"))
+HOSTS = Path("/etc/hosts")
+HOSTS_TAG = "# hpctrain test cluster (tests/slurm/conftest.py)"
+
+
+def write_config(root: Path, ctld_port: int, nodes: Sequence[Node], hw: dict[str, str]) -> Path:
+    """Write slurm.conf (+ an empty-of-cgroups cgroup.conf) under `root`; return slurm.conf.
+
+    One node is ``localhost``; with several, every slurmd runs on this machine under its own
+    name, address and port (``SlurmdParameters=config_overrides``: each claims the CPUs the
+    config gives it, not what it finds), with its own spool, pid and log files (``%n``).
+    """
+    for sub in ("state", "log", "run", *(f"spool{'-' + n.name if len(nodes) > 1 else ''}"
+                                         for n in nodes)):
         (root / sub).mkdir(parents=True, exist_ok=True)
     node = " ".join(f"{k}={v}" for k, v in hw.items())
+    per_node = "-%n" if len(nodes) > 1 else ""
+    node_lines = "\n".join(
+        f"NodeName={n.name} NodeAddr={n.addr}{f' Port={n.port}' if len(nodes) > 1 else ''} "
+        f"{node} State=UNKNOWN" for n in nodes)
+    names = ",".join(n.name for n in nodes)
+    overrides = "SlurmdParameters=config_overrides\n" if len(nodes) > 1 else ""
     conf = f"""\
-# Single-node test cluster written by tests/slurm/conftest.py; nothing here is for production.
+# Test cluster written by tests/slurm/conftest.py; nothing here is for production.
 ClusterName=hpctrain-test
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctld_port}
-SlurmdPort={slurmd_port}
+SlurmdPort={nodes[0].port}
+{overrides}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -194,15 +233,15 @@ MinJobAge=600
 SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=2,bf_interval=1,kill_invalid_depend
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool{per_node}
 SlurmctldPidFile={root}/run/slurmctld.pid
-SlurmdPidFile={root}/run/slurmd.pid
+SlurmdPidFile={root}/run/slurmd{per_node}.pid
 SlurmctldLogFile={root}/log/slurmctld.log
-SlurmdLogFile={root}/log/slurmd.log
+SlurmdLogFile={root}/log/slurmd{per_node}.log
 SlurmctldDebug=info
 SlurmdDebug=info
-NodeName=localhost NodeAddr=127.0.0.1 {node} State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+{node_lines}
+PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP
 """
     path = root / "slurm.conf"
     path.write_text(conf)
@@ -240,8 +279,10 @@ class SlurmCluster:
     def logs(self, lines: int = 25) -> str:
         """Tails of the slurmctld and slurmd logs, for error messages."""
         log = self.root / "log"
-        return (f"--- slurmctld.log ---\n{tail(log / 'slurmctld.log', lines)}\n"
-                f"--- slurmd.log ---\n{tail(log / 'slurmd.log', lines)}")
+        text = f"--- slurmctld.log ---\n{tail(log / 'slurmctld.log', lines)}"
+        for path in sorted(log.glob("slurmd*.log")):
+            text += f"\n--- {path.name} ---\n{tail(path, lines)}"
+        return text
 
     # -- jobs --------------------------------------------------------------------------------
     def sbatch(self, script_path: str | os.PathLike[str], *args: str,
@@ -385,8 +426,38 @@ def wait_idle(cluster: SlurmCluster, timeout: float = START_TIMEOUT_S) -> None:
                        f"exited daemons: {dead or 'none'})\n{cluster.logs(40)}")
 
 
-def start_cluster(root: Path) -> SlurmCluster:
-    """Write the config under `root` and start munged, slurmctld and slurmd."""
+def resolve_names(pairs: Sequence[tuple[str, str]]) -> None:
+    """Make each (name, address) resolve: append the missing ones to /etc/hosts, once.
+
+    The multi-node tests need it: ranks find rank 0 by the first name of SLURM_JOB_NODELIST.
+    Idempotent (a name that already resolves to its address is left alone) and tagged, so the
+    lines are easy to find and remove; nothing else in the file is touched.
+    """
+    missing = []
+    for name, addr in pairs:
+        try:
+            found = socket.gethostbyname(name)
+        except OSError:
+            found = None
+        if found == addr:
+            continue
+        if found is not None:
+            unavailable(f"{name} resolves to {found}, not {addr}: the two-node test cluster "
+                        f"needs it (fix or remove that line of {HOSTS})")
+        missing.append(f"{addr} {name} {HOSTS_TAG}\n")
+    if not missing:
+        return
+    try:
+        with HOSTS.open("a") as f:
+            f.write("".join(missing))
+    except OSError as exc:
+        unavailable(f"cannot add {', '.join(n for n, _ in pairs)} to {HOSTS}: {exc.strerror}")
+
+
+def start_cluster(root: Path, node_names: Sequence[tuple[str, str]] = (("localhost",
+                                                                          "127.0.0.1"),)
+                  ) -> SlurmCluster:
+    """Write the config under `root` and start munged, slurmctld and one slurmd per node."""
     bins: dict[str, str] = {}
     missing = []
     for name in (*DAEMONS, *CLIENTS, "unmunge", "runuser"):
@@ -400,8 +471,12 @@ def start_cluster(root: Path) -> SlurmCluster:
     if os.geteuid() != 0:
         unavailable("not running as root (slurmd and munged need root on a single-node cluster)")
 
-    ctld_port, slurmd_port = free_ports(2)
-    conf = write_config(root, ctld_port, slurmd_port, node_hardware(bins["slurmd"]))
+    if len(node_names) > 1:
+        resolve_names(node_names)
+    ctld_port, *slurmd_ports = free_ports(1 + len(node_names))
+    nodes = [Node(name, addr, port) for (name, addr), port in zip(node_names, slurmd_ports,
+                                                                   strict=True)]
+    conf = write_config(root, ctld_port, nodes, node_hardware(bins["slurmd"]))
     # Clients read SLURM_CONF; drop SLURM_* inherited from an outer allocation (e.g. CI running
     # inside a Slurm job), which would otherwise leak into every job submitted here.
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
@@ -422,8 +497,10 @@ def start_cluster(root: Path) -> SlurmCluster:
         # -D: foreground, as our child; -i: ignore saved state (each start has a fresh dir).
         cluster.start_daemon("slurmctld", [bins["slurmctld"], "-D", "-i", "-f", str(conf)],
                              run / "slurmctld.pid")
-        cluster.start_daemon("slurmd", [bins["slurmd"], "-D", "-f", str(conf), "-N", "localhost"],
-                             run / "slurmd.pid")
+        for n in nodes:
+            pid = run / (f"slurmd-{n.name}.pid" if len(nodes) > 1 else "slurmd.pid")
+            cluster.start_daemon("slurmd", [bins["slurmd"], "-D", "-f", str(conf), "-N", n.name],
+                                 pid)
         wait_idle(cluster)
     except BaseException:
         cluster.stop()
@@ -431,13 +508,15 @@ def start_cluster(root: Path) -> SlurmCluster:
     return cluster
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[SlurmCluster]:
-    """A running single-node Slurm cluster (skips where impossible; fails instead under CI)."""
+@contextlib.contextmanager
+def running_cluster(request: pytest.FixtureRequest,
+                    node_names: Sequence[tuple[str, str]] = (("localhost", "127.0.0.1"),)
+                    ) -> Iterator[SlurmCluster]:
+    """Start a cluster of these nodes, yield it, cancel its jobs and stop it (even on failure)."""
     # A short path: slurmstepd's unix sockets live in the spool dir (sun_path holds 108 bytes).
     root = Path(tempfile.mkdtemp(prefix="hpctrain-slurm-"))
     try:
-        cluster = start_cluster(root)
+        cluster = start_cluster(root, node_names)
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         # Installed and root, yet it does not start: that is a bug, never a skip.
         pytest.fail(f"could not start the test Slurm cluster (files in {root}):\n{exc}",
@@ -454,3 +533,24 @@ def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[SlurmCluster]:
                 shutil.rmtree(root, ignore_errors=True)
             else:
                 print(f"\nSlurm test cluster files kept in {root}")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[SlurmCluster]:
+    """A running single-node Slurm cluster (skips where impossible; fails instead under CI)."""
+    with running_cluster(request) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def slurm_two_nodes(request: pytest.FixtureRequest) -> Iterator[SlurmCluster]:
+    """Two nodes on this machine, ``hpctrain-n1`` (127.0.0.1) and ``hpctrain-n2`` (127.0.0.2),
+    each with its own slurmd; their names are added to /etc/hosts if missing (tagged lines)."""
+    with running_cluster(request, TWO_NODES) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> ReferenceLosses:
+    """Uninterrupted reference runs, each computed once per session."""
+    return ReferenceLosses(tmp_path_factory.mktemp("reference"))

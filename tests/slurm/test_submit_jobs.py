@@ -14,8 +14,8 @@ import pytest
 from hpctrain.cli import main
 
 from .conftest import SlurmCluster
+from .jobs import TINY
 from .test_cluster import write_script
-from .test_training_jobs import TINY
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 REPO = Path(__file__).resolve().parents[2]

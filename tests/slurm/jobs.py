@@ -1,0 +1,98 @@
+"""Helpers for the tests that run hpctrain training jobs on the test Slurm: the generated batch
+script (with an optional injected stall and a record of where each rank ran), waiting for
+steps, and the uninterrupted reference run each resumed run must match exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hpctrain.launch.sbatch import SbatchParams, create_log_dir, render_sbatch
+from hpctrain.observe.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["run.device=cpu", "data.source=stdlib", "data.max_bytes=300000", "data.seq_len=64",
+        "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+        "model.ffn_dim=128", "train.micro_batch=2", "train.precision=fp32",
+        "train.deterministic=true", "optim.warmup_steps=2", "metrics.log_every=1",
+        "metrics.progress=false", "checkpoint.interval=none", "preempt.check_every=1"]
+
+
+def script(tmp: Path, name: str, overrides: list[str], *, pause_at: int | None = None,
+           where: Path | None = None, **params) -> Path:
+    """The generated batch script; ``pause_at`` holds step N for 4 s (an injected, harmless
+    stall) so a signal sent after N-1 logged steps lands mid-run, however fast the steps are;
+    each rank appends ``node rank`` (SLURMD_NODENAME, SLURM_PROCID) to ``where`` as it starts."""
+    python = sys.executable
+    if pause_at is not None or where is not None:
+        python = str(tmp / f"{name}-python.sh")
+        lines = ["#!/bin/bash"]
+        if pause_at is not None:
+            lines.append(f"export HPCTRAIN_FAULTS='hang@step={pause_at},seconds=4'")
+        if where is not None:
+            lines.append(f'echo "$SLURMD_NODENAME $SLURM_PROCID" >> {where}')
+        lines.append(f'exec {sys.executable} "$@"')
+        Path(python).write_text("\n".join(lines) + "\n")
+        os.chmod(python, 0o755)
+    p = SbatchParams(config="configs/demo.yaml", workdir=str(REPO), python=python,
+                     overrides=[*TINY, f"run.out_dir={tmp / 'runs'}", f"run.name={name}",
+                                *overrides],
+                     job_name=name, log_dir=str(tmp / "logs"), **params)
+    path = tmp / f"{name}.sh"
+    path.write_text(render_sbatch(p))
+    create_log_dir(p)  # as `hpctrain sbatch` does: Slurm does not create --output directories
+    return path
+
+
+def steps_logged(run_dir: Path) -> int:
+    """Training steps rank 0 has logged so far."""
+    path = run_dir / "metrics" / "rank-000.jsonl"
+    if not path.is_file():
+        return 0
+    return sum(1 for r in read_metrics(path) if "loss" in r)
+
+
+def wait_for_steps(cluster, job: str, run_dir: Path, n: int, timeout: float = 120) -> None:
+    """Wait until rank 0 logged `n` steps; fail at once if the job ends first."""
+    deadline = time.monotonic() + timeout
+    while steps_logged(run_dir) < n:
+        state = cluster.job_info(job)["JobState"]
+        if state not in ("PENDING", "RUNNING", "CONFIGURING"):
+            raise AssertionError(f"job {job} ended ({state}) before {n} steps:\n{cluster.logs()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{run_dir} logged fewer than {n} steps in {timeout:.0f} s")
+        time.sleep(0.3)
+
+
+def exit_info(run_dir: Path) -> dict:
+    """The run's exit_info.json."""
+    return json.loads((run_dir / "exit_info.json").read_text())
+
+
+class ReferenceLosses:
+    """Final losses of uninterrupted runs through the local launcher, each computed once per
+    session (the single-node and the two-node preemption tests compare against the same one)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    @functools.cache  # noqa: B019 (one instance per session, held by a fixture)
+    def final_loss(self, ranks: int, steps: int, strategy: str) -> float:
+        """The final loss of ``steps`` steps of TINY on ``ranks`` local ranks."""
+        name = f"ref-{ranks}-{steps}-{strategy}"
+        cmd = [sys.executable, "-m", "hpctrain", "train", "configs/demo.yaml", *TINY,
+               f"run.out_dir={self.root}", f"run.name={name}", "run.suffix=none",
+               f"train.steps={steps}", f"parallel.strategy={strategy}"]
+        if ranks > 1:
+            cmd += ["--nproc", str(ranks)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=300, capture_output=True)
+        return exit_info(self.root / name)["extra"]["final_loss"]
+
+

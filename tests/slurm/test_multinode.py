@@ -1,0 +1,39 @@
+"""A two-node job on the test Slurm (two slurmd on this machine, ``hpctrain-n1`` on 127.0.0.1 and
+``hpctrain-n2`` on 127.0.0.2): the script ``hpctrain sbatch`` generates starts one rank per node,
+the ranks find rank 0 through ``SLURM_JOB_NODELIST`` (gloo), train, checkpoint on the preemption
+signal, are requeued and resume exactly where an uninterrupted run ends.
+
+This is the path every multi-node user takes; only the GPUs and the network are missing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import SlurmCluster
+from .jobs import REPO, ReferenceLosses, exit_info, script, wait_for_steps
+
+
+@pytest.mark.slow
+def test_two_node_job_preempted_requeued_resumes_exactly(slurm_two_nodes: SlurmCluster,
+                                                         tmp_path, reference: ReferenceLosses
+                                                         ) -> None:
+    steps = 30
+    where = tmp_path / "where"
+    path = script(tmp_path, "twonode", [f"train.steps={steps}", "parallel.strategy=ddp"],
+                  pause_at=6, where=where, nodes=2, tasks_per_node=1, time="10:00")
+    job = slurm_two_nodes.sbatch(path, cwd=REPO)
+    run_dir = tmp_path / "runs" / f"twonode-{job}"
+    wait_for_steps(slurm_two_nodes, job, run_dir, 5)
+    slurm_two_nodes.scancel(job, signal="USR2")
+    state = slurm_two_nodes.wait(job, timeout=240)
+    log = (tmp_path / "logs" / f"twonode-{job}.out").read_text()
+    info = slurm_two_nodes.job_info(job)
+    assert state == "COMPLETED", f"{info}\n{log[-3000:]}"
+    assert info["RestartCnt"] == "1" and info["NodeList"] == "hpctrain-n[1-2]", info
+    # Both runs (before and after the requeue): rank 0 on the first node, rank 1 on the second.
+    assert sorted(where.read_text().splitlines()) == ["hpctrain-n1 0"] * 2 + ["hpctrain-n2 1"] * 2
+    assert "preempted by SIGUSR2" in log and "resumed from step-" in log, log[-3000:]
+    done = exit_info(run_dir)
+    assert done["exit_code"] == 0 and done["extra"]["steps"] == steps
+    assert done["extra"]["final_loss"] == reference.final_loss(2, steps, "ddp")
