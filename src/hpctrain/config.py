@@ -25,6 +25,8 @@ from hpctrain.data.config import DataConfig
 from hpctrain.errors import ConfigError
 from hpctrain.models.config import ModelConfig
 from hpctrain.observe.config import MetricsConfig
+from hpctrain.observe.profile import ProfileConfig
+from hpctrain.observe.track import TrackConfig
 from hpctrain.parallel.config import ParallelConfig
 from hpctrain.runtime.config import RunConfig
 from hpctrain.runtime.watchdog import WatchdogConfig
@@ -48,6 +50,8 @@ class JobConfig:
     preempt: PreemptConfig = dataclasses.field(default_factory=PreemptConfig)
     watchdog: WatchdogConfig = dataclasses.field(default_factory=WatchdogConfig)
     guard: GuardConfig = dataclasses.field(default_factory=GuardConfig)
+    track: TrackConfig = dataclasses.field(default_factory=TrackConfig)
+    profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
 
     def validate(self) -> None:
         """Check each section, then the rules that span sections."""

@@ -5,7 +5,8 @@ The test suite proves recovery by causing the failures it recovers from, in real
     HPCTRAIN_FAULTS="save_io_error@step=4;nan@step=5-7;hang@step=3,rank=1"
 
 Each entry is ``kind@key=value,...``; ``step`` takes a number or an inclusive range, ``rank``
-limits the fault to one rank (default: all).
+limits the fault to one rank (default: all). ``slow@step=1-20,rank=1,seconds=0.3`` makes a rank
+a straggler: it sleeps that long inside each forward pass of those steps.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import errno
 import os
 from functools import cache
 
-KINDS = ("save_io_error", "nan", "hang")
+KINDS = ("save_io_error", "nan", "hang", "slow")
 
 
 @cache

@@ -6,6 +6,9 @@ NaN); `read_metrics` turns them back into floats.
 
     with MetricsWriter(run_dir, env) as metrics:
         metrics.write({"step": 10, "loss": 3.21, "tokens_per_s": 12_300.0})
+
+Sinks (``add_sink``, e.g. rank 0's TensorBoard/MLflow tracker) get every record as written and
+are closed with the run's outcome: FINISHED, KILLED (preempted, Ctrl-C) or FAILED.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from types import TracebackType
 from typing import Any
 
 from hpctrain.runtime.env import ProcessEnv
+from hpctrain.runtime.exit_codes import PREEMPTED
 from hpctrain.runtime.rundir import RunDir, json_safe
 
 _log = logging.getLogger(__name__)
@@ -30,7 +34,9 @@ class MetricsWriter:
     """Appends metric records for one rank to its JSONL file, flushing each line."""
 
     def __init__(self, run_dir: RunDir, env: ProcessEnv) -> None:
+        self.run_dir = run_dir
         self.path = run_dir.rank_metrics(env.rank)
+        self._sinks: list[Any] = []
         self._rank = env.rank
         self._host = env.hostname
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -47,10 +53,19 @@ class MetricsWriter:
         """Append `record` with ts, rank and host added; keys in `record` override those three."""
         line = {"ts": time.time(), "rank": self._rank, "host": self._host, **record}
         self._file.write(json.dumps(json_safe(line), allow_nan=False) + "\n")
+        for sink in self._sinks:
+            sink(line)
 
-    def close(self) -> None:
-        """Close the file; later writes raise."""
+    def add_sink(self, sink: Any) -> None:
+        """Also hand every record to ``sink(record)``; ``sink.close(status)`` ends it."""
+        self._sinks.append(sink)
+
+    def close(self, status: str = "FINISHED") -> None:
+        """Close the file and the sinks (``status``: how the run ended); later writes raise."""
         self._file.close()
+        sinks, self._sinks = self._sinks, []
+        for sink in sinks:
+            sink.close(status)
 
     def __enter__(self) -> MetricsWriter:
         return self
@@ -61,7 +76,13 @@ class MetricsWriter:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        if exc is None:
+            status = "FINISHED"
+        elif isinstance(exc, KeyboardInterrupt) or getattr(exc, "exit_code", None) == PREEMPTED:
+            status = "KILLED"
+        else:
+            status = "FAILED"
+        self.close(status)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ from hpctrain.config import JobConfig, dump_yaml
 from hpctrain.errors import ConfigError, HpctrainError
 from hpctrain.models.flops import count_params
 from hpctrain.observe.metrics import MetricsWriter
+from hpctrain.observe.profile import write_oom_snapshot
 from hpctrain.runtime.config import refuse_large_model_on_cpu
 from hpctrain.runtime.dist import Distributed, init_distributed, shutdown
 from hpctrain.runtime.env import ProcessEnv, detect_env
@@ -38,7 +39,7 @@ from hpctrain.runtime.runlock import (
     check_held,
     current_attempt,
 )
-from hpctrain.runtime.watchdog import Watchdog
+from hpctrain.runtime.watchdog import Watchdog, enable_flight_recorder
 from hpctrain.train.preemption import ControlChannel, Preempted, PreemptionFlag
 from hpctrain.train.trainer import Trainer, TrainResult
 
@@ -115,6 +116,7 @@ def run_training(cfg: JobConfig, source: Path | None = None, *, fresh: bool = Fa
     env = detect_env()
     # Installed first: a signal that arrives during start-up is answered at the first step.
     preempt = PreemptionFlag(cfg.preempt)
+    enable_flight_recorder(cfg.watchdog)  # before any process group: read when one starts
     lock = None
     try:
         run_dir, lock, ctx, notes = _claim(cfg, env, fresh)
@@ -212,6 +214,8 @@ def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | 
                                     extra={"rank": env.rank, "host": socket.gethostname()})
         raise Interrupted(run_dir.root, latest) from None
     except BaseException as e:
+        if isinstance(e, torch.OutOfMemoryError):  # unless the OOM observer wrote it already
+            write_oom_snapshot(run_dir.root, env.rank)
         reason = f"{type(e).__name__}: {e}"
         log.error("rank %d failed: %s", env.rank, reason, exc_info=not isinstance(e, HpctrainError))
         if run_dir.failure_since(started) is None:  # a watchdog's or peer's account comes first

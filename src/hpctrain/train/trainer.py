@@ -37,6 +37,7 @@ from hpctrain.data.loader import (
 )
 from hpctrain.errors import ConfigError, HpctrainError
 from hpctrain.models import Transformer, count_params, flops_per_token
+from hpctrain.observe.live import RunObserver
 from hpctrain.observe.metrics import MetricsWriter
 from hpctrain.observe.peaks import mfu, peak_tflops
 from hpctrain.observe.progress import TrainProgress
@@ -176,6 +177,13 @@ class Trainer:
             f"{self.peak:.0f} TFLOP/s" if self.peak else "unknown device (MFU not reported)",
         )
         self.metrics.write(self._layout_record())
+        # Stragglers, profiles, trackers. The forward is a rank's own time only where it
+        # holds no collective (one process, DDP); see observe/stragglers.py.
+        self.observe = RunObserver(
+            cfg, dist_ctx.rank, dist_ctx.world_size, self.device, metrics, self.model,
+            watchdog.hosts, watchdog=watchdog, group=dist_ctx.control_group,
+            forward_is_local=(pc.strategy != "fsdp" and self.par.tp == 1
+                              and self.pipeline is None))
 
     def _layout_record(self) -> dict:
         """The layout event: degrees, this rank's coordinates and, with PP, its stages."""
@@ -282,6 +290,7 @@ class Trainer:
         with TrainProgress(tc.steps, self.dist.env, enabled=show, plain_every=1) as bar:
             bar.update(self.step, None, None, None)
             while self.step < tc.steps:
+                self.observe.step_start(self.step + 1)
                 hang = faults.active("hang", self.step + 1)
                 if hang:
                     time.sleep(float(hang.get("seconds", 3600)))
@@ -292,6 +301,7 @@ class Trainer:
                 self.watchdog.beat(self.step, "forward_backward")
                 loss, norm = self.train_step(micro_batches)
                 self.step += 1
+                self.observe.step_end(self.step)
                 window.add(loss, norm)
                 if self.step % every == 0 or self.step == tc.steps:
                     record = self._log(window)
@@ -312,6 +322,7 @@ class Trainer:
         self.ckpt.close()
         self._report_saves()
         self.loader.close()
+        self.observe.close(self.step)
         mean_rate = sum(rates) / len(rates) if rates else 0.0
         return TrainResult(self.step, last_loss, mean_rate, last_mfu)
 
@@ -502,6 +513,7 @@ class Trainer:
         }
         if self.pipeline is not None:
             record["pp_bubble"] = self.pipeline.bubble
+        self.observe.window(record)  # own time, straggler exchange (one message per window)
         self.metrics.write(record)
         if streak >= self.cfg.guard.max_consecutive:
             self._rollback(int(streak))
