@@ -33,8 +33,11 @@ demo: $(STAMP)
 # a no-op when installed). tests/slurm then start their own single-node cluster (munged, slurmctld,
 # slurmd, config under a temp dir) and stop it at the end. Where it cannot install (not root,
 # offline) it says why and the Slurm tests skip; under CI=true (.ci/run sets it) it fails instead.
+# scripts/install-browser.sh does the same for Debian's chromium and chromedriver, which the
+# browser test of `hpctrain report` drives headless.
 test: $(STAMP)
 	bash scripts/install-slurm.sh
+	bash scripts/install-browser.sh
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -q
 

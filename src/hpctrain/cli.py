@@ -18,6 +18,7 @@ from hpctrain.data.cli import add_parser as add_data_parser
 from hpctrain.errors import HpctrainError
 from hpctrain.launch import sbatch as sbatch_cli
 from hpctrain.launch import submit as submit_cli
+from hpctrain.observe import cli as observe_cli
 from hpctrain.plan import cli as plan_cli
 from hpctrain.runtime.interrupted import INTERRUPTED, Interrupted
 from hpctrain.runtime.runlock import TOKEN_ENV
@@ -75,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     add_data_parser(sub)
     bench_cli.add_parser(sub)
     plan_cli.add_parser(sub)
+    observe_cli.add_parser(sub)  # report, runs
     return p
 
 
@@ -116,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
          "bench": bench_cli.run, "plan": plan_cli.run,
          "sbatch": lambda a: a.handler(a),
          "submit": lambda a: a.handler(a),
+         "report": observe_cli.run, "runs": observe_cli.run,
          }[args.command](args)
     except Interrupted as e:
         if TOKEN_ENV not in os.environ:  # a rank of our launcher: the launcher says it once

@@ -39,8 +39,9 @@ class RankTimes:
 class StragglerDetector:
     """Counts, per rank, the windows in a row it ran slower than the median rank."""
 
-    def __init__(self, hosts: list[str], threshold: float, windows: int):
+    def __init__(self, hosts: list[str], threshold: float, windows: int, *, quiet: bool = False):
         self.hosts = hosts
+        self.quiet = quiet  # judging a finished run (the report): no log lines
         self.threshold = threshold
         self.windows = windows
         self._streak = [0] * len(hosts)
@@ -66,15 +67,18 @@ class StragglerDetector:
                                    "straggler_host": host, "own_time_s": t.own,
                                    "median_own_time_s": median_own, "slower_by": excess,
                                    "windows": self._streak[rank]})
-                    log.warning("straggler: rank %d on %s is slower than the median rank by "
-                                "%.0f%% of a step (own time %.3f s vs %.3f s per step) for %d "
-                                "windows", rank, host, 100 * excess, t.own, median_own,
-                                self._streak[rank])
+                    if not self.quiet:
+                        log.warning("straggler: rank %d on %s is slower than the median rank by "
+                                    "%.0f%% of a step (own time %.3f s vs %.3f s per step) for "
+                                    "%d windows", rank, host, 100 * excess, t.own, median_own,
+                                    self._streak[rank])
             else:
                 if self._named[rank]:
                     events.append({"event": "straggler_recovered", "step": step,
                                    "straggler_rank": rank, "straggler_host": host})
-                    log.info("straggler: rank %d on %s is back within the threshold", rank, host)
+                    if not self.quiet:
+                        log.info("straggler: rank %d on %s is back within the threshold", rank,
+                                 host)
                 self._streak[rank] = 0
                 self._named[rank] = False
         return events

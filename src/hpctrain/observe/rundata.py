@@ -1,0 +1,207 @@
+"""Everything one run directory says about its run, read once for ``report`` and ``runs``.
+
+Reads (all optional except that the folder must look like a run): ``config/config.yaml``,
+``provenance/provenance.json``, ``exit_info.json``, ``goodput.json`` (observe/goodput.py),
+``metrics/rank-*.jsonl``, ``logs/rank-000.log`` (preemption lines), ``forensics/fr-rank-*.json``
+(runtime/watchdog.py), ``profiles/`` and ``run.lock``. A file that is missing or unreadable
+leaves its part empty; nothing here raises for a damaged run except a folder that is no run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hpctrain.errors import HpctrainError
+from hpctrain.observe.metrics import read_metrics
+from hpctrain.runtime.runlock import LOCK_NAME, JobAttempt, stale_reason
+from hpctrain.runtime.watchdog import read_flight_records, unjoined_collective
+
+GOODPUT_FILE = "goodput.json"
+GOODPUT_PARTS = ("startup", "checkpoint", "data_wait", "validation", "lost_work",
+                 "restart_gap", "hang")
+# "2026-11-26 10:32:05,759 [rank 0/2 host] WARNING hpctrain.train: preemption (SIGUSR2): ..."
+_LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \[[^\]]*\] (\w+) [\w.]+: (.*)$")
+_PREEMPTION = re.compile(r"preemption \((.*?)\): checkpointing at step (\d+)")
+
+
+class NotARunError(HpctrainError):
+    """A path given as a run directory is not one."""
+
+
+@dataclass
+class RunData:
+    """One run directory, parsed."""
+
+    root: Path
+    config: dict[str, Any] | None = None
+    provenance: dict[str, Any] | None = None
+    exit_info: dict[str, Any] | None = None
+    goodput: dict[str, Any] | None = None
+    ranks: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    log_events: list[dict[str, Any]] = field(default_factory=list)
+    flight_records: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    lock: dict[str, Any] | None = None
+    lock_age_s: float | None = None
+
+    @property
+    def name(self) -> str:
+        """The run's folder name."""
+        return self.root.name
+
+    def train_records(self, rank: int = 0) -> list[dict[str, Any]]:
+        """The training-window records of ``rank`` (no events, no validation)."""
+        return [r for r in self.ranks.get(rank, [])
+                if "event" not in r and "loss" in r and "val_loss" not in r]
+
+    def val_records(self) -> list[dict[str, Any]]:
+        """Validation records (rank 0)."""
+        return [r for r in self.ranks.get(0, []) if "val_loss" in r]
+
+    def events(self, kind: str | None = None, rank: int | None = 0) -> list[dict[str, Any]]:
+        """Event records of ``rank`` (all ranks when None), of one ``kind`` if given."""
+        ranks = self.ranks.values() if rank is None else [self.ranks.get(rank, [])]
+        return [r for records in ranks for r in records
+                if "event" in r and (kind is None or r["event"] == kind)]
+
+    def hosts(self) -> dict[int, str]:
+        """Host of each rank, from its metrics."""
+        hosts = {}
+        for rank, records in self.ranks.items():
+            for r in records:
+                if isinstance(r.get("host"), str):
+                    hosts[rank] = r["host"]
+                    break
+        return hosts
+
+    def start_ts(self) -> float | None:
+        """Wall time of the first record of the run (any rank)."""
+        stamps = [r["ts"] for records in self.ranks.values() for r in records[:1]
+                  if isinstance(r.get("ts"), int | float)]
+        return min(stamps) if stamps else None
+
+    def collective(self) -> dict[str, Any] | None:
+        """The collective that some ranks did not join in the last hang, if recorded."""
+        extra = (self.exit_info or {}).get("extra") or {}
+        if isinstance(extra.get("collective"), dict):
+            return extra["collective"]
+        if self.flight_records:
+            world = max(len(self.ranks), max(self.flight_records) + 1)
+            return unjoined_collective(self.flight_records, world)
+        return None
+
+    def lock_alive(self) -> bool:
+        """Whether ``run.lock`` is held: a fresh heartbeat, or a live process on this host."""
+        if self.lock_age_s is None:
+            return False
+        return stale_reason(self.lock or None, self.lock_age_s, JobAttempt(None, (0, 0))) is None
+
+
+def _json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether ``path`` looks like a run directory (metrics, config or exit info in it)."""
+    return path.is_dir() and any((path / p).exists()
+                                 for p in ("metrics", "config/config.yaml", "exit_info.json"))
+
+
+def load_run(path: Path, *, metrics: bool = True) -> RunData:
+    """Read a run directory (``metrics=False``: leave the per-rank metrics unread)."""
+    root = Path(path)
+    if not is_run_dir(root):
+        raise NotARunError(f"{root} is not a run directory",
+                           expected="a folder with metrics/, config/config.yaml or "
+                           "exit_info.json (what `hpctrain train` writes under run.out_dir)",
+                           hint="pass runs/<name>; `hpctrain runs runs/` lists them")
+    run = RunData(root=root)
+    try:
+        config = yaml.safe_load((root / "config" / "config.yaml").read_text(encoding="utf-8"))
+        run.config = config if isinstance(config, dict) else None
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        pass
+    run.provenance = _json(root / "provenance" / "provenance.json")
+    run.exit_info = _json(root / "exit_info.json")
+    run.goodput = _json(root / GOODPUT_FILE)
+    if metrics:
+        for file in sorted((root / "metrics").glob("rank-*.jsonl")):
+            try:
+                rank = int(file.stem.split("-")[1])
+                run.ranks[rank] = read_metrics(file)
+            except (ValueError, IndexError, OSError, UnicodeDecodeError):
+                continue
+        run.log_events = _log_events(root / "logs" / "rank-000.log")
+        run.flight_records = read_flight_records(root)
+    lock = root / LOCK_NAME
+    try:
+        run.lock_age_s = max(0.0, time.time() - lock.stat().st_mtime)
+        run.lock = _json(lock) or {}
+    except OSError:
+        pass
+    return run
+
+
+def last_train_record(root: Path) -> dict[str, Any] | None:
+    """Rank 0's newest training record, read from the end of its file (files grow large)."""
+    path = Path(root) / "metrics" / "rank-000.jsonl"
+    try:
+        with path.open("rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - 256 * 1024))
+            tail = f.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(tail):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "loss" in record and "event" not in record:
+            return record
+    return None
+
+
+def _log_events(path: Path) -> list[dict[str, Any]]:
+    """Preemptions as the rank-0 log tells them (exit_info keeps only the last one)."""
+    events = []
+    try:
+        with path.open(encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if "preemption (" not in line:
+                    continue
+                m = _LOG_LINE.match(line.rstrip("\n"))
+                p = _PREEMPTION.search(line)
+                if m is None or p is None:
+                    continue
+                ts = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
+                events.append({"event": "preemption", "ts": ts + int(m.group(2)) / 1000,
+                               "signal": p.group(1), "step": int(p.group(2))})
+    except OSError:
+        pass
+    return events
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (for the config difference between runs)."""
+    if not isinstance(tree, dict):
+        return {prefix.rstrip("."): tree} if prefix else {}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
