@@ -16,6 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from hpctrain.bench import cli as bench_cli
 from hpctrain.data.cli import add_parser as add_data_parser
 from hpctrain.errors import HpctrainError
+from hpctrain.launch import pipeline as pipeline_cli
 from hpctrain.launch import sbatch as sbatch_cli
 from hpctrain.launch import submit as submit_cli
 from hpctrain.observe import cli as observe_cli
@@ -69,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
 
     sbatch_cli.add_parser(sub)
     submit_cli.add_parser(sub)
+    pipeline_cli.add_parser(sub)
 
     c = sub.add_parser("config", help="print the resolved config (defaults + file + overrides)")
     c.add_argument("config", type=Path)
@@ -118,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
          "bench": bench_cli.run, "plan": plan_cli.run,
          "sbatch": lambda a: a.handler(a),
          "submit": lambda a: a.handler(a),
+         "pipeline": lambda a: a.handler(a),
          "report": observe_cli.run, "runs": observe_cli.run,
          }[args.command](args)
     except Interrupted as e:

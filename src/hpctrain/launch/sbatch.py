@@ -84,6 +84,11 @@ class SbatchParams:
     array: str | None = None
     # sbatch --dependency, e.g. afterok:123:124 (the job waits for both to succeed).
     dependency: str | None = None
+    # Another program than `python -m hpctrain train CONFIG OVERRIDES` (pipeline stages): one
+    # srun step, without the preemption protocol (no --signal, --requeue or exit-75 handling).
+    command: list[str] | None = None
+    # Commands run by the batch shell after the program exited 0 (a pipeline's done-marker).
+    after_success: list[list[str]] = field(default_factory=list)
     # Relative to workdir unless absolute.
     log_dir: str = "runs/slurm-logs"
 
@@ -218,6 +223,7 @@ def create_log_dir(p: SbatchParams) -> Path:
 def render_sbatch(p: SbatchParams) -> str:
     """The batch script text (deterministic: pinned by a golden file in the tests)."""
     p.validate()
+    train = p.command is None
     out_pattern = "%A_%a" if p.array else "%j"
     lines = [
         "#!/bin/bash",
@@ -228,10 +234,10 @@ def render_sbatch(p: SbatchParams) -> str:
     ]
     if p.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={p.gpus_per_node}")
+    lines.append(f"#SBATCH --time={p.time}")
+    if train:
+        lines += [f"#SBATCH --signal={p.signal}@{p.signal_lead_s}", "#SBATCH --requeue"]
     lines += [
-        f"#SBATCH --time={p.time}",
-        f"#SBATCH --signal={p.signal}@{p.signal_lead_s}",
-        "#SBATCH --requeue",
         "#SBATCH --open-mode=append",
         f"#SBATCH --output={p.log_path}/{p.job_name}-{out_pattern}.out",
     ]
@@ -243,9 +249,8 @@ def render_sbatch(p: SbatchParams) -> str:
         lines.append(f"#SBATCH --array={p.array}")
     if p.dependency:
         lines += [f"#SBATCH --dependency={p.dependency}", "#SBATCH --kill-on-invalid-dep=yes"]
-    cmd = " ".join(shlex.quote(a) for a in [p.python, "-m", "hpctrain", "train", p.config,
-                                             *p.overrides])
-    log_prefix = shlex.quote(f"{p.log_path}/{p.job_name}-")
+    program = ([p.python, "-m", "hpctrain", "train", p.config, *p.overrides] if train
+               else p.command)
     lines += [
         "",
         "# Slurm opens --output before this script starts and never creates its folder:",
@@ -259,25 +264,36 @@ def render_sbatch(p: SbatchParams) -> str:
         '${SLURM_JOB_NODELIST}"',
         "",
         "# One task per GPU, numbered node by node (block): tensor-parallel groups stay in a node.",
-        f"srun --kill-on-bad-exit=1 --distribution=block {cmd}",
+        f"srun --kill-on-bad-exit=1 --distribution=block {_quote(program)}",
         "rc=$?",
-        f"if [ \"$rc\" -eq {PREEMPTED} ]; then",
-        "    # Preempted with a committed checkpoint. Rank 0 requeues itself when it can reach",
-        "    # scontrol; inside a container it cannot, and asks for it in this log.",
-        '    target="${SLURM_JOB_ID}"',
-        '    if [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then',
-        '        target="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"',
-        "    fi",
-        f'    log={log_prefix}"${{target}}.out"',
-        '    marker="HPCTRAIN_REQUEUE_BY_SCRIPT restart=${SLURM_RESTART_COUNT:-0} "',
-        '    if grep -qs "$marker" "$log"; then',
-        '        scontrol requeue "${target}"',
-        "    fi",
-        "fi",
-        'exit "$rc"',
-        "",
     ]
+    if train:
+        log_prefix = shlex.quote(f"{p.log_path}/{p.job_name}-")
+        lines += [
+            f"if [ \"$rc\" -eq {PREEMPTED} ]; then",
+            "    # Preempted with a committed checkpoint. Rank 0 requeues itself when it can reach",
+            "    # scontrol; inside a container it cannot, and asks for it in this log.",
+            '    target="${SLURM_JOB_ID}"',
+            '    if [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then',
+            '        target="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"',
+            "    fi",
+            f'    log={log_prefix}"${{target}}.out"',
+            '    marker="HPCTRAIN_REQUEUE_BY_SCRIPT restart=${SLURM_RESTART_COUNT:-0} "',
+            '    if grep -qs "$marker" "$log"; then',
+            '        scontrol requeue "${target}"',
+            "    fi",
+            "fi",
+        ]
+    if p.after_success:
+        lines.append('if [ "$rc" -eq 0 ]; then')
+        lines += [f"    {_quote(argv)} || rc=$?" for argv in p.after_success]
+        lines.append("fi")
+    lines += ['exit "$rc"', ""]
     return "\n".join(lines)
+
+
+def _quote(argv: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in argv)
 
 
 # -- the command line (shared by `hpctrain sbatch` and `hpctrain submit`) -------------------------

@@ -121,15 +121,13 @@ def write_script(text: str, folder: Path, job_name: str) -> Path:
     return Path(name)
 
 
-def submit_job(params: SbatchParams, cfg: JobConfig, *, sbatch: str = "sbatch") -> Submitted:
-    """Create the log and output folders, submit the script, keep it beside its log."""
+def submit_script(params: SbatchParams, *, sbatch: str = "sbatch") -> tuple[str, Path]:
+    """Render and submit the script from its log folder; (job id, the kept script)."""
     text = render_sbatch(params)
-    workdir = Path(params.workdir)
     logs = create_log_dir(params)
-    (workdir / cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
     pending = write_script(text, logs, params.job_name)
     try:
-        job_id = sbatch_submit(pending, workdir, sbatch)
+        job_id = sbatch_submit(pending, Path(params.workdir), sbatch)
     except SubmitError as e:
         kept = logs / f"{params.job_name}-unsubmitted-{time.strftime('%Y%m%d-%H%M%S')}.sh"
         os.replace(pending, kept)
@@ -138,6 +136,14 @@ def submit_job(params: SbatchParams, cfg: JobConfig, *, sbatch: str = "sbatch") 
     # sbatch has read the script: the name of the kept copy can now carry the job id.
     script = logs / f"{params.job_name}-{job_id}.sh"
     os.replace(pending, script)
+    return job_id, script
+
+
+def submit_job(params: SbatchParams, cfg: JobConfig, *, sbatch: str = "sbatch") -> Submitted:
+    """Create the run's output folder, submit the training script, say where it will write."""
+    workdir = Path(params.workdir)
+    (workdir / cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
+    job_id, script = submit_script(params, sbatch=sbatch)
     return Submitted(job_id, script, log_path(params, job_id),
                      run_dirs(cfg, workdir, job_id, params.array))
 
