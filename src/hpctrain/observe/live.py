@@ -57,8 +57,13 @@ class ForwardTimer:
         event.record()
         return event
 
+    @staticmethod
+    def _training(module: torch.nn.Module) -> bool:
+        # Validation runs under no_grad (in train mode): not training time.
+        return module.training and torch.is_grad_enabled()
+
     def _before(self, module: torch.nn.Module, args: Any) -> None:
-        if not module.training:  # validation passes are not training time
+        if not self._training(module):
             return
         if self.cuda:
             self._open = self._event()
@@ -69,7 +74,7 @@ class ForwardTimer:
             time.sleep(float(slow.get("seconds", 0.5)))
 
     def _after(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not module.training:
+        if not self._training(module):
             return
         if self.cuda and self._open is not None:
             self._pairs.append((self._open, self._event()))
