@@ -32,6 +32,9 @@ CASES = {
     ("data", "train-tokenizer"): (
         ["data", "train-tokenizer", "--vocab", "300", "x.txt", "--out", "t.json", "y.txt"],
         {"inputs": ["x.txt", "y.txt"], "vocab": 300, "out": Path("t.json")}),
+    ("report",): (
+        ["report", "runs/a", "-o", "r.html", "runs/b"],
+        {"runs": [Path("runs/a"), Path("runs/b")], "output": Path("r.html")}),
 }
 
 
