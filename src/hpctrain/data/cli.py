@@ -2,6 +2,7 @@
 
     hpctrain data prepare corpus/ more/*.jsonl.zst --out data/corpus --workers 8
     hpctrain data prepare --stdlib --out runs/data/stdlib
+    hpctrain data prepare chats.jsonl --format chat --tokenizer /models/Llama-3.2-1B --out data/chat
     hpctrain data prepare corpus/ --out data/corpus --task-count 16   # in a Slurm array task
     hpctrain data merge data/corpus                                   # after all 16 finished
     hpctrain data pack images/ --out data/images --shard-mb 256
@@ -16,6 +17,7 @@ import os
 import time
 from pathlib import Path
 
+from hpctrain.data.chat import FORMATS
 from hpctrain.errors import ConfigError
 
 FOLLOW_HELP = ("also read symbolic links that lead out of the inputs (by default they are "
@@ -37,10 +39,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stdlib", action="store_true",
                    help="add this Python's standard-library .py files (the demo corpus)")
     p.add_argument("--tokenizer", default="bytes",
-                   help="'bytes' (byte-level, vocab 257) or a HuggingFace tokenizer.json path")
+                   help="'bytes' (byte-level, vocab 257), a HuggingFace tokenizer.json, or a "
+                   "model folder holding one (its tokenizer_config.json gives the EOS token "
+                   "and the chat template)")
     p.add_argument("--eos-token", default=None, help="EOS token of a tokenizer.json")
     p.add_argument("--text-field", default="text",
                    help="JSON field / Parquet column holding the text (default: text)")
+    p.add_argument("--format", default="text", choices=FORMATS,
+                   help="text: documents; chat ({messages: [{role, content}, ...]}) or "
+                   "prompt-response ({prompt, response}): fine-tuning examples, with a loss "
+                   "mask so only the responses are trained")
+    p.add_argument("--messages-field", default="messages", help="--format chat: the field")
+    p.add_argument("--prompt-field", default="prompt", help="--format prompt-response")
+    p.add_argument("--response-field", default="response", help="--format prompt-response")
+    p.add_argument("--system-field", default="system",
+                   help="--format prompt-response: an optional system prompt field")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--shard-tokens", type=int, default=0, help="tokens per shard")
     size.add_argument("--shard-mb", type=float, default=256.0,
@@ -92,6 +105,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> None:
+    from hpctrain.data.chat import ExampleFields
     from hpctrain.data.prepare import PrepareSettings, default_workers, prepare
     from hpctrain.data.shards import load_manifest
     from hpctrain.data.stdlib_corpus import stdlib_files
@@ -102,8 +116,9 @@ def _prepare(args: argparse.Namespace) -> None:
     if not inputs:
         raise ConfigError("no inputs: name files, directories or globs, or pass --stdlib",
                           hint="hpctrain data prepare corpus/*.jsonl --out data/corpus")
-    spec = (TokenizerSpec() if args.tokenizer == "bytes"
-            else TokenizerSpec("hf", args.tokenizer, args.eos_token))
+    tokenizer = args.tokenizer.removeprefix("hf:")
+    spec = (TokenizerSpec() if tokenizer == "bytes"
+            else TokenizerSpec("hf", tokenizer, args.eos_token))
     shard_tokens = args.shard_tokens
     if shard_tokens < 0 or args.shard_mb <= 0:
         raise ConfigError("--shard-tokens and --shard-mb must be positive")
@@ -114,7 +129,9 @@ def _prepare(args: argparse.Namespace) -> None:
     if workers < 1:
         raise ConfigError(f"--workers {workers} must be >= 1")
     t0 = time.perf_counter()
-    settings = PrepareSettings(spec, args.text_field, shard_tokens)
+    settings = PrepareSettings(spec, args.text_field, shard_tokens, args.format,
+                               ExampleFields(args.messages_field, args.prompt_field,
+                                             args.response_field, args.system_field))
     if args.task_count is not None or args.task_index is not None:
         from hpctrain.data.prepare import prepare_task
 
@@ -136,7 +153,9 @@ def _prepare(args: argparse.Namespace) -> None:
                    follow_symlinks=args.follow_symlinks)
     m = load_manifest(path.parent)
     m.verify()
-    print(f"{path.parent}: {len(m.shards)} shards, {m.num_tokens:,} tokens "
+    trained = (f", {sum(s['loss_tokens'] for s in m.shards):,} of them trained (responses)"
+               if m.has_masks else "")
+    print(f"{path.parent}: {len(m.shards)} shards, {m.num_tokens:,} tokens{trained} "
           f"({m.raw['dtype']}, vocab {m.vocab_size}), {sum(s['docs'] for s in m.shards):,} "
           f"documents, {time.perf_counter() - t0:.1f}s")
 

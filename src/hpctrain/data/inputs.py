@@ -29,7 +29,7 @@ import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from hpctrain.errors import DataError
 
@@ -309,7 +309,7 @@ def _glob(finder: _Finder, pattern: str, base_real: Path) -> list[_Found]:
 # -- reading documents -------------------------------------------------------------------------
 
 
-def _json_lines(stream: io.TextIOBase, path: Path, field: str) -> Iterator[str]:
+def _json_lines(stream: io.TextIOBase, path: Path, field: str | None) -> Iterator[Any]:
     first = True
     for lineno, line in enumerate(stream, 1):
         if first and line.lstrip().startswith("["):  # a JSON array of records, not JSON lines
@@ -322,17 +322,23 @@ def _json_lines(stream: io.TextIOBase, path: Path, field: str) -> Iterator[str]:
             record = json.loads(line)
         except ValueError as e:
             raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
+        if field is None:
+            yield record
+            continue
         if not isinstance(record, dict) or field not in record:
             raise DataError(f"{path}:{lineno}: record has no field {field!r}",
                             hint="name the text field with --text-field")
         yield record[field]
 
 
-def _json_array(text: str, path: Path, field: str) -> Iterator[str]:
+def _json_array(text: str, path: Path, field: str | None) -> Iterator[Any]:
     try:
         records = json.loads(text)
     except ValueError as e:
         raise DataError(f"{path}: not valid JSON ({e})") from None
+    if field is None:
+        yield from records
+        return
     for i, record in enumerate(records):
         if not isinstance(record, dict) or field not in record:
             raise DataError(f"{path}: record {i} has no field {field!r}",
@@ -349,8 +355,11 @@ def _optional(module: str, path: Path, package: str):
                         "'hpctrain[data]')") from None
 
 
-def read_documents(source: InputFile | Path, field: str = "text") -> Iterator[str | bytes]:
-    """The documents of one input file, in file order; unreadable input is a DataError."""
+def read_documents(source: InputFile | Path, field: str | None = "text") -> Iterator[Any]:
+    """The documents of one input file, in file order; unreadable input is a DataError.
+
+    ``field=None``: the whole records of a JSON or Parquet file (fine-tuning examples).
+    """
     f = source if isinstance(source, InputFile) else vet_file(Path(source))
     try:
         yield from _documents(f, field)
@@ -362,7 +371,7 @@ def read_documents(source: InputFile | Path, field: str = "text") -> Iterator[st
         raise DataError(f"cannot read input {str(f.path)!r}: {type(e).__name__}: {e}") from None
 
 
-def _documents(f: InputFile, field: str) -> Iterator[str | bytes]:
+def _documents(f: InputFile, field: str | None) -> Iterator[Any]:
     suf = suffix(f.path)
     with f.open() as raw:
         if suf in (".jsonl", ".jsonl.zst", ".json.gz", ".jsonl.gz"):
@@ -378,11 +387,18 @@ def _documents(f: InputFile, field: str) -> Iterator[str | bytes]:
         elif suf == ".parquet":
             pq = _optional("pyarrow.parquet", f.path, "pyarrow")
             pf = pq.ParquetFile(raw)
+            if field is None:
+                for batch in pf.iter_batches():
+                    yield from batch.to_pylist()
+                return
             if field not in pf.schema_arrow.names:
                 raise DataError(f"{f.path}: no column {field!r} (columns: "
                                 f"{', '.join(pf.schema_arrow.names)})",
                                 hint="name the text column with --text-field")
             for batch in pf.iter_batches(columns=[field]):
                 yield from (t for t in batch.column(0).to_pylist() if t is not None)
+        elif field is None:
+            raise DataError(f"{f.path}: fine-tuning examples are JSON records",
+                            expected="a .jsonl, .jsonl.zst, .json.gz or .parquet file")
         else:
             yield raw.read()

@@ -3,7 +3,10 @@
 A sample is a window of ``seq_len + 1`` tokens (`hpctrain.data.windows`); `build_dataset` makes
 the source that ``data.source`` names and holds its token ids against the model's vocabulary;
 `TokenLoader` prefetches each step's micro-batches; `ValidationSampler` splits a validation set
-exactly over the ranks.
+exactly over the ranks. Targets the loss must skip are ``IGNORE_INDEX``: the padding rows of an
+epoch's last step, and the prompt tokens of fine-tuning examples (shards with loss masks,
+`hpctrain.data.chat`): target ``j`` (token ``j + 1`` of the window) counts only where the mask of
+token ``j + 1`` is 1.
 """
 
 from __future__ import annotations
@@ -20,13 +23,20 @@ from hpctrain.data.order import BatchLayout, GlobalOrderSampler
 from hpctrain.data.shard_dataset import ShardTokens, Split, check_split_size
 from hpctrain.data.shards import check_token_ids, load_manifest
 from hpctrain.data.stdlib_corpus import read_stdlib_bytes
-from hpctrain.data.windows import ContiguousTokens, SliceWindows, TokenDataset, gather_windows
+from hpctrain.data.windows import (
+    ContiguousTokens,
+    SliceWindows,
+    TokenDataset,
+    gather_masks,
+    gather_windows,
+)
 from hpctrain.errors import ConfigError, DataError
 
 # Names other modules import from here (the loader's public face).
 __all__ = [
     "IGNORE_INDEX", "BatchLayout", "ContiguousTokens", "GlobalOrderSampler", "TokenDataset",
-    "TokenLoader", "ValidationSampler", "build_dataset", "gather_windows", "validation_batches",
+    "TokenLoader", "ValidationSampler", "build_dataset", "gather_masks", "gather_windows",
+    "validation_batches",
 ]
 
 # Target id that the loss skips (PyTorch's cross_entropy default): marks padding rows.
@@ -124,8 +134,8 @@ class TokenLoader:
         rows = []
         for ix, mask in zip(indices, masks, strict=True):
             t = torch.from_numpy(gather_windows(self.dataset, ix))
-            pad = None if mask.all() else torch.from_numpy(~mask)
-            rows.append((t.pin_memory() if self._pin else t, pad))
+            rows.append((t.pin_memory() if self._pin else t,
+                         ignored_targets(self.dataset, ix, mask)))
         return rows, valid
 
     def _worker(self) -> None:
@@ -156,11 +166,11 @@ class TokenLoader:
                 raise host
         rows, self.last_valid_samples = host
         out = []
-        for t, pad in rows:
+        for t, ignored in rows:
             t = t.to(self.device, non_blocking=True)
             targets = t[:, 1:]
-            if pad is not None:  # padding rows of an epoch's last step: no target counts
-                targets = targets.masked_fill(pad.to(self.device)[:, None], IGNORE_INDEX)
+            if ignored is not None:  # padding rows, prompt tokens: no such target counts
+                targets = targets.masked_fill(ignored.to(self.device), IGNORE_INDEX)
             out.append((t[:, :-1], targets))
         self.consumed += 1
         return out
@@ -182,6 +192,17 @@ class TokenLoader:
         if self._queue is not None:
             while not self._queue.empty():  # unblock a worker waiting on a full queue
                 self._queue.get_nowait()
+
+
+def ignored_targets(dataset: TokenDataset, indices: np.ndarray, real: np.ndarray
+                    ) -> torch.Tensor | None:
+    """``[rows, seq_len]`` bool, true where a target must not count: every target of a padding
+    row (``real`` false) and those the loss mask leaves out; None when every target counts."""
+    loss = gather_masks(dataset, indices)
+    if loss is None:
+        return None if real.all() else torch.from_numpy(~real)[:, None].expand(
+            -1, dataset.seq_len).contiguous()
+    return torch.from_numpy(~loss[:, 1:] | ~real[:, None])
 
 
 class ValidationSampler:
@@ -218,7 +239,13 @@ class ValidationSampler:
 
 
 def validation_batches(dataset: TokenDataset, sampler: ValidationSampler, device: torch.device):
-    """Yields (inputs, targets, mask) on ``device``; ``mask[b]`` is False for padding rows."""
+    """Yields (inputs, targets, mask) on ``device``; ``mask[b]`` is False for padding rows, and
+    targets a loss mask leaves out are ``IGNORE_INDEX``."""
     for indices, mask in sampler:
         t = torch.from_numpy(gather_windows(dataset, indices)).to(device, non_blocking=True)
-        yield t[:, :-1], t[:, 1:], torch.from_numpy(mask).to(device, non_blocking=True)
+        targets = t[:, 1:]
+        loss = gather_masks(dataset, indices)
+        if loss is not None:
+            targets = targets.masked_fill(torch.from_numpy(~loss[:, 1:]).to(device),
+                                          IGNORE_INDEX)
+        yield t[:, :-1], targets, torch.from_numpy(mask).to(device, non_blocking=True)

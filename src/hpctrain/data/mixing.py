@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from hpctrain.data.order import BatchLayout, GlobalOrderSampler
-from hpctrain.data.windows import gather_windows
+from hpctrain.data.windows import gather_masks, gather_windows
 from hpctrain.errors import ConfigError
 
 # Positions per mixing block; must be >= (number of sources)^2 for the counts to be monotone.
@@ -81,6 +81,8 @@ class MixedTokens:
         self._orders: list = []
         self._seed: int | None = None
         self._block_cache: tuple[int, int, np.ndarray, np.ndarray] | None = None
+        # Masks if any source has them; the samples of a source without count every target.
+        self.has_loss_mask = any(getattr(s, "has_loss_mask", False) for s in self.sources)
 
     def __len__(self) -> int:
         return self.epoch_samples if self.weighted else int(self.offsets[-1])
@@ -101,6 +103,18 @@ class MixedTokens:
         for k in np.unique(src).tolist():
             rows = np.flatnonzero(src == k)
             out[rows] = gather_windows(self.sources[k], indices[rows] - self.offsets[k])
+        return out
+
+    def mask_windows(self, indices: np.ndarray) -> np.ndarray:
+        """Loss masks of samples ``indices``, all true for a source without masks."""
+        indices = np.asarray(indices, dtype=np.int64)
+        out = np.ones((len(indices), self.seq_len + 1), dtype=bool)
+        src = np.searchsorted(self.offsets, indices, side="right") - 1
+        for k in np.unique(src).tolist():
+            rows = np.flatnonzero(src == k)
+            masks = gather_masks(self.sources[k], indices[rows] - self.offsets[k])
+            if masks is not None:
+                out[rows] = masks
         return out
 
     # -- the order ------------------------------------------------------------------------------

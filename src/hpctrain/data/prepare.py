@@ -12,10 +12,17 @@ workers.
 Resume: after each shard, ``manifest.partial.json`` lists the finished shards and the input
 files they cover; a rerun with the same inputs and settings keeps those shards and skips the
 files they contain. ``manifest.json`` is written last and marks the directory as complete.
+
+Fine-tuning data (``--format chat`` or ``prompt-response``, JSON records): each example becomes
+one document with a loss mask (`hpctrain.data.chat`), written beside each shard (manifest
+version 2, `hpctrain.data.shards`):
+
+    hpctrain data prepare chats.jsonl --format chat --tokenizer /models/Llama-3.2-1B --out data/chat
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
@@ -28,11 +35,13 @@ from pathlib import Path
 
 import numpy as np
 
+from hpctrain.data.chat import FORMATS, ExampleEncoder, ExampleFields, load_template
 from hpctrain.data.inputs import InputFile, expand_inputs, read_documents
 from hpctrain.data.shards import (
     DTYPES,
     FORMAT_VERSION,
     MANIFEST,
+    MASK_VERSION,
     PARTIAL_MANIFEST,
     atomic_write_json,
     dtype_name,
@@ -54,24 +63,39 @@ class PrepareSettings:
     tokenizer: TokenizerSpec
     text_field: str = "text"
     shard_tokens: int = 0  # 0: DEFAULT_SHARD_BYTES worth of tokens
+    # "text": documents; "chat" / "prompt-response": fine-tuning examples with loss masks.
+    format: str = "text"
+    fields: ExampleFields = ExampleFields()
 
 
 # -- tokenizing (worker side) ------------------------------------------------------------------
 
 _worker_tok = None
+_worker_examples: ExampleEncoder | None = None
 
 
-def _init_worker(spec: TokenizerSpec) -> None:
-    global _worker_tok
-    _worker_tok = load_tokenizer(spec)
+def _init_worker(settings: PrepareSettings) -> None:
+    global _worker_tok, _worker_examples
+    _worker_tok = load_tokenizer(settings.tokenizer)
+    _worker_examples = None
+    if settings.format != "text":
+        template = load_template(_worker_tok, settings.tokenizer.path)
+        _worker_examples = ExampleEncoder(_worker_tok, settings.format, settings.fields,
+                                          template)
 
 
-def tokenize_file(job: tuple[InputFile, str, int]) -> tuple[np.ndarray, np.ndarray] | DataError:
-    """(tokens with EOS after each document, document start offsets) of one file."""
+Tokenized = tuple[np.ndarray, np.ndarray, np.ndarray | None]
+
+
+def tokenize_file(job: tuple[InputFile, str, int]) -> Tokenized | DataError:
+    """(tokens with EOS after each document, document start offsets, loss mask or None for
+    plain text) of one file."""
     file, field, skip = job
     path = str(file.path)
     tok = _worker_tok
     dtype = token_dtype(tok.vocab_size)
+    if _worker_examples is not None:
+        return _tokenize_examples(file, skip, dtype)
     eos = np.array([tok.eos_id], dtype=dtype)
     parts, lengths = [], []
     try:
@@ -98,7 +122,35 @@ def tokenize_file(job: tuple[InputFile, str, int]) -> tuple[np.ndarray, np.ndarr
     if skip:  # resume: drop what finished shards already hold
         tokens = tokens[skip:]
         starts = starts[starts >= skip] - skip
-    return tokens, starts
+    return tokens, starts, None
+
+
+def _tokenize_examples(file: InputFile, skip: int, dtype: np.dtype) -> Tokenized | DataError:
+    """`tokenize_file` for fine-tuning examples: one document and its mask per record."""
+    path = str(file.path)
+    tok, encoder = _worker_tok, _worker_examples
+    parts, masks, lengths = [], [], []
+    try:
+        for i, record in enumerate(read_documents(file, None)):
+            ids, mask = encoder.encode(record, f"{path}, record {i + 1}")
+            if int(ids.max()) >= tok.vocab_size:
+                raise DataError(f"{path}, record {i + 1}: the tokenizer produced id "
+                                f"{int(ids.max())}, outside its vocabulary of {tok.vocab_size}",
+                                hint="check the tokenizer.json")
+            parts.append(ids.astype(dtype))
+            masks.append(mask)
+            lengths.append(len(ids))
+    except DataError as e:
+        return e
+    except Exception as e:  # noqa: BLE001 - tokenizer errors: report the file, not a traceback
+        return DataError(f"cannot read input {path!r}: {type(e).__name__}: {e}")
+    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+    mask = np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8)
+    starts = np.cumsum([0, *lengths[:-1]], dtype=np.int64) if lengths else np.zeros(0, np.int64)
+    if skip:
+        tokens, mask = tokens[skip:], mask[skip:]
+        starts = starts[starts >= skip] - skip
+    return tokens, starts, mask
 
 
 # -- writing (main process) --------------------------------------------------------------------
@@ -114,6 +166,7 @@ class _ShardWriter:
         self.on_shard = on_shard
         self.buf: list[np.ndarray] = []
         self.starts: list[np.ndarray] = []
+        self.masks: list[np.ndarray] = []
         self.n = 0
 
     @property
@@ -121,12 +174,14 @@ class _ShardWriter:
         """Tokens in finished shards."""
         return sum(s["tokens"] for s in self.shards)
 
-    def add(self, tokens: np.ndarray, starts: np.ndarray) -> None:
+    def add(self, tokens: np.ndarray, starts: np.ndarray, mask: np.ndarray | None = None) -> None:
         pos = 0
         while pos < len(tokens):
             take = min(self.shard_tokens - self.n, len(tokens) - pos)
             sel = starts[(starts >= pos) & (starts < pos + take)]
             self.buf.append(tokens[pos : pos + take])
+            if mask is not None:
+                self.masks.append(mask[pos : pos + take])
             self.starts.append(sel - pos + self.n)
             self.n += take
             pos += take
@@ -138,8 +193,9 @@ class _ShardWriter:
             return
         tokens = np.concatenate(self.buf).astype(self.dtype, copy=False)
         starts = np.concatenate(self.starts) if self.starts else np.zeros(0, np.int64)
-        self.shards.append(write_shard(self.out, len(self.shards), tokens, starts))
-        self.buf, self.starts, self.n = [], [], 0
+        mask = np.concatenate(self.masks) if self.masks else None
+        self.shards.append(write_shard(self.out, len(self.shards), tokens, starts, mask))
+        self.buf, self.starts, self.masks, self.n = [], [], [], 0
         self.on_shard()
 
 
@@ -212,15 +268,15 @@ def prepare(inputs: list[str] | list[Path], out: str | Path, settings: PrepareSe
     writer = _ShardWriter(out, shard_tokens, dtype, shards, checkpoint)
     jobs = [(f, settings.text_field, skip_first if i == done_files else 0)
             for i, f in enumerate(files)][done_files:]
-    with _map(workers, settings.tokenizer, jobs) as results, \
+    with _map(workers, settings, jobs) as results, \
             _Progress(progress, sum(r["bytes"] for r in records[done_files:])) as bar:
         for i, result in enumerate(results, start=done_files):
             if isinstance(result, DataError):
                 raise result
-            tokens, starts = result
+            tokens, starts, mask = result
             # Record the file's full token count before its tokens may complete a shard.
             file_tokens.append(len(tokens) + (skip_first if i == done_files else 0))
-            writer.add(tokens, starts)
+            writer.add(tokens, starts, mask)
             bar.advance(records[i]["bytes"])
     writer.flush()
     if not shards or sum(s["tokens"] for s in shards) == 0:
@@ -244,6 +300,16 @@ def _job_head(settings: PrepareSettings) -> tuple[dict, np.dtype, int]:
         "tokenizer": {"name": tok.name, "hash": tok.hash, **asdict(settings.tokenizer)},
         "text_field": settings.text_field, "shard_tokens": int(shard_tokens),
     }
+    if settings.format not in FORMATS:
+        raise DataError(f"--format {settings.format!r} is not one of {', '.join(FORMATS)}")
+    if settings.format != "text":
+        # Plain text keeps writing version 1 (its output bytes unchanged); examples carry masks.
+        template = load_template(tok, settings.tokenizer.path)
+        head.update(version=MASK_VERSION, example_format={
+            "format": settings.format, **asdict(settings.fields),
+            "chat_template": (None if template is None else "sha256:" + hashlib.sha256(
+                template.source.encode()).hexdigest())})
+        del head["text_field"]
     return head, dtype, shard_tokens
 
 
@@ -277,6 +343,9 @@ def prepare_task(inputs: list[str] | list[Path], out: str | Path, settings: Prep
     starts; `merge` concatenates the parts in task order and cuts the shards, so the result is
     byte-identical to one `prepare` over all inputs. A finished part is kept on a rerun.
     """
+    if settings.format != "text":
+        raise DataError(f"--format {settings.format} is not supported in array mode",
+                        hint="prepare fine-tuning examples in one task (drop --task-count)")
     files = expand_inputs([str(i) for i in inputs], follow_symlinks=follow_symlinks)
     records = [_input_record(f) for f in files]
     head, dtype, _ = _job_head(settings)
@@ -294,12 +363,12 @@ def prepare_task(inputs: list[str] | list[Path], out: str | Path, settings: Prep
     n_tok = n_docs = 0
     jobs = [(f, settings.text_field, 0) for f in files[lo:hi]]
     with open(tok_tmp, "wb") as ft, open(starts_tmp, "wb") as fs, \
-            _map(workers, settings.tokenizer, jobs) as results, \
+            _map(workers, settings, jobs) as results, \
             _Progress(progress, sum(r["bytes"] for r in records[lo:hi])) as bar:
         for i, result in enumerate(results, start=lo):
             if isinstance(result, DataError):
                 raise result
-            tokens, starts = result
+            tokens, starts, _ = result
             ft.write(np.ascontiguousarray(tokens, dtype=dtype.newbyteorder("<")).tobytes())
             fs.write(np.ascontiguousarray(starts + n_tok, dtype="<u8").tobytes())
             n_tok += len(tokens)
@@ -376,20 +445,21 @@ def _same_job(manifest: dict, head: dict, records: list[dict]) -> bool:
 class _map:
     """Ordered results of `tokenize_file` over ``jobs``: inline for 1 worker, else a pool."""
 
-    def __init__(self, workers: int, spec: TokenizerSpec, jobs: list):
-        self.workers, self.spec, self.jobs = workers, spec, jobs
+    def __init__(self, workers: int, settings: PrepareSettings, jobs: list):
+        self.workers, self.settings, self.jobs = workers, settings, jobs
         self.pool = None
 
     def __enter__(self):
         if self.workers <= 1:
-            _init_worker(self.spec)
+            _init_worker(self.settings)
             return map(tokenize_file, self.jobs)
         # fork while this process has a single thread (the CLI: no torch work has run, the
         # progress bar starts after the pool): workers start at once, without re-importing the
         # `hpctrain` entry point (and torch) as spawn would. With other threads, spawn is safe.
         single = threading.active_count() == 1 and sys.platform == "linux"
         ctx = multiprocessing.get_context("fork" if single else "spawn")
-        self.pool = ctx.Pool(self.workers, initializer=_init_worker, initargs=(self.spec,))
+        self.pool = ctx.Pool(self.workers, initializer=_init_worker,
+                             initargs=(self.settings,))
         # imap keeps input order; a small chunk keeps memory bounded to a few files per worker.
         return self.pool.imap(tokenize_file, self.jobs, chunksize=1)
 

@@ -8,6 +8,9 @@ function of (manifest, seq_len, val_fraction).
 
     ds = ShardTokens(load_manifest("runs/data/stdlib"), seq_len=256)
     ds.window(0)            # np.ndarray of 257 tokens
+
+Shards prepared from fine-tuning examples carry loss masks: ``has_loss_mask`` is then true and
+``mask_windows`` gives the masks of the same windows (1 where the token counts as a target).
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class ShardTokens:
         self.shard_sample_counts = counts
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._maps: list[np.ndarray | None] = [None] * len(counts)
+        self.has_loss_mask = manifest.has_masks
+        self._masks: list[np.ndarray | None] = [None] * len(counts)
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -89,6 +94,18 @@ class ShardTokens:
         for row, (s, a) in enumerate(zip(shard.tolist(), start.tolist(), strict=True)):
             out[row] = self._shard(s)[a : a + width]
         self._check_ids(out, shard)
+        return out
+
+    def mask_windows(self, indices: np.ndarray) -> np.ndarray:
+        """The loss masks of samples ``indices``, ``[len(indices), seq_len + 1]`` bool."""
+        shard, start = self.locate(indices)
+        width = self.seq_len + 1
+        out = np.empty((len(shard), width), dtype=bool)
+        for row, (s, a) in enumerate(zip(shard.tolist(), start.tolist(), strict=True)):
+            mm = self._masks[s]
+            if mm is None:
+                mm = self._masks[s] = np.asarray(self.manifest.mask(s)).view(np.ndarray)
+            out[row] = mm[a : a + width]
         return out
 
     def _check_ids(self, rows: np.ndarray, shard: np.ndarray) -> None:

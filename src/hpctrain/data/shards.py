@@ -6,6 +6,9 @@
     DIR/shard-000000.bin      4096-byte header, then little-endian uint16 or uint32 tokens
     DIR/shard-000000.idx      little-endian uint64 start offsets (in tokens, within the shard)
                               of the documents that begin in this shard
+    DIR/shard-000000.mask     (manifest version 2 only) one byte per token, 1 where the loss
+                              counts the token as a target (a fine-tuning example's response),
+                              0 elsewhere (its prompt); no header, so it memory-maps directly
 
 The ``.bin`` header is ``<8s I I Q Q``: magic ``HPCTOK01``, format version, dtype code (2 =
 uint16, 4 = uint32, the item size), token count, document count; zero-padded to one 4 KiB page,
@@ -17,6 +20,11 @@ document is followed by EOS) and may continue from one shard into the next.
 A manifest is checked when loaded (it may come from anyone who can write the directory): EOS id
 and every recorded largest id below ``vocab_size``, shard file names plain names inside the
 directory. `check_token_ids` holds the shards against a model's vocabulary before training.
+
+Manifest versions: 1 has no masks (every token counts); 2 lists a ``mask`` file with its checksum
+and ``loss_tokens`` (the ones in it) per shard, every shard. Version 1 is still written for plain
+text, so its bytes do not change; an hpctrain that knows only version 1 refuses version 2 rather
+than train on prompts it should not.
 """
 
 from __future__ import annotations
@@ -38,7 +46,9 @@ from hpctrain.errors import DataError
 
 log = logging.getLogger("hpctrain.data")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # of the .bin header, and of a manifest without masks
+MASK_VERSION = 2  # a manifest whose shards carry loss masks
+MANIFEST_VERSIONS = (FORMAT_VERSION, MASK_VERSION)
 MAGIC = b"HPCTOK01"
 HEADER_BYTES = 4096
 _HEADER = struct.Struct("<8sIIQQ")
@@ -48,7 +58,7 @@ DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 PREPARE_HINT = "run `hpctrain data prepare INPUT... --out DIR` and point data.path at DIR"
 # Shard file names as written; anything else (``../x``, ``/etc/x``) is refused, since staging
 # copies these names into another directory.
-_SHARD_FILE = re.compile(r"shard-\d{6,}\.(bin|idx)")
+_SHARD_FILE = re.compile(r"shard-\d{6,}\.(bin|idx|mask)")
 
 
 def shard_name(i: int) -> str:
@@ -103,8 +113,10 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write(path, [(json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()])
 
 
-def write_shard(out: Path, index: int, tokens: np.ndarray, doc_starts: np.ndarray) -> dict:
-    """Write shard ``index`` (tokens already in the target dtype); return its manifest entry."""
+def write_shard(out: Path, index: int, tokens: np.ndarray, doc_starts: np.ndarray,
+                mask: np.ndarray | None = None) -> dict:
+    """Write shard ``index`` (tokens already in the target dtype, and its loss mask if any);
+    return its manifest entry."""
     dtype = np.dtype(tokens.dtype).newbyteorder("<")
     tokens = np.ascontiguousarray(tokens, dtype=dtype)
     starts = np.ascontiguousarray(doc_starts, dtype="<u8")
@@ -113,9 +125,17 @@ def write_shard(out: Path, index: int, tokens: np.ndarray, doc_starts: np.ndarra
     stem = shard_name(index)
     bin_sum = atomic_write(out / f"{stem}.bin", [header, tokens])
     idx_sum = atomic_write(out / f"{stem}.idx", [starts])
-    return {"bin": f"{stem}.bin", "idx": f"{stem}.idx", "tokens": int(len(tokens)),
-            "docs": int(len(starts)), "bin_checksum": bin_sum, "idx_checksum": idx_sum,
-            "max_token_id": int(tokens.max()) if len(tokens) else -1}
+    entry = {"bin": f"{stem}.bin", "idx": f"{stem}.idx", "tokens": int(len(tokens)),
+             "docs": int(len(starts)), "bin_checksum": bin_sum, "idx_checksum": idx_sum,
+             "max_token_id": int(tokens.max()) if len(tokens) else -1}
+    if mask is not None:
+        mask = np.ascontiguousarray(mask, dtype=np.uint8)
+        if len(mask) != len(tokens) or int(mask.max(initial=0)) > 1:
+            raise ValueError("a loss mask holds one 0/1 byte per token")
+        entry.update(mask=f"{stem}.mask", mask_checksum=atomic_write(out / f"{stem}.mask",
+                                                                      [mask]),
+                     loss_tokens=int(mask.sum()))
+    return entry
 
 
 def read_header(path: Path) -> tuple[int, np.dtype, int, int]:
@@ -170,6 +190,28 @@ class Manifest:
         """Tokens over all shards."""
         return sum(int(s["tokens"]) for s in self.shards)
 
+    @property
+    def has_masks(self) -> bool:
+        """Whether the shards carry loss masks (manifest version 2)."""
+        return self.raw["version"] == MASK_VERSION
+
+    def mask(self, i: int) -> np.ndarray:
+        """Shard ``i``'s loss mask (one 0/1 byte per token), memory-mapped read-only."""
+        s = self.shards[i]
+        path = self.root / s["mask"]
+        ntok = int(s["tokens"])
+        try:
+            size = path.stat().st_size
+        except OSError as e:
+            raise DataError(f"cannot read loss mask {str(path)!r}: {e.strerror}",
+                            hint=PREPARE_HINT) from None
+        if size != ntok:
+            raise DataError(f"loss mask {str(path)!r} is {size} bytes for {ntok} tokens",
+                            hint="prepare the data again")
+        if ntok == 0:
+            return np.zeros(0, dtype=np.uint8)
+        return np.memmap(path, dtype=np.uint8, mode="r", shape=(ntok,))
+
     def tokens(self, i: int) -> np.ndarray:
         """Shard ``i``'s tokens, memory-mapped read-only."""
         s = self.shards[i]
@@ -215,7 +257,7 @@ class Manifest:
     def verify(self) -> None:
         """Recompute every file's checksum and largest id; raise DataError at the first mismatch."""
         for i, s in enumerate(self.shards):
-            for kind in ("bin", "idx"):
+            for kind in ("bin", "idx", "mask") if self.has_masks else ("bin", "idx"):
                 path = self.root / s[kind]
                 if not path.is_file():
                     raise DataError(f"shard file {str(path)!r} listed in the manifest is missing",
@@ -237,6 +279,13 @@ class Manifest:
                     f"{recorded}, the shard holds {largest} (vocab_size {self.vocab_size})",
                     expected="the largest id written by hpctrain data prepare, below vocab_size",
                     hint="the manifest or shard was changed; prepare the data again")
+            if self.has_masks:
+                mask = self.mask(i)
+                ones = int(np.count_nonzero(mask))
+                if int(mask.max(initial=0)) > 1 or ones != s["loss_tokens"]:
+                    raise DataError(f"loss mask {str(self.root / s['mask'])!r} holds values "
+                                    f"other than 0/1 or {ones} ones, the manifest says "
+                                    f"{s['loss_tokens']}", hint="prepare the data again")
 
 
 # (path, mtime_ns, size) of shards scanned for their largest id in this process.
@@ -284,7 +333,16 @@ def _check_manifest(root: Path, raw: dict) -> None:
                         expected="0 <= eos_id < vocab_size", hint=PREPARE_HINT)
     if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
         raise DataError(f"{path!r} lists no shards", hint=PREPARE_HINT)
+    masked = raw.get("version") == MASK_VERSION
     for s in shards:
+        if masked != ("mask" in s) or masked and not (
+                isinstance(s.get("mask"), str) and _SHARD_FILE.fullmatch(s["mask"])
+                and _is_int(s.get("loss_tokens")) and isinstance(s.get("mask_checksum"), str)):
+            raise DataError(f"{path!r}: shard entry {s.get('bin')!r} "
+                            + ("lacks a valid loss mask entry" if masked else
+                               "lists a loss mask in a version-1 manifest"),
+                            expected="masks on every shard (version 2) or on none (version 1)",
+                            hint=PREPARE_HINT)
         names = (s.get("bin"), s.get("idx"))
         if not all(isinstance(n, str) and _SHARD_FILE.fullmatch(n) for n in names) or not _is_int(
                 s.get("tokens")):
@@ -317,8 +375,9 @@ def load_manifest(root: str | Path) -> Manifest:
     except (OSError, ValueError) as e:
         raise DataError(f"cannot read {str(path)!r}: {e}", hint=PREPARE_HINT) from None
     if (not isinstance(raw, dict) or raw.get("format") != "hpctrain-tokens"
-            or raw.get("version") != FORMAT_VERSION):
-        raise DataError(f"{str(path)!r} is not a version-{FORMAT_VERSION} hpctrain token manifest",
+            or raw.get("version") not in MANIFEST_VERSIONS):
+        raise DataError(f"{str(path)!r} is not an hpctrain token manifest of a version this "
+                        f"hpctrain reads ({', '.join(map(str, MANIFEST_VERSIONS))})",
                         hint=PREPARE_HINT)
     _check_manifest(root, raw)
     return Manifest(root, raw)

@@ -73,7 +73,7 @@ def _expand(stage_to: str) -> Path | None:
 
 def _dataset_files(manifest_dir: Path) -> list[str]:
     m = load_manifest(manifest_dir)
-    return [s[kind] for s in m.shards for kind in ("bin", "idx")]
+    return [s[kind] for s in m.shards for kind in ("bin", "idx", "mask") if kind in s]
 
 
 def _bytes_needed(manifest_dir: Path, files: list[str]) -> int:

@@ -2,14 +2,18 @@
 
 Both turn one document (``str`` or UTF-8 ``bytes``) into a numpy array of token ids; the caller
 appends the EOS id. A tokenizer is named by a small picklable :class:`TokenizerSpec` so each
-worker process loads its own copy once.
+worker process loads its own copy once. A Hugging Face model folder may be named instead of its
+tokenizer.json: its ``tokenizer_config.json`` then names the EOS token (and holds the chat
+template `hpctrain.data.chat` uses).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -18,6 +22,8 @@ from hpctrain.data.shards import atomic_write
 from hpctrain.errors import DataError
 
 BYTE_EOS = 256
+TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 # Fixed text hashed as the byte tokenizer's identity: changing the mapping must change this.
 _BYTE_ID = b"hpctrain byte-level tokenizer v1: id = byte value (0..255), EOS = 256"
 # Tried in order when a tokenizer.json is given without --eos-token.
@@ -48,6 +54,33 @@ class ByteTokenizer:
         data = doc.encode("utf-8", errors="surrogatepass") if isinstance(doc, str) else doc
         return np.frombuffer(data, dtype=np.uint8)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt (the bytes; nothing is added)."""
+        return self.encode(text).tolist()
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids (EOS and invalid UTF-8 replaced)."""
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def read_tokenizer_config(folder: Path) -> dict[str, Any]:
+    """``tokenizer_config.json`` of a model folder ({} when there is none)."""
+    path = Path(folder) / TOKENIZER_CONFIG
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot read {str(path)!r}: {e}") from None
+    return raw if isinstance(raw, dict) else {}
+
 
 class HFTokenizer:
     """A HuggingFace ``tokenizers`` tokenizer.json (optional dependency ``tokenizers``)."""
@@ -61,6 +94,12 @@ class HFTokenizer:
                 hint="pip install tokenizers  (or: pip install 'hpctrain[data]')",
             ) from None
         p = Path(path)
+        if p.is_dir():  # a model folder: its tokenizer.json, EOS from tokenizer_config.json
+            self.config = read_tokenizer_config(p)
+            eos_token = eos_token or token_text(self.config.get("eos_token"))
+            p = p / TOKENIZER_JSON
+        else:
+            self.config = read_tokenizer_config(p.parent)
         try:
             raw = p.read_bytes()
             self._tok = Tokenizer.from_str(raw.decode("utf-8"))
@@ -86,6 +125,21 @@ class HFTokenizer:
         """Token ids of one document (no special tokens added)."""
         text = doc.decode("utf-8", errors="replace") if isinstance(doc, bytes) else doc
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, ``[n, 2]`` character spans in ``text``); special tokens in the text are
+        recognised, none are added."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return (np.asarray(enc.ids, dtype=np.uint32),
+                np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt as the model expects one (its BOS and such added)."""
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids, special tokens left out."""
+        return self._tok.decode(list(ids), skip_special_tokens=True)
 
 
 def load_tokenizer(spec: TokenizerSpec) -> ByteTokenizer | HFTokenizer:

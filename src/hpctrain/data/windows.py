@@ -2,7 +2,8 @@
 
 `TokenDataset` is what the loader and a mixture need of a source; `ContiguousTokens` and
 `SliceWindows` are the in-memory ones (the stdlib corpus and its splits), `ShardTokens`
-(`hpctrain.data.shard_dataset`) the one over prepared shards; `gather_windows` stacks samples.
+(`hpctrain.data.shard_dataset`) the one over prepared shards; `gather_windows` stacks samples
+and `gather_masks` their loss masks, where a source has them.
 """
 
 from __future__ import annotations
@@ -53,6 +54,14 @@ class SliceWindows:
         if not 0 <= index < self.count:
             raise IndexError(f"sample {index} out of range [0, {self.count})")
         return self.base.window(self.start + index)
+
+
+def gather_masks(dataset: TokenDataset, indices: np.ndarray) -> np.ndarray | None:
+    """The loss masks of samples ``indices`` (bool, like `gather_windows`), or None when the
+    dataset has none (every target counts)."""
+    if not getattr(dataset, "has_loss_mask", False):
+        return None
+    return dataset.mask_windows(np.asarray(indices, dtype=np.int64))
 
 
 def gather_windows(dataset: TokenDataset, indices: np.ndarray) -> np.ndarray:
