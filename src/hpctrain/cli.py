@@ -21,6 +21,7 @@ from hpctrain.launch import sbatch as sbatch_cli
 from hpctrain.launch import submit as submit_cli
 from hpctrain.observe import cli as observe_cli
 from hpctrain.plan import cli as plan_cli
+from hpctrain.pretrained import cli as pretrained_cli
 from hpctrain.runtime.interrupted import INTERRUPTED, Interrupted
 from hpctrain.runtime.runlock import TOKEN_ENV
 
@@ -79,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     bench_cli.add_parser(sub)
     plan_cli.add_parser(sub)
     observe_cli.add_parser(sub)  # report, runs
+    pretrained_cli.add_import_parser(sub)
+    pretrained_cli.add_export_parser(sub)
+    pretrained_cli.add_generate_parser(sub)
+    pretrained_cli.add_eval_parser(sub)
     return p
 
 
@@ -122,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
          "submit": lambda a: a.handler(a),
          "pipeline": lambda a: a.handler(a),
          "report": observe_cli.run, "runs": observe_cli.run,
+         "import": pretrained_cli.run, "export": pretrained_cli.run,
+         "generate": pretrained_cli.run, "eval": pretrained_cli.run,
          }[args.command](args)
     except Interrupted as e:
         if TOKEN_ENV not in os.environ:  # a rank of our launcher: the launcher says it once

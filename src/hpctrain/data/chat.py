@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 
 from hpctrain.data.tokenizer import (
-    TOKENIZER_JSON,
     ByteTokenizer,
     HFTokenizer,
     read_tokenizer_config,
@@ -229,10 +228,3 @@ def chat_prompt(tokenizer: HFTokenizer | ByteTokenizer, template: ChatTemplate |
         return tokenizer.encode_offsets(text)[0].tolist()
     return tokenizer.encode(f"user: {prompt}\nassistant: ").tolist()
 
-
-def tokenizer_folder(path: str | Path) -> Path | None:
-    """The folder of a tokenizer path (a tokenizer.json or a model folder holding one)."""
-    p = Path(path)
-    if p.is_dir():
-        return p if (p / TOKENIZER_JSON).is_file() else None
-    return p.parent

@@ -36,6 +36,8 @@ def count_params(args: ModelArgs, *, include_embedding: bool) -> int:
     """
     dim, kv_dim = args.dim, args.n_kv_heads * args.head_dim
     attention = 2 * dim * (args.n_heads * args.head_dim) + 2 * dim * kv_dim  # wq, wo + wk, wv
+    if args.qkv_bias:
+        attention += args.n_heads * args.head_dim + 2 * kv_dim
     feed_forward = 3 * dim * args.ffn_dim  # w1, w2, w3
     norms = 2 * dim
     layers = args.n_layers * (attention + feed_forward + norms)

@@ -13,6 +13,10 @@ Meta-device construction is supported::
     model.to_empty(device=dev)
     torch.manual_seed(seed)
     model.init_weights()   # parameters and the RoPE table, on whatever device they now live
+
+For sampling, ``model(tokens, cache=KVCache.for_model(model, batch, max_len))`` keeps each
+block's keys and values, so every later call feeds only the new tokens
+(``hpctrain.models.generate``). Training never passes a cache.
 """
 
 from __future__ import annotations
@@ -24,22 +28,39 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.errors import ConfigError
-from hpctrain.models.sizes import ModelArgs
+from hpctrain.models.sizes import ModelArgs, RopeScaling
 
 INIT_STD = 0.02
 
 
 def precompute_rope(
-    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None
+    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None,
+    scaling: RopeScaling | None = None,
 ) -> torch.Tensor:
     """Return the RoPE table `[max_seq_len, head_dim // 2, 2]` holding (cos, sin) in float32."""
     # Real cos/sin instead of complex exponentials: complex tensors break some compile/FSDP paths.
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     )
+    if scaling is not None:
+        inv_freq = _llama3_scaled(inv_freq, scaling)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's frequency scaling, in the same float32 operations as Meta's and Hugging
+    Face's code (so an imported model's table is bit for bit theirs)."""
+    low_freq_wavelen = s.original_max_seq_len / s.low_freq_factor
+    high_freq_wavelen = s.original_max_seq_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = ((s.original_max_seq_len / wavelen - s.low_freq_factor)
+              / (s.high_freq_factor - s.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -53,6 +74,44 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
+class LayerKV:
+    """One block's view of a `KVCache`: its key and value buffers and the position reached."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, pos: int):
+        self.keys, self.values, self.pos = keys, values, pos
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new positions' `k`, `v` `[B, T, kv_heads, head_dim]`; return all so far."""
+        end = self.pos + k.shape[1]
+        self.keys[:, self.pos:end] = k
+        self.values[:, self.pos:end] = v
+        return self.keys[:, :end], self.values[:, :end]
+
+
+class KVCache:
+    """Keys and values of every block for the positions fed so far (incremental decoding)."""
+
+    def __init__(self, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
+                 device: torch.device | str, dtype: torch.dtype):
+        shape = (batch, max_len, n_kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.max_len = max_len
+        self.pos = 0
+
+    @classmethod
+    def for_model(cls, model: Transformer, batch: int, max_len: int) -> KVCache:
+        """An empty cache for `batch` sequences of at most `max_len` positions of `model`."""
+        args = model.args
+        weight = model.tok_embeddings.weight
+        return cls(args.n_layers, batch, max_len, args.n_kv_heads, args.head_dim, weight.device,
+                   weight.dtype)
+
+    def layer(self, i: int) -> LayerKV:
+        """Block `i`'s buffers at the current position."""
+        return LayerKV(self.keys[i], self.values[i], self.pos)
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary position embeddings."""
 
@@ -61,15 +120,18 @@ class Attention(nn.Module):
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
+                cache: LayerKV | None = None) -> torch.Tensor:
         """Map `x [B, T, dim]` to `[B, T, dim]`, attending only to earlier positions.
 
-        ``rope`` holds at least T positions; the first T are used.
+        ``rope`` holds at least T positions; the first T are used. With ``cache`` the T
+        positions follow the cached ones: ``rope`` starts at the first new position and the
+        queries attend to the cached keys too.
         """
         bsz, seqlen, _ = x.shape
         # Sliced here, where the whole sequence is present: a block's input may hold only a
@@ -80,12 +142,24 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
+        mask, causal = None, True
+        if cache is not None:
+            past = cache.pos
+            k, v = cache.extend(k, v)
+            if past and seqlen == 1:
+                causal = False  # one new query sees every cached position
+            elif past:
+                # New query i sits at position past + i and sees keys up to there.
+                mask = torch.ones(seqlen, past + seqlen, dtype=torch.bool,
+                                  device=x.device).tril(diagonal=past)
+                causal = False
         # SDPA wants [B, heads, T, head_dim]; enable_gqa shares each kv head across its q group.
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            is_causal=True,
+            attn_mask=mask,
+            is_causal=causal,
             enable_gqa=True,
         )
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
@@ -115,9 +189,13 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
+                cache: LayerKV | None = None) -> torch.Tensor:
         """Map `x [B, T, dim]` to `[B, T, dim]` given the RoPE table (at least T positions)."""
-        h = x + self.attention(self.attention_norm(x), rope)
+        # The cache goes by keyword only: tensor parallelism prepares the positional inputs.
+        attn = (self.attention(self.attention_norm(x), rope) if cache is None
+                else self.attention(self.attention_norm(x), rope, cache=cache))
+        h = x + attn
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -135,7 +213,8 @@ class Transformer(nn.Module):
         # init_weights recomputes it after to_empty() leaves it uninitialised.
         self.register_buffer(
             "rope",
-            precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta),
+            precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta,
+                            scaling=args.rope_scaling),
             persistent=False,
         )
         self.tie_weights()
@@ -159,6 +238,8 @@ class Transformer(nn.Module):
         module = name.rsplit(".", 2)[-2] if "." in name else name
         if name.endswith("norm.weight"):
             nn.init.ones_(tensor)
+        elif name.endswith(".bias"):
+            nn.init.zeros_(tensor)
         elif name == "tok_embeddings.weight":
             nn.init.normal_(tensor, mean=0.0, std=INIT_STD, generator=generator)
         elif module in ("wo", "w2"):
@@ -180,6 +261,7 @@ class Transformer(nn.Module):
                     self.args.max_seq_len,
                     self.args.rope_theta,
                     device=self.rope.device,
+                    scaling=self.args.rope_scaling,
                 )
             )
 
@@ -194,15 +276,17 @@ class Transformer(nn.Module):
             for name, param in self.named_parameters():
                 self.init_parameter(name, param)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Return logits `[B, T, vocab_size]` for token ids `tokens [B, T]`.
 
         A pipeline stage without the embedding takes the hidden state `[B, T, dim]` instead,
-        and one without the output layer returns the hidden state.
+        and one without the output layer returns the hidden state. With ``cache`` the tokens
+        continue the ones cached, whose keys and values are reused, and are added to it.
         """
         h = tokens
+        start = cache.pos if cache is not None else 0
         if self.tok_embeddings is not None:
-            seqlen = tokens.shape[1]
+            seqlen = start + tokens.shape[1]
             if seqlen > self.rope.shape[0]:
                 raise ConfigError(
                     f"sequence length {seqlen} exceeds model.max_seq_len={self.rope.shape[0]}",
@@ -210,9 +294,18 @@ class Transformer(nn.Module):
                     hint=f"set model.max_seq_len to at least {seqlen} or shorten the sequences",
                 )
             h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            if layer is not None:
-                h = layer(h, self.rope)
+        if cache is None:
+            for layer in self.layers:
+                if layer is not None:
+                    h = layer(h, self.rope)
+        else:
+            if start + tokens.shape[1] > cache.max_len:
+                raise ValueError(f"{start + tokens.shape[1]} positions exceed the cache's "
+                                 f"{cache.max_len}")
+            rope = self.rope[start:]
+            for i, layer in enumerate(self.layers):
+                h = layer(h, rope, cache=cache.layer(i))
+            cache.pos += tokens.shape[1]
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -2,11 +2,28 @@
 
 Every preset is an untied Llama-style decoder; `tie_embeddings` is an override, not a preset
 property, so the FSDP/TP wrapping of the output layer is the same for every size unless asked.
+`qkv_bias` (Qwen2) and `rope_scaling` (Llama 3.1+) exist for imported Hugging Face models
+(`hpctrain.models.hf_config`); no preset uses them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (``rope_type: llama3`` in a Hugging Face config).
+
+    Wavelengths longer than ``original_max_seq_len / low_freq_factor`` are stretched by
+    ``factor``, those shorter than ``original_max_seq_len / high_freq_factor`` kept, and the ones
+    between interpolated smoothly.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_seq_len: int
 
 
 @dataclass(frozen=True)
@@ -24,6 +41,9 @@ class ModelArgs:
     tie_embeddings: bool = False
     # Length of the precomputed RoPE table; sequences longer than this are refused at forward.
     max_seq_len: int = 8192
+    # Biases on the query, key and value projections (Qwen2); none elsewhere.
+    qkv_bias: bool = False
+    rope_scaling: RopeScaling | None = None
 
     @property
     def head_dim(self) -> int:

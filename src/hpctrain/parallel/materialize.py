@@ -4,15 +4,25 @@ Each parameter is initialised from its own generator, seeded by (seed, parameter
 full tensor on the device; a sharded parameter then keeps only its local slice. So the initial
 weights are the same for 1 rank, DDP on N and FSDP on N (on a given device type), which makes
 runs comparable across layouts. The full tensor exists for one parameter at a time only.
+
+`load_weights` fills the parameters from pretrained weights instead: each rank asks a reader for
+the box of each parameter it holds (its FSDP/TP shard, as DCP computes it), so no rank reads or
+holds more than its part (`hpctrain.models.hf_weights.HFWeights` reads those boxes from
+memory-mapped safetensors).
 """
 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+# (canonical parameter name, offset, size) -> that box of the full parameter
+BoxReader = Callable[[str, Sequence[int], Sequence[int]], torch.Tensor]
 
 # Wrappers add these to parameter names; the canonical name is the model's own.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
@@ -42,3 +52,24 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
                 full = distribute_tensor(full, param.device_mesh, param.placements,
                                          src_data_rank=None)
             param.copy_(full)
+
+
+def local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offset, size) of the part of the full parameter this rank holds."""
+    if isinstance(param, DTensor):
+        size, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                             param.placements)
+        return tuple(offset), tuple(size)
+    return (0,) * param.dim(), tuple(param.shape)
+
+
+def load_weights(model: nn.Module, read: BoxReader) -> None:
+    """Fill every parameter of a materialised ``model`` (sharded or not) with ``read``'s
+    values for the part this rank holds; no communication."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            offset, size = local_box(param)
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if local.numel() == 0:  # an uneven shard left this rank nothing
+                continue
+            local.copy_(read(canonical_name(name), offset, size))

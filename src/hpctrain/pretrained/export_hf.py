@@ -1,0 +1,133 @@
+"""``hpctrain export hf RUN [--step N] --out DIR``: a checkpoint as a Hugging Face model folder.
+
+    DIR/config.json                        the imported model's, or a LlamaForCausalLM config
+    DIR/model.safetensors                  or model-0000i-of-0000n.safetensors + the index
+    DIR/tokenizer.json ...                 the tokenizer files the run knows (see source.py)
+
+Any training layout exports: DCP reads each tensor whole from however many shards the ranks
+wrote, one tensor at a time, which is cast, put back into Hugging Face's q/k row order and
+streamed into the current safetensors file. So the whole model is never in memory; the largest
+tensor (the embedding) is. The folder is written under a temporary name beside ``--out`` and
+renamed into place when complete; nothing is overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpctrain.checkpoint.safe_io import load_index
+from hpctrain.data.chat import template_source
+from hpctrain.data.tokenizer import TOKENIZER_CONFIG, TOKENIZER_JSON, HFTokenizer
+from hpctrain.errors import ConfigError
+from hpctrain.models.hf_config import CONFIG, hf_config_from_args
+from hpctrain.models.hf_weights import (
+    HFWeights,
+    expected_shapes,
+    rotary_heads,
+    to_hf_name,
+    to_hf_rows,
+    write_safetensors,
+)
+from hpctrain.models.init_source import ASSET_FILES
+from hpctrain.pretrained.source import ModelSource, data_tokenizer
+from hpctrain.pretrained.weights import read_model_state, verify_checkpoint
+from hpctrain.runtime.rundir import fsync_dir, write_json_atomic
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+TORCH_NAMES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+DEFAULT_SHARD_BYTES = 5 * 10**9  # Hugging Face's own default shard size
+
+
+def export_hf(source: ModelSource, out: Path, dtype: str = "bf16",
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write ``source``'s model as a Hugging Face folder ``out``; returns it."""
+    out = Path(out)
+    if out.exists():
+        raise ConfigError(f"--out {str(out)!r} already exists",
+                          hint="name a new directory (nothing is overwritten)")
+    args = source.origin.args
+    fetch = _full_tensor_reader(source)
+    entries = [(to_hf_name(name), DTYPES[dtype], shape)
+               for name, shape in expected_shapes(args).items()]
+    names = {to_hf_name(name): name for name in expected_shapes(args)}
+
+    def hf_tensor(hf_name: str) -> torch.Tensor:
+        name = names[hf_name]
+        t = fetch(name)
+        heads = rotary_heads(name, args)
+        return to_hf_rows(t, heads) if heads is not None else t
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write_safetensors(tmp, entries, hf_tensor, max_shard_bytes)
+        token_ids = _copy_tokenizer(source, tmp)
+        write_json_atomic(tmp / CONFIG, hf_config_from_args(args, source.origin.hf_config,
+                                                            TORCH_NAMES[dtype], token_ids))
+        fsync_dir(tmp)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(out.parent)
+    return out
+
+
+def _full_tensor_reader(source: ModelSource):
+    """``name -> whole tensor`` for the source's weights, one tensor per call."""
+    args = source.origin.args
+    if source.weights.kind == "hf":
+        reader = HFWeights(source.weights.path, args)
+        return reader.read_full
+    path = source.weights.path
+    manifest = verify_checkpoint(path)
+    index = load_index(path / ".metadata", manifest["files"]).state_dict_metadata
+    shapes = expected_shapes(args)
+
+    def fetch(name: str) -> torch.Tensor:
+        meta = index.get(f"model.{name}")
+        if meta is None or not hasattr(meta, "size") or tuple(meta.size) != shapes[name]:
+            raise ConfigError(f"{path} holds no model tensor {name} of shape "
+                              f"{list(shapes[name])}",
+                              hint="the checkpoint is of another model than its run's config "
+                              "describes")
+        t = torch.empty(shapes[name], dtype=meta.properties.dtype)
+        read_model_state(path, {name: t}, manifest["files"])
+        return t
+
+    return fetch
+
+
+def _copy_tokenizer(source: ModelSource, out: Path) -> dict[str, Any]:
+    """Copy the tokenizer files the model knows into ``out``; the token ids a new config.json
+    needs (``eos_token_id``, ``bos_token_id``) when there is no imported one."""
+    assets = source.origin.assets
+    if assets is not None:
+        for name in ASSET_FILES:
+            if (assets / name).is_file():
+                shutil.copyfile(assets / name, out / name)
+        return {}
+    tok = data_tokenizer(source.run) if source.run is not None else None
+    if not tok or tok.get("kind") != "hf" or not tok.get("path"):
+        return {}  # byte-level data or none known: no tokenizer files to give
+    path = Path(tok["path"])
+    folder = path if path.is_dir() else path.parent
+    loaded = HFTokenizer(str(path), tok.get("eos_token"))
+    if loaded.hash != tok.get("hash"):
+        raise ConfigError(f"the tokenizer {path} changed since the run's data was prepared",
+                          hint="export it by hand, or prepare the data again")
+    shutil.copyfile(folder / TOKENIZER_JSON if path.is_dir() else path, out / TOKENIZER_JSON)
+    config = dict(loaded.config)
+    config.setdefault("eos_token", loaded.eos_token)
+    template = template_source(path)
+    if template is not None:
+        config["chat_template"] = template
+    write_json_atomic(out / TOKENIZER_CONFIG, config)
+    return {"eos_token_id": loaded.eos_id}
