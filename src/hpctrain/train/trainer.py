@@ -45,6 +45,7 @@ from hpctrain.parallel.grad_norm import clip_grads_, global_grad_norm
 from hpctrain.parallel.layout import check_layout
 from hpctrain.parallel.parallelize import autocast_dtype, parallelize
 from hpctrain.parallel.tensor import reduce_partial_grads, tp_loss_fn
+from hpctrain.pretrained.weights import load_pretrained, starts_from_pretrained
 from hpctrain.runtime.dist import MESH_AXES, Distributed
 from hpctrain.runtime.watchdog import Watchdog
 from hpctrain.train import checkpointing
@@ -127,6 +128,11 @@ class Trainer:
                                microbatch_tokens=local_batch // self.par.microbatches
                                * cfg.data.seq_len)
         self.model, self.pipeline = parallel.model, parallel.pipeline
+        # Pretrained weights start a run; a resumed one takes its own from its checkpoint.
+        if cfg.model.init_from and starts_from_pretrained(cfg.checkpoint.resume,
+                                                          bool(ckpt.committed())):
+            load_pretrained(self.model, cfg.model.init_from, self.model_args, ckpt.verify,
+                            ckpt.group)
         self.autocast = autocast_dtype(pc, tc.precision)
         self.pp_group = mesh["pp"].get_group() if self.par.pp > 1 else None
         # Ranks of one tensor-parallel group hold the same loss and only the last pipeline
@@ -172,7 +178,7 @@ class Trainer:
         log.info(
             "model %s: %.1fM params, strategy %s, layout %s, global batch %d samples = %d "
             "tokens, peak lr %.3g, device peak %s",
-            cfg.model.size, n_params / 1e6, pc.strategy, self.par.describe(),
+            cfg.model.init_from or cfg.model.size, n_params / 1e6, pc.strategy, self.par.describe(),
             self.layout.global_batch, self.layout.global_batch * cfg.data.seq_len, peak_lr,
             f"{self.peak:.0f} TFLOP/s" if self.peak else "unknown device (MFU not reported)",
         )
