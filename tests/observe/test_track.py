@@ -133,3 +133,16 @@ def test_a_missing_tracker_package_is_refused_before_training(monkeypatch) -> No
 def test_a_uri_without_mlflow_is_refused() -> None:
     with pytest.raises(ConfigError, match="track.mlflow is off"):
         load_config(None, ["track.mlflow_uri=http://x:5000"])
+
+
+@pytest.mark.parametrize("status, wait", [("FINISHED", 60.0), ("KILLED", 10.0),
+                                          ("FAILED", 10.0)])
+def test_a_preempted_or_failed_run_waits_less_for_its_trackers(tmp_path: Path, status: str,
+                                                               wait: float) -> None:
+    """A requeue and the grace period before SIGKILL come before a slow tracking server."""
+    tracker = Tracker(TrackConfig(), tmp_path, "r", {}, "")  # no sink: the thread just ends
+    waited: list[float] = []
+    join = tracker._thread.join
+    tracker._thread.join = lambda timeout: (waited.append(timeout), join(timeout))
+    tracker.close(status)
+    assert waited == [wait]

@@ -42,7 +42,9 @@ log = logging.getLogger("hpctrain.track")
 # Keys of a metrics record that are bookkeeping, not metrics.
 _NOT_METRICS = {"ts", "rank", "step", "event", "host"}
 # How long closing waits for the queue to drain (an unreachable server must not hold the exit).
+# A preempted or failed run waits less: its requeue and its grace period come first.
 CLOSE_TIMEOUT_S = 60.0
+CLOSE_TIMEOUT_ABORTED_S = 10.0
 
 
 @dataclass
@@ -175,8 +177,10 @@ class Tracker:
         """Queue one metrics record for the trackers."""
         self._queue.put(record)
 
-    def close(self, status: str = "FINISHED", timeout: float = CLOSE_TIMEOUT_S) -> None:
+    def close(self, status: str = "FINISHED", timeout: float | None = None) -> None:
         """Flush what is queued, end the run with ``status`` (FINISHED, FAILED, KILLED)."""
+        if timeout is None:
+            timeout = CLOSE_TIMEOUT_S if status == "FINISHED" else CLOSE_TIMEOUT_ABORTED_S
         self._queue.put(("close", status))
         self._thread.join(timeout)
         if self._thread.is_alive():
