@@ -195,3 +195,12 @@ def test_array_mode_refuses_examples(tmp_path: Path) -> None:
     src = _jsonl(tmp_path / "chat.jsonl", [CHAT])
     with pytest.raises(DataError, match="array mode"):
         prepare_task([src], tmp_path / "out", _settings(None, "chat"), 0, 2)
+
+
+def test_templates_may_use_loop_controls_as_transformers_allows() -> None:
+    from hpctrain.data.chat import ChatTemplate
+
+    template = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% break %}{% endfor %}",
+                            {"eos_token": "</s>"})
+    assert template.render([{"role": "user", "content": "a"},
+                            {"role": "assistant", "content": "b"}], False) == "a"

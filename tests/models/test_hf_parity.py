@@ -134,3 +134,31 @@ def test_the_kv_cache_gives_the_full_forward_logits(folders) -> None:
         parts = [model(tokens[:, :12], cache=cache), model(tokens[:, 12:20], cache=cache)]
         parts += [model(tokens[:, i:i + 1], cache=cache) for i in range(20, 30)]
     torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=0, atol=1e-5)
+
+
+def test_a_model_trained_from_scratch_exports_as_a_llama(tmp_path: Path) -> None:
+    """No imported config to start from: export writes a LlamaForCausalLM config of its own
+    (here with the Llama 3.1 RoPE scaling), which transformers reads to hpctrain's logits."""
+    import torch.distributed.checkpoint as dcp
+
+    from hpctrain.checkpoint.manifest import describe, write_manifest
+    from hpctrain.models import ModelArgs
+    from hpctrain.models.init_source import args_to_json
+    from hpctrain.models.sizes import RopeScaling
+    from hpctrain.pretrained.weights import single_process
+
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
+                     vocab_size=VOCAB, max_seq_len=SEQ,
+                     rope_scaling=RopeScaling(4.0, 1.0, 4.0, 16))
+    torch.manual_seed(0)
+    model = Transformer(args).eval()
+    ckpt = tmp_path / "ckpt"
+    with single_process():
+        dcp.save({"model": model.state_dict()}, checkpoint_id=ckpt, no_dist=True)
+    write_manifest(ckpt, {p.name: describe(p) for p in ckpt.iterdir()},
+                   {"step": 0, "model_args": args_to_json(args)})
+    main(["export", "hf", str(ckpt), "--out", str(tmp_path / "out"), "--dtype", "fp32"])
+    tokens = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model(tokens)
+    assert (hf_logits(tmp_path / "out", tokens) - expected).abs().max().item() <= ATOL

@@ -76,7 +76,9 @@ class ChatTemplate:
             raise TemplateError(message)
 
         self.source = source
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # As transformers renders them: {% break %} / {% continue %} are in use on the Hub.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         # Hugging Face's tojson: no HTML escaping, unicode kept.
