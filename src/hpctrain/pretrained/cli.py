@@ -31,7 +31,8 @@ def add_import_parser(sub: argparse._SubParsersAction) -> None:
                        "layout (model.init_from: hf:DIR reads the folder directly instead).")
     fmt = p.add_subparsers(dest="import_format", required=True, metavar="FORMAT")
     h = fmt.add_parser("hf", help="a Hugging Face folder: config.json + *.safetensors")
-    h.add_argument("folder", type=Path, metavar="DIR")
+    h.add_argument("folder", type=lambda text: Path(text.removeprefix("hf:")), metavar="DIR",
+                   help="the model folder (an hf: prefix is allowed)")
     h.add_argument("--out", type=Path, required=True, help="checkpoint directory to create")
     h.add_argument("--dtype", choices=("auto", "bf16", "fp32", "fp16"), default="auto",
                    help="weights' dtype in the checkpoint (auto: the folder's own)")
