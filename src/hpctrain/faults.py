@@ -7,15 +7,22 @@ The test suite proves recovery by causing the failures it recovers from, in real
 Each entry is ``kind@key=value,...``; ``step`` takes a number or an inclusive range, ``rank``
 limits the fault to one rank (default: all). ``slow@step=1-20,rank=1,seconds=0.3`` makes a rank
 a straggler: it sleeps that long inside each forward pass of those steps.
+``slow_save@step=S,seconds=T`` holds the write of the checkpoint of step S for T seconds (a save
+still in flight, on demand). ``once=1`` makes an entry fire only the first time it matches in a
+process (a rollback repeats step numbers).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import time
 from functools import cache
 
-KINDS = ("save_io_error", "nan", "hang", "slow")
+KINDS = ("save_io_error", "nan", "hang", "slow", "slow_save")
+
+# Entries with once=1 that have fired in this process (by position in HPCTRAIN_FAULTS).
+_fired: set[int] = set()
 
 
 @cache
@@ -44,8 +51,10 @@ def active(kind: str, step: int, rank: int | None = None) -> dict[str, str] | No
     """The parameters of an injected fault of ``kind`` at this step and rank, else None."""
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
-    for k, params in _specs():
-        if k == kind and _matches(params, step, rank):
+    for i, (k, params) in enumerate(_specs()):
+        if k == kind and _matches(params, step, rank) and i not in _fired:
+            if params.get("once") == "1":
+                _fired.add(i)
             return params
     return None
 
@@ -54,3 +63,10 @@ def maybe_fail_save(step: int) -> None:
     """Raise the error a full disk gives, if a ``save_io_error`` fault is set for this step."""
     if active("save_io_error", step):
         raise OSError(errno.ENOSPC, "No space left on device (injected by HPCTRAIN_FAULTS)")
+
+
+def maybe_slow_save(step: int) -> None:
+    """Sleep inside the checkpoint write, if a ``slow_save`` fault is set for this step."""
+    params = active("slow_save", step)
+    if params:
+        time.sleep(float(params.get("seconds", 5)))

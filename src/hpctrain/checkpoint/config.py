@@ -25,6 +25,11 @@ class CheckpointConfig:
     keep_every: int = 0
     # Stage to host memory, write in the background; the loop blocks only for the copy.
     async_save: bool = True
+    # Who writes background saves: process (a writer process per rank: serialisation, writes
+    # and checksums never hold the training process's GIL or slow its steps), thread (a thread
+    # of the training process), or auto: process on GPUs; thread on CPU ranks, which share
+    # their cores with any writer and would pay an interpreter start per run.
+    writer: Literal["auto", "process", "thread"] = "auto"
     save_at_end: bool = True
     # auto: resume from the newest verified checkpoint of this run if any; never: start fresh
     # (refused if the run directory already holds checkpoints); or a checkpoint directory.
@@ -42,6 +47,9 @@ class CheckpointConfig:
         if self.keep_last < 1:
             raise ConfigError(f"checkpoint.keep_last = {self.keep_last} must be >= 1",
                               hint="the newest checkpoint is always kept")
+        if self.writer not in ("auto", "process", "thread"):
+            raise ConfigError(f"checkpoint.writer = {self.writer!r} is not a writer",
+                              expected="auto, process or thread")
         if self.keep_every < 0 or self.max_requeues < 0:
             raise ConfigError("checkpoint.keep_every and checkpoint.max_requeues must be >= 0")
         if self.mttf_gpu_hours <= 0:

@@ -17,15 +17,30 @@ folder (``step-abc``, a ``.bak`` copy) is ignored with a warning and left alone 
 Every rank writes its own shards (nothing is gathered to rank 0); DCP reshards on load, so a
 checkpoint saved with FSDP on 4 ranks loads with DDP on 1. All collectives of saving and loading
 run on a dedicated gloo group, so a background save never interleaves with training traffic.
+
+Who writes a background save: the rank's writer process (``start_writer``; ``writer.py``): the
+loop copies the state into shared host buffers laid out once by ``prepare`` and goes on, the
+writer process serialises, writes, hashes and commits (the same protocol, ``store.py``, as an
+in-process save). Where that cannot be used (no memfd, not enough host memory, a DTensor with
+several local chunks) every rank falls back, with a warning, to a thread of the training
+process. Blocking saves go through the writer when there is one, else run inline.
+
+Metrics events the trainer writes from here (rank-local, ``metrics/rank-NNN.jsonl``):
+
+- ``checkpoint_stall``: step, stall_s (the loop blocked: waiting for the previous save, state
+  dicts, staging; a blocking save's whole write), wait_s (the part spent waiting for the
+  previous save to finish writing), async;
+- ``checkpoint``: one per committed save: step, write_s (background write to commit), bytes,
+  gb_per_s, stall_s, wait_s, writer (process, thread or inline);
+- ``checkpoint_writer``: once, when the writer's buffers are laid out: step, writer,
+  staged_bytes, prepare_s.
 """
 
 from __future__ import annotations
 
-import errno
 import itertools
 import logging
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -35,33 +50,38 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-from hpctrain import faults
 from hpctrain.checkpoint.config import CheckpointConfig
 from hpctrain.checkpoint.manifest import (
     CheckpointError,
     DamagedCheckpoint,
-    describe,
     read_manifest,
     step_dir_name,
-    step_of,
     verify_files,
-    write_manifest,
 )
 from hpctrain.checkpoint.safe_io import (
     SafeFileSystemReader,
     SafeLoadPlanner,
     load_weights_only,
 )
+from hpctrain.checkpoint.staging import SharedStaging, StagingUnavailable
+from hpctrain.checkpoint.store import (
+    DAMAGED,
+    LATEST,
+    CheckpointStore,
+    causes,
+    first_line,
+    free_bytes,
+    manifest_bytes,
+)
+from hpctrain.checkpoint.writer import WriterDied, WriterProcess
 from hpctrain.runtime.rundir import fsync_dir
 
 log = logging.getLogger("hpctrain.checkpoint")
 
-LATEST = "latest"
-DAMAGED = "damaged"
+__all__ = ["LATEST", "CheckpointManager", "Loader", "step_dir_name"]
 
 # Fills the caller's state from a verified checkpoint; raises DamagedCheckpoint when the
 # checkpoint cannot be used (the caller's own checks of the manifest's values included).
@@ -72,27 +92,92 @@ class CheckpointManager:
     """Checkpoints of one run directory; every method is collective over ``group``."""
 
     def __init__(self, cfg: CheckpointConfig, root: Path, *, rank: int, world_size: int,
-                 device: torch.device, group: dist.ProcessGroup):
+                 device: torch.device, group: dist.ProcessGroup, timeout_s: float = 1800.0):
         self.cfg = cfg
         self.root = root
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.group = group
-        # On CUDA the staging buffers are pinned and reused: the copy runs at full PCIe speed
-        # and no allocation happens per save.
+        self.timeout_s = timeout_s
+        self.store = CheckpointStore(cfg, root, rank=rank, world_size=world_size)
+        # Thread writer (the fallback): on CUDA the staging buffers are pinned and reused.
         self._stager = BlockingAsyncStager(cache_staged_state_dict=device.type == "cuda")
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        # One record per committed save (step, seconds blocked, seconds writing, bytes), for
-        # the caller to report; appended by whichever thread committed.
-        self.completed: list[dict[str, float]] = []
+        # Process writer (``start_writer``): its handle and the shared staging buffers.
+        self._writer: WriterProcess | None = None
+        self._staging: SharedStaging | None = None
+        self._writer_died: WriterDied | None = None
+        # Who writes background saves: "process", "thread" (fallback), or None before it is
+        # decided (``start_writer``/``prepare``); blocking saves without a writer: "inline".
+        self.mode = "thread"
+        # Stall and wait of each save in flight or not yet reported, by step.
+        self._pending: dict[int, dict[str, Any]] = {}
+        # How long the last save waited for the one before it to finish writing.
+        self.last_wait_s = 0.0
+        # One record per committed save (step, write_s, bytes, gb_per_s, stall_s, wait_s,
+        # writer), for the caller to report; appended by whichever thread committed.
+        self.completed: list[dict[str, Any]] = []
         # The newest checkpoint known to be committed: set when a save's commit is known (by
         # the thread that committed it) and by a resume; never when a save merely starts.
         self.last_committed: str | None = None
-        # Size of the last checkpoint committed or loaded: what the next save will need.
-        self._last_bytes: int | None = None
-        self._warned: set[str] = set()
+
+    # -- the writer process -------------------------------------------------------------------
+
+    def start_writer(self) -> None:
+        """Start this rank's writer process (collective); background saves go through it once
+        ``prepare`` has laid out the staging buffers. Only on Linux (memfd, PDEATHSIG)."""
+        if not hasattr(os, "memfd_create"):
+            log.warning("checkpoint writer: no memfd on this system; background saves are "
+                        "written by a thread of the training process")
+            return
+        self._writer = WriterProcess(self.cfg, self.root, rank=self.rank,
+                                     world_size=self.world_size, group=self.group,
+                                     timeout_s=self.timeout_s)
+        self.mode = "process"
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes of the writer process's staging buffers on this rank (0 without them)."""
+        return self._staging.nbytes if self._staging is not None else 0
+
+    @property
+    def prepared(self) -> bool:
+        """Whether background saves are ready to go (buffers laid out, or no writer)."""
+        return self._writer is None or self._staging is not None
+
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Allocate (and pin) the staging buffers for ``state`` and hand them to the writer
+        (collective). Any rank that cannot makes every rank fall back to the thread writer."""
+        if self._writer is None:
+            return
+        self.wait()
+        staging, why = None, None
+        try:
+            if self._staging is not None:
+                self._staging.close()
+                self._staging = None
+            staging = SharedStaging.allocate(state, self.device)
+            self._writer.attach(staging)
+        except StagingUnavailable as e:
+            why = f"rank {self.rank}: {e}"
+        except WriterDied as e:
+            why = e.what
+        whys: list[Any] = [None] * self.world_size
+        dist.all_gather_object(whys, why, group=self.group)
+        failed = [w for w in whys if w]
+        if not failed:
+            self._staging = staging
+            log.info("checkpoint writer process ready: %.2f GB of %sstaging buffers",
+                     staging.nbytes / 1e9, "pinned " if self.device.type == "cuda" else "")
+            return
+        log.warning("checkpoint writer process not used (%s): background saves are written by "
+                    "a thread of the training process", failed[0])
+        if staging is not None:
+            staging.close()
+        self._writer.stop()
+        self._writer, self.mode = None, "thread"
 
     # -- saving -----------------------------------------------------------------------------
 
@@ -101,33 +186,74 @@ class CheckpointManager:
         """Checkpoint ``state`` (model/optimizer state dicts) with ``meta`` (JSON) at ``step``.
 
         Blocking: returns after the commit. Otherwise returns once the state is staged in host
-        memory and writes in a background thread; its failure is raised by ``poll``/``wait``.
-        Returns the seconds the caller was blocked. When the size of the previous checkpoint is
-        known, a file system without room for another is refused before anything is written.
+        memory and is written by the writer process (or a background thread); its failure is
+        raised by ``poll``/``wait``. Returns the seconds the caller was blocked, waiting for the
+        previous save included (that part alone is ``last_wait_s``). When the size of the
+        previous checkpoint is known, a file system without room for another is refused before
+        anything is written.
         """
-        self.wait()  # at most one save in flight
         start = time.perf_counter()
+        self.wait()  # at most one save in flight
+        waited = time.perf_counter() - start
+        if self._writer_died is not None:
+            raise CheckpointError(f"the checkpoint at step {step} was not started: "
+                                  f"{self._writer_died.what}", hint=self.store.intact_hint())
+        self.last_wait_s = waited
         self._check_free_space(step)
         rng = _capture_rng(self.device)
+        if self._writer is not None and self._any_rank(
+                self._staging is None or not self._staging.matches(state)):
+            # Normally done once before the first save (``prepare``); here when the state's
+            # tensors changed since, and then this save pays for the allocation.
+            log.info("checkpoint staging buffers laid out again at step %d", step)
+            self.prepare(state)
+        if self._writer is not None:
+            skeleton = self._staging.stage(state)
+            stall = time.perf_counter() - start
+            self._pending[step] = {"stall_s": stall, "wait_s": waited, "writer": "process"}
+            rng_bytes = {k: v.numpy().tobytes() for k, v in rng.items()}
+            self._through_writer(lambda: self._writer.submit(
+                step, skeleton, meta, rng_bytes, self.store.expected_bytes()))
+            if blocking:
+                self.wait()
+                return time.perf_counter() - start
+            return stall
         if blocking:
-            self._write(step, state, meta, rng)
-            return time.perf_counter() - start
+            record = self.store.write(step, state, meta, rng, group=self.group)
+            total = time.perf_counter() - start
+            self._committed({**record, "stall_s": total, "wait_s": waited, "writer": "inline"})
+            return total
         staged = self._stager.stage(state)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         stall = time.perf_counter() - start
+        self._pending[step] = {"stall_s": stall, "wait_s": waited, "writer": "thread"}
         self._thread = threading.Thread(target=self._background, args=(step, staged, meta, rng),
                                         name="hpctrain-checkpoint", daemon=True)
         self._thread.start()
         return stall
 
+    def record_stall(self, step: int, stall_s: float, wait_s: float) -> None:
+        """The caller's own account of how long the save of ``step`` blocked it (state dicts
+        and waiting for the previous save included), for the save's record."""
+        for record in (self._pending.get(step), *self.completed):
+            if record is not None and record.get("step", step) == step:
+                record.update(stall_s=stall_s, wait_s=wait_s)
+
     def poll(self) -> None:
         """Raise the failure of a finished background save (called once per step)."""
-        if self._thread is not None and not self._thread.is_alive():
+        if self._writer is not None:
+            if self._writer.step is None:
+                self._through_writer(self._writer.check)
+            else:
+                self._take(self._through_writer(lambda: self._writer.result(block=False)))
+        elif self._thread is not None and not self._thread.is_alive():
             self.wait()
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) has committed; raise its failure."""
+        if self._writer is not None and self._writer.step is not None:
+            self._take(self._through_writer(lambda: self._writer.result(block=True)))
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -138,183 +264,74 @@ class CheckpointManager:
     @property
     def in_flight(self) -> bool:
         """Whether a background save is still writing."""
+        if self._writer is not None:
+            return self._writer.step is not None
         return self._thread is not None and self._thread.is_alive()
+
+    def _through_writer(self, call: Callable[[], Any]) -> Any:
+        """``call`` on the writer; when the writer is found dead, no save can use it again."""
+        try:
+            return call()
+        except WriterDied as e:
+            self._writer.kill()
+            self._writer = None
+            self._writer_died = WriterDied(e.what, hint=self.store.intact_hint())
+            raise self._writer_died from None
+
+    def _take(self, outcome: tuple | None) -> None:
+        """Act on the writer's answer about the save in flight."""
+        if outcome is None:
+            return
+        if outcome[0] == "committed":
+            self._committed(outcome[1])
+            return
+        _, what, hint = outcome
+        raise CheckpointError(what, hint=hint)
+
+    def _committed(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        self.last_committed = step_dir_name(step)
+        self.store.last_bytes = record["bytes"]
+        record = {**record, **self._pending.pop(step, {})}
+        self.completed.append(record)
+        log.info("checkpoint %s committed: %.2f GB in %.2f s (%.2f GB/s, %s writer)",
+                 self.last_committed, record["bytes"] / 1e9, record["write_s"],
+                 record["gb_per_s"], record.get("writer"))
 
     def _background(self, step: int, staged: dict, meta: dict, rng: dict) -> None:
         try:
-            self._write(step, staged, meta, rng)
+            self._committed(self.store.write(step, staged, meta, rng, group=self.group))
         except BaseException as e:  # re-raised in the training thread by poll()/wait()
+            self._pending.pop(step, None)
             self._error = e
+
+    def _any_rank(self, flag: bool) -> bool:
+        flags: list[Any] = [None] * self.world_size
+        dist.all_gather_object(flags, flag, group=self.group)
+        return any(flags)
 
     def _check_free_space(self, step: int) -> None:
         """Refuse a save the file system has no room for (rank 0 looks, every rank agrees)."""
         message = [None]
         if self.rank == 0:
-            need = self._expected_bytes()
-            free = _free_bytes(self.root)
+            need = self.store.expected_bytes()
+            free = free_bytes(self.root)
             if need is not None and free is not None and free < need:
-                message[0] = self._no_space(need)
+                message[0] = self.store.no_space(need)
         dist.broadcast_object_list(message, src=0, group=self.group)
         if message[0]:
             raise CheckpointError(f"the checkpoint at step {step} was not started: "
-                                  f"{message[0]}", hint=self._intact_hint())
-
-    def _write(self, step: int, state: dict, meta: dict, rng: dict) -> Path:
-        """Write shards into a temporary directory, verify, then commit on rank 0."""
-        start = time.perf_counter()
-        name = step_dir_name(step)
-        tmp = self.root / f".tmp-{name}"
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
-            tmp.mkdir(parents=True)
-        dist.barrier(group=self.group)
-        error, full, mine = None, False, {}
-        try:
-            dcp.save(state, storage_writer=_Writer(tmp, step), process_group=self.group)
-            rng_path = tmp / f"rng-rank-{self.rank:05d}.pt"
-            _save_durable(rng, rng_path)
-            # Each rank hashes the files it wrote itself, in parallel with the others.
-            own = [rng_path, *tmp.glob(f"__{self.rank}_*.distcp")]
-            if self.rank == 0:
-                own.append(tmp / ".metadata")
-            mine = {p.name: describe(p) for p in own}
-        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-            error = f"rank {self.rank}: {_first_line(e)}"
-            # torch.save reports a full disk as "unexpected pos" (the errno is lost): judge by
-            # what is left now, before the partial files are removed.
-            full = _is_disk_full(e) or _less_free_than(tmp, _state_bytes(state))
-        results: list[Any] = [None] * self.world_size
-        dist.all_gather_object(results, (error, full, mine, _state_bytes(state)),
-                               group=self.group)
-        errors = [err for err, _, _, _ in results if err]
-        full = any(f for _, f, _, _ in results)
-        total = sum(v["size"] for _, _, part, _ in results for v in part.values())
-        if self.rank == 0:
-            if not errors:
-                files = {k: v for _, _, part, _ in results for k, v in part.items()}
-                try:
-                    self._commit(tmp, name, files, meta)
-                except OSError as e:
-                    errors.append(f"commit: {type(e).__name__}: {e}")
-                    full = full or _is_disk_full(e)
-            if errors:
-                shutil.rmtree(tmp, ignore_errors=True)
-        outcome = [(errors, full)]
-        dist.broadcast_object_list(outcome, src=0, group=self.group)
-        errors, full = outcome[0]
-        if errors:
-            why = errors[0]
-            if full:
-                need = self._expected_bytes() or sum(b for _, _, _, b in results)
-                why = f"{self._no_space(need)} ({why})"
-            raise CheckpointError(f"the checkpoint at step {step} was not committed: {why}",
-                                  hint=self._intact_hint())
-        self.last_committed, self._last_bytes = name, total
-        write_s = time.perf_counter() - start
-        self.completed.append({"step": step, "write_s": write_s, "bytes": total,
-                               "gb_per_s": total / write_s / 1e9})
-        log.info("checkpoint %s committed: %.2f GB in %.2f s (%.2f GB/s)", name, total / 1e9,
-                 write_s, total / write_s / 1e9)
-        return self.root / name
-
-    def _no_space(self, need: int) -> str:
-        free = _free_bytes(self.root)
-        have = f"{_gb(free)} GB free" if free is not None else "free space unknown"
-        return f"no space left on {self.root}: this checkpoint needs ~{_gb(need)} GB, {have}"
-
-    def _intact_hint(self) -> str:
-        previous = self.latest_name()
-        return (f"the previous checkpoint {previous or '(none)'} is intact and is what a restart "
-                "resumes from; check free space and the file system (checkpoint.keep_last "
-                "bounds how many are kept)")
-
-    def _expected_bytes(self) -> int | None:
-        """The size of the last checkpoint committed or loaded, else of the newest on disk."""
-        if self._last_bytes is None:
-            for path in reversed(self.committed()):
-                try:
-                    self._last_bytes = _manifest_bytes(read_manifest(path))
-                    break
-                except DamagedCheckpoint:
-                    continue
-        return self._last_bytes
-
-    def _commit(self, tmp: Path, name: str, files: dict, meta: dict) -> None:
-        """Manifest, rename into place, move ``latest``, then prune: in this order."""
-        write_manifest(tmp, files, {**meta, "name": name})
-        fsync_dir(tmp)
-        final = self.root / name
-        if final.exists():  # the same step saved again after a rollback
-            trash = self.root / f".trash-{name}"
-            shutil.rmtree(trash, ignore_errors=True)
-            os.rename(final, trash)
-            os.rename(tmp, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        fsync_dir(self.root)
-        self._point_latest(name)
-        self._prune()
-
-    def _point_latest(self, name: str) -> None:
-        """Atomically make ``latest`` name ``name`` (a committed checkpoint)."""
-        pointer = self.root / f".{LATEST}.tmp"
-        pointer.write_text(name + "\n")
-        os.replace(pointer, self.root / LATEST)
-        fsync_dir(self.root)
-
-    def _prune(self) -> None:
-        """Keep the last ``keep_last``, every ``keep_every``-th step, and ``latest``.
-
-        Only ``step-NNNNNNNN`` directories are candidates: ``damaged/`` and anything the run did
-        not write itself are never touched.
-        """
-        done = self.committed()
-        keep = set(done[-self.cfg.keep_last:])
-        if self.cfg.keep_every:
-            keep |= {p for p in done if step_of(p.name) % self.cfg.keep_every == 0}
-        latest = self.latest_name()
-        for path in done:
-            if path not in keep and path.name != latest:
-                shutil.rmtree(path, ignore_errors=True)
-                log.info("checkpoint %s removed (retention)", path.name)
+                                  f"{message[0]}", hint=self.store.intact_hint())
 
     # -- finding and loading ------------------------------------------------------------------
 
     def committed(self) -> list[Path]:
         """Committed checkpoint directories, oldest first; anything else is warned about once."""
-        if not self.root.is_dir():
-            return []
-        found = []
-        for path in self.root.iterdir():
-            step = step_of(path.name)
-            if step is not None and path.is_dir():
-                found.append((step, path))
-            elif not path.name.startswith(".") and path.name not in (LATEST, DAMAGED):
-                self._warn_once(path.name, "ignoring %s: not a checkpoint of this run (expected "
-                                "step-NNNNNNNN directories); it is left as it is", path)
-        return [path for _, path in sorted(found)]
+        return self.store.committed()
 
     def latest_name(self) -> str | None:
         """The name ``latest`` points to, if it holds a checkpoint name."""
-        try:
-            raw = (self.root / LATEST).read_bytes()
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            self._warn_once(LATEST, "ignoring %s: %s", self.root / LATEST, e)
-            return None
-        name = raw.decode("utf-8", "replace").strip()
-        if step_of(name) is None:
-            self._warn_once(LATEST, "ignoring %s: it holds %r, not a checkpoint name",
-                            self.root / LATEST, name[:60])
-            return None
-        return name
-
-    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning(msg, *args)
+        return self.store.latest_name()
 
     def verify(self, path: Path) -> dict[str, Any]:
         """Check the manifest and every file of a checkpoint (split over ranks); return the
@@ -333,7 +350,7 @@ class CheckpointManager:
         """Verify ``path`` and ``load`` it; damage is an error here (the user chose it)."""
         manifest = self.verify(path)
         load(path, manifest)
-        self.last_committed, self._last_bytes = path.name, _manifest_bytes(manifest)
+        self.last_committed, self.store.last_bytes = path.name, manifest_bytes(manifest)
         return manifest
 
     def restore_newest(self, load: Loader) -> tuple[Path, dict[str, Any]] | None:
@@ -356,7 +373,7 @@ class CheckpointManager:
             for bad, why in damaged:
                 self._set_aside(bad, why)
             if self.rank == 0 and self.latest_name() != path.name:
-                self._point_latest(path.name)
+                self.store.point_latest(path.name)
             dist.barrier(group=self.group)
             return path, manifest
         if damaged:
@@ -429,87 +446,26 @@ class CheckpointManager:
             raise DamagedCheckpoint(bad[0])
 
     def close(self) -> None:
-        """Finish the in-flight save (raising its error) before the process exits."""
-        self.wait()
-
-
-class _Writer(FileSystemWriter):
-    """DCP's file writer (fsync on) with the injected-fault seam inside the write phase, where
-    DCP reports a rank's I/O error to every rank, as it does for a real full disk."""
-
-    def __init__(self, path: Path, step: int):
-        super().__init__(path, sync_files=True)
-        self._step = step
-
-    def write_data(self, plan, planner):
-        faults.maybe_fail_save(self._step)
-        return super().write_data(plan, planner)
-
-
-def _causes(e: BaseException) -> list[BaseException]:
-    """``e`` and, for DCP's wrapper, each rank's own exception."""
-    if isinstance(e, CheckpointException) and e.failures:
-        return [inner for inner, _trace in e.failures.values()]
-    return [e]
-
-
-def _first_line(e: BaseException) -> str:
-    """The root cause of an error in one line (DCP wraps each rank's traceback)."""
-    inner = _causes(e)[0]
-    if isinstance(inner, CheckpointError):
-        return inner.what.splitlines()[0]
-    return f"{type(inner).__name__}: {inner}".splitlines()[0]
-
-
-def _is_disk_full(e: BaseException) -> bool:
-    return any(isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT)
-               for c in _causes(e))
+        """Finish the in-flight save (raising its error), then stop the writer process."""
+        try:
+            self.wait()
+        finally:
+            if self._writer is not None:
+                self._writer.stop()
+                self._writer = None
+            if self._staging is not None:
+                self._staging.close()
+                self._staging = None
 
 
 def _load_failure(path: Path, e: CheckpointException) -> CheckpointError:
     """DCP's load failure as ours: damage unless the machine ran out of memory."""
-    inner = _causes(e)[0]
+    inner = causes(e)[0]
     if isinstance(inner, DamagedCheckpoint):
         return DamagedCheckpoint(inner.what)
     if isinstance(inner, MemoryError | torch.OutOfMemoryError):
-        return CheckpointError(f"loading {path} failed: {_first_line(e)}")
-    return DamagedCheckpoint(f"loading {path} failed: {_first_line(e)}")
-
-
-def _less_free_than(path: Path, n: int) -> bool:
-    free = _free_bytes(path)
-    return free is not None and free < n
-
-
-def _manifest_bytes(manifest: dict[str, Any]) -> int:
-    return sum(entry["size"] for entry in manifest["files"].values())
-
-
-def _state_bytes(state: dict[str, Any]) -> int:
-    """Bytes of the tensors this rank holds in ``state`` (its shard of a DTensor)."""
-    total = 0
-    for value in state.values():
-        if isinstance(value, dict):
-            total += _state_bytes(value)
-        elif isinstance(value, torch.Tensor):
-            local = value.to_local() if hasattr(value, "to_local") else value
-            total += local.numel() * local.element_size()
-    return total
-
-
-def _free_bytes(path: Path) -> int | None:
-    """Free bytes on the file system holding ``path`` (or its nearest existing parent)."""
-    for folder in (path, *path.parents):
-        if folder.exists():
-            try:
-                return shutil.disk_usage(folder).free
-            except OSError:
-                return None
-    return None
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.3g}"
+        return CheckpointError(f"loading {path} failed: {first_line(e)}")
+    return DamagedCheckpoint(f"loading {path} failed: {first_line(e)}")
 
 
 def _capture_rng(device: torch.device) -> dict[str, torch.Tensor]:
@@ -535,10 +491,3 @@ def _restore_rng(path: Path, device: torch.device) -> None:
     torch.set_rng_state(rng["cpu"])
     if "cuda" in current and "cuda" in rng:
         torch.cuda.set_rng_state(rng["cuda"], device)
-
-
-def _save_durable(obj: Any, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
