@@ -35,13 +35,14 @@ class SaveSchedule:
         return time.monotonic() - self._last >= self.minutes * 60
 
     def saved(self, cost_s: float) -> None:
-        """Restart the clock; under ``auto`` re-derive the interval from this save's cost."""
+        """Restart the clock; under ``auto`` re-derive the interval from the measured cost of a
+        save: what it costs the run (the loop's stall plus the slowdown of the steps beside its
+        background write, see observe/goodput.py), not the stall alone."""
         self._last = time.monotonic()
         if self.cfg.interval != "auto":
             return
         mttf_s = job_mttf(self.cfg.mttf_gpu_hours * 3600, self.n_gpus)
-        # The training time a save costs is what the loop blocks for; never below 1 s so a
-        # near-free async save does not schedule saves back to back.
+        # Never below 1 s, so a near-free async save does not schedule saves back to back.
         delta = max(cost_s, 1.0)
         self.minutes = daly_interval(delta, mttf_s) / 60
         log.info("checkpoint interval (Daly): %.1f min from save cost %.2f s and job MTTF "

@@ -20,6 +20,7 @@ from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.config import JobConfig, dump_yaml
 from hpctrain.errors import ConfigError, HpctrainError
 from hpctrain.models.flops import count_params
+from hpctrain.observe.goodput import GoodputClock, summary
 from hpctrain.observe.metrics import MetricsWriter
 from hpctrain.observe.profile import write_oom_snapshot
 from hpctrain.runtime.config import refuse_large_model_on_cpu
@@ -178,6 +179,7 @@ def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | 
     """Everything after the lock: process group, Trainer, exit info."""
     started = time.time()
     watchdog = trainer = None
+    goodput = _goodput_clock(run_dir, env)
     try:
         if ctx is None:
             ctx = init_distributed(cfg.run, env, cfg.parallel)
@@ -191,18 +193,20 @@ def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | 
         watchdog = Watchdog(cfg.watchdog, run_dir, env.rank, hosts, _store())
         ckpt = CheckpointManager(cfg.checkpoint, run_dir.checkpoints_dir, rank=env.rank,
                                  world_size=env.world_size, device=ctx.device,
-                                 group=ctx.checkpoint_group)
+                                 group=ctx.checkpoint_group, timeout_s=cfg.run.timeout_s)
         with MetricsWriter(run_dir, env) as metrics:
             trainer = Trainer(cfg, ctx, metrics, ckpt=ckpt, watchdog=watchdog, preempt=preempt,
-                              control=ControlChannel(ctx.control_group))
+                              control=ControlChannel(ctx.control_group), goodput=goodput)
             trainer.resume(cfg.checkpoint.resume)
             result = trainer.train()
         if env.world_size > 1:
             dist.barrier()
     except Preempted as e:
+        _end_goodput(goodput, PREEMPTED)
         _after_preemption(cfg, env, run_dir, e, trainer)
         raise
     except KeyboardInterrupt:
+        _end_goodput(goodput, INTERRUPTED)
         step = trainer.step if trainer else 0
         latest = run_dir.latest_checkpoint()
         # The one line the user sees comes from the CLI or the launcher; the log keeps this.
@@ -218,6 +222,7 @@ def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | 
             write_oom_snapshot(run_dir.root, env.rank)
         reason = f"{type(e).__name__}: {e}"
         log.error("rank %d failed: %s", env.rank, reason, exc_info=not isinstance(e, HpctrainError))
+        _end_goodput(goodput, _exit_code(e))
         if run_dir.failure_since(started) is None:  # a watchdog's or peer's account comes first
             # The committed one: an async save still in flight (or failed) is not a checkpoint.
             run_dir.write_exit_info(
@@ -235,10 +240,34 @@ def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | 
                                 extra={"steps": result.steps, "final_loss": result.final_loss,
                                        "tokens_per_s": result.tokens_per_s})
         log.info("run directory: %s", run_dir.root)
-        log.info("done: %d steps, final loss %.4f, %.0f tokens/s per rank (%.0f in all)",
+        log.info("done: %d steps, final loss %.4f, %.0f tokens/s per rank (%.0f in all)%s",
                  result.steps, result.final_loss, result.tokens_per_s,
-                 result.tokens_per_s * env.world_size)
+                 result.tokens_per_s * env.world_size,
+                 f"; {summary(result.goodput)}" if result.goodput else "")
     return result
+
+
+def _goodput_clock(run_dir: RunDir, env: ProcessEnv) -> GoodputClock:
+    """Rank 0 keeps the run's goodput ledger (observe/goodput.py); the other ranks only count."""
+    if env.rank != 0:
+        return GoodputClock()
+    try:
+        return GoodputClock.open(run_dir.root)
+    except OSError as e:
+        log.warning("goodput: no ledger in %s (%s); this attempt is not accounted", run_dir.root,
+                    e)
+        return GoodputClock()
+
+
+def _end_goodput(clock: GoodputClock, exit_code: int) -> None:
+    """Close this attempt's ledger and write goodput.json; never masks the run's own error."""
+    try:
+        account = clock.finish(exit_code)
+    except Exception as e:  # noqa: BLE001 - the run's outcome matters more than its account
+        log.warning("goodput: the account was not written: %s", e)
+        return
+    if account is not None:
+        log.info("%s", summary(account))
 
 
 def _after_preemption(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, e: Preempted,

@@ -37,6 +37,7 @@ from hpctrain.data.loader import (
 )
 from hpctrain.errors import ConfigError, HpctrainError
 from hpctrain.models import Transformer, count_params, flops_per_token
+from hpctrain.observe.goodput import GoodputClock
 from hpctrain.observe.live import RunObserver
 from hpctrain.observe.metrics import MetricsWriter
 from hpctrain.observe.peaks import mfu, peak_tflops
@@ -75,6 +76,7 @@ class TrainResult:
     final_loss: float
     tokens_per_s: float
     mfu: float | None
+    goodput: dict | None = None  # the run's account (rank 0; see observe/goodput.py)
 
 
 class Trainer:
@@ -82,12 +84,17 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig, dist_ctx: Distributed, metrics: MetricsWriter, *,
                  ckpt: CheckpointManager, watchdog: Watchdog, preempt: PreemptionFlag,
-                 control: ControlChannel):
+                 control: ControlChannel, goodput: GoodputClock | None = None):
         self.cfg = cfg
         self.dist = dist_ctx
         self.device = dist_ctx.device
         self.metrics = metrics
         self.ckpt = ckpt
+        # Where the wall time goes (rank 0 keeps the run's ledger; other ranks count only).
+        self.goodput = goodput or GoodputClock()
+        if self._saves_in_background():
+            # Started first: the writer's interpreter starts while the model is built.
+            ckpt.start_writer()
         self.watchdog = watchdog
         self.preempt = preempt
         self.control = control
@@ -293,6 +300,7 @@ class Trainer:
         last_loss = float("nan")
         last_mfu = None
         show = progress and self.cfg.metrics.progress and self.dist.rank == 0
+        self.goodput.started(self.step if self.last_checkpoint else None)
         with TrainProgress(tc.steps, self.dist.env, enabled=show, plain_every=1) as bar:
             bar.update(self.step, None, None, None)
             while self.step < tc.steps:
@@ -302,12 +310,14 @@ class Trainer:
                     time.sleep(float(hang.get("seconds", 3600)))
                 self.watchdog.beat(self.step, "data")
                 t0 = time.perf_counter()
-                micro_batches = self.loader.next_step()
+                with self.goodput.part("data_wait"):
+                    micro_batches = self.loader.next_step()
                 window.data_time += time.perf_counter() - t0
                 self.watchdog.beat(self.step, "forward_backward")
                 loss, norm = self.train_step(micro_batches)
                 self.step += 1
                 self.observe.step_end(self.step)
+                self.goodput.step_done(self.step, writing=self.ckpt.in_flight)
                 window.add(loss, norm)
                 if self.step % every == 0 or self.step == tc.steps:
                     record = self._log(window)
@@ -318,19 +328,25 @@ class Trainer:
                     bar.update(self.step, record["loss"], record["tokens_per_s"], record["mfu"])
                     window = _Window(self.device)
                 if tc.val_every and self.step % tc.val_every == 0 and self.step < tc.steps:
-                    self.validate()
+                    with self.goodput.part("validation"):
+                        self.validate()
                 # Last: a preemption exits from here, after this step's metrics are written.
                 self.watchdog.beat(self.step, "checkpoint/control")
                 self._between_steps()
-        self.validate()
+        with self.goodput.part("validation"):
+            self.validate()
         if self.cfg.checkpoint.save_at_end and self.last_checkpoint != step_dir_name(self.step):
             self.save(blocking=True)
-        self.ckpt.close()
+        with self.goodput.part("checkpoint"):
+            self.ckpt.close()
         self._report_saves()
         self.loader.close()
         self.observe.close(self.step)
         mean_rate = sum(rates) / len(rates) if rates else 0.0
-        return TrainResult(self.step, last_loss, mean_rate, last_mfu)
+        account = self.goodput.finish(exit_code=0)
+        if account is not None:
+            self.metrics.write({"event": "goodput", **account})
+        return TrainResult(self.step, last_loss, mean_rate, last_mfu, account)
 
     def validate(self) -> dict | None:
         """Evaluate the held-out split (if any) and log it like the training metrics."""
@@ -359,25 +375,43 @@ class Trainer:
     def save(self, *, blocking: bool) -> None:
         """Checkpoint the current state (collective); records the stall for the schedule.
 
-        A step already committed (an async save that finished) is not saved again.
+        A step already committed (an async save that finished) is not saved again. The time
+        the loop is blocked — waiting for the previous save, staging, a blocking write — is
+        charged to the checkpoint part of goodput; ``checkpoint_stall`` records it, and
+        ``wait_s`` the part spent waiting for the previous save to finish writing.
         """
-        self.ckpt.wait()  # raises a failed background save
-        self._report_saves()
-        if self.last_checkpoint == step_dir_name(self.step):
-            return
-        state = self._train_state()
-        tensors = checkpointing.tensor_state(state)
-        meta = checkpointing.meta_state(state, self.cfg, step=self.step,
-                                        world_size=self.dist.world_size)
-        if blocking:
-            with self.watchdog.paused("checkpoint save"):
-                stall = self.ckpt.save(self.step, tensors, meta, blocking=True)
-        else:
-            stall = self.ckpt.save(self.step, tensors, meta, blocking=False)
-        self.schedule.saved(stall)
+        with self.goodput.part("checkpoint"), self.watchdog.paused("checkpoint save"):
+            start = time.perf_counter()
+            self.ckpt.wait()  # raises a failed background save
+            waited = time.perf_counter() - start
+            self._report_saves()
+            if self.last_checkpoint == step_dir_name(self.step):
+                return
+            state = self._train_state()
+            tensors = checkpointing.tensor_state(state)
+            meta = checkpointing.meta_state(state, self.cfg, step=self.step,
+                                            world_size=self.dist.world_size)
+            self.ckpt.save(self.step, tensors, meta, blocking=blocking)
+            waited += self.ckpt.last_wait_s
+            stall = time.perf_counter() - start
+            self.ckpt.record_stall(self.step, stall, waited)
+        self.goodput.saved(self.step, background=not blocking)
+        # The interval (checkpoint.interval=auto) follows what a save costs the run: the
+        # stall plus the slowdown of the steps beside background writes, as measured so far.
+        self.schedule.saved(self.goodput.checkpoint_cost() or stall)
         self.metrics.write({"event": "checkpoint_stall", "step": self.step, "stall_s": stall,
-                            "async": not blocking})
+                            "wait_s": waited, "async": not blocking})
         self._report_saves()
+
+    def _saves_in_background(self) -> bool:
+        """Whether the loop will make background saves through a writer process
+        (``checkpoint.writer``: auto is a process on GPUs)."""
+        c = self.cfg.checkpoint
+        if not c.async_save or c.interval == "none":
+            return False
+        if c.writer == "thread" or (c.writer == "auto" and self.device.type != "cuda"):
+            return False
+        return c.interval != "steps" or int(c.every) < self.cfg.train.steps
 
     def _report_saves(self) -> None:
         """Write a metrics event for each save committed since the last report."""
@@ -430,6 +464,15 @@ class Trainer:
         """Raise a failed background save, agree on preemption and saves, roll back if needed."""
         self.ckpt.poll()
         self._report_saves()
+        if not self.ckpt.prepared:
+            # Once, after the first step (the optimizer's state exists now): the writer's
+            # buffers are allocated and pinned here, so the first save costs what later ones do.
+            start = time.perf_counter()
+            with self.goodput.part("startup"):
+                self.ckpt.prepare(checkpointing.tensor_state(self._train_state()))
+            self.metrics.write({"event": "checkpoint_writer", "step": self.step,
+                                "writer": self.ckpt.mode, "staged_bytes": self.ckpt.staged_bytes,
+                                "prepare_s": time.perf_counter() - start})
         preempt = save = False
         # The exchange aligns the ranks' host threads; every few steps is soon enough for a
         # signal that comes minutes ahead of the kill (and for a time-based save).
@@ -441,9 +484,7 @@ class Trainer:
             reason = self.preempt.requested or "a signal on another rank"
             log.warning("preemption (%s): checkpointing at step %d and stopping", reason,
                         self.step)
-            self.ckpt.wait()
-            if self.last_checkpoint != step_dir_name(self.step):
-                self.save(blocking=True)
+            self.save(blocking=True)  # after the save in flight, if any; once per step
             raise Preempted(f"preempted by {reason} at step {self.step}; checkpoint "
                             f"{self.last_checkpoint} committed")
         if save or self.schedule.due_by_step(self.step):
@@ -452,19 +493,23 @@ class Trainer:
     def _rollback(self, streak: int) -> None:
         """Restore the newest good checkpoint, keeping the data position (skips bad batches);
         damaged checkpoints are passed over as on resume."""
-        self.ckpt.wait()
+        with self.goodput.part("checkpoint"):
+            self.ckpt.wait()
         skipped_from = self.step
         what = (f"{streak} bad steps in a row (loss NaN or infinite, or spiking) up to step "
                 f"{self.step}, and no checkpoint to roll back to")
         hint = ("lower optim.lr, raise optim.warmup_steps, enable train.grad_clip, or use "
                 "train.precision=bf16 instead of fp16")
+        start = time.perf_counter()
         try:
-            found = self.ckpt.restore_newest(self._loader(data=False))
+            with self.goodput.part("lost_work"):
+                found = self.ckpt.restore_newest(self._loader(data=False))
         except DamagedCheckpoint as e:
             raise NonFiniteLossError(f"{what} that is not damaged: {e.what}", hint=hint) from None
         if found is None:
             raise NonFiniteLossError(what, hint=hint)
         path = found[0]
+        self.goodput.rolled_back(skipped_from, self.step, time.perf_counter() - start)
         self.guard.reset_consecutive()
         log.warning("rollback: %d bad steps in a row up to step %d; restored %s and skipped "
                     "the batches since it", streak, skipped_from, path.name)
@@ -492,6 +537,7 @@ class Trainer:
         good_sum, good, skipped, streak = torch.stack(
             [w.good_loss_sum, w.good_steps, self.guard.skipped, self.guard.consecutive]
         ).tolist()
+        self.goodput.window_closed()  # after the sync: the window's device time is in
         if skipped > self._skipped_logged:
             new = int(skipped - self._skipped_logged)
             log.warning("%d bad step(s) skipped in steps %d..%d (loss NaN/inf or a spike)", new,

@@ -1,0 +1,428 @@
+"""Goodput: where every second of a run's wall time went, over all its attempts.
+
+An *attempt* is one life of rank 0's training process (a Slurm requeue, a torchrun or
+``--max-restarts`` restart, a rerun of the command each start one). Rank 0 keeps a ledger of
+its attempt in the run directory; the account over all ledgers is ``goodput.json``:
+
+    <run>/goodput/attempt-0001.json   one ledger per attempt, rewritten in place after every step
+                                      (no rename, no fsync: a kill -9 loses at most the step in
+                                      flight); finished atomically at the attempt's end, or by
+                                      the next attempt for one that was killed
+    <run>/goodput.json                the account, written atomically at the end of each attempt
+
+``goodput.json`` (read by the HTML report)::
+
+    {"version": 1, "wall_s": float,
+     "parts": {"productive": s, "startup": s, "checkpoint": s, "data_wait": s, "validation": s,
+               "lost_work": s, "restart_gap": s, "hang": s},
+     "goodput": productive / wall_s, "lost_steps": int, "saves": int,
+     "checkpoint_cost_s": s | null, "restart_cost_s": s | null,
+     "attempts": [{"attempt": i, "start": unix_s, "end": unix_s, "exit_code": int | null,
+                   "resumed_from_step": int | null, "last_step": int}]}
+
+``checkpoint_cost_s`` is what one save cost the run (the checkpoint part over the saves that
+count); ``restart_cost_s`` what one restart cost (the gap before it and its start-up), or the
+first start-up when the run never restarted: the inputs of ``hpctrain plan interval`` and
+``hpctrain plan goodput --from-run``.
+
+The parts sum to ``wall_s`` (by construction: each interval of an attempt is charged to exactly
+one part, and gaps between attempts to ``restart_gap``):
+
+- productive: step time (forward, backward, update, logging) of the steps that count, less the
+  slowdown below and the first logging window's excess;
+- startup: process start to the first step (imports, process group, model build, checkpoint
+  load), the first logging window's excess over the attempt's typical window (compile, warm-up),
+  laying out the writer's buffers, and the attempt's exit;
+- checkpoint: the loop blocked on saves (staging copy, waiting for the previous save, blocking
+  saves) plus the measured slowdown of steps while a background write ran: logging windows with
+  a write in flight against the mean of those without;
+- data_wait, validation: waiting for batches, evaluation;
+- lost_work: steps computed again. After a restart: all its previous attempt did after the
+  checkpoint the restart resumed from. After a rollback: the steps since the restored checkpoint,
+  and the restore;
+- restart_gap: from the end of an attempt to the start of the next in the same allocation (a
+  Slurm job's restarts, torchrun or ``--max-restarts`` restarts). A requeue into a new
+  allocation, or running the command again, adds nothing: the job did not hold the devices;
+- hang: from the last step of an attempt to the watchdog's exit (exit code 124).
+
+Metrics event (rank 0, at the end of a completed run): ``{"event": "goodput", ...}`` with the
+fields of ``goodput.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from hpctrain.runtime.exit_codes import HUNG
+from hpctrain.runtime.rundir import write_json_atomic
+from hpctrain.runtime.runlock import current_attempt
+
+log = logging.getLogger("hpctrain.goodput")
+
+VERSION = 1
+PARTS = ("productive", "startup", "checkpoint", "data_wait", "validation", "lost_work",
+         "restart_gap", "hang")
+LEDGER_DIR = "goodput"
+ACCOUNT = "goodput.json"
+_LEDGER = re.compile(r"attempt-(\d{4,})\.json")
+# Seconds charged since the last mark, by bucket; the step-window buckets are split at the end.
+_TIMES = ("startup", "warmup_s", "clean_s", "dirty_s", "open_s", "data_wait", "validation",
+          "checkpoint", "lost_work")
+_COUNTS = ("warmup_n", "clean_n", "dirty_n", "open_n", "saves")
+# What a restart or rollback moves into lost_work when the steps after a checkpoint are lost.
+_TRANSFER = ("warmup_s", "clean_s", "dirty_s", "open_s", "data_wait", "validation",
+             "checkpoint")
+# Checkpoint marks kept (a resume may fall back past damaged ones; retention keeps fewer).
+_MARKS = 16
+
+
+def allocation_id(environ: dict[str, str] | None = None) -> str:
+    """Which allocation this process runs in: restarts inside one share it, a requeue does not."""
+    attempt = current_attempt(environ)
+    if attempt.job is None:
+        return f"process:{os.getpid()}"  # a plain command: every run its own allocation
+    return f"{attempt.job}#{attempt.attempt[0]}"
+
+
+class GoodputClock:
+    """Charges the time of one attempt to its parts (rank 0 keeps a ledger on disk)."""
+
+    def __init__(self, ledger: Path | None = None, *, start: float | None = None,
+                 attempt: int = 1, allocation: str = ""):
+        self.start = start if start is not None else time.time()
+        self._mark = self.start
+        self.buckets: dict[str, float] = dict.fromkeys(_TIMES + _COUNTS, 0.0)
+        self.open_dirty = False
+        self.windows = 0
+        self.marks: dict[str, dict[str, float]] = {}
+        self.rollbacks: list[dict[str, Any]] = []
+        self.resumed_from: int | None = None
+        self.last_step = 0
+        self.attempt = attempt
+        self.allocation = allocation
+        self.finished = False
+        self._ledger = ledger
+        self._fd: int | None = None
+        self._size = 0
+        self._marks_json: str | None = None  # serialised once per change, not per step
+
+    @classmethod
+    def open(cls, run_dir: Path) -> GoodputClock:
+        """Rank 0's clock: a new attempt ledger under ``run_dir/goodput/`` (killed attempts
+        before it finished from ``exit_info.json``), started at this process's start."""
+        folder = Path(run_dir) / LEDGER_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        start = psutil.Process().create_time()
+        finish_killed(Path(run_dir), before=start)
+        for _ in range(100):
+            number = max((n for n, _ in _ledgers(folder)), default=0) + 1
+            path = folder / f"attempt-{number:04d}.json"
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise RuntimeError(f"no free attempt number in {folder}")
+        clock = cls(path, start=start, attempt=number, allocation=allocation_id())
+        clock._fd = fd
+        clock._persist()
+        return clock
+
+    # -- charging -----------------------------------------------------------------------------
+
+    def _charge(self, bucket: str) -> float:
+        now = time.time()
+        spent = max(0.0, now - self._mark)
+        self.buckets[bucket] += spent
+        self._mark = now
+        return spent
+
+    def started(self, resumed_from: int | None) -> None:
+        """The loop starts: all time so far was start-up."""
+        self.resumed_from = resumed_from
+        self.last_step = resumed_from or 0
+        self._charge("startup")
+        self.marks["start"] = self._snapshot()
+        self._marks_json = None
+        self._persist()
+
+    @contextlib.contextmanager
+    def part(self, bucket: str) -> Iterator[None]:
+        """Charge the time inside to ``bucket`` (time before it belongs to the current step)."""
+        self._charge("open_s")
+        try:
+            yield
+        finally:
+            self._charge(bucket)
+
+    def step_done(self, step: int, writing: bool) -> None:
+        """A step ended (``writing``: a background save was in flight)."""
+        self._charge("open_s")
+        self.buckets["open_n"] += 1
+        self.open_dirty |= writing
+        self.last_step = step
+        self._persist()
+
+    def window_closed(self) -> None:
+        """A logging window ended after its host sync: its steps' time is known."""
+        self._charge("open_s")
+        if self.buckets["open_n"]:
+            kind = "warmup" if self.windows == 0 else ("dirty" if self.open_dirty else "clean")
+            self.buckets[f"{kind}_s"] += self.buckets["open_s"]
+            self.buckets[f"{kind}_n"] += self.buckets["open_n"]
+            self.buckets["open_s"] = self.buckets["open_n"] = 0.0
+            self.windows += 1
+        self.open_dirty = False
+
+    def saved(self, step: int, background: bool) -> None:
+        """A save of ``step`` was made (charged already): the work before it is safe."""
+        self.buckets["saves"] += 1
+        self.open_dirty |= background
+        self.marks[str(step)] = self._snapshot()
+        for key in [k for k in self.marks if k != "start"][:-_MARKS]:
+            del self.marks[key]
+        self._marks_json = None
+
+    def rolled_back(self, from_step: int, to_step: int, restore_s: float) -> None:
+        """Steps ``to_step+1..from_step`` are discarded: their time becomes lost work."""
+        mark = self.marks.get(str(to_step), self.marks.get("start"))
+        lost = _transfer(self.buckets, mark) if mark else 0.0
+        self.rollbacks.append({"from_step": from_step, "to_step": to_step,
+                               "lost_steps": from_step - to_step, "lost_s": lost + restore_s,
+                               "restore_s": restore_s})
+        self.marks = {k: v for k, v in self.marks.items() if k == "start" or int(k) < to_step}
+        self.marks[str(to_step)] = self._snapshot()
+        self._marks_json = None
+        self.last_step = to_step
+        self._persist()
+
+    def checkpoint_cost(self) -> float | None:
+        """Measured seconds a save costs the run so far (stall + slowdown), per save."""
+        if not self.buckets["saves"]:
+            return None
+        parts = _parts(self._state())
+        return parts["checkpoint"] / self.buckets["saves"]
+
+    def finish(self, exit_code: int) -> dict[str, Any] | None:
+        """End the attempt (its exit charged to start-up); on rank 0 close the ledger, write
+        ``goodput.json`` and return it. Only the first call counts."""
+        if self.finished:
+            return None
+        self.finished = True
+        self._charge("startup")
+        self.window_closed()
+        if self._ledger is None:
+            return None
+        state = self._state()
+        state.update(ended=True, exit_code=exit_code, end=self._mark)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        write_json_atomic(self._ledger, state)
+        run_dir = self._ledger.parent.parent
+        account = compute_goodput(run_dir)
+        write_json_atomic(run_dir / ACCOUNT, account)
+        return account
+
+    # -- the ledger ---------------------------------------------------------------------------
+
+    def _snapshot(self) -> dict[str, float]:
+        return dict(self.buckets)
+
+    def _state(self, marks: bool = True) -> dict[str, Any]:
+        state = {"version": VERSION, "attempt": self.attempt, "allocation": self.allocation,
+                 "pid": os.getpid(), "start": self.start, "updated": self._mark,
+                 "ended": False, "exit_code": None, "resumed_from_step": self.resumed_from,
+                 "last_step": self.last_step, "buckets": dict(self.buckets),
+                 "open_dirty": self.open_dirty, "rollbacks": self.rollbacks, "hang_s": 0.0}
+        if marks:
+            state["marks"] = self.marks
+        return state
+
+    def _persist(self) -> None:
+        if self._fd is None:
+            return
+        if self._marks_json is None:
+            self._marks_json = json.dumps(self.marks)
+        text = json.dumps(self._state(marks=False))
+        data = f'{text[:-1]}, "marks": {self._marks_json}}}'.encode()
+        # In place and padded: readers after a kill see one whole JSON document.
+        padded = data.ljust(self._size)
+        os.pwrite(self._fd, padded, 0)
+        self._size = max(self._size, len(data))
+
+
+def _transfer(buckets: dict[str, float], mark: dict[str, float]) -> float:
+    """Move what ``buckets`` gained since ``mark`` into lost_work; return the seconds moved."""
+    moved = 0.0
+    for key in _TRANSFER + _COUNTS:
+        delta = max(0.0, buckets[key] - mark.get(key, 0.0))
+        buckets[key] -= delta
+        if key in _TIMES:
+            moved += delta
+    buckets["lost_work"] += moved
+    return moved
+
+
+def _parts(state: dict[str, Any]) -> dict[str, float]:
+    """One attempt's parts from its buckets (warm-up excess and slowdown split off)."""
+    b = dict(state["buckets"])
+    open_kind = "dirty" if state.get("open_dirty") else "clean"
+    b[f"{open_kind}_s"] += b["open_s"]
+    b[f"{open_kind}_n"] += b["open_n"]
+    per_step = None
+    if b["clean_n"]:
+        per_step = b["clean_s"] / b["clean_n"]
+    elif b["dirty_n"]:
+        per_step = b["dirty_s"] / b["dirty_n"]  # every window saw a write: none to compare
+    slowdown = warm = 0.0
+    if per_step is not None:
+        slowdown = max(0.0, b["dirty_s"] - b["dirty_n"] * per_step)
+        warm = max(0.0, b["warmup_s"] - b["warmup_n"] * per_step)
+    steps = b["warmup_s"] + b["clean_s"] + b["dirty_s"]
+    return {"productive": steps - slowdown - warm, "startup": b["startup"] + warm,
+            "checkpoint": b["checkpoint"] + slowdown, "data_wait": b["data_wait"],
+            "validation": b["validation"], "lost_work": b["lost_work"],
+            "restart_gap": 0.0, "hang": state.get("hang_s", 0.0)}
+
+
+def _ledgers(folder: Path) -> list[tuple[int, Path]]:
+    found = []
+    if folder.is_dir():
+        for path in folder.iterdir():
+            match = _LEDGER.fullmatch(path.name)
+            if match:
+                found.append((int(match[1]), path))
+    return sorted(found)
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        log.warning("goodput: %s is unreadable; that attempt is left out", path)
+        return None
+    return state if isinstance(state, dict) and state.get("version") == VERSION else None
+
+
+def _exit_info(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        info = json.loads((run_dir / "exit_info.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def _close_killed(state: dict[str, Any], info: dict[str, Any] | None,
+                  before: float | None) -> dict[str, Any]:
+    """An attempt that never finished its ledger: end it at its last update, or at a later
+    exit_info.json of its own (a watchdog's: the time since the last step was a hang)."""
+    state = {**state, "ended": True, "end": state["updated"]}
+    ts = info.get("timestamp") if info else None
+    if isinstance(ts, int | float) and state["updated"] <= ts and (before is None or ts <= before):
+        state["exit_code"] = info.get("exit_code")
+        if info.get("exit_code") == HUNG:
+            state["hang_s"] = ts - state["updated"]
+            state["end"] = ts
+    return state
+
+
+def finish_killed(run_dir: Path, before: float) -> None:
+    """Close the ledgers of earlier attempts that were killed (rank 0 of a new attempt)."""
+    info = _exit_info(run_dir)
+    for _, path in _ledgers(run_dir / LEDGER_DIR):
+        state = _read(path)
+        if state is not None and not state.get("ended") and state["start"] < before:
+            write_json_atomic(path, _close_killed(state, info, before))
+
+
+def compute_goodput(run_dir: Path) -> dict[str, Any]:
+    """The account of every attempt found under ``run_dir`` (the ``goodput.json`` schema)."""
+    run_dir = Path(run_dir)
+    states = [s for _, p in _ledgers(run_dir / LEDGER_DIR) if (s := _read(p)) is not None]
+    info = _exit_info(run_dir)
+    states = [s if s.get("ended") else _close_killed(s, info, None) for s in states]
+    parts = dict.fromkeys(PARTS, 0.0)
+    lost_steps = 0
+    saves = 0.0
+    attempts = []
+    restarts = []  # (gap before, start-up) of every attempt but the first
+    gap = 0.0
+    for i, state in enumerate(states):
+        following = states[i + 1] if i + 1 < len(states) else None
+        own = gap
+        gap = 0.0
+        if following is not None:
+            lost_steps += _lose_after_restart(state, following)
+            if following.get("allocation") == state.get("allocation"):
+                gap = max(0.0, following["start"] - state["end"])
+                parts["restart_gap"] += gap
+        lost_steps += sum(r["lost_steps"] for r in state.get("rollbacks", []))
+        saves += state["buckets"]["saves"]
+        mine = _parts(state)
+        restarts.append(own + mine["startup"])
+        for key, value in mine.items():
+            parts[key] += value
+        attempts.append({"attempt": state["attempt"], "start": state["start"],
+                         "end": state["end"], "exit_code": state.get("exit_code"),
+                         "resumed_from_step": state.get("resumed_from_step"),
+                         "last_step": state.get("last_step", 0)})
+    wall = sum(parts.values())
+    return {"version": VERSION, "wall_s": wall, "parts": parts,
+            "goodput": parts["productive"] / wall if wall > 0 else 0.0,
+            "lost_steps": lost_steps, "saves": int(saves),
+            "checkpoint_cost_s": parts["checkpoint"] / saves if saves else None,
+            "restart_cost_s": (sum(restarts[1:]) / len(restarts[1:]) if len(restarts) > 1
+                               else restarts[0] if restarts else None),
+            "attempts": attempts}
+
+
+def _lose_after_restart(state: dict[str, Any], following: dict[str, Any]) -> int:
+    """Move the work ``state`` did after the step ``following`` resumed from into lost_work
+    (in ``state``'s buckets); return the number of steps lost."""
+    resumed = following.get("resumed_from_step") or 0
+    first = state.get("resumed_from_step") or 0
+    last = state.get("last_step", 0)
+    if last <= resumed:
+        return 0
+    marks = state.get("marks", {})
+    mark = marks.get(str(resumed)) if resumed >= first else None
+    mark = mark or marks.get("start")
+    if mark is None:
+        return 0
+    buckets = dict(state["buckets"])
+    _transfer(buckets, mark)
+    state["buckets"] = buckets
+    state["open_dirty"] = False
+    return last - max(resumed, first)
+
+
+def summary(account: dict[str, Any]) -> str:
+    """One line for the end of a run: goodput and where the rest went."""
+    wall = account["wall_s"] or 1.0
+    parts = account["parts"]
+    rest = ", ".join(f"{name.replace('_', ' ')} {parts[name] / wall:.1%}" for name in PARTS[1:]
+                     if parts[name] > 0)
+    attempts = len(account["attempts"])
+    lost = f"; {account['lost_steps']} steps lost" if account["lost_steps"] else ""
+    return (f"goodput {account['goodput']:.1%} of {_duration(account['wall_s'])} over "
+            f"{attempts} attempt{'s' if attempts != 1 else ''} ({rest}{lost})")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
