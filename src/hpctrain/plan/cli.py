@@ -7,6 +7,8 @@
     hpctrain plan budget --tokens 1T --from-bench runs/bench/model-X --gpus 256 \
         --price-per-gpu-hour 2.5 --grid-gco2-per-kwh 400 --pue 1.2
     hpctrain plan interval --save-min 5 --mttf-h 24
+    hpctrain plan interval --from-run runs/pilot --gpu-mttf-h 50000 --gpus 1024
+    hpctrain plan goodput --gpu-mttf-h 50000 --gpus 1024 --save-s 20 --restart-s 300
 """
 
 from __future__ import annotations
@@ -98,18 +100,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--pue", type=float, default=1.0,
                    help="data-centre power usage effectiveness (1.0 = GPUs only)")
 
+    def mttf_args(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--mttf-h", type=float, default=None, help="MTTF of the whole job, hours")
+        q.add_argument("--gpu-mttf-h", type=float, default=None,
+                       help="MTTF of one GPU, hours (e.g. 50000); with --gpus")
+        q.add_argument("--gpus", type=int, default=None)
+        q.add_argument("--from-run", type=Path, default=None,
+                       help="run directory: what a save (and a restart) cost it, measured "
+                       "(its goodput ledgers: stall plus the slowdown beside background "
+                       "writes)")
+
     i = psub.add_parser("interval", help="Young/Daly checkpoint interval")
-    i.add_argument("--save-min", type=float, required=True, help="time to save a checkpoint")
-    i.add_argument("--mttf-h", type=float, default=None, help="MTTF of the whole job, hours")
-    i.add_argument("--gpu-mttf-h", type=float, default=None,
-                   help="MTTF of one GPU, hours (e.g. 50000); with --gpus")
-    i.add_argument("--gpus", type=int, default=None)
+    i.add_argument("--save-min", type=float, default=None,
+                   help="what a save costs the run, minutes (or --from-run)")
+    mttf_args(i)
+
+    g = psub.add_parser("goodput", help="expected goodput under failures (Daly's model)")
+    g.add_argument("--save-s", type=float, default=None,
+                   help="what a save costs the run, seconds (or --from-run)")
+    g.add_argument("--restart-s", type=float, default=None,
+                   help="what a restart costs: gap and start-up, seconds (or --from-run)")
+    g.add_argument("--interval-min", type=float, default=None,
+                   help="training time between saves, minutes (default: Daly's optimum)")
+    mttf_args(g)
 
 
 def run(args: argparse.Namespace) -> None:
     """Dispatch ``hpctrain plan <command>``."""
     {"memory": _memory, "parallel": _parallel, "budget": _budget,
-     "interval": _interval}[args.plan_command](args)
+     "interval": _interval, "goodput": _goodput}[args.plan_command](args)
 
 
 def _model(args: argparse.Namespace):
@@ -243,17 +262,63 @@ def _budget(args: argparse.Namespace) -> None:
         print(f"WARNING: {b.warning}")
 
 
-def _interval(args: argparse.Namespace) -> None:
-    from hpctrain.plan.interval import daly_interval, job_mttf, young_interval
+def _mttf_hours(args: argparse.Namespace) -> float:
+    from hpctrain.plan.interval import job_mttf
 
     if args.mttf_h is not None:
-        mttf_h = args.mttf_h
-    elif args.gpu_mttf_h is not None and args.gpus is not None:
-        mttf_h = job_mttf(args.gpu_mttf_h, args.gpus)
+        return args.mttf_h
+    if args.gpu_mttf_h is not None and args.gpus is not None:
+        return job_mttf(args.gpu_mttf_h, args.gpus)
+    raise ConfigError("no MTTF given", expected="--mttf-h H, or --gpu-mttf-h H with --gpus N",
+                      hint="Llama 3 saw ~50,000 GPU-hours per GPU: --gpu-mttf-h 50000")
+
+
+def _measured(args: argparse.Namespace, given: float | None, key: str, flag: str) -> float:
+    """A cost given on the command line, else measured in ``--from-run``'s goodput.json."""
+    if given is not None:
+        return given
+    if args.from_run is None:
+        raise ConfigError(f"no {flag} given", expected=f"{flag}, or --from-run RUN_DIR",
+                          hint="--from-run reads what saves and restarts cost a run you made")
+    from hpctrain.observe.goodput import compute_goodput
+
+    value = compute_goodput(args.from_run).get(key)  # from its ledgers, also mid-run
+    if not isinstance(value, int | float):
+        raise ConfigError(f"{args.from_run} has no measured {key.removesuffix('_s')}",
+                          expected="a run directory with goodput.json and at least one save",
+                          hint=f"give {flag} instead")
+    return float(value)
+
+
+def _interval(args: argparse.Namespace) -> None:
+    from hpctrain.plan.interval import daly_interval, young_interval
+
+    mttf_h = _mttf_hours(args)
+    if args.save_min is not None:
+        save_s, source = args.save_min * 60, "given"
     else:
-        raise ConfigError("no MTTF given", expected="--mttf-h H, or --gpu-mttf-h H with --gpus N",
-                          hint="Llama 3 saw ~50,000 GPU-hours per GPU: --gpu-mttf-h 50000")
-    save_s, mttf_s = args.save_min * 60, mttf_h * 3600
-    print(f"job MTTF {mttf_h:.2f} h, checkpoint save {args.save_min:g} min")
+        save_s = _measured(args, None, "checkpoint_cost_s", "--save-min")
+        source = f"measured in {args.from_run}: stall + slowdown"
+    mttf_s = mttf_h * 3600
+    print(f"job MTTF {mttf_h:.2f} h, checkpoint save {_seconds(save_s)} ({source})")
     print(f"Young: checkpoint every {young_interval(save_s, mttf_s) / 60:.1f} min")
     print(f"Daly:  checkpoint every {daly_interval(save_s, mttf_s) / 60:.1f} min")
+
+
+def _seconds(s: float) -> str:
+    return f"{s / 60:.3g} min" if s >= 60 else f"{s:.3g} s"
+
+
+def _goodput(args: argparse.Namespace) -> None:
+    from hpctrain.plan.goodput import predict_goodput
+
+    mttf_s = _mttf_hours(args) * 3600
+    save_s = _measured(args, args.save_s, "checkpoint_cost_s", "--save-s")
+    restart_s = _measured(args, args.restart_s, "restart_cost_s", "--restart-s")
+    interval = args.interval_min * 60 if args.interval_min is not None else None
+    p = predict_goodput(mttf_s, save_s, restart_s, interval)
+    chosen = "given" if interval is not None else "Daly's optimum"
+    print(f"job MTTF {mttf_s / 3600:.2f} h, save {save_s:.3g} s, restart {restart_s:.3g} s, "
+          f"checkpoint every {p.interval_s / 60:.1f} min of training ({chosen})")
+    print(f"expected goodput {p.goodput:.1%}: checkpoints {p.checkpoint:.1%}, work computed "
+          f"again {p.lost_work:.1%}, restarts {p.restart:.1%}")
