@@ -38,7 +38,7 @@ CASES = {
         overrides=["parallel.strategy=fsdp"], job_name="llama", nodes=2, tasks_per_node=4,
         gpus_per_node=4, cpus_per_task=16, time="04:00:00", signal_lead_s=180,
         partition="gpu", account="proj-42", array="0-3%2", log_dir="/scratch/alice/logs",
-        dependency="afterok:4242:4243"),
+        dependency="afterok:4242:4243", preflight=True),
 }
 
 
@@ -69,8 +69,19 @@ def test_a_dependency_never_leaves_the_job_pending_forever() -> None:
 
 
 def _srun_argv(text: str) -> list[str]:
-    (line,) = [ln for ln in text.splitlines() if ln.startswith("srun ")]
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("srun ") and " doctor " not in ln]
     return shlex.split(line)
+
+
+def test_preflight_runs_doctor_on_every_task_before_training() -> None:
+    lines = render_sbatch(CASES["sbatch-gpu-array.sh"]).splitlines()
+    srun = [shlex.split(ln) for ln in lines if ln.startswith("srun ")]
+    assert [argv[argv.index("-m") + 2] for argv in srun] == ["doctor", "train"]
+    doctor, train = srun
+    assert doctor[:doctor.index("-m")] == train[:train.index("-m")]  # same tasks, same layout
+    assert doctor[doctor.index("doctor") + 1:] == ["configs/llama-1b.yaml",
+                                                   "parallel.strategy=fsdp", "||", "exit", "1"]
+    assert "doctor" not in render_sbatch(CASES["sbatch-single.sh"])
 
 
 def _program(text: str) -> list[str]:

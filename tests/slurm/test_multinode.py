@@ -1,7 +1,9 @@
 """A two-node job on the test Slurm (two slurmd on this machine, ``hpctrain-n1`` on 127.0.0.1 and
-``hpctrain-n2`` on 127.0.0.2): the script ``hpctrain sbatch`` generates starts one rank per node,
-the ranks find rank 0 through ``SLURM_JOB_NODELIST`` (gloo), train, checkpoint on the preemption
-signal, are requeued and resume exactly where an uninterrupted run ends.
+``hpctrain-n2`` on 127.0.0.2): the script ``hpctrain sbatch --preflight`` generates runs the
+doctor on every task, then starts one rank per node; the ranks find rank 0 through
+``SLURM_JOB_NODELIST`` (gloo), train, checkpoint on the preemption signal, are requeued and
+resume exactly where an uninterrupted run ends. A preflight that finds a problem (a node with
+another torch, injected) stops the job before it trains.
 
 This is the path every multi-node user takes; only the GPUs and the network are missing.
 """
@@ -9,6 +11,8 @@ This is the path every multi-node user takes; only the GPUs and the network are 
 from __future__ import annotations
 
 import pytest
+
+from hpctrain.launch.doctor import INJECT_ENV
 
 from .conftest import SlurmCluster
 from .jobs import REPO, ReferenceLosses, exit_info, script, wait_for_steps
@@ -21,7 +25,8 @@ def test_two_node_job_preempted_requeued_resumes_exactly(slurm_two_nodes: SlurmC
     steps = 30
     where = tmp_path / "where"
     path = script(tmp_path, "twonode", [f"train.steps={steps}", "parallel.strategy=ddp"],
-                  pause_at=6, where=where, nodes=2, tasks_per_node=1, time="10:00")
+                  pause_at=6, where=where, nodes=2, tasks_per_node=1, time="10:00",
+                  preflight=True)
     job = slurm_two_nodes.sbatch(path, cwd=REPO)
     run_dir = tmp_path / "runs" / f"twonode-{job}"
     wait_for_steps(slurm_two_nodes, job, run_dir, 5)
@@ -31,9 +36,29 @@ def test_two_node_job_preempted_requeued_resumes_exactly(slurm_two_nodes: SlurmC
     info = slurm_two_nodes.job_info(job)
     assert state == "COMPLETED", f"{info}\n{log[-3000:]}"
     assert info["RestartCnt"] == "1" and info["NodeList"] == "hpctrain-n[1-2]", info
-    # Both runs (before and after the requeue): rank 0 on the first node, rank 1 on the second.
-    assert sorted(where.read_text().splitlines()) == ["hpctrain-n1 0"] * 2 + ["hpctrain-n2 1"] * 2
+    # Both steps (doctor, training) of both runs (before and after the requeue): rank 0 on the
+    # first node, rank 1 on the second.
+    ranks = sorted(where.read_text().splitlines())
+    assert ranks == ["hpctrain-n1 0"] * 4 + ["hpctrain-n2 1"] * 4, (ranks, log[-3000:])
     assert "preempted by SIGUSR2" in log and "resumed from step-" in log, log[-3000:]
+    assert log.count("doctor: 10 checks, no problems") == 2, log[-3000:]
+    assert "2 ranks on 2 nodes: hpctrain-n1, hpctrain-n2" in log
     done = exit_info(run_dir)
-    assert done["exit_code"] == 0 and done["extra"]["steps"] == steps
-    assert done["extra"]["final_loss"] == reference.final_loss(2, steps, "ddp")
+    assert done["exit_code"] == 0 and done["extra"]["steps"] == steps, done
+    expected = reference.final_loss(2, steps, "ddp")
+    assert done["extra"]["final_loss"] == expected, (done, expected, log[-3000:])
+
+
+def test_a_failed_preflight_stops_the_job_before_it_trains(slurm_two_nodes: SlurmCluster,
+                                                           tmp_path) -> None:
+    path = script(tmp_path, "sick", ["train.steps=3", "parallel.strategy=ddp"], nodes=2,
+                  tasks_per_node=1, time="10:00", preflight=True)
+    env = {**slurm_two_nodes.env, INJECT_ENV: '{"1": {"torch": "2.10.0+cu126"}}'}
+    job = slurm_two_nodes.sbatch(path, cwd=REPO, env=env)
+    state = slurm_two_nodes.wait(job, timeout=120)
+    log = (tmp_path / "logs" / f"sick-{job}.out").read_text()
+    assert state == "FAILED" and slurm_two_nodes.job_info(job)["ExitCode"] == "1:0", log
+    (line,) = [ln for ln in log.splitlines() if ln.startswith("PROBLEM")]
+    assert "versions differ across the job: hpctrain-n1 (rank 0): torch " in line, line
+    assert "vs hpctrain-n2 (rank 1): torch 2.10.0+cu126 -- fix: " in line, line
+    assert not (tmp_path / "runs").exists()  # training never started

@@ -87,6 +87,8 @@ class SbatchParams:
     # Another program than `python -m hpctrain train CONFIG OVERRIDES` (pipeline stages): one
     # srun step, without the preemption protocol (no --signal, --requeue or exit-75 handling).
     command: list[str] | None = None
+    # Training only: `hpctrain doctor` on every task first; the job stops (exit 1) on a problem.
+    preflight: bool = False
     # Commands run by the batch shell after the program exited 0 (a pipeline's done-marker).
     after_success: list[list[str]] = field(default_factory=list)
     # Relative to workdir unless absolute.
@@ -263,8 +265,18 @@ def render_sbatch(p: SbatchParams) -> str:
         'echo "hpctrain: job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on '
         '${SLURM_JOB_NODELIST}"',
         "",
+    ]
+    srun = "srun --kill-on-bad-exit=1 --distribution=block"
+    if train and p.preflight:
+        doctor = [p.python, "-m", "hpctrain", "doctor", p.config, *p.overrides]
+        lines += [
+            "# Preflight: every task checks its node first (versions, GPUs, binding, network,",
+            "# disk); a problem stops the job here, before it trains.",
+            f"{srun} {_quote(doctor)} || exit 1",
+        ]
+    lines += [
         "# One task per GPU, numbered node by node (block): tensor-parallel groups stay in a node.",
-        f"srun --kill-on-bad-exit=1 --distribution=block {_quote(program)}",
+        f"{srun} {_quote(program)}",
         "rc=$?",
     ]
     if train:
@@ -313,6 +325,8 @@ def add_job_options(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, default=None)
     p.add_argument("--dependency", default=None, metavar="TYPE:JOBID",
                    help="start after other jobs, e.g. afterok:123 (cancelled if they fail)")
+    p.add_argument("--preflight", action="store_true",
+                   help="run `hpctrain doctor` on every task first; stop the job on a problem")
     interpreter = p.add_mutually_exclusive_group()
     interpreter.add_argument("--python", default=None, metavar="PATH",
                              help="the job's Python, which must import hpctrain (default: the "
@@ -334,7 +348,8 @@ def params_from_args(args: argparse.Namespace) -> tuple[SbatchParams, JobConfig]
         job_name=args.job_name, nodes=args.nodes, tasks_per_node=args.tasks_per_node,
         gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, time=args.time,
         signal_lead_s=args.signal_lead_s, partition=args.partition, account=args.account,
-        array=args.array, dependency=args.dependency, log_dir=args.log_dir)
+        array=args.array, dependency=args.dependency, log_dir=args.log_dir,
+        preflight=args.preflight)
     params.validate()
     return params, cfg
 

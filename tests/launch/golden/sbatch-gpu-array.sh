@@ -24,6 +24,9 @@ cd -- /home/alice/hpctrain || exit 1
 export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"
 echo "hpctrain: job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}"
 
+# Preflight: every task checks its node first (versions, GPUs, binding, network,
+# disk); a problem stops the job here, before it trains.
+srun --kill-on-bad-exit=1 --distribution=block '/opt/envs/train env/bin/python' -m hpctrain doctor configs/llama-1b.yaml parallel.strategy=fsdp || exit 1
 # One task per GPU, numbered node by node (block): tensor-parallel groups stay in a node.
 srun --kill-on-bad-exit=1 --distribution=block '/opt/envs/train env/bin/python' -m hpctrain train configs/llama-1b.yaml parallel.strategy=fsdp
 rc=$?
