@@ -49,8 +49,9 @@ MICRO, SEQ = 8, 64
 
 def _overrides(out: Path, name: str, init_from: str, data: Path) -> list[str]:
     return [f"model.init_from={init_from}", f"model.max_seq_len={SEQ}", f"data.path={data}",
-            f"data.seq_len={SEQ}", "data.val_fraction=0.1", f"train.steps={STEPS}",
-            f"train.micro_batch={MICRO}", "train.precision=fp32", "train.deterministic=true",
+            "data.source=shards", f"data.seq_len={SEQ}", "data.val_fraction=0.1",
+            f"train.steps={STEPS}", f"train.micro_batch={MICRO}", "train.precision=fp32",
+            "train.deterministic=true",
             "train.val_every=0", "optim.lr=3e-3", "optim.warmup_steps=2",
             "parallel.strategy=none", "run.device=cpu", "metrics.log_every=1",
             "metrics.progress=false", "checkpoint.interval=none", "run.suffix=none",
