@@ -1,4 +1,4 @@
-"""Bring your own model: import Hugging Face weights, export them back, sample, evaluate.
+r"""Bring your own model: import Hugging Face weights, export them back, sample, evaluate.
 
     hpctrain import hf /models/Llama-3.2-1B --out ckpt/llama-3.2-1b     # once, optional
     hpctrain data prepare chats.jsonl --format chat --tokenizer /models/Llama-3.2-1B --out data/chat
