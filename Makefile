@@ -46,3 +46,18 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# Opt-in, not part of `make test` (it needs podman and a network that reaches docker.io and
+# download.pytorch.org): build containers/Containerfile on a CPU base with podman (Debian:
+# apt-get install podman), then run the preflight and a few training steps inside the image.
+# The GPU image is the same file with its default BASE; see containers/Containerfile.
+CONTAINER_TAG ?= hpctrain:cpu-test
+.PHONY: container-test
+container-test:
+	podman build -f containers/Containerfile -t $(CONTAINER_TAG) \
+		--build-arg BASE=docker.io/library/debian:12-slim --build-arg TORCH="$(TORCH)" \
+		--build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu .
+	podman run --rm $(CONTAINER_TAG) python3 -m hpctrain doctor configs/demo.yaml \
+		run.out_dir=/tmp/runs
+	podman run --rm $(CONTAINER_TAG) python3 -m hpctrain train configs/demo.yaml \
+		run.out_dir=/tmp/runs train.steps=5 data.max_bytes=200000 --nproc 2

@@ -12,6 +12,7 @@ import difflib
 import os
 import shlex
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 
 from hpctrain.cli import main
 from hpctrain.errors import ConfigError
+from hpctrain.launch.containers import Container
 from hpctrain.launch.sbatch import SbatchParams, render_sbatch
 
 # main() is wrapped by torch's @record, which cannot install its fault handler on pytest's
@@ -39,6 +41,16 @@ CASES = {
         gpus_per_node=4, cpus_per_task=16, time="04:00:00", signal_lead_s=180,
         partition="gpu", account="proj-42", array="0-3%2", log_dir="/scratch/alice/logs",
         dependency="afterok:4242:4243", preflight=True),
+    "sbatch-apptainer.sh": SbatchParams(
+        config="configs/llama-1b.yaml", workdir=HOME, python="python3",
+        overrides=["data.source=shards", "data.path=/lustre/corpus"], job_name="llama", nodes=2,
+        tasks_per_node=4, gpus_per_node=4, cpus_per_task=16, log_dir="/scratch/alice/logs",
+        preflight=True, container=Container("/images/hpctrain 0.1.sif", "apptainer", [
+            HOME, "/lustre/corpus", "/scratch/alice/logs"])),
+    "sbatch-pyxis.sh": SbatchParams(
+        config="configs/llama-1b.yaml", workdir=HOME, python="/opt/venv/bin/python",
+        job_name="llama", nodes=2, tasks_per_node=4, gpus_per_node=4, cpus_per_task=16,
+        container=Container("nvcr.io#nvidia/pytorch:25.01-py3", "pyxis", [HOME])),
 }
 
 
@@ -71,6 +83,46 @@ def test_a_dependency_never_leaves_the_job_pending_forever() -> None:
 def _srun_argv(text: str) -> list[str]:
     (line,) = [ln for ln in text.splitlines() if ln.startswith("srun ") and " doctor " not in ln]
     return shlex.split(line)
+
+
+def _run_bash(text: str, tmp: Path, tools: dict[str, str], env: dict[str, str]) -> str:
+    """Run a generated script with fake tools first on PATH (they echo their argv)."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir()
+    for name, body in tools.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    script = tmp / "job.sh"
+    script.write_text(text.replace(f"cd -- {HOME} ", f"cd -- {tmp} "))
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
+                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7",
+                               "SLURM_JOB_NODELIST": "n1", **env})
+    assert done.returncode == 0, done.stderr
+    return "\n".join(ln for ln in done.stdout.splitlines() if ln.startswith("<"))
+
+
+ECHO_ARGV = 'for a in "$@"; do printf "<%s>" "$a"; done; echo'
+
+
+def test_apptainer_gets_the_binds_and_slurm_tmpdir(tmp_path: Path) -> None:
+    """The srun lines, run by bash: apptainer exec --nv --bind <folders,$SLURM_TMPDIR> IMAGE."""
+    text = render_sbatch(CASES["sbatch-apptainer.sh"])
+    out = _run_bash(text, tmp_path, {"srun": ECHO_ARGV}, {"SLURM_TMPDIR": "/local/job 7"})
+    doctor, train = out.splitlines()
+    binds = f"{HOME},/lustre/corpus,/scratch/alice/logs,/local/job 7"
+    assert train.startswith("<--kill-on-bad-exit=1><--distribution=block><apptainer><exec>"
+                            f"<--nv><--bind><{binds}><") and "<python3><-m><hpctrain><train>" in \
+        train, train
+    assert "<hpctrain 0.1.sif>" not in train and "</images/hpctrain 0.1.sif>" in train
+    assert "<doctor>" in doctor and f"<{binds}>" in doctor
+
+
+def test_pyxis_mounts_without_slurm_tmpdir(tmp_path: Path) -> None:
+    out = _run_bash(render_sbatch(CASES["sbatch-pyxis.sh"]), tmp_path, {"srun": ECHO_ARGV}, {})
+    assert out.startswith("<--kill-on-bad-exit=1><--distribution=block>"
+                          "<--container-image=nvcr.io#nvidia/pytorch:25.01-py3>"
+                          f"<--container-mounts={HOME}:{HOME}><--container-workdir={HOME}>"
+                          "</opt/venv/bin/python><-m><hpctrain><train>"), out
 
 
 def test_preflight_runs_doctor_on_every_task_before_training() -> None:
@@ -221,6 +273,34 @@ def test_tp_inside_each_node_is_accepted(project: Path) -> None:
     _sbatch("configs/demo.yaml", "parallel.strategy=fsdp", "parallel.tp=2", "--nodes", "2",
             "--tasks-per-node", "4", "-o", "train.sh")
     assert "--distribution=block" in _srun_argv((project / "train.sh").read_text())
+
+
+def test_container_binds_what_the_job_uses(project: Path, tmp_path: Path) -> None:
+    _sbatch("configs/demo.yaml", "run.out_dir=runs/x", f"data.stage_to={tmp_path}/local",
+            "--container", "img.sif", "--bind", "/opt/models", "-o", "train.sh")
+    text = (project / "train.sh").read_text()
+    # The working folder holds the logs and runs/x; node-local staging and --bind come on top.
+    assert f"binds={project},{tmp_path}/local,/opt/models" in text.splitlines(), text
+    assert "apptainer exec --bind \"$binds\" img.sif python3 -m hpctrain train" in text
+
+
+def test_an_enroot_image_runs_under_pyxis(project: Path) -> None:
+    _sbatch("configs/demo.yaml", "--container", "/images/pt.sqsh", "--python", "/opt/py/bin/python",
+            "-o", "train.sh")
+    argv = _srun_argv((project / "train.sh").read_text())
+    assert "--container-image=/images/pt.sqsh" in argv and "apptainer" not in argv
+    assert argv[argv.index("-m") - 1] == "/opt/py/bin/python"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--container", "x.sif", "--venv", "."], "--venv with --container"),
+    (["--bind", "/data"], "--bind without --container"),
+    (["--container", "x.sif", "--bind", "/a:b"], "cannot be passed to the container"),
+    (["--container", "x.sif", "--bind", "/a,b"], "cannot be passed to the container"),
+])
+def test_container_options_that_cannot_work(project: Path, capsys, args, message) -> None:
+    err = _fails(capsys, "configs/demo.yaml", *args, "-o", "train.sh")
+    assert message in err, err
 
 
 def test_python_and_venv_exclude_each_other(project: Path, capsys: pytest.CaptureFixture) -> None:

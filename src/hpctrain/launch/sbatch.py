@@ -8,8 +8,10 @@ The script carries the cluster manners that make preemption cheap:
 - one ``srun`` task per GPU, no launcher in between, so each rank gets the signal itself;
 - ``--requeue`` and ``--open-mode=append`` so the requeued run continues the same log;
 - exit code 75 means "checkpoint committed, please run me again": rank 0 requeues with
-  ``scontrol`` (per array task); where it could not reach ``scontrol`` (a container), this
-  script does it from outside;
+  ``scontrol`` (per array task); where it could not reach ``scontrol`` (a container), it says
+  so in the log (``HPCTRAIN_REQUEUE_BY_SCRIPT restart=N``) and this script requeues from
+  outside, whatever code srun reports (a rank still exiting when srun's --kill-on-bad-exit
+  fires turns 75 into 143);
 - ``--distribution=block``: ranks fill one node before the next, so the mesh's innermost axis
   (``tp``) stays inside a node and pipeline stages and FSDP groups span nodes; a layout whose
   tensor-parallel groups would straddle two nodes is refused before anything is written;
@@ -39,6 +41,7 @@ from pathlib import Path
 
 from hpctrain.config import JobConfig
 from hpctrain.errors import ConfigError
+from hpctrain.launch.containers import Container, default_runtime, job_binds
 from hpctrain.parallel.layout import check_layout
 from hpctrain.runtime.exit_codes import PREEMPTED
 
@@ -87,6 +90,8 @@ class SbatchParams:
     # Another program than `python -m hpctrain train CONFIG OVERRIDES` (pipeline stages): one
     # srun step, without the preemption protocol (no --signal, --requeue or exit-75 handling).
     command: list[str] | None = None
+    # Run the program(s) in this container (launch/containers.py); python is then the image's.
+    container: Container | None = None
     # Training only: `hpctrain doctor` on every task first; the job stops (exit 1) on a problem.
     preflight: bool = False
     # Commands run by the batch shell after the program exited 0 (a pipeline's done-marker).
@@ -111,7 +116,10 @@ class SbatchParams:
                 expected="one task per GPU",
                 hint=f"use --tasks-per-node {self.gpus_per_node}",
             )
-        for key in ("workdir", "python"):
+        if self.container is not None:
+            self.container.validate()
+        # Inside a container the interpreter is the image's: a name on its PATH is fine.
+        for key in ("workdir",) if self.container else ("workdir", "python"):
             if not os.path.isabs(getattr(self, key)):
                 raise ConfigError(f"{key} {getattr(self, key)!r} is not an absolute path",
                                   expected="an absolute path, so the job finds it from any "
@@ -267,24 +275,32 @@ def render_sbatch(p: SbatchParams) -> str:
         "",
     ]
     srun = "srun --kill-on-bad-exit=1 --distribution=block"
+    run = "{}"
+    if p.container is not None:
+        lines += [*p.container.shell_setup(), ""]
+        srun = " ".join([srun, *p.container.srun_options(p.workdir)])
+        run = " ".join([*p.container.prefix(gpus=p.gpus_per_node > 0), run])
     if train and p.preflight:
         doctor = [p.python, "-m", "hpctrain", "doctor", p.config, *p.overrides]
         lines += [
             "# Preflight: every task checks its node first (versions, GPUs, binding, network,",
             "# disk); a problem stops the job here, before it trains.",
-            f"{srun} {_quote(doctor)} || exit 1",
+            f"{srun} {run.format(_quote(doctor))} || exit 1",
         ]
     lines += [
         "# One task per GPU, numbered node by node (block): tensor-parallel groups stay in a node.",
-        f"{srun} {_quote(program)}",
+        f"{srun} {run.format(_quote(program))}",
         "rc=$?",
     ]
     if train:
         log_prefix = shlex.quote(f"{p.log_path}/{p.job_name}-")
         lines += [
-            f"if [ \"$rc\" -eq {PREEMPTED} ]; then",
-            "    # Preempted with a committed checkpoint. Rank 0 requeues itself when it can reach",
-            "    # scontrol; inside a container it cannot, and asks for it in this log.",
+            'if [ "$rc" -ne 0 ]; then',
+            f"    # Preempted with a committed checkpoint (exit {PREEMPTED}): rank 0 requeues "
+            "itself",
+            "    # when it can reach scontrol; inside a container it cannot, and asks for it in",
+            "    # this log. srun may then report another code: a rank still on its way out when",
+            "    # the first one left is killed by --kill-on-bad-exit. The request is what counts.",
             '    target="${SLURM_JOB_ID}"',
             '    if [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then',
             '        target="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"',
@@ -327,10 +343,18 @@ def add_job_options(p: argparse.ArgumentParser) -> None:
                    help="start after other jobs, e.g. afterok:123 (cancelled if they fail)")
     p.add_argument("--preflight", action="store_true",
                    help="run `hpctrain doctor` on every task first; stop the job on a problem")
+    p.add_argument("--container", default=None, metavar="IMAGE",
+                   help="run inside this image: Apptainer (.sif, docker://...) or Pyxis/enroot "
+                   "(.sqsh, registry#image)")
+    p.add_argument("--container-runtime", choices=("apptainer", "pyxis"), default=None,
+                   help="default: pyxis for .sqsh images, else apptainer")
+    p.add_argument("--bind", action="append", default=[], metavar="DIR",
+                   help="with --container: another host folder the job needs (repeatable)")
     interpreter = p.add_mutually_exclusive_group()
     interpreter.add_argument("--python", default=None, metavar="PATH",
                              help="the job's Python, which must import hpctrain (default: the "
-                             "one running this command)")
+                             "one running this command; with --container: python3 of the "
+                             "image)")
     interpreter.add_argument("--venv", default=None, metavar="DIR",
                              help="run the job with DIR/bin/python")
 
@@ -342,9 +366,25 @@ def params_from_args(args: argparse.Namespace) -> tuple[SbatchParams, JobConfig]
     cfg = load_config(args.config, args.overrides)  # a bad config fails here, not on the cluster
     check_placement(cfg, args.nodes, args.tasks_per_node)
     workdir = Path.cwd()
+    container = None
+    if args.container is not None:
+        if args.venv is not None:
+            raise ConfigError("--venv with --container",
+                              expected="the interpreter inside the image",
+                              hint="drop --venv; pass --python PATH (inside the image) if it is "
+                              "not python3")
+        log_path = os.path.join(workdir, args.log_dir)
+        container = Container(args.container,
+                              args.container_runtime or default_runtime(args.container),
+                              job_binds(cfg, workdir, log_path, args.bind))
+        python = args.python or "python3"  # the image's: it cannot be checked from here
+    elif args.bind:
+        raise ConfigError("--bind without --container", hint="add --container IMAGE")
+    else:
+        python = resolve_python(args.python, args.venv, workdir)
     params = SbatchParams(
-        config=str(args.config), workdir=str(workdir),
-        python=resolve_python(args.python, args.venv, workdir), overrides=args.overrides,
+        config=str(args.config), workdir=str(workdir), container=container,
+        python=python, overrides=args.overrides,
         job_name=args.job_name, nodes=args.nodes, tasks_per_node=args.tasks_per_node,
         gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, time=args.time,
         signal_lead_s=args.signal_lead_s, partition=args.partition, account=args.account,

@@ -30,9 +30,11 @@ srun --kill-on-bad-exit=1 --distribution=block '/opt/envs/train env/bin/python' 
 # One task per GPU, numbered node by node (block): tensor-parallel groups stay in a node.
 srun --kill-on-bad-exit=1 --distribution=block '/opt/envs/train env/bin/python' -m hpctrain train configs/llama-1b.yaml parallel.strategy=fsdp
 rc=$?
-if [ "$rc" -eq 75 ]; then
-    # Preempted with a committed checkpoint. Rank 0 requeues itself when it can reach
-    # scontrol; inside a container it cannot, and asks for it in this log.
+if [ "$rc" -ne 0 ]; then
+    # Preempted with a committed checkpoint (exit 75): rank 0 requeues itself
+    # when it can reach scontrol; inside a container it cannot, and asks for it in
+    # this log. srun may then report another code: a rank still on its way out when
+    # the first one left is killed by --kill-on-bad-exit. The request is what counts.
     target="${SLURM_JOB_ID}"
     if [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then
         target="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"

@@ -1,0 +1,45 @@
+#!/bin/bash
+#SBATCH --job-name=llama
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=4
+#SBATCH --cpus-per-task=16
+#SBATCH --gpus-per-node=4
+#SBATCH --time=01:00:00
+#SBATCH --signal=USR2@120
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=/home/alice/hpctrain/runs/slurm-logs/llama-%j.out
+
+# Slurm opens --output before this script starts and never creates its folder:
+# `hpctrain sbatch` did (recreate it if it is removed before submitting).
+set -u
+# Relative paths (config, data, runs/) mean what they meant where this was generated.
+cd -- /home/alice/hpctrain || exit 1
+# One thread pool per task sized to its CPUs; more would oversubscribe the node.
+export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"
+echo "hpctrain: job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}"
+
+# Host folders the container sees at the same paths (working folder, logs, data,
+# runs, node-local scratch).
+binds=/home/alice/hpctrain:/home/alice/hpctrain
+if [ -n "${SLURM_TMPDIR:-}" ]; then binds="$binds,$SLURM_TMPDIR:$SLURM_TMPDIR"; fi
+
+# One task per GPU, numbered node by node (block): tensor-parallel groups stay in a node.
+srun --kill-on-bad-exit=1 --distribution=block --container-image='nvcr.io#nvidia/pytorch:25.01-py3' --container-mounts="$binds" --container-workdir=/home/alice/hpctrain /opt/venv/bin/python -m hpctrain train configs/llama-1b.yaml
+rc=$?
+if [ "$rc" -ne 0 ]; then
+    # Preempted with a committed checkpoint (exit 75): rank 0 requeues itself
+    # when it can reach scontrol; inside a container it cannot, and asks for it in
+    # this log. srun may then report another code: a rank still on its way out when
+    # the first one left is killed by --kill-on-bad-exit. The request is what counts.
+    target="${SLURM_JOB_ID}"
+    if [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then
+        target="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"
+    fi
+    log=/home/alice/hpctrain/runs/slurm-logs/llama-"${target}.out"
+    marker="HPCTRAIN_REQUEUE_BY_SCRIPT restart=${SLURM_RESTART_COUNT:-0} "
+    if grep -qs "$marker" "$log"; then
+        scontrol requeue "${target}"
+    fi
+fi
+exit "$rc"
