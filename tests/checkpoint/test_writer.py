@@ -3,8 +3,9 @@ and DTensor shards written exactly as an in-process save writes them.
 
 One writer serves this module's 1-rank tests in order (starting one costs an interpreter), with
 the faults of its scenarios set before it starts: save_io_error at step 3, a 60 s write at
-step 5. The 2-rank part (FSDP2 on 2 spawned gloo ranks, each with its writer) runs in the
-background while the 1-rank tests run.
+step 5. The 2-rank part (FSDP2 on 2 spawned gloo ranks, each with its writer: a commit, a
+write failing on rank 1 only, rank 1's writer killed mid-save) runs in the background while the
+1-rank tests run.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from hpctrain.checkpoint.writer import WriterDied
 
 SPAWN_TIMEOUT_S = 150
 WRITER_FAULTS = "save_io_error@step=3;slow_save@step=5,seconds=60"
-RANK_FAULTS = "save_io_error@step=3,rank=1"
+RANK_FAULTS = "save_io_error@step=3,rank=1;slow_save@step=4,seconds=2"
 
 
 # -- 2 ranks, FSDP2 (spawned) ------------------------------------------------------------------
@@ -87,6 +88,15 @@ def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
         except CheckpointError as e:
             seen["failed"] = e.what
         seen["latest"] = m.latest_name()
+        try:  # rank 1's writer killed during the save of step 4: both ranks learn it
+            m.save(4, state_of(model, opt), {"step": 4, **meta}, blocking=False)
+            if rank == 1:
+                os.kill(m._writer.pid, signal.SIGKILL)
+            m.wait()
+            seen["killed"] = None
+        except CheckpointError as e:
+            seen["killed"] = f"{type(e).__name__}: {e.what}"
+        seen["latest_after_kill"] = m.latest_name()
         m.close()
     except BaseException:
         seen["error"] = traceback.format_exc()
@@ -241,7 +251,11 @@ def test_fsdp_shards_from_the_writer_match_an_inline_save(two_ranks, pg) -> None
         assert seen["mode"] == "process", seen
         assert seen["record"]["writer"] == "process", seen
         assert seen["failed"] and "step 3 was not committed" in seen["failed"], (r, seen)
-        assert seen["latest"] == step_dir_name(2)
+        assert seen["latest"] == seen["latest_after_kill"] == step_dir_name(2)
+        assert seen["killed"] and "step-00000004" in seen["killed"], (r, seen)
+    # Rank 1 names the kill; rank 0's writer lost its peer inside the save's collectives.
+    assert "WriterDied" in ranks[1]["killed"] and "SIGKILL" in ranks[1]["killed"], ranks[1]
+    assert "WriterDied" in ranks[0]["killed"], ranks[0]
     inline = SafeFileSystemReader(out / "inline" / step_dir_name(2)).read_metadata()
     staged = SafeFileSystemReader(out / "process" / step_dir_name(2)).read_metadata()
     assert inline.state_dict_metadata.keys() == staged.state_dict_metadata.keys()
