@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import textwrap
 from pathlib import Path
 
@@ -228,3 +229,17 @@ def test_a_train_stage_is_checked_before_anything_is_submitted(project: Path, ca
         main(["pipeline", "pipeline.yaml"])
     assert "would span nodes" in capsys.readouterr().err
     assert not _submitted(project.parent)
+
+
+def test_a_container_runs_every_stage_and_the_marker_on_the_host(project: Path, capsys) -> None:
+    (project / "pipeline.yaml").write_text(CHAIN.replace(
+        "name: chain\n", "name: chain\ncontainer: /images/hpctrain.sif\nbinds: [/models]\n"))
+    _run(capsys, "pipeline.yaml")
+    scripts = _submitted(project.parent)
+    state = project / "runs/pipelines/chain"
+    for text in scripts.values():
+        assert f"binds={project},/models" in text, text
+        (srun,) = [ln for ln in text.splitlines() if ln.startswith("srun ")]
+        assert 'apptainer exec --bind "$binds" /images/hpctrain.sif python3 -m hpctrain' in srun
+    (mark,) = [ln.strip() for ln in scripts[103].splitlines() if " pipeline mark " in ln]
+    assert mark.startswith(f"{sys.executable} -m hpctrain pipeline mark {state} evaluate")

@@ -9,6 +9,7 @@ A pipeline file (relative paths mean what they mean where the command runs)::
 
     name: corpus-to-model
     resources: {partition: gpu, time: "02:00:00"}   # defaults of every stage
+    container: /images/hpctrain.sif                  # optional: every stage runs in it
     stages:
       - name: prepare                    # an array: each task tokenizes a slice of the inputs
         kind: prepare
@@ -73,6 +74,7 @@ from typing import Literal
 import yaml
 
 from hpctrain.errors import ConfigError, HpctrainError, LaunchError
+from hpctrain.launch.containers import Container, default_runtime, job_binds
 from hpctrain.launch.sbatch import SbatchParams, check_placement, resolve_python
 from hpctrain.launch.submit import submit_script
 from hpctrain.runtime.rundir import archive_run, write_json_atomic
@@ -140,8 +142,14 @@ class Pipeline:
     name: str = ""
     resources: Resources = field(default_factory=Resources)
     stages: list[Stage] = field(default_factory=list)
-    # The jobs' interpreter, which must import hpctrain (default: the one running this command).
+    # The jobs' interpreter, which must import hpctrain (default: the one running this command;
+    # with a container: python3 of the image).
     python: str | None = None
+    # Run every stage's program in this image (see launch/containers.py): Apptainer, or Pyxis
+    # for .sqsh images; more host folders to bind besides those the stages name.
+    container: str | None = None
+    container_runtime: Literal["apptainer", "pyxis"] | None = None
+    binds: list[str] = field(default_factory=list)
 
     def parents(self, stage: Stage) -> list[str]:
         """The stages `stage` waits for."""
@@ -368,12 +376,26 @@ def _program(argv: list[str], python: str) -> list[str]:
     return argv
 
 
+def _container(pl: Pipeline, stage: Stage, workdir: Path, logs: Path) -> Container | None:
+    """The stage's container, binding the folders it reads and writes."""
+    if pl.container is None:
+        return None
+    from hpctrain.config import JobConfig
+
+    cfg = _train_config(stage, pl)[0] if stage.kind == "train" else JobConfig()
+    paths = [*pl.binds, *([stage.out] if stage.out else []),
+             *(i for i in stage.inputs if Path(i).is_absolute())]
+    return Container(pl.container, pl.container_runtime or default_runtime(pl.container),
+                     job_binds(cfg, workdir, str(logs), paths))
+
+
 def stage_params(pl: Pipeline, stage: Stage, workdir: Path, python: str, state: Path,
-                 dependency: str | None) -> SbatchParams:
-    """The batch script's parameters for one stage."""
+                 dependency: str | None, host_python: str) -> SbatchParams:
+    """The batch script's parameters for one stage (`host_python` writes the done-marker)."""
     res = stage.resources.over(pl.resources).sbatch()
     common = dict(workdir=str(workdir), python=python, job_name=f"{pl.name}-{stage.name}",
-                  log_dir=str(state / "logs"), dependency=dependency, config="", **res)
+                  log_dir=str(state / "logs"), dependency=dependency, config="",
+                  container=_container(pl, stage, workdir, state / "logs"), **res)
     hpctrain = [python, "-m", "hpctrain"]
     if stage.kind == "prepare":
         return SbatchParams(**common, array=f"0-{stage.tasks - 1}", command=[
@@ -386,7 +408,9 @@ def stage_params(pl: Pipeline, stage: Stage, workdir: Path, python: str, state: 
         cfg, overrides = _train_config(stage, pl)
         check_placement(cfg, res.get("nodes", 1), res.get("tasks_per_node", 1))
         return SbatchParams(**{**common, "config": stage.config}, overrides=overrides)
-    mark = [*hpctrain, "pipeline", "mark", str(state), stage.name, *stage.outputs]
+    # The marker is written by the batch shell, on the host (where `hpctrain pipeline` ran).
+    mark = [host_python, "-m", "hpctrain", "pipeline", "mark", str(state), stage.name,
+            *stage.outputs]
     return SbatchParams(**common, command=_program(stage.command, python), after_success=[mark])
 
 
@@ -443,14 +467,16 @@ class Runner:
 
     def submit(self, plans: list[Plan], *, dry_run: bool = False) -> None:
         """Submit the stages planned for it, in order, each after its parents' jobs."""
-        python = resolve_python(self.pl.python, None, self.workdir)
+        host_python = resolve_python(None if self.pl.container else self.pl.python, None,
+                                     self.workdir)
+        python = (self.pl.python or "python3") if self.pl.container else host_python
         recorded = self.recorded_jobs()
         by_name = {p.stage.name: p for p in plans}
         todo = [p for p in plans if p.action == "submit"]
 
         def params(plan: Plan, dependency: str | None) -> SbatchParams:
             built = stage_params(self.pl, plan.stage, self.workdir, python, self.state,
-                                 dependency)
+                                 dependency, host_python)
             built.validate()
             return built
 
