@@ -17,6 +17,7 @@ from hpctrain.bench import cli as bench_cli
 from hpctrain.data.cli import add_parser as add_data_parser
 from hpctrain.errors import HpctrainError
 from hpctrain.launch import doctor as doctor_cli
+from hpctrain.launch import k8s as k8s_cli
 from hpctrain.launch import pipeline as pipeline_cli
 from hpctrain.launch import sbatch as sbatch_cli
 from hpctrain.launch import submit as submit_cli
@@ -74,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     submit_cli.add_parser(sub)
     pipeline_cli.add_parser(sub)
     doctor_cli.add_parser(sub)
+    k8s_cli.add_parser(sub)
 
     c = sub.add_parser("config", help="print the resolved config (defaults + file + overrides)")
     c.add_argument("config", type=Path)
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
          "submit": lambda a: a.handler(a),
          "pipeline": lambda a: a.handler(a),
          "doctor": lambda a: a.handler(a),
+         "k8s": lambda a: a.handler(a),
          "report": observe_cli.run, "runs": observe_cli.run,
          "import": pretrained_cli.run, "export": pretrained_cli.run,
          "generate": pretrained_cli.run, "eval": pretrained_cli.run,
