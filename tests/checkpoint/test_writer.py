@@ -3,8 +3,9 @@ and DTensor shards written exactly as an in-process save writes them.
 
 One writer serves this module's 1-rank tests in order (starting one costs an interpreter), with
 the faults of its scenarios set before it starts: save_io_error at step 3, a 60 s write at
-step 5. The 2-rank part (FSDP2 on 2 spawned gloo ranks, each with its writer: a commit, a
-write failing on rank 1 only, rank 1's writer killed mid-save) runs in the background while the
+step 5. The 2-rank part (FSDP2 on 2 spawned gloo ranks, each with its writer: a fallback to
+the thread writer on both ranks when one has no memory for the buffers, a commit, a write
+failing on rank 1 only, rank 1's writer killed mid-save) runs in the background while the
 1-rank tests run.
 """
 
@@ -17,8 +18,10 @@ import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -74,8 +77,20 @@ def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
         meta = {"world_size": 2, "strategy": "fsdp"}
         inline = manager(out_dir / "inline")
         inline.save(2, state_of(model, opt), {"step": 2, **meta}, blocking=True)
+        # Rank 1 has no host memory to spare: every rank falls back to the thread writer.
+        fallback = manager(out_dir / "fallback")
+        fallback.start_writer()
         m = manager(out_dir / "process")
-        m.start_writer()
+        m.start_writer()  # its interpreter starts beside the other's
+        memory = psutil.virtual_memory
+        if rank == 1:
+            psutil.virtual_memory = lambda: SimpleNamespace(available=0)
+        fallback.prepare(state_of(model, opt))
+        psutil.virtual_memory = memory
+        seen["fallback_mode"] = fallback.mode
+        fallback.save(2, state_of(model, opt), {"step": 2, **meta}, blocking=False)
+        fallback.close()
+        seen["fallback_record"] = fallback.completed[-1]
         m.prepare(state_of(model, opt))
         seen["mode"] = m.mode
         m.save(2, state_of(model, opt), {"step": 2, **meta}, blocking=False)
@@ -248,6 +263,8 @@ def test_fsdp_shards_from_the_writer_match_an_inline_save(two_ranks, pg) -> None
     in-process save of the DTensors, and the same values when loaded into one process."""
     out, ranks = two_ranks()
     for r, seen in enumerate(ranks):
+        assert seen["fallback_mode"] == "thread", seen  # rank 0 could have used its writer
+        assert seen["fallback_record"]["writer"] == "thread", seen
         assert seen["mode"] == "process", seen
         assert seen["record"]["writer"] == "process", seen
         assert seen["failed"] and "step 3 was not committed" in seen["failed"], (r, seen)

@@ -126,9 +126,10 @@ class SharedStaging:
         if available < need:
             raise StagingUnavailable(f"{nbytes / 1e9:.1f} GB of staging buffers do not fit the "
                                      f"{available / 1e9:.1f} GB of free host memory")
-        self.fd = os.memfd_create("hpctrain-checkpoint", os.MFD_CLOEXEC)
+        self.fd = -1
         self._pinned = False
         try:
+            self.fd = os.memfd_create("hpctrain-checkpoint", os.MFD_CLOEXEC)
             os.ftruncate(self.fd, nbytes)
             self._mm = mmap.mmap(self.fd, nbytes)
             self.flat = torch.frombuffer(self._mm, dtype=torch.uint8)
@@ -143,6 +144,10 @@ class SharedStaging:
             else:
                 self.flat.zero_()  # touch every page now: the first save pays no page faults
             self.buffers = views(self.flat, specs)
+        except (OSError, RuntimeError, AttributeError) as e:
+            self.close()
+            raise StagingUnavailable(f"{nbytes / 1e9:.1f} GB of shared staging buffers: "
+                                     f"{type(e).__name__}: {e}") from e
         except BaseException:
             self.close()
             raise
@@ -173,10 +178,10 @@ class SharedStaging:
 
     def close(self) -> None:
         """Unpin and unmap the buffers (the writer's mapping keeps its own reference)."""
+        self.buffers = []
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
             self._pinned = False
-        self.buffers = []
         self.flat = None
         mm = getattr(self, "_mm", None)
         if mm is not None:
