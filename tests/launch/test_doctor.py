@@ -123,7 +123,8 @@ def test_disk_too_small_for_the_checkpoints_kept(tmp_path: Path) -> None:
     cfg = load_config(REPO / "configs" / "llama-1b.yaml",
                       [f"run.out_dir={tmp_path / 'runs'}", "checkpoint.keep_last=2"])
     s = d.gather_storage(cfg, world_size=8)
-    assert s.free_bytes == shutil.disk_usage(tmp_path).free and s.keep == 3
+    # Other processes write to this disk meanwhile: the same figure within a gigabyte.
+    assert abs(s.free_bytes - shutil.disk_usage(tmp_path).free) < 1e9 and s.keep == 3
     assert s.ckpt_bytes == s.params * 12 and s.params > 1e9
     ok = d.check_disk(job(storage=replace(s, free_bytes=10**15)))
     assert ok.problems == []
