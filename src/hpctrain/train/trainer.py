@@ -468,7 +468,7 @@ class Trainer:
             # Once, after the first step (the optimizer's state exists now): the writer's
             # buffers are allocated and pinned here, so the first save costs what later ones do.
             start = time.perf_counter()
-            with self.goodput.part("startup"):
+            with self.goodput.part("startup"), self.watchdog.paused("checkpoint writer start"):
                 self.ckpt.prepare(checkpointing.tensor_state(self._train_state()))
             self.metrics.write({"event": "checkpoint_writer", "step": self.step,
                                 "writer": self.ckpt.mode, "staged_bytes": self.ckpt.staged_bytes,
