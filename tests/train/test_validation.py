@@ -71,3 +71,31 @@ def test_every_sample_counted_once(world: int, micro: int) -> None:
         # The same global number on every rank, equal to one pass over the samples in order.
         assert r["val_loss"] == pytest.approx(_reference_loss(), rel=1e-5)
     assert len({r["val_loss"] for r in results.values()}) == 1
+
+
+class _Masked(ContiguousTokens):
+    """The same tokens with a loss mask: every third position counts (like prompts and replies)."""
+
+    has_loss_mask = True
+
+    def mask_windows(self, indices: np.ndarray) -> np.ndarray:
+        pos = (np.asarray(indices)[:, None] * SEQ + np.arange(SEQ + 1)[None, :])
+        return pos % 3 == 0
+
+
+def test_masked_targets_are_not_counted() -> None:
+    ds = _Masked(_dataset().tokens, SEQ)
+    model = _model()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(len(ds)):
+            t = torch.from_numpy(ds.window(i).copy())[None]
+            keep = torch.from_numpy(ds.mask_windows(np.array([i]))[:, 1:])
+            losses = torch.nn.functional.cross_entropy(
+                model(t[:, :-1]).flatten(0, 1).double(), t[:, 1:].flatten(), reduction="none")
+            total += losses[keep.flatten()].sum().item()
+            count += int(keep.sum())
+    r = evaluate(model, ds, micro_batch=5, rank=0, world_size=1, device=torch.device("cpu"),
+                 autocast=None)
+    assert r["val_tokens"] == count < N_SAMPLES * SEQ
+    assert r["val_loss"] == pytest.approx(total / count, rel=1e-6)

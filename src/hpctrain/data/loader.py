@@ -118,6 +118,9 @@ class TokenLoader:
         # Steps handed to training; the sampler runs ahead of this by the prefetch depth.
         self.consumed = sampler.step
         self.last_valid_samples = sampler.layout.global_batch
+        # Targets that count in the step's whole global batch (all ranks): the denominator of
+        # an exact per-token mean. Padding rows and, for loss-masked data, prompt tokens don't.
+        self.last_target_tokens = sampler.layout.global_batch * dataset.seq_len
         # A shard dataset tells the sampler its shard boundaries, so the order shuffles within
         # windows of shards (the trainer builds the sampler from the sample count alone).
         # A mixture of datasets brings its own order (see `hpctrain.data.mixing`).
@@ -129,14 +132,14 @@ class TokenLoader:
                 and len(dataset) == sampler.num_samples):
             sampler.set_groups(counts, getattr(dataset, "window_shards", 4))
 
-    def _host_step(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None]], int]:
+    def _host_step(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None]], int, int]:
         indices, masks, valid = self.sampler.next_step_masked()
         rows = []
         for ix, mask in zip(indices, masks, strict=True):
             t = torch.from_numpy(gather_windows(self.dataset, ix))
             rows.append((t.pin_memory() if self._pin else t,
                          ignored_targets(self.dataset, ix, mask)))
-        return rows, valid
+        return rows, valid, counted_targets(self.dataset, self.sampler.last_batch)
 
     def _worker(self) -> None:
         try:
@@ -164,7 +167,7 @@ class TokenLoader:
                 # The worker has stopped: keep failing instead of waiting on an empty queue.
                 self._error = host
                 raise host
-        rows, self.last_valid_samples = host
+        rows, self.last_valid_samples, self.last_target_tokens = host
         out = []
         for t, ignored in rows:
             t = t.to(self.device, non_blocking=True)
@@ -192,6 +195,18 @@ class TokenLoader:
         if self._queue is not None:
             while not self._queue.empty():  # unblock a worker waiting on a full queue
                 self._queue.get_nowait()
+
+
+def counted_targets(dataset: TokenDataset, real_indices: np.ndarray) -> int:
+    """Targets that count in samples ``real_indices`` (a step's real global batch).
+
+    Every rank computes the same number from the masks of the whole batch (a byte per token,
+    memory-mapped), so the exact per-token mean needs no collective.
+    """
+    loss = gather_masks(dataset, real_indices)
+    if loss is None:
+        return len(real_indices) * dataset.seq_len
+    return int(loss[:, 1:].sum())
 
 
 def ignored_targets(dataset: TokenDataset, indices: np.ndarray, real: np.ndarray

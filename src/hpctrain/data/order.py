@@ -151,6 +151,9 @@ class GlobalOrderSampler:
         valid = np.arange(lay.global_batch) < valid_total
         if valid_total < lay.global_batch:
             batch = np.concatenate([batch, np.full(lay.global_batch - valid_total, batch[0])])
+        # The step's real samples on every rank: what a per-token mean over the global batch
+        # must count (read by the loader for loss-masked data).
+        self.last_batch = batch[:valid_total]
         per_micro = lay.micro_batch * lay.world_size
         indices, masks = [], []
         for a in range(lay.grad_accum):

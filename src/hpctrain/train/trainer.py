@@ -238,7 +238,8 @@ class Trainer:
         """
         n = len(micro_batches)
         dp = self.layout.world_size
-        denom = float(self.loader.last_valid_samples * micro_batches[0][1].shape[1])
+        # All targets that count in the global batch; a step of prompts only adds nothing.
+        denom = float(max(1, self.loader.last_target_tokens))
         total = torch.zeros((), device=self.device, dtype=torch.float32)
         poison = faults.active("nan", self.step + 1)
         if self.pipeline is not None:

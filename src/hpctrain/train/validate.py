@@ -49,7 +49,7 @@ def evaluate(model: torch.nn.Module, dataset: TokenDataset, *, micro_batch: int,
                                          reduction="none").view(targets.shape)
             keep = mask.to(torch.float64)
             totals[0] += (token_loss.double().sum(dim=1) * keep).sum()
-            totals[1] += keep.sum() * targets.shape[1]
+            totals[1] += ((targets != IGNORE_INDEX) & mask[:, None]).sum()
             continue
         # Padding rows get the ignored target: a summed loss then counts real tokens only.
         masked = targets.masked_fill(~mask[:, None], IGNORE_INDEX)
@@ -60,7 +60,7 @@ def evaluate(model: torch.nn.Module, dataset: TokenDataset, *, micro_batch: int,
                 loss_sum = loss_fn(model(inputs), masked)
         if holds_loss:
             totals[0] += loss_sum.double()
-            totals[1] += mask.to(torch.float64).sum() * targets.shape[1]
+            totals[1] += (masked != IGNORE_INDEX).sum()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(totals)
     loss_sum, tokens = totals.tolist()
