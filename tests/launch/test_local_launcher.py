@@ -233,3 +233,20 @@ def test_config_error_exits_2_without_traceback(tmp_path: Path, overrides: list[
         assert message in done.stderr
     assert "Traceback" not in done.stderr + done.stdout
     assert not out_dir.exists(), "no run directory for a config that never ran"
+
+
+def test_the_launcher_forwards_the_profile_signal(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # `kill -URG <launcher pid>` must reach the ranks like the preemption signals do.
+    from hpctrain.config import load_config
+    from hpctrain.launch import local
+
+    seen: dict = {}
+    monkeypatch.setattr(local, "launch_local",
+                        lambda *a, **kw: seen.update(kw))
+    for signals, want in ((["profile.signal=SIGURG"], "SIGURG"), (["profile.signal="], None)):
+        cfg = load_config(None, [f"run.out_dir={tmp_path}", "run.name=fwd", *signals])
+        local.launch_training(cfg, Path("configs/demo.yaml"), [], 2)
+        assert set(cfg.preempt.signals) <= set(seen["forward_signals"])
+        assert (want in seen["forward_signals"]) if want else len(
+            seen["forward_signals"]) == len(cfg.preempt.signals)

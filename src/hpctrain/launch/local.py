@@ -54,8 +54,10 @@ def launch_training(cfg: JobConfig, config: Path, overrides: list[str], nproc: i
         worker_args = ["train", str(config), *overrides, f"run.name={run_dir.root.name}",
                        "run.suffix=none"]
         os.environ[TOKEN_ENV] = claim.lock.token
+        # The profile signal too: `kill -URG <launcher>` profiles the ranks as it does one rank.
+        forward = (*cfg.preempt.signals, *([cfg.profile.signal] if cfg.profile.signal else []))
         launch_local(nproc, worker_args, run_dir, run_id=time.strftime("%Y%m%d-%H%M%S"),
-                     max_restarts=max_restarts, forward_signals=tuple(cfg.preempt.signals),
+                     max_restarts=max_restarts, forward_signals=forward,
                      grace_s=cfg.preempt.grace_s)
     finally:
         os.environ.pop(TOKEN_ENV, None)
