@@ -269,6 +269,11 @@ def test_layouts_that_place_tp_across_nodes_are_refused(project: Path, capsys, a
     assert not (project / "train.sh").exists()
 
 
+def test_array_tasks_never_share_a_run_directory(project: Path, capsys) -> None:
+    err = _fails(capsys, "configs/demo.yaml", "run.suffix=none", "--array", "0-3", "-o", "x.sh")
+    assert "would all write runs/demo" in err and "run.suffix" in err, err
+
+
 def test_tp_inside_each_node_is_accepted(project: Path) -> None:
     _sbatch("configs/demo.yaml", "parallel.strategy=fsdp", "parallel.tp=2", "--nodes", "2",
             "--tasks-per-node", "4", "-o", "train.sh")

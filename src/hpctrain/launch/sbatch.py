@@ -365,6 +365,11 @@ def params_from_args(args: argparse.Namespace) -> tuple[SbatchParams, JobConfig]
 
     cfg = load_config(args.config, args.overrides)  # a bad config fails here, not on the cluster
     check_placement(cfg, args.nodes, args.tasks_per_node)
+    if args.array and cfg.run.suffix == "none":
+        raise ConfigError(
+            f"--array {args.array} with run.suffix=none: the tasks would all write "
+            f"{Path(cfg.run.out_dir) / cfg.run.name} (the run lock lets one of them in)",
+            hint="drop run.suffix=none: each task then gets <name>-<array job>_<task>")
     workdir = Path.cwd()
     container = None
     if args.container is not None:
