@@ -83,3 +83,21 @@ def test_bench_model_refuses_a_gpu_size_on_a_cpu(tmp_path: Path) -> None:
     assert "1.10B parameters and no GPU is visible" in done.stderr, done.stderr[-3000:]
     assert "set --device cpu" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "bench").exists()
+
+
+def test_a_large_pretrained_model_is_named_by_its_folder(no_gpu: None, tmp_path: Path) -> None:
+    # Only config.json is read to size the model: an 8B Llama folder without its weights.
+    import json
+
+    folder = tmp_path / "llama-8b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+        "hidden_act": "silu", "torch_dtype": "bfloat16"}))
+    cfg = load_config(None, [f"model.init_from=hf:{folder}"])
+    with pytest.raises(ConfigError) as info:
+        check_device_fits(cfg)
+    assert f"model.init_from=hf:{folder} has 8.03B parameters" in info.value.what

@@ -106,8 +106,9 @@ def check_device_fits(cfg: JobConfig) -> None:
     if cfg.run.device != "auto" or torch.cuda.is_available():
         return
     n_params = count_params(cfg.model.resolve(), include_embedding=True)
-    refuse_large_model_on_cpu(n_params, model=f"model.size={cfg.model.size}",
-                              force="run.device=cpu")
+    named = (f"model.init_from={cfg.model.init_from}" if cfg.model.init_from
+             else f"model.size={cfg.model.size}")
+    refuse_large_model_on_cpu(n_params, model=named, force="run.device=cpu")
 
 
 def run_training(cfg: JobConfig, source: Path | None = None, *, fresh: bool = False
