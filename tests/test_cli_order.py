@@ -23,6 +23,18 @@ CASES = {
     ("sbatch",): (
         ["sbatch", "--nodes", "2", "c.yaml", "a=1", "--time", "02:00:00", "b=2"],
         {"config": Path("c.yaml"), "overrides": ["a=1", "b=2"], "nodes": 2, "time": "02:00:00"}),
+    ("submit",): (
+        ["submit", "c.yaml", "--array", "0-3", "a=1", "--dry-run", "b=2"],
+        {"config": Path("c.yaml"), "overrides": ["a=1", "b=2"], "array": "0-3", "dry_run": True}),
+    ("pipeline",): (
+        ["pipeline", "--dry-run", "status", "p.yaml"],
+        {"words": ["status", "p.yaml"], "dry_run": True}),
+    ("doctor",): (
+        ["doctor", "c.yaml", "--expect-busbw", "10", "a=1", "--no-gpu-health", "b=2"],
+        {"config": Path("c.yaml"), "overrides": ["a=1", "b=2"], "expect_busbw": 10.0}),
+    ("k8s",): (
+        ["k8s", "c.yaml", "--image", "i", "a=1", "--runs-pvc", "r", "b=2"],
+        {"config": Path("c.yaml"), "overrides": ["a=1", "b=2"], "image": "i", "runs_pvc": "r"}),
     ("config",): (
         ["config", "c.yaml", "a=1", "b=2"],
         {"config": Path("c.yaml"), "overrides": ["a=1", "b=2"]}),
