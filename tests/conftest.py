@@ -228,3 +228,28 @@ def processes_mentioning(marker: str) -> list[psutil.Process]:
         if any(marker in part for part in cmdline):
             found.append(p)
     return found
+
+
+@pytest.fixture(scope="module")
+def pg() -> Iterator[None]:
+    """A 1-rank gloo group in this process (what a single-process run uses)."""
+    import torch.distributed as dist
+
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if mine:
+        dist.destroy_process_group()
+
+
+@pytest.fixture()
+def no_faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """HPCTRAIN_FAULTS unset (and the parsed cache cleared) before and after the test."""
+    from hpctrain import faults
+
+    monkeypatch.delenv("HPCTRAIN_FAULTS", raising=False)
+    faults._specs.cache_clear()
+    yield monkeypatch
+    monkeypatch.delenv("HPCTRAIN_FAULTS", raising=False)
+    faults._specs.cache_clear()

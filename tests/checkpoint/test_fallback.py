@@ -21,33 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from helpers import make_model, make_optimizer, manager, state_of, train_steps
 
 from hpctrain import faults
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.checkpoint.manifest import CheckpointError, DamagedCheckpoint, step_dir_name
-
-
-@pytest.fixture(scope="module")
-def pg() -> Iterator[None]:
-    """A 1-rank gloo group in this process."""
-    mine = not dist.is_initialized()
-    if mine:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if mine:
-        dist.destroy_process_group()
-
-
-@pytest.fixture()
-def no_faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    """HPCTRAIN_FAULTS unset (and the parsed cache cleared) before and after the test."""
-    monkeypatch.delenv("HPCTRAIN_FAULTS", raising=False)
-    faults._specs.cache_clear()
-    yield monkeypatch
-    monkeypatch.delenv("HPCTRAIN_FAULTS", raising=False)
-    faults._specs.cache_clear()
 
 
 def _saved(root: Path, steps: tuple[int, ...], **cfg) -> tuple[CheckpointManager, dict]:

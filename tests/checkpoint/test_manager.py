@@ -205,27 +205,6 @@ def _ok(ranks: list[dict], name: str) -> list[dict]:
 
 # -- one process --------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def pg() -> Iterator[None]:
-    """A 1-rank gloo group in this process (what a single-process run uses)."""
-    mine = not dist.is_initialized()
-    if mine:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if mine:
-        dist.destroy_process_group()
-
-
-@pytest.fixture()
-def no_faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    """HPCTRAIN_FAULTS unset (and the parsed cache cleared) before and after the test."""
-    monkeypatch.delenv("HPCTRAIN_FAULTS", raising=False)
-    faults._specs.cache_clear()
-    yield monkeypatch
-    monkeypatch.delenv("HPCTRAIN_FAULTS", raising=False)
-    faults._specs.cache_clear()
-
-
 def _trained(seed: int = 0, steps: int = 2):
     model = make_model(seed)
     opt = make_optimizer(model)

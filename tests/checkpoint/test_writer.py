@@ -146,17 +146,6 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 # -- 1 rank, in this process --------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def pg() -> Iterator[None]:
-    """A 1-rank gloo group in this process."""
-    mine = not dist.is_initialized()
-    if mine:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if mine:
-        dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
 def writer(pg, two_ranks, tmp_path_factory: pytest.TempPathFactory) -> Iterator[CheckpointManager]:
     """A manager whose writer process was started with this module's faults."""
     before = os.environ.get("HPCTRAIN_FAULTS")

@@ -18,12 +18,10 @@ import json
 import logging
 import pickle
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.checkpoint.manifest import CheckpointError, DamagedCheckpoint, describe
@@ -47,17 +45,6 @@ hostile = _load("hostile")
 helpers = _load("helpers")
 
 NEWEST, OLDER = "step-00000002", "step-00000001"
-
-
-@pytest.fixture(scope="module")
-def pg() -> Iterator[None]:
-    """A 1-rank gloo group in this process."""
-    mine = not dist.is_initialized()
-    if mine:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if mine:
-        dist.destroy_process_group()
 
 
 @pytest.fixture()

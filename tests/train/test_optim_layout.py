@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from hpctrain.checkpoint.manager import step_dir_name
 from hpctrain.checkpoint.manifest import read_manifest
@@ -45,16 +43,6 @@ class _Position:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.state = dict(state)
-
-
-@pytest.fixture()
-def pg() -> Iterator[None]:
-    mine = not dist.is_initialized()
-    if mine:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if mine:
-        dist.destroy_process_group()
 
 
 def _state(seed: int, steps: int) -> TrainState:
