@@ -30,9 +30,10 @@ demo: $(STAMP)
 		model.vocab_size=257 --nproc 2
 
 # Installs Slurm and munge first (scripts/install-slurm.sh: Debian packages with apt-get, as root;
-# a no-op when installed). tests/slurm then start their own single-node cluster (munged, slurmctld,
-# slurmd, config under a temp dir) and stop it at the end. Where it cannot install (not root,
-# offline) it says why and the Slurm tests skip; under CI=true (.ci/run sets it) it fails instead.
+# a no-op when installed). tests/slurm then start their own clusters, one node and two nodes on
+# this machine (munged, slurmctld, slurmd, config under a temp dir), and stop them at the end.
+# Where it cannot install (not root, offline) it says why and the Slurm tests skip; under CI=true
+# (.ci/run sets it) it fails instead.
 # scripts/install-browser.sh does the same for Debian's chromium and chromedriver, which the
 # browser test of `hpctrain report` drives headless.
 test: $(STAMP)
