@@ -20,7 +20,9 @@ from hpctrain.cli import main
 from hpctrain.config import JobConfig, load_config
 from hpctrain.errors import ConfigError
 from hpctrain.launch import doctor as d
-from hpctrain.launch.doctor import Facts, Inputs, format_cpus, parse_cpulist
+from hpctrain.launch.doctor import checks, facts
+from hpctrain.launch.doctor.checks import Inputs
+from hpctrain.launch.doctor.facts import Facts, format_cpus, parse_cpulist
 from hpctrain.runtime.env import ProcessEnv
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
@@ -56,13 +58,13 @@ def problems(verdict) -> list[str]:
 def test_a_healthy_job_has_no_problems() -> None:
     x = job(allreduce={"ranks": 8, "mb": 64, "backend": "nccl", "wrong": 0,
                        "busbw_gbps": 40.0}, expect_busbw=20.0)
-    assert [p for v in d.judge(x) for p in v.problems] == []
+    assert [p for v in checks.judge(x) for p in v.problems] == []
 
 
 def test_versions_name_the_nodes_and_only_what_differs() -> None:
     facts = [rank(i, "n1" if i < 4 else "n2") for i in range(8)]
     facts[5] = replace(facts[5], torch="2.10.0+cu126", cuda="12.6")
-    (line,) = problems(d.check_versions(job(facts=facts)))
+    (line,) = problems(checks.check_versions(job(facts=facts)))
     assert "n1 (ranks 0-3); n2 (ranks 4,6-7): torch 2.11.0+cu128, cuda 12.8" in line, line
     assert "n2 (rank 5): torch 2.10.0+cu126, cuda 12.6" in line and "python" not in line
     assert "-- fix: run every node from one environment" in line
@@ -72,22 +74,22 @@ def test_gpus_missing_or_shared() -> None:
     facts = [rank(i) for i in range(4)]
     facts[1] = replace(facts[1], gpus=0, gpu=None, cuda_visible="")
     facts[3] = replace(facts[3], gpu_pci=facts[2].gpu_pci)
-    lines = problems(d.check_gpus(job(facts=facts)))
+    lines = problems(checks.check_gpus(job(facts=facts)))
     assert len(lines) == 2, lines
     assert "rank 1 (local rank 1) on n1 has no GPU: 0 visible" in lines[0]
     assert "ranks 2-3 on n1 share GPU 0000:1a:00.0" in lines[1]
     none = [replace(f, gpus=0, gpu=None) for f in facts]
-    assert "no task sees a GPU" in problems(d.check_gpus(job(facts=none)))[0]
+    assert "no task sees a GPU" in problems(checks.check_gpus(job(facts=none)))[0]
     cpu = job(facts=none)
     cpu.cfg.run.device = "auto"
-    assert d.check_gpus(cpu).problems == []  # a CPU run wants no GPU
+    assert checks.check_gpus(cpu).problems == []  # a CPU run wants no GPU
 
 
 def test_affinity_off_the_gpus_numa_node_and_oversubscribed() -> None:
     facts = [rank(i) for i in range(4)]
     facts[0] = replace(facts[0], affinity=list(range(40, 48)))
     facts[1] = replace(facts[1], omp_threads=64)
-    lines = problems(d.check_affinity(job(facts=facts)))
+    lines = problems(checks.check_affinity(job(facts=facts)))
     assert "rank 0 on n1 holds cores 40-47, none on NUMA node 0 of its GPU 0000:18:00.0 " \
            "(cores 0-31)" in lines[0], lines
     assert "--gpu-bind=closest" in lines[0]
@@ -97,13 +99,13 @@ def test_affinity_off_the_gpus_numa_node_and_oversubscribed() -> None:
 def test_network_names_that_do_not_exist() -> None:
     env = {"NCCL_SOCKET_IFNAME": "hsn", "NCCL_IB_HCA": "=mlx5_0:1,mlx5_9:1"}
     facts = [rank(i, net_env=env) for i in range(4)]
-    (line,) = problems(d.check_network(job(facts=facts)))
+    (line,) = problems(checks.check_network(job(facts=facts)))
     assert "NCCL_SOCKET_IFNAME=hsn on n1: no such interface (it has eth0, ib0, lo)" in line
     ok = {"NCCL_SOCKET_IFNAME": "^docker,lo", "NCCL_IB_HCA": "mlx5"}
-    assert d.check_network(job(facts=[rank(i, net_env=ok) for i in range(4)])).problems == []
+    assert checks.check_network(job(facts=[rank(i, net_env=ok) for i in range(4)])).problems == []
     # Two nodes of GPUs, no InfiniBand and no socket interface named: NCCL guesses.
     bare = [rank(i, "n1" if i < 2 else "n2", ib_devices=[]) for i in range(4)]
-    lines = problems(d.check_network(job(facts=bare)))
+    lines = problems(checks.check_network(job(facts=bare)))
     assert len(lines) == 2 and "n2 has no InfiniBand HCA and NCCL_SOCKET_IFNAME is unset" in \
         lines[1], lines
 
@@ -115,20 +117,20 @@ def test_network_names_that_do_not_exist() -> None:
 ])
 def test_allreduce_wrong_slow_or_broken(result: dict, expect, message: str) -> None:
     r = {"ranks": 8, "mb": 64.0, "backend": "nccl", **result}
-    (line,) = problems(d.check_allreduce(job(allreduce=r, expect_busbw=expect)))
+    (line,) = problems(checks.check_allreduce(job(allreduce=r, expect_busbw=expect)))
     assert message in line and "all_reduce of 64 MB over 8 ranks (nccl)" in line, line
 
 
 def test_disk_too_small_for_the_checkpoints_kept(tmp_path: Path) -> None:
     cfg = load_config(REPO / "configs" / "llama-1b.yaml",
                       [f"run.out_dir={tmp_path / 'runs'}", "checkpoint.keep_last=2"])
-    s = d.gather_storage(cfg, world_size=8)
+    s = facts.gather_storage(cfg, world_size=8)
     # Other processes write to this disk meanwhile: the same figure within a gigabyte.
     assert abs(s.free_bytes - shutil.disk_usage(tmp_path).free) < 1e9 and s.keep == 3
     assert s.ckpt_bytes == s.params * 12 and s.params > 1e9
-    ok = d.check_disk(job(storage=replace(s, free_bytes=10**15)))
+    ok = checks.check_disk(job(storage=replace(s, free_bytes=10**15)))
     assert ok.problems == []
-    (line,) = problems(d.check_disk(job(storage=replace(s, free_bytes=20 * 10**9))))
+    (line,) = problems(checks.check_disk(job(storage=replace(s, free_bytes=20 * 10**9))))
     assert f"{tmp_path / 'runs'}: 20.0 GB free, the checkpoints need ~" in line, line
     assert "checkpoint.keep_last" in line
 
@@ -150,21 +152,21 @@ def _lustre(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stripes: str | None
 def test_lustre_big_files_on_one_stripe(tmp_path: Path, monkeypatch) -> None:
     mounts = _lustre(tmp_path, monkeypatch, "1")
     cfg = load_config(REPO / "configs" / "llama-1b.yaml", [f"run.out_dir={tmp_path / 'ck'}"])
-    s = d.gather_storage(cfg, world_size=2, mounts=mounts)
+    s = facts.gather_storage(cfg, world_size=2, mounts=mounts)
     assert s.fs["checkpoints"]["stripes"] == 1
     assert f"getstripe -d -c {tmp_path}" in (tmp_path / "lfs-calls").read_text()
-    (line,) = problems(d.check_lustre(job(storage=s)))
+    (line,) = problems(checks.check_lustre(job(storage=s)))
     assert f"checkpoints folder {tmp_path / 'ck'}: stripe count 1 for files of ~" in line
     assert f"lfs setstripe -c 4 {tmp_path / 'ck'}" in line
     # Small checkpoints on one stripe are fine; so is a striped folder.
     tiny = load_config(REPO / "configs" / "demo.yaml", [f"run.out_dir={tmp_path / 'ck'}"])
-    assert d.check_lustre(job(storage=d.gather_storage(tiny, 1, mounts))).problems == []
+    assert checks.check_lustre(job(storage=facts.gather_storage(tiny, 1, mounts))).problems == []
 
 
 def test_lustre_without_lfs_says_so(tmp_path: Path, monkeypatch) -> None:
     mounts = _lustre(tmp_path, monkeypatch, None)
     cfg = load_config(REPO / "configs" / "demo.yaml", [f"run.out_dir={tmp_path / 'ck'}"])
-    (line,) = problems(d.check_lustre(job(storage=d.gather_storage(cfg, 1, mounts))))
+    (line,) = problems(checks.check_lustre(job(storage=facts.gather_storage(cfg, 1, mounts))))
     assert "on Lustre but its striping is unknown: lfs not found on PATH" in line, line
 
 
@@ -176,29 +178,29 @@ def test_small_files_in_the_data_path(tmp_path: Path) -> None:
     cfg = JobConfig()
     cfg.run.out_dir = str(tmp_path / "runs")
     cfg.data.source, cfg.data.path = "shards", str(data)  # unvalidated: no manifest needed
-    s = d.gather_storage(cfg, 1)
+    s = facts.gather_storage(cfg, 1)
     assert s.small_files == 12
-    assert d.check_small_files(job(storage=s, max_small_files=12)).problems == []
-    (line,) = problems(d.check_small_files(job(storage=s, max_small_files=10)))
+    assert checks.check_small_files(job(storage=s, max_small_files=12)).problems == []
+    (line,) = problems(checks.check_small_files(job(storage=s, max_small_files=10)))
     assert f"{data} holds 12 files under 1 MiB" in line and "hpctrain data pack" in line
 
 
 def test_ulimits(tmp_path: Path) -> None:
     facts = [rank(i, "n1" if i < 2 else "n2", memlock=65536, nofile=1024) for i in range(4)]
-    lines = problems(d.check_ulimits(job(facts=facts)))
+    lines = problems(checks.check_ulimits(job(facts=facts)))
     assert len(lines) == 4, lines  # per node: open files, locked memory
     assert "ulimit -n is 1024 on n1" in lines[0] and "ulimit -l is 64 KiB on n1" in lines[1]
     cpu = [replace(f, gpus=0, gpu=None, ib_devices=[]) for f in facts]
     x = job(facts=cpu)
     x.cfg.run.device = "cpu"
-    assert len(d.check_ulimits(x).problems) == 2  # locked memory matters for RDMA only
+    assert len(checks.check_ulimits(x).problems) == 2  # locked memory matters for RDMA only
 
 
 def test_gpu_health_flags_the_slow_gpu() -> None:
     gpus = [DeviceResult(f"n{n} GPU {g}", "H100", gemm_tflops=780.0, gemm_peak_tflops=989.0,
                          membw_gbps=3000.0) for n in (1, 2) for g in range(4)]
     gpus[6].gemm_tflops = 400.0
-    lines = problems(d.check_gpu_health(job(gpu_health=gpus)))
+    lines = problems(checks.check_gpu_health(job(gpu_health=gpus)))
     assert any("n2 GPU 2 GEMM 49% below its siblings" in ln for ln in lines), lines
     assert all("--exclude=NODE" in ln for ln in lines)
 
@@ -209,7 +211,7 @@ def test_facts_of_this_machine(tmp_path: Path) -> None:
         (sys_root / "class" / "net" / name).mkdir(parents=True)
     (sys_root / "class" / "infiniband" / "mlx5_0").mkdir(parents=True)
     env = ProcessEnv("local", 0, 0, 1, 1, 0, "127.0.0.1", 29500, "h")
-    f = d.gather_facts(env, sys_root)
+    f = facts.gather_facts(env, sys_root)
     assert f.net_ifaces == ["eth0", "lo"] and f.ib_devices == ["mlx5_0"]
     assert f.affinity and f.gpu is None and f.torch
     assert parse_cpulist("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
@@ -228,7 +230,7 @@ def test_this_machine_passes(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
     main(["doctor", str(REPO / "configs" / "demo.yaml"), *TINY])
     out = capsys.readouterr().out
-    assert out.count("\nok      ") == len(d.CHECKS), out
+    assert out.count("\nok      ") == len(checks.CHECKS), out
     assert out.rstrip().endswith("doctor: 10 checks, no problems")
 
 
