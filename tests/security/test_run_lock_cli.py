@@ -24,8 +24,8 @@ def _snapshot(run_dir: Path) -> dict[str, tuple[int, int]]:
     """Size and mtime of every file the *first* run could not have changed meanwhile."""
     out = {}
     for p in sorted(run_dir.rglob("*")):
-        if p.is_file() and p.name not in ("run.lock",) and "metrics" not in p.parts \
-                and p.name != "rank-000.log" and "checkpoints" not in p.parts:
+        if p.is_file() and p.name not in ("run.lock",) and p.name != "rank-000.log" \
+                and not {"metrics", "checkpoints", "goodput"} & set(p.parts):
             st = p.stat()
             out[str(p.relative_to(run_dir))] = (st.st_size, st.st_mtime_ns)
     return out
