@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.errors import ConfigError
+from hpctrain.models.chunked_loss import chunked_linear_cross_entropy
 from hpctrain.models.sizes import ModelArgs, RopeScaling
 
 INIT_STD = 0.02
@@ -276,12 +277,17 @@ class Transformer(nn.Module):
             for name, param in self.named_parameters():
                 self.init_parameter(name, param)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *,
+                targets: torch.Tensor | None = None, loss_chunks: int = 1) -> torch.Tensor:
         """Return logits `[B, T, vocab_size]` for token ids `tokens [B, T]`.
 
         A pipeline stage without the embedding takes the hidden state `[B, T, dim]` instead,
         and one without the output layer returns the hidden state. With ``cache`` the tokens
         continue the ones cached, whose keys and values are reused, and are added to it.
+
+        With ``targets [B, T]`` it returns the summed fp32 next-token cross entropy instead
+        (``IGNORE_INDEX`` targets add 0), computed with the output layer over ``loss_chunks``
+        token chunks so the whole logits never exist (``hpctrain.models.chunked_loss``).
         """
         h = tokens
         start = cache.pos if cache is not None else 0
@@ -308,6 +314,12 @@ class Transformer(nn.Module):
             cache.pos += tokens.shape[1]
         if self.norm is not None:
             h = self.norm(h)
+        if targets is not None:
+            if self.output is None:
+                raise ValueError("targets given to a model part without the output layer")
+            # Here, inside forward, a sharding wrapper has gathered the whole output weight.
+            return chunked_linear_cross_entropy(h.flatten(0, 1), self.output.weight,
+                                                targets.flatten(), loss_chunks)
         return self.output(h) if self.output is not None else h
 
 
