@@ -243,7 +243,8 @@ def run_model_bench(config: Path | None, overrides: list[str], *, nproc: int, ou
              "checkpoint.interval=none", "checkpoint.save_at_end=false",
              "checkpoint.resume=never", "metrics.progress=false"]
     cfg = load_config(config, [*overrides, *fixed])
-    if nproc > 1 and cfg.parallel.strategy == "none":
+    # One replica may span tp x pp ranks without a strategy; several replicas need one.
+    if nproc > cfg.parallel.tp * cfg.parallel.pp and cfg.parallel.strategy == "none":
         raise ConfigError(f"{nproc} ranks with parallel.strategy=none",
                           expected="--strategy ddp or fsdp for several ranks")
     out.mkdir(parents=True, exist_ok=True)
