@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from hpctrain.errors import ConfigError
 from hpctrain.models.sizes import PRESETS, ModelArgs
@@ -34,6 +34,9 @@ _POSITIVE_FIELDS = (
     "norm_eps",
     "max_seq_len",
 )
+
+# Fields that choose something other than a shape override.
+_NOT_SHAPE = ("size", "init_from", "attention_backend")
 
 
 @dataclass
@@ -54,13 +57,16 @@ class ModelConfig:
     # Start from pretrained weights: "hf:DIR" (a Hugging Face model folder) or an hpctrain
     # checkpoint directory (`hpctrain import hf` output, a run's step-N). `size` is then unused.
     init_from: str | None = None
+    # The attention kernel (``hpctrain.models.sdpa_backend``): a choice of kernel, not of shape,
+    # so it may be set with init_from too. auto: PyTorch picks.
+    attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
 
     def _merged(self) -> dict[str, Any]:
         """Return the preset's fields with this config's overrides applied (size must be valid)."""
         merged = dataclasses.asdict(PRESETS[self.size])
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name != "size" and value is not None:
+            if field.name not in _NOT_SHAPE and value is not None:
                 merged[field.name] = value
         return merged
 
@@ -91,7 +97,7 @@ class ModelConfig:
         from hpctrain.models.init_source import init_from_args, origin, parse_init_from
 
         fixed = [f.name for f in dataclasses.fields(self)
-                 if f.name not in ("size", "init_from", "max_seq_len")
+                 if f.name not in (*_NOT_SHAPE, "max_seq_len")
                  and getattr(self, f.name) is not None]
         if fixed:
             raise ConfigError(

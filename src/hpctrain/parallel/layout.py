@@ -108,6 +108,15 @@ def check_layout(cfg: JobConfig, world_size: int) -> ParallelLayout:
                 "stages, or are sharded differently)",
                 hint="set model.tie_embeddings=false",
             )
+    if tc.loss_chunks and (tp > 1 or pp > 1):
+        raise ConfigError(
+            f"train.loss_chunks = {tc.loss_chunks} with parallel.tp = {tp}, parallel.pp = {pp}",
+            expected="train.loss_chunks = 0 with tensor or pipeline parallelism: the vocabulary-"
+            "parallel loss never gathers the logits (each rank holds 1/tp of them), and a "
+            "pipeline's last stage computes the loss from its output outside the model",
+            hint="set train.loss_chunks=0 (with pipelines, more micro-batches shrink the logits "
+            "of each)",
+        )
     if pc.strategy == "ddp" and (tp > 1 or pp > 1):
         raise ConfigError(
             f"parallel.strategy = ddp with parallel.tp = {tp}, parallel.pp = {pp}",

@@ -24,12 +24,19 @@ class TrainConfig:
     # Evaluate the held-out split (data.val_fraction > 0) every this many steps (0: only at
     # the end of training).
     val_every: int = 0
+    # >0: the output layer and the loss run together over this many token chunks, so the
+    # [tokens, vocab] logits (and their fp32 copy) never exist whole; 0: the plain loss.
+    # Not with tensor parallelism (its loss never gathers the logits anyway) or pipelines.
+    loss_chunks: int = 0
 
     def validate(self) -> None:
         """Check sizes and the clip value."""
         for key in ("steps", "micro_batch", "grad_accum"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key} = {getattr(self, key)} must be >= 1")
+        if self.loss_chunks < 0:
+            raise ConfigError(f"train.loss_chunks = {self.loss_chunks} must be >= 0",
+                              hint="0 computes the plain loss from the whole logits")
         if self.val_every < 0:
             raise ConfigError(f"train.val_every = {self.val_every} must be >= 0",
                               hint="0 validates only at the end")

@@ -37,6 +37,7 @@ from hpctrain.data.loader import (
 )
 from hpctrain.errors import ConfigError, HpctrainError
 from hpctrain.models import Transformer, count_params, flops_per_token
+from hpctrain.models.sdpa_backend import attention_backend
 from hpctrain.observe.goodput import GoodputClock
 from hpctrain.observe.live import RunObserver
 from hpctrain.observe.metrics import MetricsWriter
@@ -141,6 +142,8 @@ class Trainer:
             load_pretrained(self.model, cfg.model.init_from, self.model_args, ckpt.verify,
                             ckpt.group)
         self.autocast = autocast_dtype(pc, tc.precision)
+        # The attention kernel for whole steps (backward and recomputation included).
+        self.attention = attention_backend(cfg.model.attention_backend, self.device)
         self.pp_group = mesh["pp"].get_group() if self.par.pp > 1 else None
         # Ranks of one tensor-parallel group hold the same loss and only the last pipeline
         # stage holds it at all: one rank per model replica contributes it to global sums.
@@ -251,7 +254,7 @@ class Trainer:
             return total
         for i, (inputs, targets) in enumerate(micro_batches):
             with self._grad_sync(last=i == n - 1), self._autocast():
-                loss = self.loss_fn(self.model(inputs), targets)
+                loss = self._summed_loss(inputs, targets)
             if poison:
                 loss = loss * float("nan")
             share = loss / denom
@@ -262,13 +265,22 @@ class Trainer:
             total += share.detach()
         return total if self.holds_loss else total.zero_()
 
+    def _summed_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's forward: its summed token loss (``train.loss_chunks`` > 0: the
+        model applies its output layer and the loss together, chunk by chunk)."""
+        chunks = self.cfg.train.loss_chunks
+        if chunks:
+            return self.model(inputs, targets=targets, loss_chunks=chunks)
+        return self.loss_fn(self.model(inputs), targets)
+
     def train_step(self, micro_batches) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step: gradients, clipping, update, schedule. Returns (loss, grad norm).
 
         The loss returned is the global mean over ranks; a bad one (non-finite, or a spike)
         makes the fused optimizer skip the update on the device.
         """
-        loss = self.forward_backward(micro_batches)
+        with self.attention():
+            loss = self.forward_backward(micro_batches)
         if self.dist.world_size > 1:
             dist.all_reduce(loss)  # the sum of the ranks' shares: every rank judges one value
         if self.scaler is not None:
@@ -357,11 +369,12 @@ class Trainer:
         tc = self.cfg.train
         # Through a pipeline, batches have the training step's shape (the schedule's).
         micro_batch = tc.micro_batch * tc.grad_accum if self.pipeline else tc.micro_batch
-        record = {"step": self.step, **evaluate(
-            self.model, self.val_dataset, micro_batch=micro_batch, rank=self.layout.rank,
-            world_size=self.layout.world_size, device=self.device, autocast=self.autocast,
-            loss_fn=self.loss_fn if self.par.tp > 1 else None, pipeline=self.pipeline,
-            holds_loss=self.holds_loss)}
+        with self.attention():
+            record = {"step": self.step, **evaluate(
+                self.model, self.val_dataset, micro_batch=micro_batch, rank=self.layout.rank,
+                world_size=self.layout.world_size, device=self.device, autocast=self.autocast,
+                loss_fn=self.loss_fn if self.par.tp > 1 else None, pipeline=self.pipeline,
+                holds_loss=self.holds_loss, loss_chunks=tc.loss_chunks)}
         self.metrics.write(record)
         log.info("validation at step %d: loss %.4f, perplexity %.2f over %d tokens",
                  self.step, record["val_loss"], record["val_ppl"], record["val_tokens"])

@@ -28,12 +28,14 @@ from hpctrain.parallel.pipeline import Pipeline
 def evaluate(model: torch.nn.Module, dataset: TokenDataset, *, micro_batch: int, rank: int,
              world_size: int, device: torch.device, autocast: torch.dtype | None,
              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-             pipeline: Pipeline | None = None, holds_loss: bool = True) -> dict:
+             pipeline: Pipeline | None = None, holds_loss: bool = True,
+             loss_chunks: int = 0) -> dict:
     """Global mean loss, perplexity and token count over the whole validation split.
 
     ``rank`` and ``world_size`` are data-parallel coordinates (ranks that see different
     samples); sums are added over all ranks of the job. ``loss_fn(logits, targets)`` (summed,
-    padding targets ignored) replaces the plain cross entropy; ``pipeline`` replaces ``model``.
+    padding targets ignored) replaces the plain cross entropy; ``pipeline`` replaces ``model``;
+    ``loss_chunks`` > 0 has the model sum the loss over token chunks, as in training.
     With a pipeline, ``micro_batch`` must be the training step's batch per data-parallel rank,
     which the schedule cuts into its micro-batches.
     """
@@ -42,7 +44,7 @@ def evaluate(model: torch.nn.Module, dataset: TokenDataset, *, micro_batch: int,
     ctx = (torch.autocast(device.type, dtype=autocast) if autocast is not None
            else contextlib.nullcontext())
     for inputs, targets, mask in validation_batches(dataset, sampler, device):
-        if pipeline is None and loss_fn is None:
+        if pipeline is None and loss_fn is None and not loss_chunks:
             with ctx:
                 logits = model(inputs)
             token_loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
@@ -55,6 +57,9 @@ def evaluate(model: torch.nn.Module, dataset: TokenDataset, *, micro_batch: int,
         masked = targets.masked_fill(~mask[:, None], IGNORE_INDEX)
         if pipeline is not None:
             loss_sum = pipeline.eval_loss_sum(inputs, masked)
+        elif loss_chunks:
+            with ctx:
+                loss_sum = model(inputs, targets=masked, loss_chunks=loss_chunks)
         else:
             with ctx:
                 loss_sum = loss_fn(model(inputs), masked)
