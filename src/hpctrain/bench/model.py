@@ -15,7 +15,9 @@ results. The numbers are read back from the run's ``metrics/rank-*.jsonl``:
 - MFU is the trainer's (PaLM convention, FLOPs/token = 6N + 12·L·H·Q·T, against the datasheet peak
   of `hpctrain.observe.peaks`; unknown, never guessed, on a CPU or an unlisted GPU);
 - HFU counts the recomputed forward of activation checkpointing as well: ×4/3 with ``full``,
-  ×(1 + fraction of recomputed blocks / 3) with ``every_k`` (a forward is 1/3 of fwd+bwd FLOPs);
+  ×(1 + fraction of recomputed blocks / 3) with ``every_k`` (a forward is 1/3 of fwd+bwd FLOPs),
+  and with ``selective`` the matmuls it recomputes over the model's FLOPs per token (wk, wo and
+  w3 of every block with ``ac_save_mm: every_other``; none with ``all``);
 - energy, when a `PowerSampler` ran alongside, is the GPU energy between the end of warm-up and the
   last logged step (from the metrics' timestamps), divided by the tokens all ranks trained then.
 """
@@ -26,10 +28,13 @@ import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpctrain.bench.common import run_command
 from hpctrain.errors import ConfigError, HpctrainError
+
+if TYPE_CHECKING:
+    from hpctrain.models import ModelArgs
 
 COLUMNS = ["size", "strategy", "ranks", "micro_batch", "seq_len", "compile", "ac",
            "tokens_per_s_per_gpu", "mfu_pct", "hfu_pct", "peak_mem_gb", "step_time_s",
@@ -42,11 +47,14 @@ class TrainRunError(HpctrainError):
     exit_code = 1
 
 
-def hfu_factor(ac: str, n_layers: int, ac_every: int = 2) -> float:
+def hfu_factor(ac: str, n_layers: int, ac_every: int = 2, *, args: ModelArgs | None = None,
+               seq_len: int = 0, ac_save_mm: str = "every_other") -> float:
     """HFU / MFU for an activation-checkpointing mode: 4/3 for ``full``, 1 for ``none``.
 
     Recomputing a block re-runs its forward, 1/3 of that block's forward + backward FLOPs, so the
     hardware does 1 + (1/3)·(fraction of blocks recomputed) times the model's FLOPs.
+    ``selective`` needs the model's shape (``args``) and ``seq_len``: it recomputes some
+    matmuls, whose FLOPs are counted against the model's.
     """
     if ac == "none":
         return 1.0
@@ -58,8 +66,17 @@ def hfu_factor(ac: str, n_layers: int, ac_every: int = 2) -> float:
         # The same rule as parallel.parallelize: block i is checkpointed when i % k == 0.
         recomputed = sum(1 for i in range(n_layers) if i % ac_every == 0)
         return 1.0 + recomputed / n_layers / 3.0
+    if ac == "selective":
+        if args is None or seq_len < 1:
+            raise ConfigError("selective activation checkpointing without the model's shape",
+                              expected="args and seq_len >= 1")
+        from hpctrain.models import flops_per_token  # torch: only when asked
+        from hpctrain.parallel.selective_ac import recomputed_flops_per_token
+
+        extra = args.n_layers * recomputed_flops_per_token(args, ac_save_mm)
+        return 1.0 + extra / flops_per_token(args, seq_len)
     raise ConfigError(f"unknown activation checkpointing {ac!r}",
-                      expected="none, full or every_k")
+                      expected="none, full, every_k or selective")
 
 
 def device_defaults(on_gpu: bool) -> list[str]:
@@ -253,7 +270,8 @@ def run_model_bench(config: Path | None, overrides: list[str], *, nproc: int, ou
     config_path.write_text(dump_yaml(cfg))
     args = cfg.model.resolve()
     pc = cfg.parallel
-    mult = hfu_factor(pc.activation_checkpointing, args.n_layers, pc.ac_every)
+    mult = hfu_factor(pc.activation_checkpointing, args.n_layers, pc.ac_every, args=args,
+                      seq_len=cfg.data.seq_len, ac_save_mm=pc.ac_save_mm)
     on_gpu = _uses_cuda(cfg.run.device)
     sampler = sampler_factory(list(range(nproc))) if (sampler_factory and on_gpu) else None
     result, wall = measure(config_path, out / "train", nproc, hfu_mult=mult,
@@ -276,8 +294,9 @@ def _uses_cuda(device: str) -> bool:
 def result_row(result: ModelResult, cfg) -> dict[str, Any]:
     """One results row (see COLUMNS) from a result and the run's resolved JobConfig."""
     pc = cfg.parallel
-    ac = pc.activation_checkpointing + (f"/{pc.ac_every}" if pc.activation_checkpointing ==
-                                        "every_k" else "")
+    ac = pc.activation_checkpointing + {"every_k": f"/{pc.ac_every}",
+                                        "selective": f"/{pc.ac_save_mm}"}.get(
+                                            pc.activation_checkpointing, "")
     return {
         "size": cfg.model.size, "strategy": pc.strategy, "ranks": result.ranks,
         "micro_batch": cfg.train.micro_batch, "seq_len": cfg.data.seq_len,

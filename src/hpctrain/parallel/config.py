@@ -35,9 +35,13 @@ class ParallelConfig:
     # all-gather in backward); false keeps them until backward (ZeRO-2 behaviour). Zero-bubble
     # pipeline schedules always keep them (their weight-gradient pass needs them).
     reshard_after_forward: bool = True
-    activation_checkpointing: Literal["none", "full", "every_k"] = "none"
+    # selective: every block keeps its matmul and attention outputs and recomputes only the
+    # pointwise ops (parallel/selective_ac.py); full/every_k keep only block inputs.
+    activation_checkpointing: Literal["none", "full", "every_k", "selective"] = "none"
     # With every_k: recompute every k-th block only, trading memory for less recomputation.
     ac_every: int = 2
+    # With selective: keep every other matmul output (the rest recomputed) or all of them.
+    ac_save_mm: Literal["every_other", "all"] = "every_other"
     compile: bool = False
     # Tensor-parallel degree: attention heads, FFN width and vocabulary split over tp ranks,
     # norms and residuals split along the sequence (sequence parallelism). Keep it in a node.

@@ -3,7 +3,7 @@
 Per model part (the whole model, or each pipeline stage this rank holds), as in torchtitan:
 
 1. tensor parallelism (``parallel/tensor.py``) shards heads, FFN and vocabulary over ``tp``;
-2. activation checkpointing wraps each block;
+2. activation checkpointing wraps each block (whole, or op by op: ``parallel/selective_ac.py``);
 3. each block is compiled (so the compiled graph includes the recomputation and the TP
    redistributions);
 4. FSDP/HSDP shards each block and the part's root, or DDP wraps the part
@@ -38,6 +38,7 @@ from hpctrain.parallel.pipeline import (
     build_pipeline,
     split_model,
 )
+from hpctrain.parallel.selective_ac import selective_checkpoint
 from hpctrain.parallel.stages import balance_stages, module_costs
 from hpctrain.parallel.tensor import apply_tensor_parallel
 
@@ -92,7 +93,9 @@ def _parallelize_part(model: nn.Module, cfg: ParallelConfig, layout: ParallelLay
     for i, block in enumerate(list(blocks)):
         if block is None:  # held by another pipeline stage
             continue
-        if _checkpointed(i, cfg):
+        if cfg.activation_checkpointing == "selective":
+            block = selective_checkpoint(block, cfg.ac_save_mm)
+        elif _checkpointed(i, cfg):
             # preserve_rng_state=False: the blocks hold no dropout, so no RNG state to replay.
             block = checkpoint_wrapper(block, preserve_rng_state=False)
         if cfg.compile:

@@ -19,8 +19,16 @@ measured peaks ``torch.cuda.max_memory_allocated`` in benchmarks/RESULTS.md, 4x 
   head. Eager mode (no torch.compile) also keeps fp32 RoPE/norm intermediates and the SiLU
   output: + (6·dim + 2·kv_dim + ffn_dim) elements, fitted on `1b` eager (35.0 GB measured).
 - logits: 2 (compiled loss) or 4 (eager fp32 loss) compute-dtype copies of vocab per token.
+  With the chunked loss (``train.loss_chunks`` = c, ``hpctrain.models.chunked_loss``) one chunk
+  of tokens/c holds its logits in the compute dtype, in fp32 and as a gradient (2e + 4 B per
+  logit) while backward runs, plus the fp32 gradient accumulator of the output weight (4·V·D).
 - full activation checkpointing keeps only each block's input, plus one block's activations
   while it is recomputed.
+- selective (per-op) checkpointing (``parallel/selective_ac.py``) keeps each block's input, the
+  attention output and log-sum-exp, and the matmul outputs it saves: every other one (those of
+  wq, wv, w1 and w2) or all seven (``ac_save_mm``); with TP the outputs of wo and w2 are whole
+  partial sums and their reduce-scatters are kept too. Plus one block's activations while it
+  is recomputed. Not yet checked against a measured peak.
 - working buffers: autocast's bf16 copies of the weights (saved for backward, no FSDP); FSDP's
   gathered root module (embedding + output) and two gathered blocks (current + prefetched), all
   blocks gathered under ZeRO-2 (``reshard_after_forward=false``: +2.2 GB on `1b`, measured
@@ -76,7 +84,8 @@ from hpctrain.parallel.stages import (
 
 STRATEGIES = ("none", "ddp", "fsdp")
 PRECISIONS = ("bf16", "fp16", "fp32")
-AC_MODES = ("none", "full")
+AC_MODES = ("none", "full", "selective")
+SAVE_MM = ("every_other", "all")
 
 # Memory per GPU in GB (1e9 B) as sold; lookup by lower-cased name.
 GPU_MEMORY_GB: dict[str, float] = {
@@ -97,6 +106,8 @@ class MemoryOptions:
     pp: int = 1
     precision: str = "bf16"
     ac: str = "none"
+    ac_save_mm: str = "every_other"  # selective AC: which matmul outputs are kept
+    loss_chunks: int = 0  # >0: the chunked linear + cross entropy (no whole logits)
     micro_batch: int = 1  # samples per (pipeline) micro-batch
     # Micro-batches accumulated per step without a pipeline. FSDP then keeps unsharded fp32
     # gradient accumulators until the last one (no reduce-scatter before).
@@ -123,7 +134,9 @@ class MemoryOptions:
         """Raise ConfigError for unknown choices or impossible degrees."""
         for name, value, allowed in (("strategy", self.strategy, STRATEGIES),
                                      ("precision", self.precision, PRECISIONS),
-                                     ("activation checkpointing", self.ac, AC_MODES)):
+                                     ("activation checkpointing", self.ac, AC_MODES),
+                                     ("selective AC's saved matmuls", self.ac_save_mm,
+                                      SAVE_MM)):
             if value not in allowed:
                 raise ConfigError(f"{name} {value!r} is not known",
                                   expected=f"one of {', '.join(allowed)}")
@@ -132,6 +145,12 @@ class MemoryOptions:
                             ("grad-accum", self.grad_accum)):
             if value < 1:
                 raise ConfigError(f"{name} = {value}", expected="a positive integer")
+        if self.loss_chunks < 0:
+            raise ConfigError(f"loss chunks = {self.loss_chunks}", expected="0 (off) or more")
+        if self.loss_chunks and (self.tp > 1 or self.pp > 1):
+            raise ConfigError(f"loss chunks = {self.loss_chunks} with tp {self.tp}, pp "
+                              f"{self.pp}", expected="no chunked loss with tensor or pipeline "
+                              "parallelism (as training refuses it)")
         if self.zero not in (2, 3):
             raise ConfigError(f"zero = {self.zero}", expected="2 or 3")
         if self.strategy == "none" and self.gpus > 1:
@@ -299,15 +318,35 @@ def activation_bytes(args: ModelArgs, opts: MemoryOptions, share: RankShare | No
     # Full AC: the block inputs, plus one block's activations while it is recomputed.
     if opts.ac == "full":
         layers = share.inflight_layers * r * d / tp + layer
+    elif opts.ac == "selective":
+        layers = share.inflight_layers * _selective_layer(args, opts, e, r) + layer
     else:
         layers = share.inflight_layers * layer
+    head_buffers = 0.0
     if tp > 1:
         # The vocabulary-parallel loss at its peak: the rank's logits, their fp32 copy and
         # the fp32 exponentials that become the saved softmax.
         logits = (e + 8) * args.vocab_size / tp
+    elif opts.loss_chunks:
+        # One chunk's logits (compute dtype, fp32, gradient) and the fp32 weight gradient.
+        logits = (2 * e + 4) * args.vocab_size / min(opts.loss_chunks, tokens)
+        head_buffers = 4.0 * args.vocab_size * d * share.logits_live
     else:
         logits = (2 if opts.compile else 4) * e * args.vocab_size
-    return tokens * (layers + share.logits_live * logits)
+    return tokens * (layers + share.logits_live * logits) + head_buffers
+
+
+def _selective_layer(args: ModelArgs, opts: MemoryOptions, e: int, r: int) -> float:
+    """Bytes per token one block keeps under selective checkpointing (module docstring)."""
+    d, kv, f, tp = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim, opts.tp
+    if opts.ac_save_mm == "every_other":
+        split, whole = d + kv + f, d  # wq, wv, w1 split over tp; w2's output
+    else:
+        split, whole = d + 2 * kv + 2 * f, 2 * d  # wq, wk, wv, w1, w3; wo's and w2's outputs
+    saved = r * d / tp + e * (d + split) / tp + 4 * args.n_heads / tp + e * whole
+    if tp > 1:
+        saved += e * 2 * d / tp  # the reduce-scatters of wo and w2
+    return saved
 
 
 def estimate_memory(args: ModelArgs, opts: MemoryOptions, gpu_bytes: float | None = None,
@@ -383,7 +422,11 @@ def _suggest(args: ModelArgs, opts: MemoryOptions, gpu_bytes: float) -> list[str
             return False
 
     out = []
-    if opts.ac == "none" and fits(ac="full"):
+    if opts.ac == "none" and fits(ac="selective"):
+        out.append("turn on selective activation checkpointing (parallel."
+                   "activation_checkpointing=selective): recomputes the pointwise ops and "
+                   "every other matmul of each block")
+    elif opts.ac != "full" and fits(ac="full"):
         out.append("turn on activation checkpointing (parallel.activation_checkpointing=full), "
                    "~33% more compute")
     for mb in range(opts.micro_batch - 1, 0, -1):
