@@ -547,10 +547,8 @@ class Trainer:
 
     def _log(self, w: _Window) -> dict:
         """Read the window's device accumulators once (the one host sync), write a line."""
-        elapsed = time.perf_counter() - w.start
-        good_sum, good, skipped, streak = torch.stack(
-            [w.good_loss_sum, w.good_steps, self.guard.skipped, self.guard.consecutive]
-        ).tolist()
+        (good_sum, good, skipped, streak), elapsed = w.read(self.guard.skipped,
+                                                           self.guard.consecutive)
         self.goodput.window_closed()  # after the sync: the window's device time is in
         if skipped > self._skipped_logged:
             new = int(skipped - self._skipped_logged)
@@ -606,6 +604,16 @@ class _Window:
         self.good_loss_sum = torch.zeros((), device=device)
         self.good_steps = torch.zeros((), device=device)
         self.last_norm = torch.zeros((), device=device)
+
+    def read(self, *extra: torch.Tensor) -> tuple[list[float], float]:
+        """The loss sum, good-step count and ``extra`` in one host sync; the window's seconds.
+
+        Timed after the sync: the CPU runs ahead of the device (about 70 ms, most of a step, for
+        the 1b model on an H200), and a window closed before the sync counted work still queued
+        on the device as done: tokens/s 6% too high at 10-step windows, 12% at 5-step ones.
+        """
+        values = torch.stack([self.good_loss_sum, self.good_steps, *extra]).tolist()
+        return values, time.perf_counter() - self.start
 
     def add(self, loss: torch.Tensor, norm: torch.Tensor) -> None:
         """Count a step; a non-finite loss is left out of the mean (and flagged by the guard)."""
