@@ -125,3 +125,19 @@ def test_logits_paths_are_unchanged() -> None:
     tokens, _ = _batch()
     with torch.no_grad():
         assert model(tokens).shape == (*tokens.shape, SMALL.vocab_size)
+
+
+def test_memory_plan_models_the_chunked_loss() -> None:
+    """The planner: one chunk's logits (bf16, fp32, bf16 gradient) and the fp32 weight gradient
+    instead of the whole logits' two bf16 copies (compiled loss)."""
+    from hpctrain.errors import ConfigError
+    from hpctrain.models import PRESETS
+    from hpctrain.plan.memory import MemoryOptions, activation_bytes, estimate_memory
+
+    args, tokens = PRESETS["1b"], 4 * 2048
+    v, d = args.vocab_size, args.dim
+    plain = activation_bytes(args, MemoryOptions(micro_batch=4))
+    chunked = activation_bytes(args, MemoryOptions(micro_batch=4, loss_chunks=8))
+    assert plain - chunked == pytest.approx(2 * 2 * v * tokens - (8 * v * tokens / 8 + 4 * v * d))
+    with pytest.raises(ConfigError, match="loss chunks"):
+        estimate_memory(args, MemoryOptions(tp=2, loss_chunks=8))
