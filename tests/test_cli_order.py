@@ -35,6 +35,9 @@ CASES = {
     ("k8s",): (
         ["k8s", "c.yaml", "--image", "i", "a=1", "--runs-pvc", "r", "b=2"],
         {"config": Path("c.yaml"), "overrides": ["a=1", "b=2"], "image": "i", "runs_pvc": "r"}),
+    ("tune",): (
+        ["tune", "c.yaml", "--gpus", "2", "a=1", "--dry-run", "b=2"],
+        {"config": Path("c.yaml"), "overrides": ["a=1", "b=2"], "gpus": 2, "dry_run": True}),
     ("config",): (
         ["config", "c.yaml", "a=1", "b=2"],
         {"config": Path("c.yaml"), "overrides": ["a=1", "b=2"]}),

@@ -14,6 +14,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from hpctrain.bench import cli as bench_cli
+from hpctrain.bench import tune as tune_cli
 from hpctrain.data.cli import add_parser as add_data_parser
 from hpctrain.errors import HpctrainError
 from hpctrain.launch import doctor as doctor_cli
@@ -82,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     add_data_parser(sub)
     bench_cli.add_parser(sub)
+    tune_cli.add_parser(sub)
     plan_cli.add_parser(sub)
     observe_cli.add_parser(sub)  # report, runs
     pretrained_cli.add_import_parser(sub)
@@ -127,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         {"train": _train, "config": _config, "data": lambda a: a.handler(a),
          "bench": bench_cli.run, "plan": plan_cli.run,
+         "tune": lambda a: a.handler(a),
          "sbatch": lambda a: a.handler(a),
          "submit": lambda a: a.handler(a),
          "pipeline": lambda a: a.handler(a),

@@ -6,14 +6,20 @@ two real candidates plus one injected failure.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from hpctrain.bench import tune
+from hpctrain.bench.model import TrainRunError
+from hpctrain.cli import main
+from hpctrain.config import load_config
 from hpctrain.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.yaml"
+LLAMA_8B = REPO / "configs" / "llama-8b-fsdp.yaml"
 # The conftest TINY model: ~50k parameters, 32-token samples, a 200 kB corpus.
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
         "model.ffn_dim=128", "data.seq_len=32", "data.max_bytes=200000"]
@@ -44,3 +50,233 @@ def _result(ranks: int):
     return ModelResult(ranks=ranks, tokens_per_s_per_gpu=100.0, mfu=None, hfu=None,
                        peak_mem_gb=0.5, step_time_s=0.1, data_time_frac=0.0, final_loss=5.0,
                        measured_steps=(2, 4), measured_span_s=(0.0, 1.0))
+
+
+# ---- candidates, in-process -----------------------------------------------------------------
+
+
+def test_settings_respect_divisibility_and_keep_the_global_batch() -> None:
+    # Global batch 2 x 1 x 4 = 8 samples; 4 heads and 2 KV heads (tp 4 splits no KV head
+    # evenly), 2 layers (pp 1 or 2).
+    cfg = load_config(DEMO, [*TINY, "parallel.strategy=ddp", "train.micro_batch=2"])
+    settings = list(tune.enumerate_settings(cfg, 4, precisions=("fp32",)))
+    assert {(s.tp, s.pp) for s in settings} == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    for s in settings:
+        dp = 4 // (s.tp * s.pp)
+        assert s.micro_batch * s.grad_accum * dp == 8, s
+        assert s.strategy == ("none" if dp == 1 else "fsdp" if s.tp * s.pp > 1 else s.strategy)
+    assert {s.ac for s in settings} == {"none", "every_k", "full"}
+    assert {(s.strategy, s.zero) for s in settings if s.tp == s.pp == 1} == \
+        {("ddp", 3), ("fsdp", 3), ("fsdp", 2)}
+    # 3 ranks: tp 3 divides no head count, pp 3 is no power of two: data parallel only.
+    three = list(tune.enumerate_settings(cfg, 3, precisions=("fp32",)))
+    assert {(s.tp, s.pp) for s in three} == {(1, 1)}
+    assert all(s.micro_batch * s.grad_accum * 3 == 6 for s in three)
+    with pytest.raises(ConfigError, match="multiple of 2 GPUs"):
+        tune.global_batch(load_config(DEMO, [*TINY, "parallel.tp=2"]), 3)
+
+
+def _shortlist(gpu_gb: float, **kw) -> tuple[list, list[str], int]:
+    return tune.build_candidates(LLAMA_8B, [], 2, device="cuda", gpu_bytes=gpu_gb * 1e9,
+                                 peak_tflops=989.0, fp8=kw.pop("fp8", False), **kw)
+
+
+def test_over_memory_candidates_are_dropped_and_the_list_is_short() -> None:
+    """8b on 2 GPUs: at 141 GB FSDP without recomputation fits; at 80 GB it does not."""
+    big, _, n_big = _shortlist(141.0, max_candidates=8)
+    small, notes, n_small = _shortlist(80.0, max_candidates=8)
+    tiny, notes_tiny, _ = _shortlist(75.0, max_candidates=3)
+    assert n_small < n_big and len(big) == len(small) == 8 and len(tiny) == 3
+    for cands, gb in ((big, 141.0), (small, 80.0), (tiny, 75.0)):
+        assert all(c.predicted_peak * 1.1 <= gb * 1e9 for c in cands)
+    # ZeRO-2 without recomputation at micro-batch 2 (~85 GB) is on the 141 GB list only.
+    zero2 = [c for c in big if c.setting.zero == 2 and c.setting.ac == "none"
+             and c.setting.micro_batch == 2]
+    assert len(zero2) == 1 and zero2[0].predicted_peak * 1.1 > 80e9
+    assert zero2[0].setting not in {c.setting for c in small}
+    # The config as given (FSDP, full AC, micro-batch 2) is measured first, where it fits.
+    assert big[0].source == "config" and big[0].overrides[0] == "parallel.strategy=fsdp"
+    assert [c.source for c in big].count("config") == 1
+    assert len({c.setting for c in big}) == len(big)
+    assert tiny[0].source == "model" and "config as given is not a candidate" in notes_tiny[0]
+    # Every candidate trains the config's global batch: 2 x 1 x 2 = 4 samples.
+    for c in big + small:
+        assert c.setting.micro_batch * c.setting.grad_accum * c.dp == 4
+    with pytest.raises(ConfigError, match="--max-candidates"):
+        _shortlist(80.0, max_candidates=0)
+
+
+def test_fp8_needs_a_gpu_that_has_it_and_a_config_that_accepts_it(monkeypatch) -> None:
+    assert tune.fp8_allowed(LLAMA_8B, [], "cpu") == (False, "fp8 not tried: no GPU")
+    allowed, why = tune.fp8_allowed(LLAMA_8B, [], "cuda", capability=(8, 0))
+    assert not allowed and "8.0" in why
+    allowed, why = tune.fp8_allowed(DEMO, [], "cuda", capability=(9, 0))
+    assert not allowed and "fp32" in why  # the demo trains in fp32
+    # Whether this tree's config takes fp8 or not, both answers are honoured.
+    import hpctrain.config as config_module
+
+    real = config_module.load_config
+
+    def refusing(path, overrides=()):
+        if "train.precision=fp8" in overrides:
+            raise ConfigError("train.precision = 'fp8' is not a valid choice")
+        return real(path, overrides)
+
+    def accepting(path, overrides=()):
+        return real(path, [o for o in overrides if o != "train.precision=fp8"])
+
+    monkeypatch.setattr(config_module, "load_config", refusing)
+    allowed, why = tune.fp8_allowed(LLAMA_8B, [], "cuda", capability=(9, 0))
+    assert not allowed and "refused" in why
+    monkeypatch.setattr(config_module, "load_config", accepting)
+    assert tune.fp8_allowed(LLAMA_8B, [], "cuda", capability=(9, 0)) == (True, "")
+    cands, _, _ = _shortlist(141.0, max_candidates=6, fp8=True)
+    fp8 = [c for c in cands if c.setting.precision == "fp8"]
+    assert len(cands) == 6 and len(fp8) == 2
+    assert all("train.precision=fp8" in c.overrides for c in fp8)
+
+
+def test_no_fp8_candidate_on_the_cpu() -> None:
+    plan = tune.plan_tuning(DEMO, TINY, 2, max_candidates=8)
+    assert plan.device == "cpu" and not plan.fp8 and "fp8 not tried: no GPU" in plan.notes
+    assert len(plan.candidates) == 8
+    assert all(c.setting.precision == "fp32" for c in plan.candidates)
+    # The best of each layout comes before a second variant of any.
+    groups = [(c.setting.strategy, c.setting.zero, c.setting.tp, c.setting.pp)
+              for c in plan.candidates]
+    assert {(1, 2), (2, 1)} <= {g[2:] for g in groups}
+
+
+def test_failure_reason_is_one_line() -> None:
+    oom = TrainRunError("the training run exited with 1:\nTraceback ...\n"
+                        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\n"
+                        "hpctrain: error: rank 0 failed")
+    assert tune.failure_reason(oom).startswith("out of memory: torch.OutOfMemoryError")
+    ours = TrainRunError("the training run exited with 2:\nhpctrain: error: 1 ranks cannot be "
+                         "split\n  expected: a world size\n  HINT: run on more")
+    assert tune.failure_reason(ours) == "hpctrain: error: 1 ranks cannot be split"
+    timeout = TrainRunError("the training run exited with 124:\nstep 3\nkilled after 900 s")
+    assert tune.failure_reason(timeout) == "killed after 900 s"
+    assert "\n" not in tune.failure_reason(TrainRunError("x" * 500)) and \
+        len(tune.failure_reason(TrainRunError("x" * 500))) == 200
+
+
+# ---- the command ----------------------------------------------------------------------------
+
+
+def _tiny_argv(out: Path, *extra: str) -> list[str]:
+    return ["tune", str(DEMO), *TINY, "--gpus", "1", "--max-candidates", "2", "--out", str(out),
+            *extra]
+
+
+def test_tune_cpu_end_to_end(monkeypatch, tmp_path: Path, capsys) -> None:
+    """Two real candidates and one that fails in its run: the winner is written and trains."""
+    real = tune.build_candidates
+
+    def with_a_failure(*args, **kw):
+        cands, notes, n = real(*args, **kw)
+        bad = tune.Setting("none", 3, 1, "none", 8, 1, "fp32")  # tp 3: the trainer refuses it
+        cands.insert(1, tune.Candidate(bad, 1, "model", 1e6, 1.0, bad.overrides()))
+        return cands, notes, n
+
+    monkeypatch.setattr(tune, "build_candidates", with_a_failure)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "tune"
+    main(_tiny_argv(out))
+    text = capsys.readouterr().out
+    assert "[1/3]" in text and "[2/3] failed: hpctrain: error:" in text and "winner: [" in text
+    doc = json.loads((out / "results.json").read_text())
+    status = [c["status"] for c in doc["candidates"]]
+    assert status == ["ok", "failed", "ok"]
+    assert doc["candidates"][1]["reason"].startswith("hpctrain: error: 1 ranks cannot be split")
+    assert doc["winner"] in (0, 2)
+    best = doc["candidates"][doc["winner"]]
+    assert best["measured"]["tokens_per_s_per_gpu"] == max(
+        c["measured"]["tokens_per_s_per_gpu"] for c in doc["candidates"] if c["measured"])
+    assert best["mem_ratio"] > 0 and best["predicted_peak_gb"] > 0
+    meta = doc["meta"]
+    assert meta["device"] == "cpu" and meta["global_batch"] == 8 and not meta["interrupted"]
+    assert meta["command"].startswith("hpctrain tune ") and meta["torch"] and meta["date"]
+    # best.overrides: the command's overrides, then the winner's; best.yaml is the same config.
+    lines = (out / "best.overrides").read_text().splitlines()
+    assert lines == [*TINY, *best["overrides"]]
+    from hpctrain.config import to_dict
+
+    assert to_dict(load_config(out / "best.yaml")) == to_dict(load_config(DEMO, lines))
+    main(["config", str(out / "best.yaml")])  # loads and validates as a training config
+    assert "micro_batch: 8" in capsys.readouterr().out
+    assert (out / "c01" / "train" / "metrics" / "rank-000.jsonl").exists()
+
+
+def _fake_row(tok: float) -> dict:
+    return {"tokens_per_s_per_gpu": tok, "mfu_pct": None, "hfu_pct": None, "peak_mem_gb": 0.3,
+            "step_time_s": 0.1, "final_loss": 5.0, "measured_steps": [2, 8], "wall_s": 1.0}
+
+
+def test_ctrl_c_keeps_what_was_measured(monkeypatch, tmp_path: Path, capsys) -> None:
+    from hpctrain.bench import model
+
+    calls = []
+
+    def fake(config, overrides, **kw):
+        calls.append(overrides)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return _fake_row(123.0), None
+
+    monkeypatch.setattr(model, "run_model_bench", fake)
+    out = tmp_path / "tune"
+    with pytest.raises(SystemExit) as exc:
+        main(_tiny_argv(out, "--max-candidates", "3"))
+    assert exc.value.code == 130
+    doc = json.loads((out / "results.json").read_text())
+    assert [c["status"] for c in doc["candidates"]] == ["ok", "interrupted", "not_run"]
+    assert doc["meta"]["interrupted"] and doc["winner"] == 0
+    assert (out / "best.overrides").exists() and (out / "best.yaml").exists()
+
+
+def test_every_candidate_failing_exits_1(monkeypatch, tmp_path: Path, capsys) -> None:
+    from hpctrain.bench import model
+
+    def fake(config, overrides, **kw):
+        raise TrainRunError("the training run exited with 1:\nCUDA out of memory")
+
+    monkeypatch.setattr(model, "run_model_bench", fake)
+    with pytest.raises(SystemExit) as exc:
+        main(_tiny_argv(tmp_path / "tune"))
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert "every candidate failed" in err and "[2]" in err and "out of memory" in err
+    doc = json.loads((tmp_path / "tune" / "results.json").read_text())
+    assert doc["winner"] is None and not (tmp_path / "tune" / "best.yaml").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus", "0"], "--gpus 0"),
+    (["--gpus", "64", "run.device=cuda"], "GPU"),
+    (["--gpus", "3", "parallel.tp=2"], "multiple of 2 GPUs"),
+    (["--gpus", "1", "--steps", "4", "--log-every", "3"], "steps >= 2 x log_every"),
+    (["--gpus", "1", "--gpu-mem-gb", "0.0001"], "no configuration of this model fits"),
+    (["--gpus", "1", "--max-candidates", "0"], "--max-candidates"),
+    (["--gpus", "1", "model.size=huge"], "model"),
+])
+def test_bad_input_exits_2(argv: list[str], message: str, tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["tune", str(DEMO), *TINY, "--out", str(tmp_path), *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_unknown_config_exits_2(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["tune", str(tmp_path / "nope.yaml"), "--gpus", "1"])
+    assert exc.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_dry_run_prints_the_list_and_runs_nothing(tmp_path: Path, capsys) -> None:
+    main(_tiny_argv(tmp_path / "tune", "--dry-run"))
+    text = capsys.readouterr().out
+    assert "(as configured)" in text and "predicted peak GB" in text
+    assert not (tmp_path / "tune").exists()
