@@ -1,7 +1,8 @@
 """Peak dense TFLOP/s per accelerator and dtype, and MFU from them.
 
 MFU = tokens/s x FLOPs/token / peak. An unknown device gives no peak and no MFU, never a guess:
-nanoGPT hard-coded the A100 peak and printed 104% MFU on an H100.
+nanoGPT hard-coded the A100 peak and printed 104% MFU on an H100. Runs in fp8 state MFU against
+the bf16 peak (``mfu_peak_dtype``).
 
     peak = peak_tflops(torch.cuda.get_device_name(), "bf16")  # 989.0 on "NVIDIA H100 80GB HBM3"
     mfu(tokens_per_s=50_000, flops_per_token=6 * 1.1e9, peak_tflops=peak)  # 0.334
@@ -66,6 +67,16 @@ def peak_tflops(device_name: str, dtype: str = "bf16") -> float | None:
     if key is None or dtype_key is None:
         return None
     return _PEAKS[key].get(dtype_key)
+
+
+def mfu_peak_dtype(precision: str) -> str:
+    """The dtype whose peak MFU is measured against for a run in ``precision``: bf16 for fp8.
+
+    An fp8 run computes only its block matmuls in float8 (attention, norms, the output layer
+    stay bf16), so its MFU is stated against the bf16 peak, comparable with bf16 runs; against
+    the fp8 datasheet rate it would halve and say nothing about the speed-up.
+    """
+    return "bf16" if precision == "fp8" else precision
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops: float | None) -> float | None:

@@ -61,6 +61,13 @@ after the last backward), and FSDP keeps the stage's parameters gathered once ba
 so the peak is one moment holding the states, the gathered parameters, the fp32 gradient
 accumulators and the in-flight activations. ``MemoryPlan.bubble`` is the schedule's idle share.
 
+fp8 (``hpctrain.parallel.float8``) is sized exactly as bf16: states, gradients and optimizer are
+the same, and torchao's float8 Linears save their bf16 inputs for backward, not float8 copies, so
+the activations are no smaller. FSDP's float8 all-gather holds the gathered block weights in 1 B
+instead of 2 (an overestimate of one byte per parameter of the two gathered blocks), and the
+float8 copies of weights and activations made inside each matmul are transient; neither is
+modelled. Not yet checked against a measured fp8 peak.
+
 CUDA context and allocator fragmentation (outside max_memory_allocated, typically 0.5–2 GB) are
 not included: keep ~10% headroom.
 """
@@ -83,7 +90,7 @@ from hpctrain.parallel.stages import (
 )
 
 STRATEGIES = ("none", "ddp", "fsdp")
-PRECISIONS = ("bf16", "fp16", "fp32")
+PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
 AC_MODES = ("none", "full", "selective")
 SAVE_MM = ("every_other", "all")
 
