@@ -2,6 +2,7 @@
 
 Per model part (the whole model, or each pipeline stage this rank holds), as in torchtitan:
 
+0. with ``train.precision=fp8`` the blocks' Linears become float8 Linears (``parallel/float8.py``);
 1. tensor parallelism (``parallel/tensor.py``) shards heads, FFN and vocabulary over ``tp``;
 2. activation checkpointing wraps each block (whole, or op by op: ``parallel/selective_ac.py``);
 3. each block is compiled (so the compiled graph includes the recomputation and the TP
@@ -10,7 +11,7 @@ Per model part (the whole model, or each pipeline stage this rank holds), as in 
    (``parallel/data.py``).
 
 Pipeline parallelism (``parallel/pipeline.py``) comes first of all: it cuts the model into stages,
-and each stage goes through 1-4. The model itself knows none of this.
+and each stage goes through 0-4. The model itself knows none of this.
 
 Parameters live on the meta device until here. FSDP shards them first and each rank then
 materialises only its shard, so an 8B model never exists whole on one rank; DDP needs whole
@@ -19,8 +20,9 @@ tensors, so it materialises first and wraps after.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -29,6 +31,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hpctrain.parallel.config import ZERO_BUBBLE_SCHEDULES, ParallelConfig
 from hpctrain.parallel.data import DTYPES, apply_ddp, apply_fsdp
+from hpctrain.parallel.float8 import (
+    Float8Training,
+    check_float8_device,
+    compute_precision,
+    convert_to_float8,
+    float8_all_gather,
+    precompute_float8_scales,
+)
 from hpctrain.parallel.layout import ParallelLayout
 from hpctrain.parallel.materialize import materialize
 from hpctrain.parallel.pipeline import (
@@ -42,6 +52,8 @@ from hpctrain.parallel.selective_ac import selective_checkpoint
 from hpctrain.parallel.stages import balance_stages, module_costs
 from hpctrain.parallel.tensor import apply_tensor_parallel
 
+log = logging.getLogger("hpctrain.parallel")
+
 
 @dataclass
 class Parallelized:
@@ -54,19 +66,36 @@ class Parallelized:
 
     model: nn.Module
     pipeline: Pipeline | None = None
+    # FSDP all-gathers float8 weights whose scales are computed once per update.
+    float8_scales: bool = field(default=False, kw_only=True)
+
+    def after_update(self) -> None:
+        """Refresh what derives from the weights, after an optimizer step or a checkpoint
+        load: the scales of float8-gathered weights (one all-reduce), otherwise nothing."""
+        if self.float8_scales:
+            precompute_float8_scales(self.model)
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout, mesh: DeviceMesh,
                 device: torch.device, precision: str, seed: int, *,
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                seq_len: int = 0, microbatch_tokens: int = 0) -> Parallelized:
+                seq_len: int = 0, microbatch_tokens: int = 0,
+                fp8: Float8Training | None = None) -> Parallelized:
     """Transform, shard and initialise ``model`` (built on meta) for this rank of ``mesh``.
 
     With pipeline parallelism ``loss_fn(logits, targets)`` (summed token loss) runs on the last
-    stage; ``seq_len`` and ``microbatch_tokens`` feed the stage-balancing cost model.
+    stage; ``seq_len`` and ``microbatch_tokens`` feed the stage-balancing cost model. With
+    ``precision`` fp8, ``fp8`` says how the block Linears compute (default: tensorwise).
     """
+    if precision == "fp8":
+        fp8 = fp8 or Float8Training()
+        check_float8_device(device, fp8.emulate)
+    else:
+        fp8 = None
+    gather8 = float8_all_gather(fp8, cfg.strategy, layout.dp_shard)
     if layout.pp == 1:
-        return Parallelized(_parallelize_part(model, cfg, layout, mesh, device, precision, seed))
+        return Parallelized(_parallelize_part(model, cfg, layout, mesh, device, precision, seed,
+                                              fp8), float8_scales=gather8)
     if loss_fn is None:
         raise ValueError("pipeline parallelism needs the loss function")
     args = model.args
@@ -78,15 +107,22 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout, m
     for s, part in parts:
         if autocast is not None:
             autocast_forward(part, device.type, autocast)
-        stages.append((s, _parallelize_part(part, cfg, layout, mesh, device, precision, seed)))
+        stages.append((s, _parallelize_part(part, cfg, layout, mesh, device, precision, seed,
+                                            fp8)))
     union = StageUnion([part for _, part in parts], args.n_layers)
     return Parallelized(union, build_pipeline(stages, layout, mesh["pp"], device, loss_fn,
-                                              bounds))
+                                              bounds), float8_scales=gather8)
 
 
 def _parallelize_part(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout,
                       mesh: DeviceMesh, device: torch.device, precision: str,
-                      seed: int) -> nn.Module:
+                      seed: int, fp8: Float8Training | None) -> nn.Module:
+    if fp8 is not None:
+        gather8 = float8_all_gather(fp8, cfg.strategy, layout.dp_shard)
+        converted = convert_to_float8(model, fp8, all_gather=gather8)
+        log.info("fp8 (%s%s): %d block Linears compute in float8%s", fp8.recipe,
+                 ", emulated" if fp8.emulate else "", len(converted),
+                 "; FSDP gathers their weights in float8" if gather8 else "")
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
     blocks: nn.ModuleList = model.layers
@@ -109,7 +145,8 @@ def _parallelize_part(model: nn.Module, cfg: ParallelConfig, layout: ParallelLay
         # input gradients; FSDP must keep the parameters gathered for it (resharded after
         # forward, the weight gradients come out wrong: measured, PyTorch 2.13).
         zero_bubble = layout.pp > 1 and layout.schedule in ZERO_BUBBLE_SCHEDULES
-        apply_fsdp(model, mesh, precision, cfg.reshard_after_forward and not zero_bubble)
+        apply_fsdp(model, mesh, compute_precision(precision),
+                   cfg.reshard_after_forward and not zero_bubble)
         materialize(model, device, seed)
         return model
     materialize(model, device, seed)
@@ -122,11 +159,12 @@ def autocast_dtype(cfg: ParallelConfig, precision: str) -> torch.dtype | None:
     """The autocast dtype the forward needs, or None where FSDP already casts parameters.
 
     Tensor and pipeline parallelism without FSDP compute in ``precision`` through autocast,
-    like DDP (fp32 master weights, bf16 matmuls): never silently in fp32.
+    like DDP (fp32 master weights, bf16 matmuls): never silently in fp32. fp8 autocasts to
+    bf16 like bf16 (the float8 Linears cast their own operands).
     """
     if precision == "fp32" or cfg.strategy == "fsdp":
         return None
-    return DTYPES[precision]
+    return DTYPES[compute_precision(precision)]
 
 
 def _checkpointed(index: int, cfg: ParallelConfig) -> bool:

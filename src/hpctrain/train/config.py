@@ -16,7 +16,14 @@ class TrainConfig:
     # Samples per rank per micro-batch; the global batch is micro_batch * grad_accum * ranks.
     micro_batch: int = 8
     grad_accum: int = 1
-    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    # fp8: parameters and most ops in bf16, the blocks' Linear matmuls in float8 (torchao; needs
+    # an H100-class GPU: see hpctrain.parallel.float8).
+    precision: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
+    # With fp8: torchao's scaling recipe, one scale per tensor (fastest; FSDP gathers float8
+    # weights) or per row (more accurate with outliers).
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    # With fp8, for tests and CPU debugging: computes in emulation (any device), slow.
+    fp8_emulate: bool = False
     # Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged).
     grad_clip: float = 1.0
     # Deterministic kernels and a fixed data order: the same config gives the same loss curve.

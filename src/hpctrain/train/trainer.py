@@ -41,8 +41,9 @@ from hpctrain.models.sdpa_backend import attention_backend
 from hpctrain.observe.goodput import GoodputClock
 from hpctrain.observe.live import RunObserver
 from hpctrain.observe.metrics import MetricsWriter
-from hpctrain.observe.peaks import mfu, peak_tflops
+from hpctrain.observe.peaks import mfu, mfu_peak_dtype, peak_tflops
 from hpctrain.observe.progress import TrainProgress
+from hpctrain.parallel.float8 import Float8Training
 from hpctrain.parallel.grad_norm import clip_grads_, global_grad_norm
 from hpctrain.parallel.layout import check_layout
 from hpctrain.parallel.parallelize import autocast_dtype, parallelize
@@ -134,8 +135,11 @@ class Trainer:
         parallel = parallelize(model, pc, self.par, mesh, self.device, tc.precision,
                                cfg.run.seed, loss_fn=self.loss_fn, seq_len=cfg.data.seq_len,
                                microbatch_tokens=local_batch // self.par.microbatches
-                               * cfg.data.seq_len)
+                               * cfg.data.seq_len,
+                               fp8=Float8Training(tc.fp8_recipe, tc.fp8_emulate))
         self.model, self.pipeline = parallel.model, parallel.pipeline
+        # Whatever derives from the weights (float8 scales) is refreshed after each update.
+        self.after_update = parallel.after_update
         # Pretrained weights start a run; a resumed one takes its own from its checkpoint.
         if cfg.model.init_from and starts_from_pretrained(cfg.checkpoint.resume,
                                                           bool(ckpt.committed())):
@@ -183,14 +187,16 @@ class Trainer:
         self.tokens_per_step = (self.layout.micro_batch * tc.grad_accum * cfg.data.seq_len
                                 / (self.par.tp * self.par.pp))
         self.flops_per_token = flops_per_token(self.model_args, cfg.data.seq_len)
-        self.peak = cfg.metrics.peak_tflops or self._device_peak(tc.precision)
+        # fp8's MFU counts against the bf16 peak: the fp8 datasheet rate applies to its GEMMs only.
+        self.peak = cfg.metrics.peak_tflops or self._device_peak(mfu_peak_dtype(tc.precision))
         n_params = count_params(self.model_args, include_embedding=True)
         log.info(
             "model %s: %.1fM params, strategy %s, layout %s, global batch %d samples = %d "
             "tokens, peak lr %.3g, device peak %s",
             cfg.model.init_from or cfg.model.size, n_params / 1e6, pc.strategy, self.par.describe(),
             self.layout.global_batch, self.layout.global_batch * cfg.data.seq_len, peak_lr,
-            f"{self.peak:.0f} TFLOP/s" if self.peak else "unknown device (MFU not reported)",
+            f"{self.peak:.0f} TFLOP/s ({mfu_peak_dtype(tc.precision)}, MFU's reference)"
+            if self.peak else "unknown device (MFU not reported)",
         )
         self.metrics.write(self._layout_record())
         # Stragglers, profiles, trackers. The forward is a rank's own time only where it
@@ -202,12 +208,14 @@ class Trainer:
                               and self.pipeline is None))
 
     def _layout_record(self) -> dict:
-        """The layout event: degrees, this rank's coordinates and, with PP, its stages."""
+        """The layout event: degrees, this rank's coordinates, with PP its stages, and the dtype
+        whose peak MFU is stated against (bf16 for an fp8 run)."""
         mesh = self.dist.mesh
         record = {"event": "layout", "pp": self.par.pp, "dp_replicate": self.par.dp_replicate,
                   "dp_shard": self.par.dp_shard, "tp": self.par.tp,
                   "coords": {axis: mesh.get_local_rank(axis) for axis in MESH_AXES},
-                  "tokens_per_step_per_gpu": self.tokens_per_step}
+                  "tokens_per_step_per_gpu": self.tokens_per_step,
+                  "mfu_peak_dtype": mfu_peak_dtype(self.cfg.train.precision)}
         if self.pipeline is not None:
             bounds = self.pipeline.bounds
             record.update(
@@ -301,6 +309,7 @@ class Trainer:
         else:
             self.optimizer.found_inf = bad
             self.optimizer.step()
+        self.after_update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, norm
@@ -465,6 +474,7 @@ class Trainer:
             with self.watchdog.paused("checkpoint load"):
                 step = checkpointing.restore(self._train_state(), self.ckpt, path, manifest,
                                              self.cfg, data=data)
+                self.after_update()  # the loaded weights' float8 scales
             self.step = step
             self.metrics.write({"event": "checkpoint_load", "checkpoint": path.name,
                                 "step": step, "load_s": time.perf_counter() - start})
