@@ -89,7 +89,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     md.add_argument("--ac", default=None, choices=["none", "full", "every_k"],
                     help="activation checkpointing")
     md.add_argument("--ac-every", type=int, default=None, help="with --ac every_k")
-    md.add_argument("--precision", default=None, help="bf16, fp16, fp32")
+    md.add_argument("--precision", default=None, choices=["bf16", "fp16", "fp32", "fp8"],
+                    help="training precision; fp8 (H100-class GPUs, torchao) states MFU against "
+                    "the bf16 peak")
     md.add_argument("--steps", type=int, default=None,
                     help="training steps (default 40 on GPU, 12 on CPU)")
     md.add_argument("--log-every", type=int, default=None,
@@ -339,7 +341,7 @@ def _model(args: argparse.Namespace) -> None:
     unit = "GPU" if on_gpu else "rank"
     print(f"bench model: {cfg.model.size}, {cfg.parallel.strategy} on {args.nproc} {unit}(s), "
           f"steps {first + 1}-{last} measured (earlier ones are warm-up)")
-    _print_vertical(row, unit)
+    _print_vertical(row, unit, cfg.train.precision)
     if note:
         print(note)
     paths = res.write(out)
@@ -351,14 +353,19 @@ def _model(args: argparse.Namespace) -> None:
         print(power_note)
 
 
-def _print_vertical(row: dict, unit: str) -> None:
+def _print_vertical(row: dict, unit: str, precision: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
     from hpctrain.bench.common import _fmt
+    from hpctrain.observe.peaks import mfu_peak_dtype
 
-    labels = {"tokens_per_s_per_gpu": f"tokens/s per {unit}", "mfu_pct": "MFU %",
-              "hfu_pct": "HFU %", "peak_mem_gb": "peak memory GB", "step_time_s": "step time s",
+    # An fp8 run's MFU is against the bf16 peak: the label says so.
+    against = mfu_peak_dtype(precision)
+    peak = f" ({against} peak)" if against != precision else ""
+    labels = {"tokens_per_s_per_gpu": f"tokens/s per {unit}", "mfu_pct": f"MFU %{peak}",
+              "hfu_pct": f"HFU %{peak}", "peak_mem_gb": "peak memory GB",
+              "step_time_s": "step time s",
               "data_time_pct": "data wait % of step", "gpu_watts": "GPU power W (all GPUs)",
               "joules_per_token": "joules per token", "tokens_per_joule": "tokens per joule",
               "final_loss": "final loss"}
