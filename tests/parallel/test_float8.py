@@ -7,7 +7,8 @@ through the real entry point in two launches side by side (``rank_jobs.py``: glo
 - 1 rank (FSDP over one rank: bf16 parameters as in a GPU run, float8 weights not gathered):
   bf16 and fp8 for 6 steps, and fp8 resumed from the bf16 run's step-3 checkpoint;
 - 2 ranks: FSDP with tensorwise scales and float8 all-gather (the scales precomputed after each
-  step), saving at step 3; bf16 resumed from that checkpoint; rowwise FSDP; fp8 under PP2.
+  step), saving at step 3; bf16 resumed from that checkpoint; rowwise FSDP; fp8 under PP2 and
+  under DDP (fp32 weights, bf16 autocast).
 
 Loss curves cannot tell a right float8 all-gather from a subtly wrong one (scales from each
 shard's own maximum moved this model's loss by no more than the right ones), so a third launch,
@@ -267,6 +268,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                               "train.micro_batch=2"]},
         {"name": "two_pp2", "overrides": [*FP8, "parallel.pp=2", "train.micro_batch=4",
                                           "parallel.pp_microbatches=2"]},
+        {"name": "two_ddp", "overrides": [*FP8, "parallel.strategy=ddp", "train.micro_batch=2"]},
     ]}
     with ThreadPoolExecutor(max_workers=3) as pool:
         first = pool.submit(launch, 1, one, root / "launch-1", LAUNCH_TIMEOUT_S)
@@ -327,11 +329,11 @@ def test_gathered_float8_weights_are_exact(out: Path) -> None:
     assert (out / "rank-check.txt").read_text() == "ok"
 
 
-def test_rowwise_and_pipeline_train(out: Path) -> None:
-    """Rowwise scales (weights gathered in bf16) and fp8 per pipeline stage both train like
-    the 1-rank fp8 run."""
+def test_rowwise_pipeline_and_ddp_train(out: Path) -> None:
+    """Rowwise scales (weights gathered in bf16), fp8 per pipeline stage and fp8 under DDP
+    all train like the 1-rank fp8 run."""
     one = _losses(out, "one_fp8")
-    for name in ("two_rowwise", "two_pp2"):
+    for name in ("two_rowwise", "two_pp2", "two_ddp"):
         run = _losses(out, name)
         assert sorted(run) == list(range(1, STEPS + 1)), name
         for step in run:
