@@ -65,7 +65,7 @@ def test_settings_respect_divisibility_and_keep_the_global_batch() -> None:
         dp = 4 // (s.tp * s.pp)
         assert s.micro_batch * s.grad_accum * dp == 8, s
         assert s.strategy == ("none" if dp == 1 else "fsdp" if s.tp * s.pp > 1 else s.strategy)
-    assert {s.ac for s in settings} == {"none", "every_k", "full"}
+    assert {s.ac for s in settings} == {"none", "every_k", "selective", "full"}
     assert {(s.strategy, s.zero) for s in settings if s.tp == s.pp == 1} == \
         {("ddp", 3), ("fsdp", 3), ("fsdp", 2)}
     # 3 ranks: tp 3 divides no head count, pp 3 is no power of two: data parallel only.
@@ -74,6 +74,22 @@ def test_settings_respect_divisibility_and_keep_the_global_batch() -> None:
     assert all(s.micro_batch * s.grad_accum * 3 == 6 for s in three)
     with pytest.raises(ConfigError, match="multiple of 2 GPUs"):
         tune.global_batch(load_config(DEMO, [*TINY, "parallel.tp=2"]), 3)
+
+
+def test_tp_and_pp_candidates_drop_the_chunked_loss(tmp_path: Path) -> None:
+    """The trainer refuses train.loss_chunks with tp or pp; data-parallel ones keep it."""
+    cands, _, _ = tune.build_candidates(DEMO, [*TINY, "train.loss_chunks=4"], 2, device="cpu",
+                                        gpu_bytes=16e9, peak_tflops=989.0, fp8=False,
+                                        max_candidates=8)
+    split = [c for c in cands if c.setting.tp * c.setting.pp > 1]
+    whole = [c for c in cands if c.setting.tp * c.setting.pp == 1]
+    assert split and whole
+    assert all("train.loss_chunks=0" in c.overrides for c in split)
+    assert all(not any(o.startswith("train.loss_chunks") for o in c.overrides) for c in whole)
+    for c in cands:  # each one loads and passes the trainer's layout rules
+        from hpctrain.parallel.layout import check_layout
+
+        check_layout(load_config(DEMO, [*TINY, "train.loss_chunks=4", *c.overrides]), 2)
 
 
 def _shortlist(gpu_gb: float, **kw) -> tuple[list, list[str], int]:

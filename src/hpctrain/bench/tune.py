@@ -8,11 +8,11 @@ What is varied, on one node of ``--gpus`` GPUs: the layout (data parallel only; 
 ``tp`` dividing the GPUs, the heads, KV heads, FFN width, vocabulary and sequence; pipeline
 parallel ``pp``, a power of two up to the layer count), the data-parallel strategy (DDP, FSDP
 ZeRO-3 ``reshard_after_forward=true`` or ZeRO-2 ``=false``; ``none`` when one replica spans all
-GPUs), activation checkpointing (none, every k-th block, selective where the config and the
-memory model know it, full), the micro-batch (powers of two),
-and fp8 (``train.precision=fp8``) where the config accepts it and the GPU has fp8 tensor cores
-(CUDA capability 8.9 or newer; never on a CPU). Compilation, sequence length, optimizer and data
-are the config's.
+GPUs), activation checkpointing (none, every k-th block, selective, full), the micro-batch
+(powers of two), and fp8 (``train.precision=fp8``) where the config accepts it and the GPU has
+fp8 tensor cores (CUDA capability 8.9 or newer; never on a CPU). Compilation, sequence length,
+optimizer, data and the chunked loss are the config's (``train.loss_chunks`` is set to 0 for
+tp/pp layouts, which refuse it and split the logits themselves).
 
 **The global batch is never changed.** It is the config's ``micro_batch x grad_accum x dp`` on
 ``--gpus`` GPUs, and every candidate reaches it by adjusting ``train.grad_accum`` (for a
@@ -100,12 +100,14 @@ class Setting:
     ac_every: int = 0  # every_k only
     pp_microbatches: int = 0  # pipeline only; 0: one per loader micro-batch (grad_accum)
     dp_replicate: int = 1
+    loss_chunks: int = 0  # the chunked loss; refused with tp or pp
 
-    def overrides(self, base_replicate: int = 1) -> list[str]:
-        """The config overrides that train this setting (explicit, whatever the config says)."""
+    def overrides(self, cfg=None) -> list[str]:
+        """The config overrides that train this setting on top of ``cfg`` (explicit for every
+        key the tuner varies; dp_replicate and loss_chunks only where they differ)."""
         out = [f"parallel.strategy={self.strategy}", f"parallel.tp={self.tp}",
                f"parallel.pp={self.pp}"]
-        if self.dp_replicate != base_replicate:
+        if self.dp_replicate != (cfg.parallel.dp_replicate if cfg else 1):
             out.append(f"parallel.dp_replicate={self.dp_replicate}")
         if self.pp > 1:
             out.append(f"parallel.pp_microbatches={self.pp_microbatches}")
@@ -116,6 +118,8 @@ class Setting:
             out.append(f"parallel.ac_every={self.ac_every}")
         out += [f"train.micro_batch={self.micro_batch}", f"train.grad_accum={self.grad_accum}",
                 f"train.precision={self.precision}"]
+        if self.loss_chunks != (cfg.train.loss_chunks if cfg else 0):
+            out.append(f"train.loss_chunks={self.loss_chunks}")
         return out
 
     def label(self, dp: int) -> str:
@@ -210,7 +214,8 @@ def config_setting(cfg) -> Setting:
                    grad_accum=tc.grad_accum, precision=tc.precision,
                    zero=3 if pc.strategy != "fsdp" or pc.reshard_after_forward else 2,
                    ac_every=pc.ac_every if pc.activation_checkpointing == "every_k" else 0,
-                   pp_microbatches=m if pc.pp > 1 else 0, dp_replicate=pc.dp_replicate)
+                   pp_microbatches=m if pc.pp > 1 else 0, dp_replicate=pc.dp_replicate,
+                   loss_chunks=tc.loss_chunks)
 
 
 def recomputed_share(cfg, ac: str, ac_every: int = 0) -> float:
@@ -233,31 +238,20 @@ def recomputed_share(cfg, ac: str, ac_every: int = 0) -> float:
                       expected="none, every_k, selective or full")
 
 
-def ac_modes(cfg, config: Path | None, overrides: list[str]) -> list[str]:
-    """Checkpointing modes to try: none, every_k (if it differs from both ends), selective
-    (where the config and the memory model know it), full."""
-    from hpctrain.config import load_config
-    from hpctrain.plan.memory import AC_MODES
-
+def ac_modes(cfg) -> tuple[str, ...]:
+    """Checkpointing modes to try: none, every_k (where it differs from both ends), selective,
+    full."""
     k = cfg.parallel.ac_every if cfg.parallel.activation_checkpointing == "every_k" else AC_EVERY
-    modes = ["none"]
-    if 0 < recomputed_share(cfg, "every_k", k) < 1:
-        modes.append("every_k")
-    if "selective" in AC_MODES:
-        try:
-            load_config(config, [*overrides, "parallel.activation_checkpointing=selective"])
-            modes.append("selective")
-        except ConfigError:
-            pass
-    return [*modes, "full"]
+    every_k = ("every_k",) if 0 < recomputed_share(cfg, "every_k", k) < 1 else ()
+    return ("none", *every_k, "selective", "full")
 
 
-def enumerate_settings(cfg, gpus: int, *, precisions: tuple[str, ...],
-                       acs: tuple[str, ...] = ("none", "every_k", "full")) -> Iterator[Setting]:
+def enumerate_settings(cfg, gpus: int, *, precisions: tuple[str, ...]) -> Iterator[Setting]:
     """Every setting of the search space on ``gpus`` GPUs at the config's global batch."""
     args = cfg.model.resolve()
     batch, _ = global_batch(cfg, gpus)
     k = cfg.parallel.ac_every if cfg.parallel.activation_checkpointing == "every_k" else AC_EVERY
+    acs = ac_modes(cfg)
     split = (args.n_heads, args.n_kv_heads, args.ffn_dim, args.vocab_size, cfg.data.seq_len)
     for tp in range(1, gpus + 1):
         if gpus % tp or any(x % tp for x in split):
@@ -269,6 +263,9 @@ def enumerate_settings(cfg, gpus: int, *, precisions: tuple[str, ...],
             if batch % dp:
                 continue
             replica = batch // dp
+            # The chunked loss (a memory saving, no change in the numbers) is refused with
+            # tp or pp, which shard the logits themselves.
+            chunks = cfg.train.loss_chunks
             for strategy, zero in _strategies(tp, pp, dp):
                 for ac in acs:
                     mb = 1
@@ -278,7 +275,8 @@ def enumerate_settings(cfg, gpus: int, *, precisions: tuple[str, ...],
                                 yield Setting(strategy=strategy, tp=tp, pp=pp, ac=ac,
                                               micro_batch=mb, grad_accum=replica // mb,
                                               precision=precision, zero=zero,
-                                              ac_every=k if ac == "every_k" else 0)
+                                              ac_every=k if ac == "every_k" else 0,
+                                              loss_chunks=chunks if tp * pp == 1 else 0)
                         mb *= 2
 
 
@@ -337,10 +335,9 @@ def _memory_options(cfg, s: Setting, dp: int, ac: str):
     # The memory model knows no fp8: torchao's fp8 training keeps bf16 weights and activations
     # around its fp8 matrix products, so it is sized as bf16.
     precision = "bf16" if s.precision == "fp8" else s.precision
-    if ac == "selective":
-        kw["ac_save_mm"] = pc.ac_save_mm
     return MemoryOptions(strategy=s.strategy, gpus=dp, zero=s.zero, tp=s.tp, pp=s.pp,
-                         precision=precision, ac=ac, micro_batch=micro_batch,
+                         precision=precision, ac=ac, ac_save_mm=pc.ac_save_mm,
+                         loss_chunks=s.loss_chunks, micro_batch=micro_batch,
                          seq_len=cfg.data.seq_len, compile=pc.compile, **kw)
 
 
@@ -383,7 +380,6 @@ def build_candidates(config: Path | None, overrides: list[str], gpus: int, *, de
     if max_candidates < 1:
         raise ConfigError(f"--max-candidates {max_candidates}", expected="at least 1")
     cfg = load_config(config, overrides)
-    base_replicate = cfg.parallel.dp_replicate
     notes: list[str] = []
 
     def refusal(s: Setting) -> str | None:
@@ -391,7 +387,7 @@ def build_candidates(config: Path | None, overrides: list[str], gpus: int, *, de
         if s.pp > 1 and not schedule_supported(cfg.parallel.pp_schedule, device):
             return f"pipeline schedule {cfg.parallel.pp_schedule} is not supported on {device}"
         try:
-            check_layout(load_config(config, [*overrides, *s.overrides(base_replicate)]), gpus)
+            check_layout(load_config(config, [*overrides, *s.overrides(cfg)]), gpus)
         except ConfigError as e:
             return e.what
         return None
@@ -416,8 +412,7 @@ def build_candidates(config: Path | None, overrides: list[str], gpus: int, *, de
         notes.append(f"the config as given is not a candidate on {gpus} rank(s): {why}")
 
     ranked = []
-    acs = tuple(ac_modes(cfg, config, overrides))
-    for s in enumerate_settings(cfg, gpus, precisions=(cfg.train.precision,), acs=acs):
+    for s in enumerate_settings(cfg, gpus, precisions=(cfg.train.precision,)):
         if baseline is not None and s == baseline.setting:
             continue
         fit = sized(s)
@@ -443,7 +438,7 @@ def build_candidates(config: Path | None, overrides: list[str], gpus: int, *, de
     shortlist.sort(key=lambda c: (c.source != "config", -c.predicted_tokens_per_s,
                                   c.setting.precision == "fp8"))
     for c in shortlist:
-        c.overrides = c.setting.overrides(base_replicate)
+        c.overrides = c.setting.overrides(cfg)
     return shortlist, notes, considered
 
 
