@@ -229,7 +229,8 @@ def _fake_row(tok: float) -> dict:
             "step_time_s": 0.1, "final_loss": 5.0, "measured_steps": [2, 8], "wall_s": 1.0}
 
 
-def test_ctrl_c_keeps_what_was_measured(monkeypatch, tmp_path: Path, capsys) -> None:
+def test_ctrl_c_keeps_what_was_measured_and_resume_continues(monkeypatch, tmp_path: Path,
+                                                             capsys) -> None:
     from hpctrain.bench import model
 
     calls = []
@@ -249,6 +250,15 @@ def test_ctrl_c_keeps_what_was_measured(monkeypatch, tmp_path: Path, capsys) -> 
     assert [c["status"] for c in doc["candidates"]] == ["ok", "interrupted", "not_run"]
     assert doc["meta"]["interrupted"] and doc["winner"] == 0
     assert (out / "best.overrides").exists() and (out / "best.yaml").exists()
+    # --resume keeps the first and runs the other two; another tuning into it is refused.
+    with pytest.raises(SystemExit) as exc:
+        main(_tiny_argv(out, "--max-candidates", "3", "--resume", "--steps", "6"))
+    assert exc.value.code == 2 and "steps differ" in capsys.readouterr().err
+    main(_tiny_argv(out, "--max-candidates", "3", "--resume"))
+    assert len(calls) == 4 and calls[2] == calls[1] and calls[3] not in calls[:3]
+    doc = json.loads((out / "results.json").read_text())
+    assert [c["status"] for c in doc["candidates"]] == ["ok", "ok", "ok"]
+    assert not doc["meta"]["interrupted"] and "--resume" in doc["meta"]["command"]
 
 
 def test_every_candidate_failing_exits_1(monkeypatch, tmp_path: Path, capsys) -> None:

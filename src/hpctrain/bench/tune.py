@@ -38,6 +38,8 @@ after the other. A candidate that fails (out of memory, a refused layout, a time
 with a one-line reason and the next one runs. Ctrl-C stops the one running, writes what was
 measured, and exits 130. The winner is the highest tokens/s per GPU (all candidates train the
 same global batch on the same GPUs, so that is the fastest time to a given loss per step).
+``--resume`` continues an interrupted call into the same ``--out``: the candidates it finished
+are kept, the rest run (a call can so be split to fit a time limit).
 
 Files in ``--out`` (default ``runs/tune/<config stem>``), written atomically:
 
@@ -544,6 +546,9 @@ def measure(plan: TunePlan, config: Path | None, overrides: list[str], gpus: int
 
     n = len(plan.candidates)
     for i, c in enumerate(plan.candidates, 1):
+        if c.status in ("ok", "failed"):  # --resume: measured by an earlier call
+            echo(f"[{i}/{n}] {c.label}: {c.status} in the earlier call, kept")
+            continue
         echo(f"[{i}/{n}] {c.label}: {' '.join(c.overrides)}")
         c.run_dir = str(out / f"c{i:02d}")
         try:
@@ -568,6 +573,31 @@ def measure(plan: TunePlan, config: Path | None, overrides: list[str], gpus: int
         echo(f"[{i}/{n}] {row['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {mfu}, "
              f"peak {row['peak_mem_gb']:.2f} GB (predicted {c.predicted_peak / 1e9:.2f})")
     return False
+
+
+def resume_from(plan: TunePlan, path: Path, same: dict[str, Any]) -> int:
+    """Take the finished candidates of an earlier call of the same tuning; return how many."""
+    try:
+        doc = json.loads(path.read_text())
+        earlier = doc["candidates"]
+        differs = [k for k, v in same.items() if doc["meta"].get(k) != v]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--resume: {path} cannot be read ({e})",
+                          hint="drop --resume, or pass another --out") from None
+    if differs or [c["overrides"] for c in earlier] != [c.overrides for c in plan.candidates]:
+        raise ConfigError(
+            f"--resume: {path} is from another tuning ("
+            + (f"its {', '.join(differs)} differ" if differs else "other candidates") + ")",
+            expected="the same config, overrides, GPUs, device and steps as the earlier call",
+            hint="drop --resume to start over (it overwrites results.json), or pass another "
+            "--out")
+    taken = 0
+    for c, e in zip(plan.candidates, earlier, strict=True):
+        if e["status"] in ("ok", "failed"):
+            c.status, c.reason, c.measured, c.run_dir = (e["status"], e["reason"], e["measured"],
+                                                        e["run_dir"])
+            taken += 1
+    return taken
 
 
 def winner(candidates: list[Candidate]) -> int | None:
@@ -673,6 +703,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="logging window (default 5 on a GPU, 2 on a CPU)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per candidate")
     p.add_argument("--no-fp8", action="store_true", help="never try train.precision=fp8")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the candidates an earlier, interrupted call measured into --out "
+                   "and run the rest")
     p.add_argument("--dry-run", action="store_true",
                    help="print the short list and its predictions, run nothing")
     p.add_argument("--out", type=Path, default=None,
@@ -699,19 +732,22 @@ def run(args: argparse.Namespace) -> None:
     if args.dry_run:
         return
     out = (args.out or Path("runs") / "tune" / args.config.stem).resolve()
+    same = {"config": str(args.config.resolve()), "overrides": args.overrides,
+            "gpus": args.gpus, "device_name": plan.device_name, "steps": steps,
+            "log_every": log_every}
+    if args.resume and (out / "results.json").exists():
+        taken = resume_from(plan, out / "results.json", same)
+        print(f"--resume: {taken} candidate(s) measured by an earlier call are kept")
     print(f"measuring {len(plan.candidates)} candidates, {steps} steps each, into {out}",
           flush=True)
     interrupted = measure(plan, args.config, args.overrides, args.gpus, out, steps=steps,
                           log_every=log_every, timeout=args.timeout,
                           echo=lambda line: print(line, flush=True))
     best = winner(plan.candidates)
-    meta = {"device": plan.device, "device_name": plan.device_name,
-            "gpu_mem_gb": plan.gpu_bytes / 1e9, "gpus": args.gpus,
-            "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": _command(args),
-            "config": str(args.config.resolve()), "overrides": args.overrides,
-            "global_batch": plan.global_batch, "steps": steps, "log_every": log_every,
-            "fp8": plan.fp8, "notes": plan.notes, "interrupted": interrupted}
+    meta = {**same, "device": plan.device, "gpu_mem_gb": plan.gpu_bytes / 1e9,
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": _command(args), "global_batch": plan.global_batch, "fp8": plan.fp8,
+            "notes": plan.notes, "interrupted": interrupted}
     print_results(plan, best)
     paths = write_results(plan, out, meta, best, args.config, args.overrides)
     if best is not None:
@@ -750,5 +786,6 @@ def _command(args: argparse.Namespace) -> str:
             argv += [flag, str(value)]
     if args.max_candidates != MAX_CANDIDATES:
         argv += ["--max-candidates", str(args.max_candidates)]
-    argv += [flag for flag, on in (("--no-fp8", args.no_fp8), ("--dry-run", args.dry_run)) if on]
+    argv += [flag for flag, on in (("--no-fp8", args.no_fp8), ("--resume", args.resume),
+                                   ("--dry-run", args.dry_run)) if on]
     return shlex.join(argv)
