@@ -86,7 +86,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     md.add_argument("--seq-len", type=int, default=None)
     md.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the model (default: on for GPU, off on CPU)")
-    md.add_argument("--ac", default=None, choices=["none", "full", "every_k"],
+    md.add_argument("--ac", default=None, choices=["none", "full", "every_k", "selective"],
                     help="activation checkpointing")
     md.add_argument("--ac-every", type=int, default=None, help="with --ac every_k")
     md.add_argument("--precision", default=None, choices=["bf16", "fp16", "fp32", "fp8"],

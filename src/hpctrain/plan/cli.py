@@ -63,7 +63,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="micro-batches per step through the pipeline (0: pp x stages per rank)")
     m.add_argument("--pp-stages-per-rank", type=int, default=0,
                    help="stages per rank for interleaved schedules (0: 2)")
-    m.add_argument("--ac", default="none", help="activation checkpointing: none or full")
+    m.add_argument("--ac", default="none",
+                   help="activation checkpointing: none, selective or full")
     m.add_argument("--micro-batch", type=int, default=1,
                    help="samples per micro-batch (per pipeline micro-batch with --pp)")
     m.add_argument("--grad-accum", type=int, default=1, help="micro-batches accumulated per step")
