@@ -295,10 +295,16 @@ def test_bad_input_exits_2(argv: list[str], message: str, tmp_path: Path, capsys
     assert not (tmp_path / "results.json").exists()
 
 
-def test_unknown_config_exits_2(tmp_path: Path, capsys) -> None:
+def test_unknown_config_or_a_gpu_model_without_a_gpu_exits_2(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["tune", str(tmp_path / "nope.yaml"), "--gpus", "1"])
     assert exc.value.code == 2 and "does not exist" in capsys.readouterr().err
+    import torch
+
+    if not torch.cuda.is_available():  # 8b with run.device auto lands on the CPU: refused
+        with pytest.raises(SystemExit) as exc:
+            main(["tune", str(LLAMA_8B), "--gpus", "2", "--out", str(tmp_path)])
+        assert exc.value.code == 2 and "or set run.device=cpu" in capsys.readouterr().err
 
 
 def test_dry_run_prints_the_list_and_runs_nothing(tmp_path: Path, capsys) -> None:

@@ -493,9 +493,12 @@ def plan_tuning(config: Path | None, overrides: list[str], gpus: int, *,
         total = torch.cuda.get_device_properties(0).total_memory
     else:
         if cfg.run.device == "auto":
-            from hpctrain.bench.model import refuse_gpu_size_on_cpu
+            from hpctrain.models import count_params
+            from hpctrain.runtime.config import refuse_large_model_on_cpu
 
-            refuse_gpu_size_on_cpu(config, overrides)
+            refuse_large_model_on_cpu(count_params(cfg.model.resolve(), include_embedding=True),
+                                      model=f"model size {cfg.model.size}",
+                                      force="run.device=cpu")
         name, total = "cpu", CPU_MEM_GB * 1e9
     if gpu_mem_gb is not None:
         if gpu_mem_gb <= 0:
