@@ -20,7 +20,7 @@ from hpctrain.plan.memory import (
     rank_shares,
     state_bytes,
 )
-from hpctrain.plan.parallel import rank_layouts
+from hpctrain.plan.parallel import gpu_peak_tflops, rank_layouts
 
 SMALL = ModelArgs(dim=32, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,
                   max_seq_len=16)
@@ -139,3 +139,8 @@ MEASURED_TP_PP = [
 def test_within_ten_percent_of_measured_tp_and_pp_peaks(opts: dict, measured_gb: float) -> None:
     plan = estimate_memory(PRESETS["125m"], MemoryOptions(seq_len=1024, **opts))
     assert plan.peak / 1e9 == pytest.approx(measured_gb, rel=0.10)
+
+
+def test_fp8_is_planned_at_the_bf16_peak() -> None:
+    """Only the blocks' GEMMs run in float8: the fp8 datasheet peak would predict ~2x."""
+    assert gpu_peak_tflops("h100", "fp8") == gpu_peak_tflops("h100", "bf16") > 0

@@ -43,7 +43,9 @@ from hpctrain.observe.peaks import peak_tflops
 from hpctrain.plan.memory import MemoryOptions, MemoryPlan, estimate_memory, fmt_gb
 
 MICRO_BATCHES = (8, 4, 2, 1)
-MATMUL_EFFICIENCY = 0.55  # share of the dense peak a 1b-8b Llama step reaches (52% measured)
+# Share of the dense bf16 peak a 1b-8b Llama step reaches: 49.5% measured for 1b on an H200
+# (benchmarks/RESULTS.md; the 52% once quoted came from windows timed before their sync).
+MATMUL_EFFICIENCY = 0.50
 NVLINK_BYTES_PER_S = 340e9
 TP_NVLINK_BYTES_PER_S = 240e9  # all-gather / reduce-scatter of ~32 MB (nccl-tests, FIELD_NOTES)
 TP_EFFICIENCY = 0.8
@@ -142,12 +144,16 @@ def plan_parallel(args: ModelArgs, *, gpus_per_node: int, nodes: int, gpu_bytes:
 
 
 def gpu_peak_tflops(gpu: str, precision: str) -> float | None:
-    """Dense peak of a GPU given by name (None for a size in GB or an unknown name)."""
+    """Dense peak of a GPU given by name (None for a size in GB or an unknown name).
+
+    fp8 is planned at the bf16 peak: only the blocks' GEMMs run in float8, and what that buys
+    depends on their shapes (1.10x for 1b on an H200), which `hpctrain tune` measures.
+    """
     try:
         float(gpu)
         return None
     except ValueError:
-        return peak_tflops(gpu, precision)
+        return peak_tflops(gpu, "bf16" if precision == "fp8" else precision)
 
 
 def _tp_degrees(args: ModelArgs, gpus_per_node: int, seq_len: int) -> list[int]:
