@@ -47,7 +47,7 @@ if podman pull -q "$REMOTE_BASE" >/dev/null 2>&1; then
     BASE="$REMOTE_BASE"
     say "base: $BASE"
 else
-    say "base: docker.io cannot be reached; building $LOCAL_BASE from the Debian mirror instead"
+    say "base: docker.io cannot be reached; $LOCAL_BASE from the Debian mirror instead"
     bash scripts/make-base-image.sh "$LOCAL_BASE"
     BASE="$LOCAL_BASE"
 fi
