@@ -36,11 +36,14 @@ demo: $(STAMP)
 # (.ci/run sets it) it fails instead.
 # scripts/install-browser.sh does the same for Debian's chromium and chromedriver, which the
 # browser test of `hpctrain report` drives headless.
+# Two pytest-xdist workers: many tests wait on child processes (ranks, Slurm, signals) rather than
+# compute, so two keep 2 cores busy; tests/conftest.py keeps each file (and all of tests/slurm) on
+# one worker. The 25 slowest tests are listed at the end, to keep the suite's time in view.
 test: $(STAMP)
 	bash scripts/install-slurm.sh
 	bash scripts/install-browser.sh
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -27,6 +27,20 @@ from hpctrain.launch.local import kill_tree
 from hpctrain.observe.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Groups for pytest-xdist (`make test` runs two workers with ``--dist loadgroup``).
+
+    Each test file is one group, so its module fixtures (often a multi-rank launch shared by
+    all its tests) run once; all of tests/slurm are one group, because each worker session would
+    start its own test cluster and the two would share one munged.
+    """
+    tests = REPO / "tests"
+    for item in items:
+        rel = Path(item.fspath).relative_to(tests)
+        group = "slurm" if rel.parts[0] == "slurm" else rel.as_posix()
+        item.add_marker(pytest.mark.xdist_group(group))
 DEMO = "configs/demo.yaml"
 
 # Shrinks the demo's tiny preset further: ~50k parameters, 32-token samples, a 200 kB corpus.

@@ -230,7 +230,7 @@ def test_an_interpreter_without_hpctrain_is_refused(project: Path,
                                                     capsys: pytest.CaptureFixture) -> None:
     # -S: no site-packages, so neither hpctrain nor torch; exactly a bare system python3.
     bare = project / "bare-python"
-    bare.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -S "$@"\n')
+    bare.write_text(f'#!/bin/sh\nunset PYTHONPATH\nexec {shlex.quote(sys.executable)} -S "$@"\n')
     bare.chmod(0o755)
     err = _fails(capsys, "configs/demo.yaml", "--python", str(bare), "-o", "train.sh")
     assert "cannot import hpctrain" in err and "--venv" in err, err
