@@ -29,6 +29,7 @@ from hpctrain.observe.metrics import read_metrics
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Groups for pytest-xdist (`make test` runs two workers with ``--dist loadgroup``).
 
