@@ -14,7 +14,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from hpctrain.bench import cli as bench_cli
-from hpctrain.bench import tune as tune_cli
+from hpctrain.bench.tune import cli as tune_cli
 from hpctrain.data.cli import add_parser as add_data_parser
 from hpctrain.errors import HpctrainError
 from hpctrain.launch import doctor as doctor_cli

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.bench import tune
 from hpctrain.bench.model import TrainRunError
+from hpctrain.bench.tune import candidates, measure, space
 from hpctrain.cli import main
 from hpctrain.config import load_config
 from hpctrain.errors import ConfigError
@@ -59,7 +59,7 @@ def test_settings_respect_divisibility_and_keep_the_global_batch() -> None:
     # Global batch 2 x 1 x 4 = 8 samples; 4 heads and 2 KV heads (tp 4 splits no KV head
     # evenly), 2 layers (pp 1 or 2).
     cfg = load_config(DEMO, [*TINY, "parallel.strategy=ddp", "train.micro_batch=2"])
-    settings = list(tune.enumerate_settings(cfg, 4, precisions=("fp32",)))
+    settings = list(space.enumerate_settings(cfg, 4, precisions=("fp32",)))
     assert {(s.tp, s.pp) for s in settings} == {(1, 1), (1, 2), (2, 1), (2, 2)}
     for s in settings:
         dp = 4 // (s.tp * s.pp)
@@ -69,18 +69,18 @@ def test_settings_respect_divisibility_and_keep_the_global_batch() -> None:
     assert {(s.strategy, s.zero) for s in settings if s.tp == s.pp == 1} == \
         {("ddp", 3), ("fsdp", 3), ("fsdp", 2)}
     # 3 ranks: tp 3 divides no head count, pp 3 is no power of two: data parallel only.
-    three = list(tune.enumerate_settings(cfg, 3, precisions=("fp32",)))
+    three = list(space.enumerate_settings(cfg, 3, precisions=("fp32",)))
     assert {(s.tp, s.pp) for s in three} == {(1, 1)}
     assert all(s.micro_batch * s.grad_accum * 3 == 6 for s in three)
     with pytest.raises(ConfigError, match="multiple of 2 GPUs"):
-        tune.global_batch(load_config(DEMO, [*TINY, "parallel.tp=2"]), 3)
+        space.global_batch(load_config(DEMO, [*TINY, "parallel.tp=2"]), 3)
 
 
 def test_tp_and_pp_candidates_drop_the_chunked_loss(tmp_path: Path) -> None:
     """The trainer refuses train.loss_chunks with tp or pp; data-parallel ones keep it."""
-    cands, _, _ = tune.build_candidates(DEMO, [*TINY, "train.loss_chunks=4"], 2, device="cpu",
-                                        gpu_bytes=16e9, peak_tflops=989.0, fp8=False,
-                                        max_candidates=8)
+    cands, _, _ = candidates.build_candidates(DEMO, [*TINY, "train.loss_chunks=4"], 2,
+                                              device="cpu", gpu_bytes=16e9, peak_tflops=989.0,
+                                              fp8=False, max_candidates=8)
     split = [c for c in cands if c.setting.tp * c.setting.pp > 1]
     whole = [c for c in cands if c.setting.tp * c.setting.pp == 1]
     assert split and whole
@@ -93,8 +93,8 @@ def test_tp_and_pp_candidates_drop_the_chunked_loss(tmp_path: Path) -> None:
 
 
 def _shortlist(gpu_gb: float, **kw) -> tuple[list, list[str], int]:
-    return tune.build_candidates(LLAMA_8B, [], 2, device="cuda", gpu_bytes=gpu_gb * 1e9,
-                                 peak_tflops=989.0, fp8=kw.pop("fp8", False), **kw)
+    return candidates.build_candidates(LLAMA_8B, [], 2, device="cuda", gpu_bytes=gpu_gb * 1e9,
+                                       peak_tflops=989.0, fp8=kw.pop("fp8", False), **kw)
 
 
 def test_over_memory_candidates_are_dropped_and_the_list_is_short() -> None:
@@ -123,10 +123,10 @@ def test_over_memory_candidates_are_dropped_and_the_list_is_short() -> None:
 
 
 def test_fp8_needs_a_gpu_that_has_it_and_a_config_that_accepts_it(monkeypatch) -> None:
-    assert tune.fp8_allowed(LLAMA_8B, [], "cpu") == (False, "fp8 not tried: no GPU")
-    allowed, why = tune.fp8_allowed(LLAMA_8B, [], "cuda", capability=(8, 0))
+    assert candidates.fp8_allowed(LLAMA_8B, [], "cpu") == (False, "fp8 not tried: no GPU")
+    allowed, why = candidates.fp8_allowed(LLAMA_8B, [], "cuda", capability=(8, 0))
     assert not allowed and "8.0" in why
-    allowed, why = tune.fp8_allowed(DEMO, [], "cuda", capability=(9, 0))
+    allowed, why = candidates.fp8_allowed(DEMO, [], "cuda", capability=(9, 0))
     assert not allowed and "fp32" in why  # the demo trains in fp32
     # Whether this tree's config takes fp8 or not, both answers are honoured.
     import hpctrain.config as config_module
@@ -142,10 +142,10 @@ def test_fp8_needs_a_gpu_that_has_it_and_a_config_that_accepts_it(monkeypatch) -
         return real(path, [o for o in overrides if o != "train.precision=fp8"])
 
     monkeypatch.setattr(config_module, "load_config", refusing)
-    allowed, why = tune.fp8_allowed(LLAMA_8B, [], "cuda", capability=(9, 0))
+    allowed, why = candidates.fp8_allowed(LLAMA_8B, [], "cuda", capability=(9, 0))
     assert not allowed and "refused" in why
     monkeypatch.setattr(config_module, "load_config", accepting)
-    assert tune.fp8_allowed(LLAMA_8B, [], "cuda", capability=(9, 0)) == (True, "")
+    assert candidates.fp8_allowed(LLAMA_8B, [], "cuda", capability=(9, 0)) == (True, "")
     cands, _, _ = _shortlist(141.0, max_candidates=6, fp8=True)
     fp8 = [c for c in cands if c.setting.precision == "fp8"]
     assert len(cands) == 6 and len(fp8) == 2
@@ -153,7 +153,7 @@ def test_fp8_needs_a_gpu_that_has_it_and_a_config_that_accepts_it(monkeypatch) -
 
 
 def test_no_fp8_candidate_on_the_cpu() -> None:
-    plan = tune.plan_tuning(DEMO, TINY, 2, max_candidates=8)
+    plan = candidates.plan_tuning(DEMO, TINY, 2, max_candidates=8)
     assert plan.device == "cpu" and not plan.fp8 and "fp8 not tried: no GPU" in plan.notes
     assert len(plan.candidates) == 8
     assert all(c.setting.precision == "fp32" for c in plan.candidates)
@@ -167,14 +167,14 @@ def test_failure_reason_is_one_line() -> None:
     oom = TrainRunError("the training run exited with 1:\nTraceback ...\n"
                         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\n"
                         "hpctrain: error: rank 0 failed")
-    assert tune.failure_reason(oom).startswith("out of memory: torch.OutOfMemoryError")
+    assert measure.failure_reason(oom).startswith("out of memory: torch.OutOfMemoryError")
     ours = TrainRunError("the training run exited with 2:\nhpctrain: error: 1 ranks cannot be "
                          "split\n  expected: a world size\n  HINT: run on more")
-    assert tune.failure_reason(ours) == "hpctrain: error: 1 ranks cannot be split"
+    assert measure.failure_reason(ours) == "hpctrain: error: 1 ranks cannot be split"
     timeout = TrainRunError("the training run exited with 124:\nstep 3\nkilled after 900 s")
-    assert tune.failure_reason(timeout) == "killed after 900 s"
-    assert "\n" not in tune.failure_reason(TrainRunError("x" * 500)) and \
-        len(tune.failure_reason(TrainRunError("x" * 500))) == 200
+    assert measure.failure_reason(timeout) == "killed after 900 s"
+    assert "\n" not in measure.failure_reason(TrainRunError("x" * 500)) and \
+        len(measure.failure_reason(TrainRunError("x" * 500))) == 200
 
 
 # ---- the command ----------------------------------------------------------------------------
@@ -187,15 +187,15 @@ def _tiny_argv(out: Path, *extra: str) -> list[str]:
 
 def test_tune_cpu_end_to_end(monkeypatch, tmp_path: Path, capsys) -> None:
     """Two real candidates and one that fails in its run: the winner is written and trains."""
-    real = tune.build_candidates
+    real = candidates.build_candidates
 
     def with_a_failure(*args, **kw):
         cands, notes, n = real(*args, **kw)
-        bad = tune.Setting("none", 3, 1, "none", 8, 1, "fp32")  # tp 3: the trainer refuses it
-        cands.insert(1, tune.Candidate(bad, 1, "model", 1e6, 1.0, bad.overrides()))
+        bad = space.Setting("none", 3, 1, "none", 8, 1, "fp32")  # tp 3: the trainer refuses it
+        cands.insert(1, candidates.Candidate(bad, 1, "model", 1e6, 1.0, bad.overrides()))
         return cands, notes, n
 
-    monkeypatch.setattr(tune, "build_candidates", with_a_failure)
+    monkeypatch.setattr(candidates, "build_candidates", with_a_failure)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "tune"
     main(_tiny_argv(out))

@@ -115,7 +115,7 @@ def rank_layouts(args: ModelArgs, *, gpus_per_node: int, nodes: int, gpu_bytes: 
                     accum = batch // dp // opts.micro_batch
                     plan = ParallelPlan(strategy, dp, tp, pp, opts.micro_batch, opts.ac, mem,
                                         [], accum)
-                    _predict(plan, args, opts, gpus_per_node, peak)
+                    predict_step(plan, args, opts, gpus_per_node, peak)
                     if best is None or plan.tokens_per_s > best.tokens_per_s:
                         best = plan
                 if best is not None:
@@ -197,9 +197,13 @@ def _fitting(args: ModelArgs, gpu_bytes: float, replica_batch: int, **kw):
             return
 
 
-def _predict(plan: ParallelPlan, args: ModelArgs, opts: MemoryOptions, gpus_per_node: int,
-             peak: float) -> None:
-    """Fill in the predicted step time parts and tokens/s per GPU."""
+def predict_step(plan: ParallelPlan, args: ModelArgs, opts: MemoryOptions, gpus_per_node: int,
+                 peak: float) -> None:
+    """Fill in ``plan``'s predicted step-time parts and tokens/s per GPU.
+
+    The step-time model of ``hpctrain plan parallel``; ``hpctrain tune`` ranks its candidates
+    with it too, so that both commands order layouts alike.
+    """
     e = 4 if opts.precision == "fp32" else 2
     tokens = opts.micro_batch * opts.seq_len * plan.microbatches  # per replica and step
     flops = flops_per_token(args, opts.seq_len) * tokens * (4 / 3 if opts.ac == "full" else 1)

@@ -1,0 +1,63 @@
+"""``hpctrain tune CONFIG --gpus N``: measure configurations the memory model allows, keep the best.
+
+    hpctrain tune configs/llama-8b-fsdp.yaml --gpus 2 --dry-run    # the short list, nothing run
+    hpctrain tune configs/llama-8b-fsdp.yaml --gpus 2              # measure it (minutes)
+    hpctrain train runs/tune/llama-8b-fsdp/best.yaml --nproc 2      # train the winner
+
+What is varied, on one node of ``--gpus`` GPUs: the layout (data parallel only; tensor parallel
+``tp`` dividing the GPUs, the heads, KV heads, FFN width, vocabulary and sequence; pipeline
+parallel ``pp``, a power of two up to the layer count), the data-parallel strategy (DDP, FSDP
+ZeRO-3 ``reshard_after_forward=true`` or ZeRO-2 ``=false``; ``none`` when one replica spans all
+GPUs), activation checkpointing (none, every k-th block, selective, full), the micro-batch
+(powers of two), and fp8 (``train.precision=fp8``) where the config accepts it and the GPU has
+fp8 tensor cores (CUDA capability 8.9 or newer; never on a CPU). Compilation, sequence length,
+optimizer, data and the chunked loss are the config's (``train.loss_chunks`` is set to 0 for
+tp/pp layouts, which refuse it and split the logits themselves).
+
+**The global batch is never changed.** It is the config's ``micro_batch x grad_accum x dp`` on
+``--gpus`` GPUs, and every candidate reaches it by adjusting ``train.grad_accum`` (for a
+pipeline: its micro-batches). A tuner that changed the batch would change the optimisation
+problem (the loss curve, the learning-rate schedule's meaning) to buy speed: that is not tuning.
+
+How the short list is chosen: every combination is sized with `hpctrain.plan.memory` and
+dropped unless its peak plus 10% fits the GPU (``torch.cuda.get_device_properties``, or
+``--gpu-mem-gb``; 16 GB per rank on a CPU). The rest are ranked by the step-time model of
+``hpctrain plan parallel`` (predicted tokens/s per GPU). That model has no ZeRO-2 term (ranked
+just ahead of its ZeRO-3 twin: one all-gather fewer per micro-batch) and knows only ``none``
+and ``full`` checkpointing: ``every_k`` and ``selective`` step times are interpolated between
+the two by the share of the forward they recompute; ``every_k``'s memory too (the memory model
+has no ``every_k``; the peak so interpolated errs high, but leaves out up to half a block's
+activations).
+Nor does it know fp8's speed: fp8 twins of the best predicted layouts are added (their memory
+estimated as bf16). ``--max-candidates`` are kept: the config as given first (the baseline), the
+best of each layout/strategy, then the next best. The list is printed before anything runs.
+
+Measuring: each candidate is a real ``hpctrain train`` run via `hpctrain.bench.model` (``--steps``
+steps; warm-up windows skipped, tokens/s per GPU and MFU as ``bench model`` reads them), one
+after the other. A candidate that fails (out of memory, a refused layout, a timeout) is recorded
+with a one-line reason and the next one runs. Ctrl-C stops the one running, writes what was
+measured, and exits 130. The winner is the highest tokens/s per GPU (all candidates train the
+same global batch on the same GPUs, so that is the fastest time to a given loss per step).
+``--resume`` continues an interrupted call into the same ``--out``: the candidates it finished
+are kept, the rest run (a call can so be split to fit a time limit).
+
+Files in ``--out`` (default ``runs/tune/<config stem>``), written atomically:
+
+- ``results.json``: ``meta`` (device and its name, memory used for the model, GPUs, torch
+  version, date, the command, config, global batch, steps, notes, ``interrupted``), and
+  ``candidates``: per candidate its label, overrides, settings, predicted peak GB and tokens/s
+  per GPU, ``status`` (ok, failed, interrupted, not_run), the reason of a failure, the measured
+  numbers and ``mem_ratio`` (measured peak / predicted; on a CPU the measured peak is the
+  process's RSS, not comparable), and ``winner`` (its index, or null);
+- ``best.overrides``: one ``key=value`` per line (the command's own overrides, then the winner's);
+- ``best.yaml``: the resolved config with the winner applied (``hpctrain train best.yaml``);
+- ``cNN/``: candidate NN's ``bench model`` folder (``config.yaml`` and the run in ``train/``).
+
+Exit codes: 0 with a winner (also after ``--dry-run``), 1 when every candidate failed (their
+reasons are printed), 2 for bad input (unknown config, ``--gpus`` < 1 or more than visible on a
+GPU machine, no candidate that fits), 130 after Ctrl-C.
+
+Modules, each importing only those before it: ``space`` (a setting, the search space, what the
+models predict of a setting), ``candidates`` (the short list), ``measure`` (running it, resume,
+the files above), ``cli`` (the parser, the command, its tables).
+"""

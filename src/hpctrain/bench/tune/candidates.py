@@ -1,0 +1,260 @@
+"""The short list of ``hpctrain tune``: what fits, ranked, and the config as given first.
+
+Settings from :mod:`hpctrain.bench.tune.space` that the trainer accepts and whose predicted peak
+plus 10% fits the memory are ranked by predicted tokens/s per GPU; the best of each layout and
+strategy is kept first, fp8 twins of the best are added where the GPU and the config allow fp8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpctrain.bench.tune.space import (
+    Setting,
+    config_setting,
+    enumerate_settings,
+    global_batch,
+    predict,
+)
+from hpctrain.errors import ConfigError
+
+MAX_CANDIDATES = 6
+CPU_MEM_GB = 16.0  # per rank, for the memory model when the ranks run on the CPU
+HEADROOM = 1.10  # as hpctrain.plan.memory: the peak plus 10% must fit
+FP8_TWINS = 2  # fp8 variants of this many of the best predicted layouts
+FP8_CAPABILITY = (8, 9)  # Ada / Hopper and newer: fp8 tensor cores
+
+
+@dataclass
+class Candidate:
+    """A setting on the short list: what the model predicts, then what was measured."""
+
+    setting: Setting
+    dp: int
+    source: str  # "config" (the config as given) or "model" (chosen by the memory model)
+    predicted_peak: float  # bytes per GPU
+    predicted_tokens_per_s: float  # per GPU, the planner's step-time model
+    overrides: list[str] = field(default_factory=list)
+    status: str = "pending"  # ok, failed, interrupted, not_run
+    reason: str | None = None
+    measured: dict[str, Any] | None = None
+    run_dir: str | None = None
+
+    @property
+    def label(self) -> str:
+        """Readable name of the setting ('as configured' for the baseline)."""
+        text = self.setting.label(self.dp)
+        return f"{text} (as configured)" if self.source == "config" else text
+
+    @property
+    def mem_ratio(self) -> float | None:
+        """Measured peak / predicted peak."""
+        if not self.measured or not self.predicted_peak:
+            return None
+        return self.measured["peak_mem_gb"] * 1e9 / self.predicted_peak
+
+    def to_json(self, index: int) -> dict[str, Any]:
+        """One entry of results.json."""
+        return {"index": index, "label": self.label, "source": self.source,
+                "overrides": self.overrides, "dp": self.dp,
+                "settings": dataclasses.asdict(self.setting),
+                "predicted_peak_gb": self.predicted_peak / 1e9,
+                "predicted_tokens_per_s_per_gpu": self.predicted_tokens_per_s,
+                "status": self.status, "reason": self.reason, "measured": self.measured,
+                "mem_ratio": self.mem_ratio, "run_dir": self.run_dir}
+
+
+@dataclass
+class TunePlan:
+    """The short list, and what it was built from."""
+
+    candidates: list[Candidate]
+    device: str  # cuda or cpu
+    device_name: str
+    gpu_bytes: float
+    global_batch: int  # samples per optimizer step, every candidate
+    fp8: bool
+    notes: list[str]
+    considered: int  # settings that fit, before the short list
+
+
+def fp8_allowed(config: Path, overrides: list[str], device: str, *, capability=None
+                ) -> tuple[bool, str]:
+    """(whether fp8 candidates are tried, why not) for this config on this device."""
+    from hpctrain.config import load_config
+
+    if device != "cuda":
+        return False, "fp8 not tried: no GPU"
+    if capability is None:
+        import torch
+
+        capability = torch.cuda.get_device_capability(0)
+    if tuple(capability) < FP8_CAPABILITY:
+        return False, (f"fp8 not tried: CUDA capability {capability[0]}.{capability[1]} "
+                       "(fp8 tensor cores need 8.9 or newer)")
+    cfg = load_config(config, overrides)
+    if cfg.train.precision != "bf16":
+        return False, f"fp8 not tried: the config trains in {cfg.train.precision}, not bf16"
+    try:
+        load_config(config, [*overrides, "train.precision=fp8"])
+    except ConfigError as e:
+        return False, f"fp8 not tried: train.precision=fp8 is refused ({e.what})"
+    return True, ""
+
+
+def build_candidates(config: Path | None, overrides: list[str], gpus: int, *, device: str,
+                     gpu_bytes: float, peak_tflops: float, fp8: bool,
+                     max_candidates: int = MAX_CANDIDATES) -> tuple[list[Candidate], list[str],
+                                                                    int]:
+    """(short list, notes, settings that fit) for ``gpus`` ranks of ``gpu_bytes`` each."""
+    from hpctrain.config import load_config
+    from hpctrain.parallel.layout import check_layout
+    from hpctrain.parallel.pipeline import schedule_supported
+
+    if max_candidates < 1:
+        raise ConfigError(f"--max-candidates {max_candidates}", expected="at least 1")
+    cfg = load_config(config, overrides)
+    notes: list[str] = []
+
+    def refusal(s: Setting) -> str | None:
+        """Why the trainer would refuse the setting on ``gpus`` ranks (None: it accepts it)."""
+        if s.pp > 1 and not schedule_supported(cfg.parallel.pp_schedule, device):
+            return f"pipeline schedule {cfg.parallel.pp_schedule} is not supported on {device}"
+        try:
+            check_layout(load_config(config, [*overrides, *s.overrides(cfg)]), gpus)
+        except ConfigError as e:
+            return e.what
+        return None
+
+    def sized(s: Setting) -> tuple[float, float] | str:
+        """(peak, tokens/s) if it is predicted to fit, else why not."""
+        try:
+            mem, tps = predict(cfg, s, gpus, peak_tflops)
+        except ConfigError as e:
+            return f"the memory model cannot size it ({e.what})"
+        if mem * HEADROOM > gpu_bytes:
+            return (f"predicted peak {mem / 1e9:.1f} GB + 10% headroom exceeds the "
+                    f"{gpu_bytes / 1e9:.1f} GB per GPU")
+        return mem, tps
+
+    baseline = None
+    own = config_setting(cfg)
+    why = refusal(own) or sized(own)
+    if isinstance(why, tuple):
+        baseline = Candidate(own, gpus // (own.tp * own.pp), "config", *why)
+    else:
+        notes.append(f"the config as given is not a candidate on {gpus} rank(s): {why}")
+
+    ranked = []
+    for s in enumerate_settings(cfg, gpus, precisions=(cfg.train.precision,)):
+        if baseline is not None and s == baseline.setting:
+            continue
+        fit = sized(s)
+        if isinstance(fit, tuple):
+            ranked.append(Candidate(s, gpus // (s.tp * s.pp), "model", *fit))
+    considered = len(ranked) + (baseline is not None)
+    # Fastest predicted first; at equal speed the larger micro-batch (fewer, larger kernels),
+    # ZeRO-2 before ZeRO-3, then the smaller peak.
+    ranked.sort(key=lambda c: (-c.predicted_tokens_per_s, -c.setting.micro_batch,
+                               c.setting.zero, c.predicted_peak))
+    slots = max_candidates - (baseline is not None)
+    n_fp8 = min(FP8_TWINS, max_candidates // 3) if fp8 else 0
+    picked = _pick(ranked, slots - n_fp8, refusal)
+    twins = []
+    for c in picked[:n_fp8]:
+        twin = dataclasses.replace(c.setting, precision="fp8")
+        if refusal(twin) is None:
+            twins.append(Candidate(twin, c.dp, "model", c.predicted_peak,
+                                   c.predicted_tokens_per_s))
+    shortlist = ([baseline] if baseline else []) + picked + twins
+    # The baseline, then fastest predicted first (an fp8 twin after the bf16 settings that
+    # share its prediction).
+    shortlist.sort(key=lambda c: (c.source != "config", -c.predicted_tokens_per_s,
+                                  c.setting.precision == "fp8"))
+    for c in shortlist:
+        c.overrides = c.setting.overrides(cfg)
+    return shortlist, notes, considered
+
+
+def _pick(ranked: list[Candidate], n: int, refusal: Callable[[Setting], str | None]
+          ) -> list[Candidate]:
+    """``n`` candidates: the best of each layout and strategy first, then the next best."""
+    chosen: list[Candidate] = []
+    groups: set[tuple] = set()
+    for first_pass in (True, False):
+        for c in ranked:
+            if len(chosen) >= n:
+                return chosen
+            s = c.setting
+            group = (s.strategy, s.zero, s.tp, s.pp)
+            if c in chosen or (first_pass and group in groups):
+                continue
+            if refusal(s) is None:
+                chosen.append(c)
+                groups.add(group)
+    return chosen
+
+
+def plan_tuning(config: Path | None, overrides: list[str], gpus: int, *,
+                gpu_mem_gb: float | None = None, max_candidates: int = MAX_CANDIDATES,
+                allow_fp8: bool = True) -> TunePlan:
+    """The short list for ``config`` on ``gpus`` GPUs (or CPU ranks) of this machine."""
+    import torch
+
+    from hpctrain.config import load_config
+    from hpctrain.observe.peaks import peak_tflops
+    from hpctrain.plan.parallel import DEFAULT_PEAK_TFLOPS
+
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus}", expected="at least 1")
+    cfg = load_config(config, overrides)
+    device = cfg.run.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        visible = torch.cuda.device_count()
+        if visible == 0:
+            raise ConfigError("run.device = cuda but no GPU is visible",
+                              hint="run on a GPU node, or set run.device=cpu")
+        if gpus > visible:
+            raise ConfigError(f"--gpus {gpus} but {visible} GPU(s) visible",
+                              expected=f"at most {visible}",
+                              hint="tune runs on one node; CUDA_VISIBLE_DEVICES decides what "
+                              "is visible")
+        name = torch.cuda.get_device_name(0)
+        total = torch.cuda.get_device_properties(0).total_memory
+    else:
+        if cfg.run.device == "auto":
+            from hpctrain.models import count_params
+            from hpctrain.runtime.config import refuse_large_model_on_cpu
+
+            refuse_large_model_on_cpu(count_params(cfg.model.resolve(), include_embedding=True),
+                                      model=f"model size {cfg.model.size}",
+                                      force="run.device=cpu")
+        name, total = "cpu", CPU_MEM_GB * 1e9
+    if gpu_mem_gb is not None:
+        if gpu_mem_gb <= 0:
+            raise ConfigError(f"--gpu-mem-gb {gpu_mem_gb}", expected="a positive size in GB")
+        total = gpu_mem_gb * 1e9
+    fp8, why = fp8_allowed(config, overrides, device) if allow_fp8 else (False, "fp8 not "
+                                                                              "tried: --no-fp8")
+    peak = peak_tflops(name, "fp32" if cfg.train.precision == "fp32" else "bf16")
+    batch, _ = global_batch(cfg, gpus)
+    candidates, notes, considered = build_candidates(
+        config, overrides, gpus, device=device, gpu_bytes=total,
+        peak_tflops=peak or DEFAULT_PEAK_TFLOPS, fp8=fp8, max_candidates=max_candidates)
+    if why:
+        notes.append(why)
+    if not candidates:
+        raise ConfigError(
+            f"no configuration of this model fits {gpus} x {total / 1e9:.0f} GB at the "
+            f"config's global batch of {batch} samples",
+            expected="a layout whose predicted peak plus 10% fits the memory",
+            hint="see `hpctrain plan memory`; shorten data.seq_len, lower the global batch, "
+            "or use more GPUs" + (" (--gpu-mem-gb sets the size assumed)"
+                                  if device == "cpu" else ""))
+    return TunePlan(candidates, device, name, total, batch, fp8, notes, considered)

@@ -1,0 +1,179 @@
+"""The ``hpctrain tune`` command: its parser, the run from plan to files, and its tables.
+
+What the command does, and the files and exit codes it promises, are in the package docstring
+(also the parser's description).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import time
+from pathlib import Path
+
+from hpctrain.bench import tune
+from hpctrain.bench.tune.candidates import CPU_MEM_GB, MAX_CANDIDATES, TunePlan, plan_tuning
+from hpctrain.bench.tune.measure import measure, resume_from, winner, write_results
+from hpctrain.errors import ConfigError, HpctrainError
+
+
+class TuneFailed(HpctrainError):
+    """Every candidate failed to run; the message lists each one's reason."""
+
+    exit_code = 1
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``tune`` on the top-level sub-parser set."""
+    p = sub.add_parser("tune", help="measure a short list of configurations, keep the fastest",
+                       description=tune.__doc__.splitlines()[0])
+    p.add_argument("config", type=Path, help="YAML config, e.g. configs/llama-8b-fsdp.yaml")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="config overrides applied before tuning (kept in best.overrides)")
+    p.add_argument("--gpus", type=int, required=True,
+                   help="GPUs of this node to tune for (CPU ranks without a GPU)")
+    p.add_argument("--gpu-mem-gb", type=float, default=None,
+                   help="memory per GPU the model sizes against (default: the GPU's; "
+                   f"{CPU_MEM_GB:g} per rank on a CPU)")
+    p.add_argument("--max-candidates", type=int, default=MAX_CANDIDATES,
+                   help="how many configurations to measure")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps per candidate (default 30 on a GPU, 8 on a CPU)")
+    p.add_argument("--log-every", type=int, default=None,
+                   help="logging window (default 5 on a GPU, 2 on a CPU)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per candidate")
+    p.add_argument("--no-fp8", action="store_true", help="never try train.precision=fp8")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the candidates an earlier, interrupted call measured into --out "
+                   "and run the rest")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the short list and its predictions, run nothing")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results folder (default runs/tune/<config stem>)")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    """``hpctrain tune``: plan, measure, report, write."""
+    import torch
+
+    plan = plan_tuning(args.config, args.overrides, args.gpus, gpu_mem_gb=args.gpu_mem_gb,
+                       max_candidates=args.max_candidates, allow_fp8=not args.no_fp8)
+    on_gpu = plan.device == "cuda"
+    steps = args.steps or (30 if on_gpu else 8)
+    log_every = args.log_every or (5 if on_gpu else 2)
+    if log_every < 1 or steps < 2 * log_every:
+        raise ConfigError(f"--steps {steps} with --log-every {log_every}",
+                          expected="steps >= 2 x log_every >= 2 (the first window is warm-up)",
+                          hint="e.g. --steps 30 --log-every 5")
+    if args.timeout <= 0:
+        raise ConfigError(f"--timeout {args.timeout}", expected="seconds, > 0")
+    print_shortlist(plan, args.gpus)
+    if args.dry_run:
+        return
+    out = (args.out or Path("runs") / "tune" / args.config.stem).resolve()
+    same = {"config": str(args.config.resolve()), "overrides": args.overrides,
+            "gpus": args.gpus, "device_name": plan.device_name, "steps": steps,
+            "log_every": log_every}
+    if args.resume and (out / "results.json").exists():
+        taken = resume_from(plan, out / "results.json", same)
+        print(f"--resume: {taken} candidate(s) measured by an earlier call are kept")
+    print(f"measuring {len(plan.candidates)} candidates, {steps} steps each, into {out}",
+          flush=True)
+    interrupted = measure(plan, args.config, args.overrides, args.gpus, out, steps=steps,
+                          log_every=log_every, timeout=args.timeout,
+                          echo=lambda line: print(line, flush=True))
+    best = winner(plan.candidates)
+    meta = {**same, "device": plan.device, "gpu_mem_gb": plan.gpu_bytes / 1e9,
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": _command(args), "global_batch": plan.global_batch, "fp8": plan.fp8,
+            "notes": plan.notes, "interrupted": interrupted}
+    print_results(plan, best)
+    paths = write_results(plan, out, meta, best, args.config, args.overrides)
+    if best is not None:
+        _announce(plan, best, args.config, out, args.gpus)
+    elif not interrupted and (out / "best.overrides").exists():
+        print(f"note: {out / 'best.overrides'} and best.yaml are from an earlier tuning, "
+              "left as they were")
+    print(f"results: {', '.join(str(p) for p in paths)}")
+    if interrupted:
+        raise KeyboardInterrupt
+    if best is None:
+        reasons = "\n".join(f"  [{i}] {c.label}: {c.reason}"
+                            for i, c in enumerate(plan.candidates, 1))
+        raise TuneFailed(f"every candidate failed:\n{reasons}",
+                         hint=f"the runs' logs are under {out}/cNN/train/logs")
+
+
+def print_shortlist(plan: TunePlan, gpus: int) -> None:
+    """The candidates and their predictions, before anything runs."""
+    from rich.console import Console
+    from rich.table import Table
+
+    on_gpu = plan.device == "cuda"
+    unit = "GPU" if on_gpu else "rank"
+    table = Table(title=f"{len(plan.candidates)} of {plan.considered} settings that fit "
+                  f"{gpus} {unit}(s) of {plan.gpu_bytes / 1e9:.0f} GB ({plan.device_name}), "
+                  f"global batch {plan.global_batch}")
+    for col in ("#", "candidate", "predicted tokens/s per GPU", "predicted peak GB"):
+        table.add_column(col, justify="left" if col == "candidate" else "right")
+    for i, c in enumerate(plan.candidates, 1):
+        table.add_row(str(i), c.label, f"{c.predicted_tokens_per_s:,.0f}" if on_gpu else "-",
+                      f"{c.predicted_peak / 1e9:.2f}")
+    Console(width=160).print(table)
+    if not on_gpu:
+        print("note: on the CPU the step-time model (made for GPUs) only orders the candidates")
+    for note in plan.notes:
+        print(f"note: {note}")
+
+
+def print_results(plan: TunePlan, best: int | None) -> None:
+    """Measured against predicted, per candidate."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="tune results")
+    for col in ("#", "candidate", "tokens/s per GPU", "MFU %", "peak GB", "predicted GB",
+                "measured/predicted", "status"):
+        table.add_column(col, justify="left" if col in ("candidate", "status") else "right")
+    for i, c in enumerate(plan.candidates):
+        m = c.measured or {}
+        status = c.status + (f": {c.reason}" if c.reason and c.status == "failed" else "")
+        table.add_row(str(i + 1) + (" *" if i == best else ""), c.label,
+                      _num(m.get("tokens_per_s_per_gpu"), ",.0f"), _num(m.get("mfu_pct"), ".1f"),
+                      _num(m.get("peak_mem_gb"), ".2f"), f"{c.predicted_peak / 1e9:.2f}",
+                      _num(c.mem_ratio, ".2f"), status)
+    Console(width=200).print(table)
+    if plan.device == "cpu":
+        print("note: on the CPU the measured peak is the process's RSS; the model predicts GPU "
+              "memory, so the ratio says little here")
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _announce(plan: TunePlan, best: int, config: Path, out: Path, gpus: int) -> None:
+    c = plan.candidates[best]
+    tok = c.measured["tokens_per_s_per_gpu"]
+    line = f"winner: [{best + 1}] {c.label}: {tok:,.0f} tokens/s per GPU"
+    base = next((b for b in plan.candidates if b.source == "config" and b.status == "ok"), None)
+    if base is not None and base is not c:
+        gain = tok / base.measured["tokens_per_s_per_gpu"] - 1
+        line += f" ({gain:+.1%} over the config as given)"
+    print(line)
+    nproc = f" --nproc {gpus}" if gpus > 1 else ""
+    print(f"train it: hpctrain train {config} $(cat {out / 'best.overrides'}){nproc}")
+
+
+def _command(args: argparse.Namespace) -> str:
+    argv = ["hpctrain", "tune", str(args.config), *args.overrides, "--gpus", str(args.gpus)]
+    for flag, value in (("--gpu-mem-gb", args.gpu_mem_gb), ("--steps", args.steps),
+                        ("--log-every", args.log_every), ("--out", args.out)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.max_candidates != MAX_CANDIDATES:
+        argv += ["--max-candidates", str(args.max_candidates)]
+    argv += [flag for flag, on in (("--no-fp8", args.no_fp8), ("--resume", args.resume),
+                                   ("--dry-run", args.dry_run)) if on]
+    return shlex.join(argv)

@@ -1,0 +1,218 @@
+"""The search space of ``hpctrain tune`` and the model's view of it.
+
+A :class:`Setting` is one point (layout, strategy, checkpointing, batch shape, precision); every
+setting keeps the config's global batch. :func:`predict` sizes a setting with the memory model
+and times it with the step-time model of ``hpctrain plan parallel``, interpolating what those
+models do not know (see the package docstring).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from hpctrain.errors import ConfigError
+
+MAX_MICRO_BATCH = 64
+AC_EVERY = 2  # every_k's k unless the config sets one
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One point of the search: the layout, strategy, checkpointing, batch shape, precision."""
+
+    strategy: str
+    tp: int
+    pp: int
+    ac: str
+    micro_batch: int
+    grad_accum: int
+    precision: str
+    zero: int = 3  # FSDP: 3 reshards after forward, 2 keeps the parameters gathered
+    ac_every: int = 0  # every_k only
+    pp_microbatches: int = 0  # pipeline only; 0: one per loader micro-batch (grad_accum)
+    dp_replicate: int = 1
+    loss_chunks: int = 0  # the chunked loss; refused with tp or pp
+
+    def overrides(self, cfg=None) -> list[str]:
+        """The config overrides that train this setting on top of ``cfg`` (explicit for every
+        key the tuner varies; dp_replicate and loss_chunks only where they differ)."""
+        out = [f"parallel.strategy={self.strategy}", f"parallel.tp={self.tp}",
+               f"parallel.pp={self.pp}"]
+        if self.dp_replicate != (cfg.parallel.dp_replicate if cfg else 1):
+            out.append(f"parallel.dp_replicate={self.dp_replicate}")
+        if self.pp > 1:
+            out.append(f"parallel.pp_microbatches={self.pp_microbatches}")
+        if self.strategy == "fsdp":
+            out.append(f"parallel.reshard_after_forward={str(self.zero == 3).lower()}")
+        out.append(f"parallel.activation_checkpointing={self.ac}")
+        if self.ac == "every_k":
+            out.append(f"parallel.ac_every={self.ac_every}")
+        out += [f"train.micro_batch={self.micro_batch}", f"train.grad_accum={self.grad_accum}",
+                f"train.precision={self.precision}"]
+        if self.loss_chunks != (cfg.train.loss_chunks if cfg else 0):
+            out.append(f"train.loss_chunks={self.loss_chunks}")
+        return out
+
+    def label(self, dp: int) -> str:
+        """'FSDP ZeRO-3 dp2, mb 2 x 1, AC full, bf16'."""
+        strategy = {"none": "one replica", "ddp": "DDP",
+                    "fsdp": f"FSDP ZeRO-{self.zero}"}[self.strategy]
+        layout = f"dp{dp}" + (f" tp{self.tp}" if self.tp > 1 else "") + (
+            f" pp{self.pp}" if self.pp > 1 else "")
+        ac = {"none": "no AC", "full": "AC full", "selective": "AC selective"}.get(
+            self.ac, f"AC every {self.ac_every}")
+        return (f"{strategy} {layout}, mb {self.micro_batch} x {self.grad_accum}, {ac}, "
+                f"{self.precision}")
+
+
+def global_batch(cfg, gpus: int) -> tuple[int, int]:
+    """(samples per step, data-parallel degree) of the config on ``gpus`` GPUs."""
+    pc, tc = cfg.parallel, cfg.train
+    model_ranks = pc.tp * pc.pp
+    if gpus % model_ranks:
+        raise ConfigError(
+            f"--gpus {gpus} with the config's parallel.tp {pc.tp} x parallel.pp {pc.pp}",
+            expected=f"a multiple of {model_ranks} GPUs: the global batch is the config's "
+            "micro_batch x grad_accum x data-parallel degree on --gpus GPUs",
+            hint=f"tune on a multiple of {model_ranks} GPUs, or pass parallel.tp=1 "
+            "parallel.pp=1 (the tuner tries tp and pp itself)")
+    dp = gpus // model_ranks
+    return tc.micro_batch * tc.grad_accum * dp, dp
+
+
+def config_setting(cfg) -> Setting:
+    """The setting the config itself describes."""
+    pc, tc = cfg.parallel, cfg.train
+    m = pc.pp_microbatches if pc.pp > 1 and pc.pp_microbatches != tc.grad_accum else 0
+    return Setting(strategy=pc.strategy, tp=pc.tp, pp=pc.pp,
+                   ac=pc.activation_checkpointing, micro_batch=tc.micro_batch,
+                   grad_accum=tc.grad_accum, precision=tc.precision,
+                   zero=3 if pc.strategy != "fsdp" or pc.reshard_after_forward else 2,
+                   ac_every=pc.ac_every if pc.activation_checkpointing == "every_k" else 0,
+                   pp_microbatches=m if pc.pp > 1 else 0, dp_replicate=pc.dp_replicate,
+                   loss_chunks=tc.loss_chunks)
+
+
+def recomputed_share(cfg, ac: str, ac_every: int = 0) -> float:
+    """Share of the model's forward FLOPs recomputed in backward (0: none, 1: full)."""
+    args = cfg.model.resolve()
+    if ac == "none":
+        return 0.0
+    if ac == "full":
+        return 1.0
+    if ac == "every_k":  # the trainer's rule: block i is checkpointed when i % k == 0
+        return sum(1 for i in range(args.n_layers) if i % ac_every == 0) / args.n_layers
+    if ac == "selective":
+        from hpctrain.models import flops_per_token
+        from hpctrain.parallel.selective_ac import recomputed_flops_per_token
+
+        # A forward is 1/3 of the training FLOPs per token.
+        extra = args.n_layers * recomputed_flops_per_token(args, cfg.parallel.ac_save_mm)
+        return 3 * extra / flops_per_token(args, cfg.data.seq_len)
+    raise ConfigError(f"activation checkpointing {ac!r} is not known to the tuner",
+                      expected="none, every_k, selective or full")
+
+
+def ac_modes(cfg) -> tuple[str, ...]:
+    """Checkpointing modes to try: none, every_k (where it differs from both ends), selective,
+    full."""
+    k = cfg.parallel.ac_every if cfg.parallel.activation_checkpointing == "every_k" else AC_EVERY
+    every_k = ("every_k",) if 0 < recomputed_share(cfg, "every_k", k) < 1 else ()
+    return ("none", *every_k, "selective", "full")
+
+
+def enumerate_settings(cfg, gpus: int, *, precisions: tuple[str, ...]) -> Iterator[Setting]:
+    """Every setting of the search space on ``gpus`` GPUs at the config's global batch."""
+    args = cfg.model.resolve()
+    batch, _ = global_batch(cfg, gpus)
+    k = cfg.parallel.ac_every if cfg.parallel.activation_checkpointing == "every_k" else AC_EVERY
+    acs = ac_modes(cfg)
+    split = (args.n_heads, args.n_kv_heads, args.ffn_dim, args.vocab_size, cfg.data.seq_len)
+    for tp in range(1, gpus + 1):
+        if gpus % tp or any(x % tp for x in split):
+            continue
+        for pp in (p for p in (1, 2, 4, 8, 16, 32, 64) if p <= args.n_layers):
+            if (gpus // tp) % pp:
+                continue
+            dp = gpus // (tp * pp)
+            if batch % dp:
+                continue
+            replica = batch // dp
+            # The chunked loss (a memory saving, no change in the numbers) is refused with
+            # tp or pp, which shard the logits themselves.
+            chunks = cfg.train.loss_chunks
+            for strategy, zero in _strategies(tp, pp, dp):
+                for ac in acs:
+                    mb = 1
+                    while mb <= min(replica, MAX_MICRO_BATCH):
+                        if replica % mb == 0:
+                            for precision in precisions:
+                                yield Setting(strategy=strategy, tp=tp, pp=pp, ac=ac,
+                                              micro_batch=mb, grad_accum=replica // mb,
+                                              precision=precision, zero=zero,
+                                              ac_every=k if ac == "every_k" else 0,
+                                              loss_chunks=chunks if tp * pp == 1 else 0)
+                        mb *= 2
+
+
+def _strategies(tp: int, pp: int, dp: int) -> list[tuple[str, int]]:
+    if dp == 1:
+        return [("none", 3)]
+    if tp == 1 and pp == 1:
+        return [("ddp", 3), ("fsdp", 3), ("fsdp", 2)]
+    # The trainer refuses DDP with TP or PP; inside a pipeline the memory and step models do
+    # not tell ZeRO-2 from ZeRO-3 (a stage keeps its parameters gathered through backward).
+    return [("fsdp", 3), ("fsdp", 2)] if pp == 1 else [("fsdp", 3)]
+
+
+def predict(cfg, s: Setting, gpus: int, peak_tflops: float) -> tuple[float, float]:
+    """(peak bytes per GPU, tokens/s per GPU) the memory and step-time models give a setting.
+
+    Raises ConfigError where the memory model refuses the setting.
+    """
+    from hpctrain.plan.memory import estimate_memory
+
+    # The planner's step-time model, so that `plan parallel` and `tune` rank alike.
+    from hpctrain.plan.parallel import ParallelPlan, predict_step
+
+    args = cfg.model.resolve()
+    dp = gpus // (s.tp * s.pp)
+    share = recomputed_share(cfg, s.ac, s.ac_every)
+    peaks, step = {}, {}
+    for ac in ("none", "full"):  # the step-time model knows these two
+        opts = _memory_options(cfg, s, dp, ac)
+        mem = estimate_memory(args, opts, suggest=False)
+        plan = ParallelPlan(s.strategy, dp, s.tp, s.pp, opts.micro_batch, ac, mem, [],
+                            opts.microbatches if s.pp > 1 else s.grad_accum)
+        predict_step(plan, args, opts, gpus, peak_tflops)
+        peaks[ac], step[ac] = mem.peak, 1 / plan.tokens_per_s
+    if s.ac == "every_k":  # the memory model has no every_k: between its two ends
+        peak = (1 - share) * peaks["none"] + share * peaks["full"]
+    else:
+        peak = estimate_memory(args, _memory_options(cfg, s, dp, s.ac), suggest=False).peak
+    # Step time grows with the forward FLOPs recomputed.
+    return peak, 1 / ((1 - share) * step["none"] + share * step["full"])
+
+
+def _memory_options(cfg, s: Setting, dp: int, ac: str):
+    from hpctrain.plan.memory import MemoryOptions
+
+    pc = cfg.parallel
+    kw: dict[str, Any] = {}
+    micro_batch = s.micro_batch
+    if s.pp > 1:
+        m = s.pp_microbatches or s.grad_accum
+        micro_batch = s.micro_batch * s.grad_accum // m  # samples per pipeline micro-batch
+        kw = {"pp_microbatches": m, "pp_schedule": pc.pp_schedule,
+              "pp_stages_per_rank": pc.pp_stages_per_rank}
+    else:
+        kw = {"grad_accum": s.grad_accum}
+    # The memory model knows no fp8: torchao's fp8 training keeps bf16 weights and activations
+    # around its fp8 matrix products, so it is sized as bf16.
+    precision = "bf16" if s.precision == "fp8" else s.precision
+    return MemoryOptions(strategy=s.strategy, gpus=dp, zero=s.zero, tp=s.tp, pp=s.pp,
+                         precision=precision, ac=ac, ac_save_mm=pc.ac_save_mm,
+                         loss_chunks=s.loss_chunks, micro_batch=micro_batch,
+                         seq_len=cfg.data.seq_len, compile=pc.compile, **kw)
