@@ -11,13 +11,13 @@ import time
 
 import torch
 
-from hpctrain.train.trainer import _Window
+from hpctrain.train.window import Window
 
 SYNC_S = 0.3
 
 
 def test_window_time_includes_the_sync(monkeypatch) -> None:
-    window = _Window(torch.device("cpu"))
+    window = Window(torch.device("cpu"))
     window.add(torch.tensor(2.0), torch.tensor(1.0))
     window.add(torch.tensor(float("nan")), torch.tensor(1.0))
     stack = torch.stack

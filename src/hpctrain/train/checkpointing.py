@@ -4,10 +4,10 @@ Tensors (model and optimizer, sharded as they live) go through DCP; everything e
 JSON in the manifest: step, tokens seen, LR schedule, data position, loss scaler, and hashes of
 the config, so a resume with another model shape is refused instead of silently mis-loaded.
 
-The trainer hands a :class:`TrainState` (the objects a checkpoint fills) and calls these
-functions; nothing here knows the Trainer. A manifest is untrusted input: ``check_meta`` refuses
-values of the wrong type or that contradict each other as a damaged checkpoint, which resume
-falls back past.
+The loop's side (train/run_checkpoints.py) hands a :class:`TrainState` (the objects a checkpoint
+fills) and calls these functions; nothing here knows the Trainer. A manifest is untrusted input:
+``check_meta`` refuses values of the wrong type or that contradict each other as a damaged
+checkpoint, which resume falls back past.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ micro-batches and returns the step's mean loss with gradients accumulated. Every
 decided once (model, mesh, optimizer, precision) is built in ``__init__``.
 
 Host syncs are kept to the logging cadence: losses, bad-step flags and token counts accumulate
-on the device and are read every ``metrics.log_every`` steps. Between steps the ranks exchange
-one small CPU message (preemption, time-based saves) and the checkpoint cadence runs.
+on the device (train/window.py) and are read every ``metrics.log_every`` steps. Between steps the
+ranks exchange one small CPU message (preemption, time-based saves) and the checkpoint cadence
+runs (train/run_checkpoints.py).
 """
 
 from __future__ import annotations
@@ -14,56 +15,48 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import resource
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from hpctrain import faults
-from hpctrain.checkpoint.manager import CheckpointManager, Loader, step_dir_name
+from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.checkpoint.manifest import DamagedCheckpoint
-from hpctrain.checkpoint.schedule import SaveSchedule
 from hpctrain.config import JobConfig
 from hpctrain.data.loader import (
-    IGNORE_INDEX,
     BatchLayout,
     GlobalOrderSampler,
     TokenLoader,
     build_dataset,
 )
-from hpctrain.errors import ConfigError, HpctrainError
+from hpctrain.errors import HpctrainError
 from hpctrain.models import Transformer, count_params, flops_per_token
 from hpctrain.models.sdpa_backend import attention_backend
 from hpctrain.observe.goodput import GoodputClock
 from hpctrain.observe.live import RunObserver
 from hpctrain.observe.metrics import MetricsWriter
-from hpctrain.observe.peaks import mfu, mfu_peak_dtype, peak_tflops
+from hpctrain.observe.peaks import mfu_peak_dtype, peak_tflops
 from hpctrain.observe.progress import TrainProgress
 from hpctrain.parallel.float8 import Float8Training
 from hpctrain.parallel.grad_norm import clip_grads_, global_grad_norm
 from hpctrain.parallel.layout import check_layout
 from hpctrain.parallel.parallelize import autocast_dtype, parallelize
-from hpctrain.parallel.tensor import reduce_partial_grads, tp_loss_fn
+from hpctrain.parallel.tensor import reduce_partial_grads
 from hpctrain.pretrained.weights import load_pretrained, starts_from_pretrained
 from hpctrain.runtime.dist import MESH_AXES, Distributed
 from hpctrain.runtime.watchdog import Watchdog
 from hpctrain.train import checkpointing
 from hpctrain.train.guard import BadStepGuard
+from hpctrain.train.loss import build_loss_fn
 from hpctrain.train.optim import build_optimizer, build_scheduler
-from hpctrain.train.preemption import ControlChannel, Preempted, PreemptionFlag
+from hpctrain.train.preemption import ControlChannel, PreemptionFlag
+from hpctrain.train.run_checkpoints import RunCheckpoints
 from hpctrain.train.validate import evaluate
+from hpctrain.train.window import Window
 
 log = logging.getLogger("hpctrain.train")
-
-
-def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross entropy in fp32; ``IGNORE_INDEX`` targets (padding) add 0."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum",
-                           ignore_index=IGNORE_INDEX)
 
 
 class NonFiniteLossError(HpctrainError):
@@ -94,13 +87,12 @@ class Trainer:
         self.ckpt = ckpt
         # Where the wall time goes (rank 0 keeps the run's ledger; other ranks count only).
         self.goodput = goodput or GoodputClock()
-        if self._saves_in_background():
-            # Started first: the writer's interpreter starts while the model is built.
-            ckpt.start_writer()
         self.watchdog = watchdog
-        self.preempt = preempt
-        self.control = control
-        self.schedule = SaveSchedule(cfg.checkpoint, dist_ctx.world_size)
+        # Built first: a background writer starts while the model is built.
+        self.checkpoints = RunCheckpoints(cfg, ckpt, dist_ctx, metrics=metrics,
+                                          goodput=self.goodput, watchdog=watchdog,
+                                          preempt=preempt, control=control,
+                                          state=self._train_state, loaded=self._loaded)
         tc, pc = cfg.train, cfg.parallel
 
         if tc.deterministic:
@@ -122,13 +114,8 @@ class Trainer:
                         "the network", self.par.tp, local)
         self.model_args = cfg.model.resolve()
         mesh = dist_ctx.mesh
-        if self.par.tp > 1:
-            # The logits stay split along the vocabulary: the loss works on the shards.
-            self.loss_fn = tp_loss_fn(mesh["tp"], self.model_args.vocab_size)
-        else:
-            # Compiled, the fp32 upcast, log-softmax and gather fuse instead of materialising
-            # the [tokens, vocab] fp32 logits several times.
-            self.loss_fn = torch.compile(cross_entropy_loss) if pc.compile else cross_entropy_loss
+        self.loss_fn = build_loss_fn(self.par.tp, mesh, self.model_args.vocab_size,
+                                     compile=pc.compile)
         with torch.device("meta"):
             model = Transformer(self.model_args)
         local_batch = tc.micro_batch * tc.grad_accum
@@ -317,7 +304,7 @@ class Trainer:
     def train(self, progress: bool = True) -> TrainResult:
         """Run until ``train.steps``: log, checkpoint, answer preemption, guard bad steps."""
         tc, every = self.cfg.train, self.cfg.metrics.log_every
-        window = _Window(self.device)
+        window = Window(self.device)
         rates: list[float] = []
         last_loss = float("nan")
         last_mfu = None
@@ -348,20 +335,16 @@ class Trainer:
                     if self.step > every or tc.steps <= every:  # first window holds warm-up
                         rates.append(record["tokens_per_s"])
                     bar.update(self.step, record["loss"], record["tokens_per_s"], record["mfu"])
-                    window = _Window(self.device)
+                    window = Window(self.device)
                 if tc.val_every and self.step % tc.val_every == 0 and self.step < tc.steps:
                     with self.goodput.part("validation"):
                         self.validate()
                 # Last: a preemption exits from here, after this step's metrics are written.
                 self.watchdog.beat(self.step, "checkpoint/control")
-                self._between_steps()
+                self.checkpoints.between_steps(self.step)
         with self.goodput.part("validation"):
             self.validate()
-        if self.cfg.checkpoint.save_at_end and self.last_checkpoint != step_dir_name(self.step):
-            self.save(blocking=True)
-        with self.goodput.part("checkpoint"):
-            self.ckpt.close()
-        self._report_saves()
+        self.checkpoints.finish(self.step)
         self.loader.close()
         self.observe.close(self.step)
         mean_rate = sum(rates) / len(rates) if rates else 0.0
@@ -395,145 +378,34 @@ class Trainer:
         resumes from): an async save counts once its commit is known, never when it starts."""
         return self.ckpt.last_committed
 
-    def save(self, *, blocking: bool) -> None:
-        """Checkpoint the current state (collective); records the stall for the schedule.
-
-        A step already committed (an async save that finished) is not saved again. The time
-        the loop is blocked — waiting for the previous save, staging, a blocking write — is
-        charged to the checkpoint part of goodput; ``checkpoint_stall`` records it, and
-        ``wait_s`` the part spent waiting for the previous save to finish writing.
-        """
-        with self.goodput.part("checkpoint"), self.watchdog.paused("checkpoint save"):
-            start = time.perf_counter()
-            self.ckpt.wait()  # raises a failed background save
-            waited = time.perf_counter() - start
-            self._report_saves()
-            if self.last_checkpoint == step_dir_name(self.step):
-                return
-            state = self._train_state()
-            tensors = checkpointing.tensor_state(state)
-            meta = checkpointing.meta_state(state, self.cfg, step=self.step,
-                                            world_size=self.dist.world_size)
-            self.ckpt.save(self.step, tensors, meta, blocking=blocking)
-            waited += self.ckpt.last_wait_s
-            stall = time.perf_counter() - start
-            self.ckpt.record_stall(self.step, stall, waited)
-        self.goodput.saved(self.step, background=not blocking)
-        # The interval (checkpoint.interval=auto) follows what a save costs the run: the
-        # stall plus the slowdown of the steps beside background writes, as measured so far.
-        self.schedule.saved(self.goodput.checkpoint_cost() or stall)
-        self.metrics.write({"event": "checkpoint_stall", "step": self.step, "stall_s": stall,
-                            "wait_s": waited, "async": not blocking})
-        self._report_saves()
-
-    def _saves_in_background(self) -> bool:
-        """Whether the loop will make background saves through a writer process
-        (``checkpoint.writer``: auto is a process on GPUs)."""
-        c = self.cfg.checkpoint
-        if not c.async_save or c.interval == "none":
-            return False
-        if c.writer == "thread" or (c.writer == "auto" and self.device.type != "cuda"):
-            return False
-        return c.interval != "steps" or int(c.every) < self.cfg.train.steps
-
-    def _report_saves(self) -> None:
-        """Write a metrics event for each save committed since the last report."""
-        while self.ckpt.completed:
-            self.metrics.write({"event": "checkpoint", **self.ckpt.completed.pop(0)})
-
     def resume(self, how: str) -> None:
         """Start from a checkpoint: ``auto`` (the newest that verifies and loads; damaged ones
         are skipped, and refused when all are), ``never``, or a path (damage is an error)."""
-        if how == "never":
-            if self.ckpt.committed():
-                raise ConfigError(
-                    f"{self.ckpt.root} already holds checkpoints and checkpoint.resume=never",
-                    hint="use --resume auto to continue, or a new run.name to start over "
-                    "(starting fresh here would overwrite them)",
-                )
-            return
-        if how == "auto":
-            if self.ckpt.restore_newest(self._loader(data=True)) is None:
-                log.info("no checkpoint to resume from in %s: starting at step 0", self.ckpt.root)
-            return
-        path = Path(how)
-        if not path.is_dir():
-            raise ConfigError(f"--resume {how}: no such checkpoint directory",
-                              expected="a step-NNNNNNNN directory, 'auto' or 'never'")
-        self.ckpt.restore(path, self._loader(data=True))
+        self.checkpoints.resume(how)
 
     def _train_state(self) -> checkpointing.TrainState:
         return checkpointing.TrainState(self.model, self.optimizer, self.scheduler, self.loader,
                                         self.scaler)
 
-    def _loader(self, *, data: bool) -> Loader:
-        """What the checkpoint manager calls to fill this trainer from a verified checkpoint."""
-
-        def load(path: Path, manifest: dict) -> None:
-            start = time.perf_counter()
-            with self.watchdog.paused("checkpoint load"):
-                step = checkpointing.restore(self._train_state(), self.ckpt, path, manifest,
-                                             self.cfg, data=data)
-                self.after_update()  # the loaded weights' float8 scales
-            self.step = step
-            self.metrics.write({"event": "checkpoint_load", "checkpoint": path.name,
-                                "step": step, "load_s": time.perf_counter() - start})
-            log.info("resumed from %s: step %d, %s tokens seen (saved with %s on %d ranks)",
-                     path.name, step, f"{manifest['tokens_seen']:,}", manifest["strategy"],
-                     manifest["world_size"])
-
-        return load
-
-    def _between_steps(self) -> None:
-        """Raise a failed background save, agree on preemption and saves, roll back if needed."""
-        self.ckpt.poll()
-        self._report_saves()
-        if not self.ckpt.prepared:
-            # Once, after the first step (the optimizer's state exists now): the writer's
-            # buffers are allocated and pinned here, so the first save costs what later ones do.
-            start = time.perf_counter()
-            with self.goodput.part("startup"), self.watchdog.paused("checkpoint writer start"):
-                self.ckpt.prepare(checkpointing.tensor_state(self._train_state()))
-            self.metrics.write({"event": "checkpoint_writer", "step": self.step,
-                                "writer": self.ckpt.mode, "staged_bytes": self.ckpt.staged_bytes,
-                                "prepare_s": time.perf_counter() - start})
-        preempt = save = False
-        # The exchange aligns the ranks' host threads; every few steps is soon enough for a
-        # signal that comes minutes ahead of the kill (and for a time-based save).
-        if self.step % self.cfg.preempt.check_every == 0 or self.step == self.cfg.train.steps:
-            due_by_time = self.dist.rank == 0 and self.schedule.due_by_time()
-            preempt, save = self.control.exchange(self.preempt.requested is not None,
-                                                  due_by_time)
-        if preempt:
-            reason = self.preempt.requested or "a signal on another rank"
-            log.warning("preemption (%s): checkpointing at step %d and stopping", reason,
-                        self.step)
-            self.save(blocking=True)  # after the save in flight, if any; once per step
-            raise Preempted(f"preempted by {reason} at step {self.step}; checkpoint "
-                            f"{self.last_checkpoint} committed")
-        if save or self.schedule.due_by_step(self.step):
-            self.save(blocking=not self.cfg.checkpoint.async_save)
+    def _loaded(self, step: int) -> None:
+        """A checkpoint was put back into this trainer's objects: continue from its step."""
+        self.after_update()  # the loaded weights' float8 scales
+        self.step = step
 
     def _rollback(self, streak: int) -> None:
         """Restore the newest good checkpoint, keeping the data position (skips bad batches);
         damaged checkpoints are passed over as on resume."""
-        with self.goodput.part("checkpoint"):
-            self.ckpt.wait()
         skipped_from = self.step
         what = (f"{streak} bad steps in a row (loss NaN or infinite, or spiking) up to step "
                 f"{self.step}, and no checkpoint to roll back to")
         hint = ("lower optim.lr, raise optim.warmup_steps, enable train.grad_clip, or use "
                 "train.precision=bf16 instead of fp16")
-        start = time.perf_counter()
         try:
-            with self.goodput.part("lost_work"):
-                found = self.ckpt.restore_newest(self._loader(data=False))
+            path = self.checkpoints.roll_back(skipped_from)
         except DamagedCheckpoint as e:
             raise NonFiniteLossError(f"{what} that is not damaged: {e.what}", hint=hint) from None
-        if found is None:
+        if path is None:
             raise NonFiniteLossError(what, hint=hint)
-        path = found[0]
-        self.goodput.rolled_back(skipped_from, self.step, time.perf_counter() - start)
         self.guard.reset_consecutive()
         log.warning("rollback: %d bad steps in a row up to step %d; restored %s and skipped "
                     "the batches since it", streak, skipped_from, path.name)
@@ -555,7 +427,7 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
 
-    def _log(self, w: _Window) -> dict:
+    def _log(self, w: Window) -> dict:
         """Read the window's device accumulators once (the one host sync), write a line."""
         (good_sum, good, skipped, streak), elapsed = w.read(self.guard.skipped,
                                                            self.guard.consecutive)
@@ -573,18 +445,10 @@ class Trainer:
                 )
         self._skipped_logged = skipped
         loss = good_sum / good if good else float("nan")
-        tokens_per_s = w.steps * self.tokens_per_step / elapsed
-        record = {
-            "step": self.step,
-            "loss": loss,
-            "lr": self.lr_applied,
-            "grad_norm": w.last_norm.item(),
-            "tokens_per_s": tokens_per_s,
-            "step_time_s": elapsed / w.steps,
-            "data_time_s": w.data_time / w.steps,
-            "mfu": mfu(tokens_per_s, self.flops_per_token, self.peak) if self.peak else None,
-            "mem_gb": self._memory_gb(),
-        }
+        record = w.record(self.step, loss, elapsed, lr=self.lr_applied,
+                          tokens_per_step=self.tokens_per_step,
+                          flops_per_token=self.flops_per_token, peak=self.peak,
+                          device=self.device)
         if self.pipeline is not None:
             record["pp_bubble"] = self.pipeline.bubble
         self.observe.window(record)  # own time, straggler exchange (one message per window)
@@ -593,42 +457,6 @@ class Trainer:
             self._rollback(int(streak))
         # DEBUG: the rank log gets every line; the console shows the progress display instead.
         log.debug("step %d loss %.4f lr %.3g grad_norm %.3f %.0f tok/s step %.3fs data %.4fs",
-                 self.step, loss, record["lr"], record["grad_norm"], tokens_per_s,
+                 self.step, loss, record["lr"], record["grad_norm"], record["tokens_per_s"],
                  record["step_time_s"], record["data_time_s"])
         return record
-
-    def _memory_gb(self) -> float:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 1e9
-        # Peak resident set of this process (Linux reports KiB).
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
-
-
-class _Window:
-    """Device-side accumulators for one logging window: no host sync until it is read."""
-
-    def __init__(self, device: torch.device):
-        self.start = time.perf_counter()
-        self.steps = 0
-        self.data_time = 0.0
-        self.good_loss_sum = torch.zeros((), device=device)
-        self.good_steps = torch.zeros((), device=device)
-        self.last_norm = torch.zeros((), device=device)
-
-    def read(self, *extra: torch.Tensor) -> tuple[list[float], float]:
-        """The loss sum, good-step count and ``extra`` in one host sync; the window's seconds.
-
-        Timed after the sync: the CPU runs ahead of the device (about 70 ms, most of a step, for
-        the 1b model on an H200), and a window closed before the sync counted work still queued
-        on the device as done: tokens/s 6% too high at 10-step windows, 12% at 5-step ones.
-        """
-        values = torch.stack([self.good_loss_sum, self.good_steps, *extra]).tolist()
-        return values, time.perf_counter() - self.start
-
-    def add(self, loss: torch.Tensor, norm: torch.Tensor) -> None:
-        """Count a step; a non-finite loss is left out of the mean (and flagged by the guard)."""
-        self.steps += 1
-        finite = torch.isfinite(loss)
-        self.good_loss_sum += torch.where(finite, loss, torch.zeros_like(loss))
-        self.good_steps += finite.float()
-        self.last_norm = norm.detach()

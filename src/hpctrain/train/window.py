@@ -1,0 +1,71 @@
+"""A logging window of the training loop: device-side accumulators and the metrics line they make.
+
+Between two log lines (``metrics.log_every`` steps) losses, good-step counts and the last gradient
+norm stay on the device; :meth:`Window.read` fetches them in the window's one host sync, and
+:meth:`Window.record` turns them into the step event of the rank's metrics file.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import torch
+
+from hpctrain.observe.peaks import mfu
+
+
+class Window:
+    """Device-side accumulators for one logging window: no host sync until it is read."""
+
+    def __init__(self, device: torch.device):
+        self.start = time.perf_counter()
+        self.steps = 0
+        self.data_time = 0.0
+        self.good_loss_sum = torch.zeros((), device=device)
+        self.good_steps = torch.zeros((), device=device)
+        self.last_norm = torch.zeros((), device=device)
+
+    def read(self, *extra: torch.Tensor) -> tuple[list[float], float]:
+        """The loss sum, good-step count and ``extra`` in one host sync; the window's seconds.
+
+        Timed after the sync: the CPU runs ahead of the device (about 70 ms, most of a step, for
+        the 1b model on an H200), and a window closed before the sync counted work still queued
+        on the device as done: tokens/s 6% too high at 10-step windows, 12% at 5-step ones.
+        """
+        values = torch.stack([self.good_loss_sum, self.good_steps, *extra]).tolist()
+        return values, time.perf_counter() - self.start
+
+    def add(self, loss: torch.Tensor, norm: torch.Tensor) -> None:
+        """Count a step; a non-finite loss is left out of the mean (and flagged by the guard)."""
+        self.steps += 1
+        finite = torch.isfinite(loss)
+        self.good_loss_sum += torch.where(finite, loss, torch.zeros_like(loss))
+        self.good_steps += finite.float()
+        self.last_norm = norm.detach()
+
+    def record(self, step: int, loss: float, elapsed: float, *, lr: float,
+               tokens_per_step: float, flops_per_token: float, peak: float | None,
+               device: torch.device) -> dict:
+        """The window's step event: loss, lr, gradient norm, throughput, MFU (with a known
+        peak), peak memory; ``elapsed`` as :meth:`read` returned it."""
+        tokens_per_s = self.steps * tokens_per_step / elapsed
+        return {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": self.last_norm.item(),
+            "tokens_per_s": tokens_per_s,
+            "step_time_s": elapsed / self.steps,
+            "data_time_s": self.data_time / self.steps,
+            "mfu": mfu(tokens_per_s, flops_per_token, peak) if peak else None,
+            "mem_gb": memory_gb(device),
+        }
+
+
+def memory_gb(device: torch.device) -> float:
+    """Peak memory of this rank so far: allocated on its GPU, else the process's resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    # Peak resident set of this process (Linux reports KiB).
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
