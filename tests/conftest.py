@@ -29,6 +29,11 @@ from hpctrain.observe.metrics import read_metrics
 REPO = Path(__file__).resolve().parents[1]
 
 
+# The two longest groups (about 7 and 5 minutes on 2 cores) start first: the Slurm tests mostly
+# wait on the scheduler and overlap well with the rest, and neither is left alone at the end.
+LONGEST_GROUPS = ("slurm", "parallel/test_layouts.py")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Groups for pytest-xdist (`make test` runs two workers with ``--dist loadgroup``).
@@ -38,10 +43,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     start its own test cluster and the two would share one munged.
     """
     tests = REPO / "tests"
+    groups = {}
     for item in items:
         rel = Path(item.fspath).relative_to(tests)
-        group = "slurm" if rel.parts[0] == "slurm" else rel.as_posix()
-        item.add_marker(pytest.mark.xdist_group(group))
+        groups[item] = "slurm" if rel.parts[0] == "slurm" else rel.as_posix()
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
+    # xdist hands out groups in this order; a stable sort keeps each group's own order.
+    rank = {g: i for i, g in enumerate(LONGEST_GROUPS)}
+    items.sort(key=lambda item: rank.get(groups[item], len(rank)))
+
+
 DEMO = "configs/demo.yaml"
 
 # Shrinks the demo's tiny preset further: ~50k parameters, 32-token samples, a 200 kB corpus.
