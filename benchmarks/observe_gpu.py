@@ -19,6 +19,16 @@ Three checks, each a real ``hpctrain train`` run:
   entered and rank 1 did not.
 
 Prints one JSON line per run and a summary; everything goes to ``--out``/observe_gpu.json.
+
+The GPU machines have neither tensorboard nor mlflow-skinny: download them with their
+dependencies here (Python 3.12 wheels; numpy and pillow are there already) and install them
+there from that folder, which fills in only what is missing:
+
+    pip download --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whltrack \
+        tensorboard mlflow-skinny && rm .whltrack/numpy-* .whltrack/pillow-*
+    # there:
+    pip install --no-index --find-links .whltrack tensorboard mlflow-skinny
 """
 
 from __future__ import annotations
