@@ -13,7 +13,6 @@ renamed into place when complete; nothing is overwritten.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -34,11 +33,11 @@ from hpctrain.models.hf_weights import (
     write_safetensors,
 )
 from hpctrain.models.init_source import ASSET_FILES
+from hpctrain.parallel.data import DTYPES
 from hpctrain.pretrained.source import ModelSource, data_tokenizer
 from hpctrain.pretrained.weights import read_model_state, verify_checkpoint
-from hpctrain.runtime.rundir import fsync_dir, write_json_atomic
+from hpctrain.runtime.rundir import staged_dir, write_json_atomic
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 TORCH_NAMES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 DEFAULT_SHARD_BYTES = 5 * 10**9  # Hugging Face's own default shard size
 
@@ -62,21 +61,11 @@ def export_hf(source: ModelSource, out: Path, dtype: str = "bf16",
         heads = rotary_heads(name, args)
         return to_hf_rows(t, heads) if heads is not None else t
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with staged_dir(out) as tmp:
         write_safetensors(tmp, entries, hf_tensor, max_shard_bytes)
         token_ids = _copy_tokenizer(source, tmp)
         write_json_atomic(tmp / CONFIG, hf_config_from_args(args, source.origin.hf_config,
                                                             TORCH_NAMES[dtype], token_ids))
-        fsync_dir(tmp)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_dir(out.parent)
     return out
 
 

@@ -17,7 +17,6 @@ temporary name beside ``--out`` and renamed into place when complete.
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
@@ -33,11 +32,10 @@ from hpctrain.models import Transformer
 from hpctrain.models.hf_config import CONFIG, args_from_hf_config, read_hf_config
 from hpctrain.models.hf_weights import HFWeights
 from hpctrain.models.init_source import ASSET_FILES, args_to_json
+from hpctrain.parallel.data import DTYPES
 from hpctrain.parallel.materialize import load_weights
 from hpctrain.pretrained.weights import single_process
-from hpctrain.runtime.rundir import fsync_dir
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+from hpctrain.runtime.rundir import staged_dir
 
 
 def import_hf(folder: Path, out: Path, dtype: str = "bf16") -> Path:
@@ -56,11 +54,7 @@ def import_hf(folder: Path, out: Path, dtype: str = "bf16") -> Path:
     model.to(DTYPES[dtype])
     load_weights(model, reader.read)
     reader.close()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with staged_dir(out) as tmp:
         with single_process():
             dcp.save({"model": get_model_state_dict(model)},
                      storage_writer=FileSystemWriter(tmp, sync_files=True), no_dist=True)
@@ -72,10 +66,4 @@ def import_hf(folder: Path, out: Path, dtype: str = "bf16") -> Path:
             "step": 0, "source": "hf", "hf_folder": str(folder.resolve()), "dtype": dtype,
             "model_args": args_to_json(args), "hf_config": raw, "assets": assets,
             "saved_at": time.time()})
-        fsync_dir(tmp)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_dir(out.parent)
     return out

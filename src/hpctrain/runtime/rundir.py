@@ -12,12 +12,15 @@ runs/llama-123456/
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -207,6 +210,27 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         Path(tmp_name).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def staged_dir(out: Path) -> Iterator[Path]:
+    """Build the new directory ``out`` in a hidden sibling that becomes ``out`` in one rename.
+
+    Readers see no ``out`` or the whole of it: the block fills the yielded folder, which is then
+    fsynced and renamed; if the block raises, the folder is removed and ``out`` never appears.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        fsync_dir(tmp)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(out.parent)
 
 
 def fsync_dir(folder: Path) -> None:
