@@ -6,17 +6,25 @@ it must stay importable by path from a fresh interpreter (``torch.multiprocessin
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hpctrain.checkpoint.config import CheckpointConfig
 from hpctrain.checkpoint.manager import CheckpointManager
+
+SPAWN_TIMEOUT_S = 150
 
 
 class TinyNet(torch.nn.Module):
@@ -105,3 +113,43 @@ def init_env(rank: int, world_size: int, port: int) -> None:
     """Environment a gloo rank needs (RANK is also what fault injection reads)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+
+
+def fsdp_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """TinyNet under FSDP2 (each linear and the root sharded), trained 2 steps; call in a rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model(0)
+    fully_shard(model.inp)
+    fully_shard(model.out)
+    fully_shard(model)
+    opt = make_optimizer(model)
+    train_steps(model, opt, 2)
+    return model, opt
+
+
+@contextmanager
+def two_spawned_ranks(rank_main: Callable[[int, int, int, str], None], out: Path,
+                      what: str) -> Iterator[Callable[[], tuple[Path, list[dict]]]]:
+    """Start ``rank_main(rank, 2, port, out)`` on 2 spawned ranks now; yield ``result()``, which
+    joins them (once) and returns (out, each rank's ``rank-N.json``). Leftovers are killed."""
+    ctx = mp.start_processes(rank_main, args=(2, free_port(), str(out)), nprocs=2, join=False,
+                             start_method="spawn")
+    ranks: list[dict] = []
+
+    def result() -> tuple[Path, list[dict]]:
+        if not ranks:
+            deadline = time.monotonic() + SPAWN_TIMEOUT_S
+            while not ctx.join(timeout=1):
+                if time.monotonic() > deadline:
+                    pytest.fail(f"2-rank {what} did not finish in {SPAWN_TIMEOUT_S} s")
+            ranks.extend(json.loads((out / f"rank-{r}.json").read_text()) for r in range(2))
+        return out, ranks
+
+    try:
+        yield result
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)

@@ -21,10 +21,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from helpers import (
     flip_byte,
-    free_port,
+    fsdp_model,
     init_env,
     make_model,
     make_optimizer,
@@ -34,6 +33,7 @@ from helpers import (
     state_of,
     tmp_dirs,
     train_steps,
+    two_spawned_ranks,
 )
 
 from hpctrain import faults
@@ -46,7 +46,6 @@ from hpctrain.checkpoint.manifest import (
 )
 from hpctrain.checkpoint.safe_io import SafeFileSystemReader
 
-SPAWN_TIMEOUT_S = 150
 # Steps at which the 2-rank scenario injects a failing save (sync, async, rank 1 only).
 RANK_FAULTS = "save_io_error@step=8;save_io_error@step=9;save_io_error@step=10,rank=1"
 
@@ -135,14 +134,8 @@ def _corrupt(out: Path, m: CheckpointManager) -> dict:
 def _fsdp(out: Path) -> dict:
     """Save with FSDP2 on 2 ranks; rank 0 also writes the full tensors to compare against."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    from torch.distributed.fsdp import fully_shard
 
-    model = make_model(0)
-    fully_shard(model.inp)
-    fully_shard(model.out)
-    fully_shard(model)
-    opt = make_optimizer(model)
-    train_steps(model, opt, 2)
+    model, opt = fsdp_model()
     m = manager(out / "fsdp")
     m.save(2, state_of(model, opt), {"step": 2, "world_size": 2, "strategy": "fsdp"},
            blocking=True)
@@ -174,27 +167,9 @@ def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """Start the 2 ranks now; ``result()`` joins them and returns (out dir, [rank0, rank1])."""
-    out = tmp_path_factory.mktemp("two_ranks")
-    ctx = mp.start_processes(_rank_main, args=(2, free_port(), str(out)), nprocs=2,
-                             join=False, start_method="spawn")
-    state: dict[str, Any] = {}
-
-    def result() -> tuple[Path, list[dict]]:
-        if "ranks" not in state:
-            deadline = time.monotonic() + SPAWN_TIMEOUT_S
-            while not ctx.join(timeout=1):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"2-rank checkpoint scenarios did not finish in "
-                                f"{SPAWN_TIMEOUT_S} s")
-            state["ranks"] = [json.loads((out / f"rank-{r}.json").read_text())
-                              for r in range(2)]
-        return out, state["ranks"]
-
-    yield result
-    for p in ctx.processes:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+    with two_spawned_ranks(_rank_main, tmp_path_factory.mktemp("two_ranks"),
+                           "checkpoint scenarios") as result:
+        yield result
 
 
 def _ok(ranks: list[dict], name: str) -> list[dict]:

@@ -25,9 +25,8 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from helpers import (
-    free_port,
+    fsdp_model,
     init_env,
     make_model,
     make_optimizer,
@@ -37,6 +36,7 @@ from helpers import (
     state_of,
     tmp_dirs,
     train_steps,
+    two_spawned_ranks,
 )
 
 from hpctrain import faults
@@ -45,24 +45,11 @@ from hpctrain.checkpoint.manifest import CheckpointError, describe, read_manifes
 from hpctrain.checkpoint.safe_io import SafeFileSystemReader
 from hpctrain.checkpoint.writer import WriterDied
 
-SPAWN_TIMEOUT_S = 150
 WRITER_FAULTS = "save_io_error@step=3;slow_save@step=5,seconds=60"
 RANK_FAULTS = "save_io_error@step=3,rank=1;slow_save@step=4,seconds=2"
 
 
 # -- 2 ranks, FSDP2 (spawned) ------------------------------------------------------------------
-
-def _fsdp_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.fsdp import fully_shard
-
-    model = make_model(0)
-    fully_shard(model.inp)
-    fully_shard(model.out)
-    fully_shard(model)
-    opt = make_optimizer(model)
-    train_steps(model, opt, 2)
-    return model, opt
-
 
 def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
     init_env(rank, world_size, port)
@@ -73,7 +60,7 @@ def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
     out_dir = Path(out)
     seen: dict[str, Any] = {}
     try:
-        model, opt = _fsdp_model()
+        model, opt = fsdp_model()
         meta = {"world_size": 2, "strategy": "fsdp"}
         inline = manager(out_dir / "inline")
         inline.save(2, state_of(model, opt), {"step": 2, **meta}, blocking=True)
@@ -123,24 +110,15 @@ def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """Start the 2 ranks now; ``result()`` joins them and returns (out dir, [rank0, rank1])."""
     out = tmp_path_factory.mktemp("writer_two_ranks")
-    ctx = mp.start_processes(_rank_main, args=(2, free_port(), str(out)), nprocs=2,
-                             join=False, start_method="spawn")
+    with two_spawned_ranks(_rank_main, out, "writer scenarios") as joined:
 
-    def result() -> tuple[Path, list[dict]]:
-        deadline = time.monotonic() + SPAWN_TIMEOUT_S
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"2-rank writer scenarios did not finish in {SPAWN_TIMEOUT_S} s")
-        ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
-        for r, seen in enumerate(ranks):
-            assert "error" not in seen, f"rank {r}:\n{seen['error']}"
-        return out, ranks
+        def result() -> tuple[Path, list[dict]]:
+            out, ranks = joined()
+            for r, seen in enumerate(ranks):
+                assert "error" not in seen, f"rank {r}:\n{seen['error']}"
+            return out, ranks
 
-    yield result
-    for p in ctx.processes:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+        yield result
 
 
 # -- 1 rank, in this process --------------------------------------------------------------------
