@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -27,6 +28,13 @@ from hpctrain.launch.local import kill_tree
 from hpctrain.observe.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the rendezvous of spawned gloo ranks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # The two longest groups (about 7 and 5 minutes on 2 cores) start first: the Slurm tests mostly

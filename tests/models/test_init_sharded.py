@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 
+from conftest import free_port
 from hpctrain.models import ModelArgs, Transformer
 
 ARGS = ModelArgs(
     dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=50, max_seq_len=64
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, results: dict) -> None:
@@ -50,7 +44,7 @@ def _worker(rank: int, world_size: int, port: int, results: dict) -> None:
 def test_init_weights_on_fsdp2_shards() -> None:
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(2, _free_port(), results), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, free_port(), results), nprocs=2, join=True)
         results = dict(results)
     expected_rope = Transformer(ARGS).rope
     for rank in range(2):

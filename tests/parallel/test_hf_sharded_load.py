@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from conftest import free_port
 from hpctrain.models import ModelArgs, Transformer
 from hpctrain.models.hf_weights import HFWeights, expected_shapes, to_hf_name, write_safetensors
 from hpctrain.parallel.data import apply_fsdp
@@ -89,19 +89,13 @@ def _worker(rank: int, port: int, folders: dict[str, str], out: dict) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_each_rank_reads_its_part_and_the_parts_make_the_model(tmp_path: Path) -> None:
     folders = {"fsdp4": str(_hf_folder(tmp_path / "tied", dataclasses.replace(
                    ARGS, tie_embeddings=True))),
                "tp2_fsdp2": str(_hf_folder(tmp_path / "untied", ARGS))}
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), folders, out), nprocs=4, join=True)
+        mp.spawn(_worker, args=(free_port(), folders, out), nprocs=4, join=True)
         results = dict(out)
     for name, folder in folders.items():
         args = dataclasses.replace(ARGS, tie_embeddings=name == "fsdp4")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from conftest import free_port
 from hpctrain.models import ModelArgs, Transformer
 from hpctrain.parallel.materialize import canonical_name, materialize
 
@@ -134,12 +134,6 @@ def test_forward_runs_after_materialize() -> None:
 # -- 2 gloo ranks, FSDP2 ---------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fsdp_worker(rank: int, world_size: int, port: int, seed: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -175,7 +169,7 @@ def _fsdp_worker(rank: int, world_size: int, port: int, seed: int, out: str) -> 
 
 def test_fsdp2_materialize_matches_single_process(tmp_path) -> None:
     seed = 11
-    mp.spawn(_fsdp_worker, args=(2, _free_port(), seed, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_fsdp_worker, args=(2, free_port(), seed, str(tmp_path)), nprocs=2, join=True)
     results = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(2)}
     single = _materialized(ARGS, seed)
     expected = _params(single)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -11,6 +10,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from conftest import free_port
 from hpctrain.models import ModelArgs, Transformer
 from hpctrain.parallel.materialize import materialize
 from hpctrain.parallel.tensor import apply_tensor_parallel, reduce_partial_grads, tp_loss_fn
@@ -61,16 +61,10 @@ def _worker(rank: int, port: int, out: dict) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_partial_norm_gradients_become_the_whole_models() -> None:
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+        mp.spawn(_worker, args=(free_port(), out), nprocs=2, join=True)
         results = dict(out)
     reference = _reference_grads()
     for rank in (0, 1):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import free_port
 from hpctrain.data.loader import ContiguousTokens
 from hpctrain.models import ModelArgs, Transformer
 from hpctrain.train.validate import evaluate
@@ -41,12 +41,6 @@ def _worker(rank: int, world: int, port: int, micro: int, out: dict) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _reference_loss() -> float:
     ds, model = _dataset(), _model()
     losses = []
@@ -63,7 +57,7 @@ def _reference_loss() -> float:
 def test_every_sample_counted_once(world: int, micro: int) -> None:
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_worker, args=(world, _free_port(), micro, out), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, free_port(), micro, out), nprocs=world, join=True)
         results = dict(out)
     for r in results.values():
         assert r["val_tokens"] == N_SAMPLES * SEQ  # padding never counted
