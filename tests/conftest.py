@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -35,6 +36,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A newcomer's project folder holding configs/demo.yaml, as the working directory."""
+    root = tmp_path / "proj"
+    (root / "configs").mkdir(parents=True)
+    shutil.copy(REPO / "configs" / "demo.yaml", root / "configs" / "demo.yaml")
+    monkeypatch.chdir(root)
+    return root
 
 
 # The two longest groups (about 7 and 5 minutes on 2 cores) start first: the Slurm tests mostly

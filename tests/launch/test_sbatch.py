@@ -182,16 +182,6 @@ def _sbatch(*args: str) -> None:
     main(["sbatch", *args])
 
 
-@pytest.fixture
-def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A newcomer's project folder holding configs/demo.yaml, as the working directory."""
-    root = tmp_path / "proj"
-    (root / "configs").mkdir(parents=True)
-    shutil.copy(REPO / "configs" / "demo.yaml", root / "configs" / "demo.yaml")
-    monkeypatch.chdir(root)
-    return root
-
-
 def test_defaults_run_as_written_from_anywhere(project: Path) -> None:
     """This interpreter, a cd to the generating folder, an absolute log folder that exists."""
     assert not (project / "runs").exists()

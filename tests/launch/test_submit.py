@@ -6,7 +6,6 @@ and prints, and how a refusal comes back. tests/slurm/test_submit_jobs.py submit
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -15,18 +14,6 @@ from hpctrain.cli import main
 from hpctrain.launch.submit import array_indices
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A project folder holding configs/demo.yaml as the working directory."""
-    root = tmp_path / "proj"
-    (root / "configs").mkdir(parents=True)
-    shutil.copy(REPO / "configs" / "demo.yaml", root / "configs" / "demo.yaml")
-    monkeypatch.chdir(root)
-    return root
 
 
 def fake_sbatch(folder: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> Path:
