@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
+sys.path.insert(0, str(REPO / "src"))
+from hpctrain.bench.common import MULTICAST_OFF  # noqa: E402
 
 # name -> (config, ranks, train overrides, plan memory options)
 MEMORY_VARIANTS: dict[str, tuple[str, int, list[str], dict]] = {
@@ -83,7 +83,6 @@ def plain_matmul_tflops(size: int = 8192, reps: int = 50, trials: int = 5) -> fl
 
 def estimate_gb(opts: dict) -> float:
     """`plan memory`'s peak for one variant, in GB."""
-    sys.path.insert(0, str(REPO / "src"))
     from hpctrain.models import PRESETS
     from hpctrain.plan.memory import MemoryOptions, estimate_memory
 

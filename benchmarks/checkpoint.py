@@ -51,12 +51,10 @@ from pathlib import Path
 
 import torch
 
-from hpctrain.bench.common import run_command
+from hpctrain.bench.common import MULTICAST_OFF, run_command
 from hpctrain.observe.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
 # Steps 1..WARMUP hold compilation, the writer's buffer allocation and the first windows.
 WARMUP = 20
 BASE = ["metrics.log_every=10", "metrics.progress=false", "run.suffix=none",

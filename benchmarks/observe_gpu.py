@@ -44,12 +44,10 @@ from pathlib import Path
 
 import torch
 
-from hpctrain.bench.common import run_command
+from hpctrain.bench.common import MULTICAST_OFF, run_command
 from hpctrain.bench.model import run_model_bench, summarise
 
 REPO = Path(__file__).resolve().parents[1]
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
 OBSERVE = {
     "on": ["track.tensorboard=true", "track.mlflow=true", "metrics.straggler_windows=3"],
     "off": ["track.tensorboard=false", "track.mlflow=false", "metrics.straggler_windows=0"],

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from hpctrain.bench.common import MULTICAST_OFF
 from hpctrain.bench.model import run_model_bench
 from hpctrain.errors import HpctrainError
 
@@ -39,9 +40,6 @@ VARIANTS: dict[str, tuple[str, int, list[str]]] = {
     "8b-fsdp4-ac": ("configs/llama-8b-fsdp.yaml", 4, []),
 }
 
-# NVLink multicast stays off on shared machines (it can take a host's GPUs out of service).
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def run_variant(name: str, steps: int, out_dir: Path, timeout: float) -> dict:

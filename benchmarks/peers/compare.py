@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from torchtitan_peer import MULTICAST_OFF, PeerRun, run_peer  # noqa: E402
+from torchtitan_peer import PeerRun, run_peer  # noqa: E402
 
+from hpctrain.bench.common import MULTICAST_OFF  # noqa: E402
 from hpctrain.bench.model import run_model_bench  # noqa: E402
 from hpctrain.errors import HpctrainError  # noqa: E402
 

@@ -27,9 +27,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-# NVLink multicast stays off on shared machines (it can take a host's GPUs out of service).
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
+from hpctrain.bench.common import MULTICAST_OFF
 
 # torchtitan's flavors for our sizes; `1b` is registered by the module written below.
 FLAVORS = {"1b": "1b", "8b": "8B"}
