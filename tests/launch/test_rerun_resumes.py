@@ -16,7 +16,9 @@ from conftest import DDP, run_cli
 from hpctrain.observe.metrics import read_metrics
 from lifecycle import kill_tree_of, start, train_argv
 
-FAULTS = {"HPCTRAIN_FAULTS": "hang@step=5,seconds=4"}
+# The hold must outlast the SIGTERM's way to the ranks (through the launcher) on a loaded
+# machine, or a later step is saved; with 4 s the launcher case failed once under two workers.
+FAULTS = {"HPCTRAIN_FAULTS": "hang@step=5,seconds=10"}
 # run.suffix=auto is the default (conftest's QUIET sets none; this puts it back).
 COMMON = ["run.suffix=auto", "train.steps=12", "preempt.check_every=1", "preempt.grace_s=30"]
 
