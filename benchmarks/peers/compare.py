@@ -60,7 +60,26 @@ LAYOUTS: dict[str, Layout] = {
                      PeerRun(size="1b", gpus=2, pp=2, dp_shard=1, local_batch=8,
                              pp_microbatch_size=1, dtype="bfloat16"),
                      "global batch 8 x 2048, 8 micro-batches of 1; peer: pure bf16"),
+    # plan parallel's first choice for 1b on 2 GPUs (DDP; the peer replicates the same way).
+    "1b-ddp2": Layout(2, _1B, ["parallel.strategy=ddp"],
+                      PeerRun(size="1b", gpus=2, dp_shard=1, dp_replicate=2)),
     "8b-fsdp2-ac": Layout(2, _8B, [], PeerRun(size="8b", gpus=2, ac="full", local_batch=2)),
+    # 8b on 2 GPUs as plan parallel ranks it for 141 GB cards: FSDP without AC at micro-batch 4
+    # first, then TP2 at micro-batch 8 and PP2 with 8 micro-batches of 1 (no FSDP dimension,
+    # so the peer runs pure bf16 there, as for 1b).
+    "8b-fsdp2": Layout(2, _8B, ["parallel.activation_checkpointing=none", "train.micro_batch=4"],
+                       PeerRun(size="8b", gpus=2, local_batch=4), "no AC, micro-batch 4"),
+    "8b-tp2": Layout(2, _8B, ["parallel.strategy=none", "parallel.tp=2", "train.micro_batch=8",
+                              "parallel.activation_checkpointing=none"],
+                     PeerRun(size="8b", gpus=2, tp=2, dp_shard=1, local_batch=8,
+                             dtype="bfloat16"),
+                     "no AC, batch 8 x 2048; peer: pure bf16"),
+    "8b-pp2": Layout(2, _8B, ["parallel.strategy=none", "parallel.pp=2",
+                              "parallel.pp_schedule=1f1b", "train.micro_batch=1",
+                              "train.grad_accum=8", "parallel.activation_checkpointing=none"],
+                     PeerRun(size="8b", gpus=2, pp=2, dp_shard=1, local_batch=8,
+                             pp_microbatch_size=1, dtype="bfloat16"),
+                     "no AC, 8 micro-batches of 1; peer: pure bf16"),
     "8b-fsdp4-ac": Layout(4, _8B, [], PeerRun(size="8b", gpus=4, ac="full", local_batch=2)),
 }
 
