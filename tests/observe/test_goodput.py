@@ -183,3 +183,54 @@ def test_a_ledger_mid_run_is_whole_json(tmp_path: Path, clock: FakeTime) -> None
         ledger = json.loads(c._ledger.read_text())
         assert ledger["last_step"] == step and not ledger["ended"]
     assert compute_goodput(tmp_path)["attempts"][0]["last_step"] == 29
+
+
+def test_the_final_flush_is_checkpoint_time_but_not_a_save_cost(tmp_path: Path,
+                                                                 clock: FakeTime) -> None:
+    """The wait at exit for the last background write (measured on an H200: 24.5 s against
+    a 0.3 s stall per save) is paid once per attempt: in the checkpoint part, not per save."""
+    c = GoodputClock.open(tmp_path)
+    clock.advance(10)
+    c.started(None)
+    _steps(c, clock, 1, 4)
+    _save(c, clock, 4, stall_s=0.25)
+    _steps(c, clock, 5, 8)
+    _save(c, clock, 8, stall_s=0.25)
+    with c.part("flush"):  # the end: the save of step 8 commits
+        clock.advance(20)
+    account = c.finish(exit_code=0)
+    assert account["parts"]["checkpoint"] == pytest.approx(0.5 + 20)
+    assert account["checkpoint_cost_s"] == pytest.approx(0.25) and account["saves"] == 2
+    _check_sums(account)
+
+
+def test_a_run_whose_only_save_is_the_final_one_costs_that_save(tmp_path: Path,
+                                                                 clock: FakeTime) -> None:
+    c = GoodputClock.open(tmp_path)
+    clock.advance(10)
+    c.started(None)
+    _steps(c, clock, 1, 4)
+    with c.part("flush"):
+        clock.advance(15)
+    c.saved(4, background=False, periodic=False)
+    account = c.finish(exit_code=0)
+    assert account["saves"] == 0 and account["checkpoint_cost_s"] == pytest.approx(15)
+    _check_sums(account)
+
+
+def test_an_older_ledger_without_the_flush_still_counts(tmp_path: Path, clock: FakeTime) -> None:
+    c = GoodputClock.open(tmp_path)
+    clock.advance(5)
+    c.started(None)
+    _steps(c, clock, 1, 4)
+    _save(c, clock, 4, stall_s=0.5)
+    _steps(c, clock, 5, 6)
+    account = c.finish(exit_code=0)
+    ledger = tmp_path / "goodput" / "attempt-0001.json"
+    state = json.loads(ledger.read_text())
+    for key in ("flush", "final_saves"):
+        del state["buckets"][key]
+    write_json_atomic(ledger, state)
+    again = compute_goodput(tmp_path)
+    assert again["checkpoint_cost_s"] == pytest.approx(account["checkpoint_cost_s"])
+    assert again["wall_s"] == pytest.approx(account["wall_s"])

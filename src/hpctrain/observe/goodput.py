@@ -20,8 +20,10 @@ its attempt in the run directory; the account over all ledgers is ``goodput.json
      "attempts": [{"attempt": i, "start": unix_s, "end": unix_s, "exit_code": int | null,
                    "resumed_from_step": int | null, "last_step": int}]}
 
-``checkpoint_cost_s`` is what one save cost the run (the checkpoint part over the saves that
-count); ``restart_cost_s`` what one restart cost (the gap before it and its start-up), or the
+``checkpoint_cost_s`` is what one periodic save cost the run (the checkpoint part over the saves
+that count, less the end of an attempt's flush: the final save and the wait for the writes in
+flight, paid once per attempt however often the run saves, so not a cost of the interval);
+``restart_cost_s`` what one restart cost (the gap before it and its start-up), or the
 first start-up when the run never restarted: the inputs of ``hpctrain plan interval`` and
 ``hpctrain plan goodput --from-run``.
 
@@ -35,7 +37,7 @@ one part, and gaps between attempts to ``restart_gap``):
   laying out the writer's buffers, and the attempt's exit;
 - checkpoint: the loop blocked on saves (staging copy, waiting for the previous save, blocking
   saves) plus the measured slowdown of steps while a background write ran: logging windows with
-  a write in flight against the mean of those without;
+  a write in flight against the mean of those without; and the flush at the attempt's end;
 - data_wait, validation: waiting for batches, evaluation;
 - lost_work: steps computed again. After a restart: all its previous attempt did after the
   checkpoint the restart resumed from. After a rollback: the steps since the restored checkpoint,
@@ -77,8 +79,8 @@ ACCOUNT = "goodput.json"
 _LEDGER = re.compile(r"attempt-(\d{4,})\.json")
 # Seconds charged since the last mark, by bucket; the step-window buckets are split at the end.
 _TIMES = ("startup", "warmup_s", "clean_s", "dirty_s", "open_s", "data_wait", "validation",
-          "checkpoint", "lost_work")
-_COUNTS = ("warmup_n", "clean_n", "dirty_n", "open_n", "saves")
+          "checkpoint", "flush", "lost_work")
+_COUNTS = ("warmup_n", "clean_n", "dirty_n", "open_n", "saves", "final_saves")
 # What a restart or rollback moves into lost_work when the steps after a checkpoint are lost.
 _TRANSFER = ("warmup_s", "clean_s", "dirty_s", "open_s", "data_wait", "validation",
              "checkpoint")
@@ -185,9 +187,10 @@ class GoodputClock:
             self.windows += 1
         self.open_dirty = False
 
-    def saved(self, step: int, background: bool) -> None:
-        """A save of ``step`` was made (charged already): the work before it is safe."""
-        self.buckets["saves"] += 1
+    def saved(self, step: int, background: bool, periodic: bool = True) -> None:
+        """A save of ``step`` was made (charged already): the work before it is safe.
+        ``periodic=False``: the final save, charged to "flush", not a save of the interval."""
+        self.buckets["saves" if periodic else "final_saves"] += 1
         self.open_dirty |= background
         self.marks[str(step)] = self._snapshot()
         for key in [k for k in self.marks if k != "start"][:-_MARKS]:
@@ -212,7 +215,7 @@ class GoodputClock:
         if not self.buckets["saves"]:
             return None
         parts = _parts(self._state())
-        return parts["checkpoint"] / self.buckets["saves"]
+        return (parts["checkpoint"] - self.buckets["flush"]) / self.buckets["saves"]
 
     def finish(self, exit_code: int) -> dict[str, Any] | None:
         """End the attempt (its exit charged to start-up); on rank 0 close the ledger, write
@@ -267,6 +270,8 @@ def _transfer(buckets: dict[str, float], mark: dict[str, float]) -> float:
     """Move what ``buckets`` gained since ``mark`` into lost_work; return the seconds moved."""
     moved = 0.0
     for key in _TRANSFER + _COUNTS:
+        if key not in buckets:  # a ledger written before the key existed
+            continue
         delta = max(0.0, buckets[key] - mark.get(key, 0.0))
         buckets[key] -= delta
         if key in _TIMES:
@@ -292,7 +297,8 @@ def _parts(state: dict[str, Any]) -> dict[str, float]:
         warm = max(0.0, b["warmup_s"] - b["warmup_n"] * per_step)
     steps = b["warmup_s"] + b["clean_s"] + b["dirty_s"]
     return {"productive": steps - slowdown - warm, "startup": b["startup"] + warm,
-            "checkpoint": b["checkpoint"] + slowdown, "data_wait": b["data_wait"],
+            "checkpoint": b["checkpoint"] + b.get("flush", 0.0) + slowdown,
+            "data_wait": b["data_wait"],
             "validation": b["validation"], "lost_work": b["lost_work"],
             "restart_gap": 0.0, "hang": state.get("hang_s", 0.0)}
 
@@ -355,7 +361,7 @@ def compute_goodput(run_dir: Path) -> dict[str, Any]:
     states = [s if s.get("ended") else _close_killed(s, info, None) for s in states]
     parts = dict.fromkeys(PARTS, 0.0)
     lost_steps = 0
-    saves = 0.0
+    saves = flush = final_saves = 0.0
     attempts = []
     restarts = []  # (gap before, start-up) of every attempt but the first
     gap = 0.0
@@ -370,6 +376,9 @@ def compute_goodput(run_dir: Path) -> dict[str, Any]:
                 parts["restart_gap"] += gap
         lost_steps += sum(r["lost_steps"] for r in state.get("rollbacks", []))
         saves += state["buckets"]["saves"]
+        # .get: ledgers written before the flush existed
+        flush += state["buckets"].get("flush", 0.0)
+        final_saves += state["buckets"].get("final_saves", 0.0)
         mine = _parts(state)
         restarts.append(own + mine["startup"])
         for key, value in mine.items():
@@ -382,10 +391,18 @@ def compute_goodput(run_dir: Path) -> dict[str, Any]:
     return {"version": VERSION, "wall_s": wall, "parts": parts,
             "goodput": parts["productive"] / wall if wall > 0 else 0.0,
             "lost_steps": lost_steps, "saves": int(saves),
-            "checkpoint_cost_s": parts["checkpoint"] / saves if saves else None,
+            "checkpoint_cost_s": _save_cost(parts["checkpoint"], flush, saves, final_saves),
             "restart_cost_s": (sum(restarts[1:]) / len(restarts[1:]) if len(restarts) > 1
                                else restarts[0] if restarts else None),
             "attempts": attempts}
+
+
+def _save_cost(checkpoint: float, flush: float, saves: float,
+               final_saves: float) -> float | None:
+    """Seconds per periodic save; for a run whose only saves were final ones, theirs."""
+    if saves:
+        return (checkpoint - flush) / saves
+    return flush / final_saves if final_saves else None
 
 
 def _lose_after_restart(state: dict[str, Any], following: dict[str, Any]) -> int:

@@ -56,15 +56,17 @@ class RunCheckpoints:
             ckpt.start_writer()
         self.schedule = SaveSchedule(cfg.checkpoint, dist_ctx.world_size)
 
-    def save(self, step: int, *, blocking: bool) -> None:
+    def save(self, step: int, *, blocking: bool, final: bool = False) -> None:
         """Checkpoint the state at ``step`` (collective); records the stall for the schedule.
 
         A step already committed (an async save that finished) is not saved again. The time
         the loop is blocked — waiting for the previous save, staging, a blocking write — is
         charged to the checkpoint part of goodput; ``checkpoint_stall`` records it, and
-        ``wait_s`` the part spent waiting for the previous save to finish writing.
+        ``wait_s`` the part spent waiting for the previous save to finish writing. The
+        ``final`` save at the end goes to goodput's flush, not the cost of a periodic save.
         """
-        with self.goodput.part("checkpoint"), self.watchdog.paused("checkpoint save"):
+        with self.goodput.part("flush" if final else "checkpoint"), \
+                self.watchdog.paused("checkpoint save"):
             start = time.perf_counter()
             self.ckpt.wait()  # raises a failed background save
             waited = time.perf_counter() - start
@@ -79,7 +81,7 @@ class RunCheckpoints:
             waited += self.ckpt.last_wait_s
             stall = time.perf_counter() - start
             self.ckpt.record_stall(step, stall, waited)
-        self.goodput.saved(step, background=not blocking)
+        self.goodput.saved(step, background=not blocking, periodic=not final)
         # The interval (checkpoint.interval=auto) follows what a save costs the run: the
         # stall plus the slowdown of the steps beside background writes, as measured so far.
         self.schedule.saved(self.goodput.checkpoint_cost() or stall)
@@ -135,8 +137,8 @@ class RunCheckpoints:
         """At the end of the run: the final save (``checkpoint.save_at_end``), then wait for
         the writes in flight and close the writer."""
         if self.cfg.checkpoint.save_at_end and self.ckpt.last_committed != step_dir_name(step):
-            self.save(step, blocking=True)
-        with self.goodput.part("checkpoint"):
+            self.save(step, blocking=True, final=True)
+        with self.goodput.part("flush"):
             self.ckpt.close()
         self.report()
 
