@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from hpctrain.data.stdlib_corpus import read_stdlib_bytes, stdlib_root
 from hpctrain.errors import ConfigError
 
-# Each read walks the whole stdlib (~0.3 s), so the module reads it few times.
+# Each read lists the whole stdlib (~1800 files), so the module reads it few times.
 N = 300_000
 
 
@@ -63,3 +65,22 @@ def test_empty_root_raises(tmp_path: Path) -> None:
         read_stdlib_bytes(root=tmp_path)
     assert str(tmp_path) in info.value.what
     assert info.value.hint is not None
+
+
+def test_site_packages_is_never_walked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Installed packages under the stdlib (often ten times its size) are not listed at all:
+    every run reads the corpus on every rank, and listing them only to drop them cost ~0.6 s."""
+    (tmp_path / "a.py").write_bytes(b"A")
+    deep = tmp_path / "site-packages" / "pkg"
+    deep.mkdir(parents=True)
+    (deep / "x.py").write_bytes(b"X")
+    listed: list[str] = []
+    scandir = os.scandir
+
+    def spy(path: Any = ".") -> Any:
+        listed.append(os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", spy)
+    assert read_stdlib_bytes(root=tmp_path).tobytes() == b"A\n\n"
+    assert listed and not [p for p in listed if "site-packages" in Path(p).parts], listed

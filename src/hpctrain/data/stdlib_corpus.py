@@ -7,6 +7,7 @@ the path free of any tokenizer files.
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -23,10 +24,13 @@ def stdlib_root() -> Path:
 def stdlib_files(root: Path | None = None) -> list[Path]:
     """The stdlib's ``.py`` files (site-packages excluded), sorted by relative path."""
     root = root or stdlib_root()
-    files = sorted(
-        (p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file()),
-        key=lambda p: p.relative_to(root).as_posix(),
-    )
+    files = []
+    for folder, dirs, names in os.walk(root):
+        # Pruned, not filtered afterwards: the installed packages there are often ten times
+        # the stdlib, and every rank of every run lists these files.
+        dirs[:] = [d for d in dirs if d != "site-packages"]
+        files += [p for n in names if n.endswith(".py") and (p := Path(folder, n)).is_file()]
+    files.sort(key=lambda p: p.relative_to(root).as_posix())
     if not files:
         raise ConfigError(
             f"no .py files found under {str(root)!r}",
