@@ -24,7 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-from hpctrain.bench.common import MULTICAST_OFF  # noqa: E402
+from hpctrain.runtime.env import MULTICAST_OFF  # noqa: E402
 
 # name -> (config, ranks, train overrides, plan memory options)
 MEMORY_VARIANTS: dict[str, tuple[str, int, list[str], dict]] = {

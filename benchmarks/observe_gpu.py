@@ -44,8 +44,9 @@ from pathlib import Path
 
 import torch
 
-from hpctrain.bench.common import MULTICAST_OFF, run_command
+from hpctrain.bench.common import run_command
 from hpctrain.bench.model import run_model_bench, summarise
+from hpctrain.runtime.env import MULTICAST_OFF
 
 REPO = Path(__file__).resolve().parents[1]
 OBSERVE = {

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from hpctrain.bench.common import MULTICAST_OFF
 from hpctrain.bench.model import run_model_bench
 from hpctrain.errors import HpctrainError
+from hpctrain.runtime.env import MULTICAST_OFF
 
 REPO = Path(__file__).resolve().parents[1]
 

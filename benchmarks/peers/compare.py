@@ -27,9 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from torchtitan_peer import PeerRun, run_peer  # noqa: E402
 
-from hpctrain.bench.common import MULTICAST_OFF  # noqa: E402
 from hpctrain.bench.model import run_model_bench  # noqa: E402
 from hpctrain.errors import HpctrainError  # noqa: E402
+from hpctrain.runtime.env import MULTICAST_OFF  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -27,7 +27,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hpctrain.bench.common import MULTICAST_OFF
+from hpctrain.runtime.env import MULTICAST_OFF
 
 # torchtitan's flavors for our sizes; `1b` is registered by the module written below.
 FLAVORS = {"1b": "1b", "8b": "8B"}

@@ -27,10 +27,6 @@ from hpctrain.launch.local import kill_tree
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
-# Added to the environment of everything a benchmark starts on a GPU machine: NVLink multicast
-# stays off on shared hosts (a program using it can take the host's GPUs out of service).
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def parse_size(text: str | int) -> int:

@@ -25,6 +25,11 @@ from hpctrain.runtime.hostlist import expand_hostlist
 
 Launcher = Literal["local", "torchrun", "slurm"]
 
+# Added to the environment of everything a benchmark starts on a GPU machine: NVLink multicast
+# stays off on shared hosts (a program using it can take the host's GPUs out of service).
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
+
 LOCAL_MASTER_ADDR = "127.0.0.1"
 LOCAL_MASTER_PORT = 29500
 
