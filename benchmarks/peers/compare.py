@@ -81,7 +81,48 @@ LAYOUTS: dict[str, Layout] = {
                              pp_microbatch_size=1, dtype="bfloat16"),
                      "no AC, 8 micro-batches of 1; peer: pure bf16"),
     "8b-fsdp4-ac": Layout(4, _8B, [], PeerRun(size="8b", gpus=4, ac="full", local_batch=2)),
+    # 8b on 4 GPUs (issue 15) as plan parallel ranks it for 141 GB cards: FSDP without AC first,
+    # then FSDP2 x TP2 and FSDP2 x PP2 (FSDP on both sides: fp32 masters on both).
+    "8b-fsdp4": Layout(4, _8B, ["parallel.activation_checkpointing=none", "train.micro_batch=4"],
+                       PeerRun(size="8b", gpus=4, local_batch=4), "no AC, micro-batch 4"),
+    "8b-tp2fsdp2": Layout(4, _8B, ["parallel.tp=2", "train.micro_batch=8",
+                                   "parallel.activation_checkpointing=none"],
+                          PeerRun(size="8b", gpus=4, tp=2, dp_shard=2, local_batch=8),
+                          "no AC, 8 x 2048 per data-parallel rank"),
+    "8b-pp2fsdp2": Layout(4, _8B, ["parallel.pp=2", "parallel.pp_schedule=1f1b",
+                                   "train.micro_batch=1", "train.grad_accum=8",
+                                   "parallel.activation_checkpointing=none"],
+                          PeerRun(size="8b", gpus=4, pp=2, dp_shard=2, local_batch=8,
+                                  pp_microbatch_size=1),
+                          "no AC, 8 micro-batches of 1 per data-parallel rank"),
 }
+# TP4, PP2 x TP2 and PP4 under every schedule, for 1b and 8b (issue 15; no FSDP dimension, so
+# the peer runs pure bf16). torchtitan's names for our schedules:
+_PEER_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
+                   "interleaved_zb": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble"}
+for _size, _config in (("1b", _1B), ("8b", _8B)):
+    _no_ac = ["parallel.strategy=none", "parallel.activation_checkpointing=none"]
+    LAYOUTS[f"{_size}-tp4"] = Layout(
+        4, _config, [*_no_ac, "parallel.tp=4", "train.micro_batch=8"],
+        PeerRun(size=_size, gpus=4, tp=4, dp_shard=1, local_batch=8, dtype="bfloat16"),
+        "no AC, batch 8 x 2048; peer: pure bf16")
+    LAYOUTS[f"{_size}-pp2tp2"] = Layout(
+        4, _config, [*_no_ac, "parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=1f1b",
+                     "train.micro_batch=1", "train.grad_accum=8"],
+        PeerRun(size=_size, gpus=4, pp=2, tp=2, dp_shard=1, local_batch=8,
+                pp_microbatch_size=1, dtype="bfloat16"),
+        "no AC, 8 micro-batches of 1; peer: pure bf16")
+    for _ours, _theirs in _PEER_SCHEDULES.items():
+        # Zero-bubble schedules split backward into two passes, which we refuse to compile
+        # (parallel/layout.py): both sides run them eager.
+        _zb = _ours in ("interleaved_zb", "zbv")
+        LAYOUTS[f"{_size}-pp4-{_ours}"] = Layout(
+            4, _config, [*_no_ac, "parallel.pp=4", f"parallel.pp_schedule={_ours}",
+                         "train.micro_batch=1", "train.grad_accum=8",
+                         *(["parallel.compile=false"] if _zb else [])],
+            PeerRun(size=_size, gpus=4, pp=4, dp_shard=1, pp_schedule=_theirs, local_batch=8,
+                    pp_microbatch_size=1, dtype="bfloat16", compile=not _zb),
+            "no AC, 8 micro-batches of 1; peer: pure bf16" + ("; eager" if _zb else ""))
 
 
 def run_ours(name: str, layout: Layout, steps: int, out: Path, timeout: float) -> dict:
