@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     bench_cli.add_parser(sub)
     tune_cli.add_parser(sub)
     plan_cli.add_parser(sub)
-    observe_cli.add_parser(sub)  # report, runs
+    observe_cli.add_parser(sub)  # report, runs, profile
     pretrained_cli.add_import_parser(sub)
     pretrained_cli.add_export_parser(sub)
     pretrained_cli.add_generate_parser(sub)
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
          "pipeline": lambda a: a.handler(a),
          "doctor": lambda a: a.handler(a),
          "k8s": lambda a: a.handler(a),
-         "report": observe_cli.run, "runs": observe_cli.run,
+         "report": observe_cli.run, "runs": observe_cli.run, "profile": observe_cli.run,
          "import": pretrained_cli.run, "export": pretrained_cli.run,
          "generate": pretrained_cli.run, "eval": pretrained_cli.run,
          }[args.command](args)

@@ -1,8 +1,9 @@
-"""``hpctrain report`` and ``hpctrain runs``: look at runs without writing code.
+"""``hpctrain report``, ``runs`` and ``profile``: look at runs without writing code.
 
     hpctrain report runs/llama-1234                 # runs/llama-1234/report.html
     hpctrain report runs/a runs/b -o compare.html   # several runs overlaid, config difference
     hpctrain runs runs/                             # state, step, loss, tokens/s, goodput, Slurm
+    hpctrain profile runs/llama-1234                # where the profiled steps' GPU time went
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from hpctrain.errors import HpctrainError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Register ``report`` and ``runs`` on the top-level sub-parser set."""
+    """Register ``report``, ``runs`` and ``profile`` on the top-level sub-parser set."""
     r = sub.add_parser("report", help="one self-contained HTML report of one or several runs",
                        description="Write one HTML file (no network needed to open it) with "
                        "the runs' curves, stragglers, goodput, timeline, hang forensics, "
@@ -32,10 +33,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("dir", nargs="?", type=Path, default=Path("runs"), metavar="DIR",
                    help="folder holding run directories (default: runs)")
     s.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
+    p = sub.add_parser("profile", help="where the GPU time of profiled steps went",
+                       description="Summarise the profiler traces of a run (profile.steps): "
+                       "GPU time by kind (GEMM, attention, communication, optimizer, fused "
+                       "pointwise, copies), GPU idle time and exposed communication, per rank.")
+    p.add_argument("target", type=Path, metavar="RUN_OR_TRACE",
+                   help="a run directory, or one rank-NNN.trace.json")
+    p.add_argument("--top", type=int, default=8, help="largest kernels listed per trace")
 
 
 def run(args: argparse.Namespace) -> None:
-    """Dispatch ``report`` or ``runs``."""
+    """Dispatch ``report``, ``runs`` or ``profile``."""
+    if args.command == "profile":
+        from hpctrain.observe.trace_summary import find_traces, markdown, summarise_trace
+
+        print(markdown([summarise_trace(path, steps, args.top)
+                        for path, steps in find_traces(args.target)]))
+        return
     if args.command == "report":
         from hpctrain.observe.report import default_output, write_report
         from hpctrain.observe.rundata import load_run
