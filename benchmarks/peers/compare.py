@@ -9,6 +9,13 @@ warm-up windows skipped on both. With ``--repeat 2`` the pairs run hpctrain, tor
 torchtitan, hpctrain, so drift of the machine falls on both. It prints a Markdown table (tokens/s
 per GPU, MFU by hpctrain's convention for both, peak memory, ratio) and writes every row as JSON
 to ``--out``/compare.json. Every speed claim in the README comes from this script.
+
+    python benchmarks/peers/compare.py --layouts 8b-tp2 --set parallel.mixed_precision=autocast \
+        --tag -autocast --only hpctrain         # an A/B of one setting on our side
+    python benchmarks/peers/compare.py --layouts 8b-pp2 --profile   # + profile-8b-pp2.md
+
+``--profile`` adds, after each layout's pairs, a short run of our side with three steps profiled
+and writes ``hpctrain profile``'s table of it (GPU time by kind, idle, exposed communication).
 """
 
 from __future__ import annotations
@@ -137,6 +144,24 @@ def run_ours(name: str, layout: Layout, steps: int, out: Path, timeout: float) -
     return {"side": "hpctrain", "layout": name, **row}
 
 
+def profile_ours(name: str, layout: Layout, out: Path, timeout: float) -> str:
+    """A short run of our side with steps 21..23 profiled, apart from the measured runs (the
+    profiler slows the steps it records); returns ``hpctrain profile``'s table of it."""
+    from hpctrain.observe.trace_summary import find_traces, markdown, summarise_trace
+
+    folder = out / f"profile-{name}"
+    try:
+        run_model_bench(REPO / layout.config, [*layout.overrides, "profile.steps=[21,23]"],
+                        nproc=layout.gpus, out=folder, steps=25, log_every=5, timeout=timeout,
+                        env={**os.environ, **MULTICAST_OFF})
+        text = markdown([summarise_trace(path, steps)
+                         for path, steps in find_traces(folder / "train")])
+    except HpctrainError as e:
+        text = f"profile failed: {str(e)[-2000:]}"
+    (out / f"profile-{name}.md").write_text(text + "\n")
+    return text
+
+
 def run_theirs(name: str, layout: Layout, steps: int, out: Path, timeout: float) -> dict:
     """torchtitan's row for one layout."""
     row = run_peer(replace(layout.peer, steps=steps), out / "torchtitan", timeout=timeout)
@@ -148,12 +173,14 @@ def table(rows: list[dict], device: str) -> str:
     lines = [f"Device: {device}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}", "",
              "| layout | hpctrain tok/s/GPU | MFU | mem GB | torchtitan tok/s/GPU | MFU | "
              "mem GiB | ratio | note |", "|---|---|---|---|---|---|---|---|---|"]
-    for name in dict.fromkeys(r["layout"] for r in rows):
-        ours = [r for r in rows if r["layout"] == name and r["side"] == "hpctrain"]
-        theirs = [r for r in rows if r["layout"] == name and r["side"] == "torchtitan"]
+    for name, tag in dict.fromkeys((r["layout"], r.get("tag", "")) for r in rows):
+        ours = [r for r in rows if (r["layout"], r.get("tag", "")) == (name, tag)
+                and r["side"] == "hpctrain"]
+        theirs = [r for r in rows if (r["layout"], r.get("tag", "")) == (name, tag)
+                  and r["side"] == "torchtitan"]
         a, b = _summary(ours, "peak_mem_gb"), _summary(theirs, "peak_mem_gib")
         ratio = f"{a[0] / b[0]:.2f}x" if a[0] and b[0] else "n/a"
-        lines.append(f"| {name} | {a[3]} | {a[1]} | {a[2]} | {b[3]} | {b[1]} | {b[2]} | "
+        lines.append(f"| {name}{tag} | {a[3]} | {a[1]} | {a[2]} | {b[3]} | {b[1]} | {b[2]} | "
                      f"{ratio} | {LAYOUTS[name].note} |")
     return "\n".join(lines)
 
@@ -178,13 +205,18 @@ def main() -> None:
     p.add_argument("--only", choices=["hpctrain", "torchtitan"], default=None)
     p.add_argument("--out", type=Path, default=Path("runs/peers"))
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override for our side of every layout (an A/B: name it --tag)")
+    p.add_argument("--tag", default="", help="appended to the layout names in the results")
+    p.add_argument("--profile", action="store_true",
+                   help="after each layout, profile 3 steps of our side in a run of its own")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("compare needs CUDA GPUs")
     out = args.out.resolve()
     rows = []
     for name in args.layouts:
-        layout = LAYOUTS[name]
+        layout = replace(LAYOUTS[name], overrides=[*LAYOUTS[name].overrides, *args.set])
         if layout.gpus > torch.cuda.device_count():
             print(f"== {name}: needs {layout.gpus} GPUs, skipped", flush=True)
             continue
@@ -196,10 +228,14 @@ def main() -> None:
                     continue
                 print(f"== {name} {side}", flush=True)
                 row = run(name, layout, args.steps, out, args.timeout)
+                row["tag"] = args.tag
                 print(json.dumps({k: v for k, v in row.items() if k != "log_tail"}), flush=True)
                 if "error" in row:
                     print(row.get("log_tail", ""), flush=True)
                 rows.append(row)
+        if args.profile:
+            print(f"== {name} hpctrain profile\n" + profile_ours(name + args.tag, layout, out,
+                                                                args.timeout), flush=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.json").write_text(json.dumps(rows, indent=1))
     print(table(rows, torch.cuda.get_device_name(0)))
