@@ -151,7 +151,8 @@ def profile_ours(name: str, layout: Layout, out: Path, timeout: float) -> str:
 
     folder = out / f"profile-{name}"
     try:
-        run_model_bench(REPO / layout.config, [*layout.overrides, "profile.steps=[21,23]"],
+        run_model_bench(REPO / layout.config,
+                        [*layout.overrides, "profile.steps=[21,23]", "profile.memory=false"],
                         nproc=layout.gpus, out=folder, steps=25, log_every=5, timeout=timeout,
                         env={**os.environ, **MULTICAST_OFF})
         text = markdown([summarise_trace(path, steps)
