@@ -59,6 +59,7 @@ class JobConfig:
             section = getattr(self, f.name)
             if hasattr(section, "validate"):
                 section.validate()
+        self.parallel.check_precision(self.train.precision)
         args = self.model.resolve()
         if self.data.seq_len > args.max_seq_len:
             raise ConfigError(

@@ -10,6 +10,23 @@ are given; the data-parallel shard degree is what is left of the world size::
       dp_replicate: 1         # FSDP only: >1 is HSDP, replicas of FSDP groups
       pp_schedule: 1f1b
       pp_microbatches: 0      # 0: one per loader micro-batch (train.grad_accum)
+      mixed_precision: auto   # how bf16 is computed: auto, autocast or fsdp (below)
+
+``mixed_precision`` (bf16/fp16/fp8; nothing to choose in fp32) says how the forward computes in
+the lower precision while the optimizer keeps fp32 master weights:
+
+- ``fsdp``: FSDP2's ``MixedPrecisionPolicy`` casts the parameters to the compute dtype (gradients
+  reduced in fp32). Without data-parallel sharding (strategy none) each block and the root are
+  ``fully_shard``-ed over the ``dp_shard`` axis of size 1, parameters kept gathered for the step
+  (``reshard_after_forward`` false): each forward-backward casts once (a pipeline stage once
+  per step, not per micro-batch: the schedule keeps them gathered until its last backward), and
+  the embedding output, hence the residual stream, is in the compute dtype (half the bytes for
+  sequence-parallel all-gathers and for saved activations);
+- ``autocast``: ``torch.autocast`` around each forward (each pipeline stage's forward): weights
+  re-cast per forward, residual stream in fp32;
+- ``auto``: ``fsdp`` with tensor or pipeline parallelism and strategy none (not fp8), else what
+  the strategy implies (FSDP's own policy with strategy fsdp; autocast on one GPU, with DDP and
+  with fp8). ``mixed_precision_path`` decides; the memory planner sizes the same path.
 """
 
 from __future__ import annotations
@@ -19,6 +36,7 @@ from typing import Literal
 
 from hpctrain.errors import ConfigError
 
+MIXED_PRECISION = ("auto", "autocast", "fsdp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
 # Schedules that run several stages on each rank (``pp_stages_per_rank`` applies).
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zb", "zbv")
@@ -56,6 +74,9 @@ class ParallelConfig:
     pp_microbatches: int = 0
     # Stages held by each rank for interleaved schedules; 0: 1 for gpipe/1f1b, else 2.
     pp_stages_per_rank: int = 0
+    # How the forward computes in bf16/fp16 (module docstring): auto, autocast or fsdp (FSDP2's
+    # parameter casts, also without sharding). auto: fsdp for TP/PP with strategy none.
+    mixed_precision: Literal["auto", "autocast", "fsdp"] = "auto"
 
     def validate(self) -> None:
         """Check the values that a type alone cannot."""
@@ -82,9 +103,65 @@ class ParallelConfig:
                 "parallel.dp_replicate",
             )
 
+        if self.mixed_precision == "fsdp" and self.strategy == "ddp":
+            raise ConfigError(
+                "parallel.mixed_precision = fsdp with strategy 'ddp'",
+                expected="mixed_precision fsdp with strategy none (TP, PP or one GPU) or fsdp; "
+                "DDP computes in bf16 through autocast",
+                hint="drop parallel.mixed_precision (auto), or shard with parallel.strategy=fsdp, "
+                "whose parameters FSDP casts",
+            )
+        if self.mixed_precision == "autocast" and self.strategy == "fsdp":
+            raise ConfigError(
+                "parallel.mixed_precision = autocast with strategy 'fsdp'",
+                expected="mixed_precision auto or fsdp with strategy fsdp: FSDP casts the "
+                "parameters it gathers through its own policy",
+                hint="drop parallel.mixed_precision (auto)",
+            )
+
+    def check_precision(self, precision: str) -> None:
+        """Refuse ``mixed_precision`` choices that ``train.precision`` cannot take."""
+        if self.mixed_precision != "fsdp" or self.strategy == "fsdp":
+            return
+        if precision == "fp8":
+            raise ConfigError(
+                f"parallel.mixed_precision = fsdp with train.precision = fp8 and strategy "
+                f"{self.strategy!r}",
+                expected="fp8 without sharding computes through autocast (its float8 Linears "
+                "are not wired to an unsharded FSDP cast)",
+                hint="drop parallel.mixed_precision (auto picks autocast for fp8), or shard with "
+                "parallel.strategy=fsdp",
+            )
+        if precision == "fp16":
+            raise ConfigError(
+                f"parallel.mixed_precision = fsdp with train.precision = fp16 and strategy "
+                f"{self.strategy!r}",
+                expected="fp16 through autocast and its GradScaler without sharding (the "
+                "scaler for FSDP-cast parameters comes with strategy fsdp only)",
+                hint="use train.precision=bf16 (no loss scaling needed), or drop "
+                "parallel.mixed_precision",
+            )
+
+    def mixed_precision_path(self, precision: str) -> str:
+        """How this config computes in ``precision``: 'fsdp', 'autocast' or 'none' (fp32)."""
+        return mixed_precision_path(self.mixed_precision, self.strategy, self.tp, self.pp,
+                                    precision)
+
     @property
     def stages_per_rank(self) -> int:
         """Pipeline stages on each rank (1 unless the schedule interleaves)."""
         if self.pp_schedule not in MULTI_STAGE_SCHEDULES:
             return 1
         return self.pp_stages_per_rank or 2
+
+
+def mixed_precision_path(setting: str, strategy: str, tp: int, pp: int, precision: str) -> str:
+    """'fsdp' (FSDP2 casts the parameters), 'autocast' or 'none' (fp32): how a layout computes
+    in ``precision`` under ``parallel.mixed_precision = setting`` (module docstring)."""
+    if precision == "fp32":
+        return "none"
+    if strategy == "fsdp" or setting == "fsdp":
+        return "fsdp"
+    if setting == "auto" and strategy == "none" and (tp > 1 or pp > 1) and precision != "fp8":
+        return "fsdp"
+    return "autocast"
