@@ -8,7 +8,9 @@ Per model part (the whole model, or each pipeline stage this rank holds), as in 
 3. each block is compiled (so the compiled graph includes the recomputation and the TP
    redistributions);
 4. FSDP/HSDP shards each block and the part's root, or DDP wraps the part
-   (``parallel/data.py``).
+   (``parallel/data.py``). Without data-parallel sharding, ``parallel.mixed_precision`` fsdp
+   (auto's choice for TP/PP) applies FSDP over the ``dp_shard`` axis of size 1 all the same,
+   for its parameter casts alone (``parallel/config.py``); otherwise autocast computes in bf16.
 
 Pipeline parallelism (``parallel/pipeline.py``) comes first of all: it cuts the model into stages,
 and each stage goes through 0-4. The model itself knows none of this.
@@ -93,6 +95,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout, m
     else:
         fp8 = None
     gather8 = float8_all_gather(fp8, cfg.strategy, layout.dp_shard)
+    log.info("mixed precision: %s", describe_mixed_precision(cfg, precision))
     if layout.pp == 1:
         return Parallelized(_parallelize_part(model, cfg, layout, mesh, device, precision, seed,
                                               fp8), float8_scales=gather8)
@@ -149,6 +152,12 @@ def _parallelize_part(model: nn.Module, cfg: ParallelConfig, layout: ParallelLay
                    cfg.reshard_after_forward and not zero_bubble)
         materialize(model, device, seed)
         return model
+    if cfg.mixed_precision_path(precision) == "fsdp":
+        # FSDP over a shard group of one rank, for its parameter casts only: resharding
+        # would free nothing (the shard is the whole parameter) and cost a second cast.
+        apply_fsdp(model, mesh, compute_precision(precision), reshard_after_forward=False)
+        materialize(model, device, seed)
+        return model
     materialize(model, device, seed)
     if cfg.strategy == "ddp":
         return apply_ddp(model, mesh, device)
@@ -156,15 +165,30 @@ def _parallelize_part(model: nn.Module, cfg: ParallelConfig, layout: ParallelLay
 
 
 def autocast_dtype(cfg: ParallelConfig, precision: str) -> torch.dtype | None:
-    """The autocast dtype the forward needs, or None where FSDP already casts parameters.
+    """The autocast dtype the forward needs, or None where FSDP casts the parameters (or fp32).
 
-    Tensor and pipeline parallelism without FSDP compute in ``precision`` through autocast,
-    like DDP (fp32 master weights, bf16 matmuls): never silently in fp32. fp8 autocasts to
-    bf16 like bf16 (the float8 Linears cast their own operands).
+    One GPU and DDP (and ``parallel.mixed_precision=autocast``) compute in ``precision`` through
+    autocast (fp32 master weights, bf16 matmuls): never silently in fp32. fp8 autocasts to bf16
+    like bf16 (the float8 Linears cast their own operands).
     """
-    if precision == "fp32" or cfg.strategy == "fsdp":
+    if cfg.mixed_precision_path(precision) != "autocast":
         return None
     return DTYPES[compute_precision(precision)]
+
+
+def describe_mixed_precision(cfg: ParallelConfig, precision: str) -> str:
+    """One line for the log: which mixed-precision path this run computes through."""
+    path = cfg.mixed_precision_path(precision)
+    dtype = compute_precision(precision)
+    if path == "none":
+        return "none (fp32 throughout)"
+    if path == "autocast":
+        return (f"autocast to {dtype} around each forward, fp32 parameters and residual "
+                f"stream (parallel.mixed_precision={cfg.mixed_precision})")
+    how = ("FSDP's policy" if cfg.strategy == "fsdp" else
+           "FSDP over a 1-rank shard group, parameters kept gathered for the step")
+    return (f"FSDP2 casts the parameters to {dtype} ({how}), fp32 master weights and gradient "
+            f"reduction (parallel.mixed_precision={cfg.mixed_precision})")
 
 
 def _checkpointed(index: int, cfg: ParallelConfig) -> bool:
