@@ -69,6 +69,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="samples per micro-batch (per pipeline micro-batch with --pp)")
     m.add_argument("--grad-accum", type=int, default=1, help="micro-batches accumulated per step")
     m.add_argument("--no-compile", action="store_true", help="eager (more activations)")
+    m.add_argument("--mixed-precision", default="auto",
+                   help="parallel.mixed_precision: auto (as training picks), autocast or fsdp "
+                   "(FSDP's parameter casts, also without sharding)")
     m.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     q = psub.add_parser("parallel", help="recommend dp/fsdp/tp/pp degrees for a cluster shape")
@@ -152,11 +155,14 @@ def _memory(args: argparse.Namespace) -> None:
                          micro_batch=args.micro_batch, seq_len=args.seq_len,
                          compile=not args.no_compile, grad_accum=args.grad_accum,
                          pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
-                         pp_stages_per_rank=args.pp_stages_per_rank)
+                         pp_stages_per_rank=args.pp_stages_per_rank,
+                         mixed_precision=args.mixed_precision)
     gpu = gpu_memory_bytes(args.gpu) if args.gpu else None
     plan = estimate_memory(model, opts, gpu)
+    path = opts.mixed_precision_path
     if args.json:
-        print(json.dumps({**plan.__dict__, "fits": plan.fits}, indent=2))
+        print(json.dumps({**plan.__dict__, "fits": plan.fits, "mixed_precision": path},
+                         indent=2))
         return
     n = count_params(model, include_embedding=True)
     layout = f"{opts.strategy}" + (f" ZeRO-{opts.zero}" if opts.strategy == "fsdp" else "")
@@ -165,7 +171,8 @@ def _memory(args: argparse.Namespace) -> None:
                 if opts.pp > 1 else "")
     title = (f"{args.model or 'custom'} ({n / 1e9:.2f}B params), {layout} over {opts.gpus} GPU"
              f"{'s' if opts.gpus > 1 else ''}, tp {opts.tp}, pp {opts.pp}{pipeline}, "
-             f"{opts.precision}, AC {opts.ac}, micro-batch {opts.micro_batch} x {opts.seq_len}"
+             f"{opts.precision}{_PATHS[path]}, AC {opts.ac}, micro-batch {opts.micro_batch} x "
+             f"{opts.seq_len}"
              f"{'' if opts.compile else ', eager'}")
     console = Console(width=160)
     console.print(title)
@@ -190,6 +197,10 @@ def _memory(args: argparse.Namespace) -> None:
                       "Any one of:")
         for s in plan.suggestions:
             console.print(f"  - {s}")
+
+
+# How the title names each mixed-precision path (``MemoryOptions.mixed_precision_path``).
+_PATHS = {"none": "", "autocast": " (autocast)", "fsdp": " (FSDP casts)"}
 
 
 def _parallel(args: argparse.Namespace) -> None:

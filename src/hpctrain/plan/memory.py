@@ -13,7 +13,8 @@ Modelled terms (byte counts per token derived from the model's code, then checke
 measured peaks ``torch.cuda.max_memory_allocated`` in benchmarks/RESULTS.md, 4x H200):
 
 - activations saved per layer per token: the two residual-stream tensors the norms keep
-  (4 B each under autocast, whose residual stream stays fp32; else the compute dtype), plus in the
+  (4 B each under autocast, whose residual stream stays fp32; else the compute dtype: FSDP's
+  casts make the embedding output, hence the residual stream, bf16), plus in the
   compute dtype: two norm outputs (2·dim), q and the attention output (2·dim), k and v
   (2·kv_dim), w1·x, w3·x and their SwiGLU product (3·ffn_dim), and SDPA's fp32 log-sum-exp per
   head. Eager mode (no torch.compile) also keeps fp32 RoPE/norm intermediates and the SiLU
@@ -34,6 +35,13 @@ measured peaks ``torch.cuda.max_memory_allocated`` in benchmarks/RESULTS.md, 4x 
   blocks gathered under ZeRO-2 (``reshard_after_forward=false``: +2.2 GB on `1b`, measured
   17.5 vs 15.3 GB); at the end of backward the root's unsharded fp32 gradients before
   reduce-scatter.
+- mixed precision (``parallel.mixed_precision``, resolved as the trainer resolves it:
+  ``MemoryOptions.mixed_precision_path``): where FSDP casts without sharding (strategy none,
+  ``fsdp``: auto's choice with TP or PP), the layout is sized as FSDP over one rank kept
+  gathered (ZeRO-2): one resident bf16 copy of every parameter the rank holds, the embedding
+  included, no autocast copies, a bf16 residual stream. Not yet checked against a measured peak;
+  the autocast model (``mixed_precision=autocast``) is the one the TP/PP peaks below were
+  measured on.
 - DDP: the gradient buckets plus a second fp32 gradient copy (DDP rebuilds its buckets after the
   first step): 8 B per parameter, fitted on ddp4 `1b` (35.9 GB).
 
@@ -80,7 +88,13 @@ from dataclasses import dataclass, field
 
 from hpctrain.errors import ConfigError
 from hpctrain.models import PRESETS, ModelArgs, count_params
-from hpctrain.parallel.config import MULTI_STAGE_SCHEDULES, PP_SCHEDULES
+from hpctrain.parallel.config import (
+    MIXED_PRECISION,
+    MULTI_STAGE_SCHEDULES,
+    PP_SCHEDULES,
+    ParallelConfig,
+    mixed_precision_path,
+)
 from hpctrain.parallel.stages import (
     balance_stages,
     bubble_estimate,
@@ -124,6 +138,19 @@ class MemoryOptions:
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 0  # micro-batches per step through the pipeline; 0: pp x stages
     pp_stages_per_rank: int = 0  # 0: 2 for interleaved schedules, else 1
+    # parallel.mixed_precision: auto, autocast or fsdp (FSDP's casts also without sharding).
+    mixed_precision: str = "auto"
+
+    @property
+    def mixed_precision_path(self) -> str:
+        """'fsdp', 'autocast' or 'none' (fp32): how the trainer computes this layout."""
+        return mixed_precision_path(self.mixed_precision, self.strategy, self.tp, self.pp,
+                                    self.precision)
+
+    @property
+    def fsdp_wrapped(self) -> bool:
+        """Whether FSDP manages the parameters: sharding them, or only casting them."""
+        return self.strategy == "fsdp" or self.mixed_precision_path == "fsdp"
 
     @property
     def stages_per_rank(self) -> int:
@@ -143,7 +170,9 @@ class MemoryOptions:
                                      ("precision", self.precision, PRECISIONS),
                                      ("activation checkpointing", self.ac, AC_MODES),
                                      ("selective AC's saved matmuls", self.ac_save_mm,
-                                      SAVE_MM)):
+                                      SAVE_MM),
+                                     ("mixed precision", self.mixed_precision,
+                                      MIXED_PRECISION)):
             if value not in allowed:
                 raise ConfigError(f"{name} {value!r} is not known",
                                   expected=f"one of {', '.join(allowed)}")
@@ -160,6 +189,10 @@ class MemoryOptions:
                               "parallelism (as training refuses it)")
         if self.zero not in (2, 3):
             raise ConfigError(f"zero = {self.zero}", expected="2 or 3")
+        # The combinations training refuses, refused with the same words.
+        pc = ParallelConfig(strategy=self.strategy, mixed_precision=self.mixed_precision)
+        pc.validate()
+        pc.check_precision(self.precision)
         if self.strategy == "none" and self.gpus > 1:
             raise ConfigError(f"strategy none with {self.gpus} GPUs",
                               expected="ddp or fsdp for more than one data-parallel GPU")
@@ -313,8 +346,7 @@ def activation_bytes(args: ModelArgs, opts: MemoryOptions, share: RankShare | No
     """Bytes of activations alive at the start of backward on one GPU (see module docstring)."""
     share = share or rank_shares(args, opts)[0]
     e = 4 if opts.precision == "fp32" else 2
-    autocast = opts.precision != "fp32" and opts.strategy != "fsdp"
-    r = 4 if autocast else e
+    r = 4 if opts.mixed_precision_path == "autocast" else e
     d, kv, f, tp = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim, opts.tp
     # Residual stream (split along the sequence), the two gathered norm outputs (whole), the
     # head- and width-split projections.
@@ -386,7 +418,7 @@ def _estimate_rank(args: ModelArgs, opts: MemoryOptions, share: RankShare,
     if opts.pp > 1:
         # Gradients accumulate unsharded over the micro-batches; FSDP keeps the parameters
         # gathered from the first backward on and reduce-scatters after the last one.
-        if opts.strategy == "fsdp":
+        if opts.fsdp_wrapped:
             working = e * p
         else:
             working = 0.0 if opts.precision == "fp32" else 2.0 * (p - embedding)
@@ -394,8 +426,10 @@ def _estimate_rank(args: ModelArgs, opts: MemoryOptions, share: RankShare,
         return MemoryPlan(params=params, grads=4.0 * p, optimizer=optimizer, working=working,
                           activations=acts, peak=peak, peak_moment="pipeline steady state",
                           gpu_bytes=gpu_bytes)
-    if opts.strategy == "fsdp":
-        gathered = e * p if opts.zero == 2 else e * (p_root + 2 * p_block)
+    if opts.fsdp_wrapped:
+        # Without sharding (FSDP for its casts only) the parameters stay gathered: ZeRO-2.
+        zero2 = opts.zero == 2 or opts.strategy != "fsdp"
+        gathered = e * p if zero2 else e * (p_root + 2 * p_block)
         if opts.grad_accum > 1:  # every block's unsharded fp32 accumulators
             gathered += 4 * p
         working_start = gathered
@@ -440,14 +474,15 @@ def _suggest(args: ModelArgs, opts: MemoryOptions, gpu_bytes: float) -> list[str
         if fits(micro_batch=mb):
             out.append(f"lower the micro-batch to {mb} (raise grad_accum to keep the batch)")
             break
-    sharded_fits = opts.gpus > 1 and fits(strategy="fsdp", zero=3)
+    # Strategy fsdp casts through its own policy: the mixed-precision choice goes back to auto.
+    sharded_fits = opts.gpus > 1 and fits(strategy="fsdp", zero=3, mixed_precision="auto")
     if opts.strategy != "fsdp" and sharded_fits:
         out.append("shard with FSDP (parallel.strategy=fsdp)")
     if opts.strategy == "fsdp" and opts.zero == 2 and fits(zero=3):
         out.append("reshard after forward (ZeRO-3: parallel.reshard_after_forward=true)")
     if not sharded_fits:
         for n in (2, 4, 8, 16, 32, 64, 128, 256, 512):
-            if n > opts.gpus and fits(strategy="fsdp", gpus=n):
+            if n > opts.gpus and fits(strategy="fsdp", gpus=n, mixed_precision="auto"):
                 out.append(f"shard with FSDP over {n} GPUs")
                 break
     for tp in (2, 4, 8):

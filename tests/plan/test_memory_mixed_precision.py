@@ -1,0 +1,144 @@
+"""`plan memory` and `plan parallel` size the mixed-precision path the trainer takes.
+
+With TP or PP and strategy none, ``parallel.mixed_precision=auto`` computes through FSDP's
+parameter casts over one rank (``hpctrain.parallel.config``): a bf16 residual stream, one resident
+bf16 copy of every parameter the rank holds (embedding included), no autocast weight copies.
+``mixed_precision=autocast`` keeps the model the GPU peaks were measured on (2 H200s, PyTorch
+2.11): its predictions are pinned at what they were before the choice existed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hpctrain.cli import main
+from hpctrain.errors import ConfigError
+from hpctrain.models import PRESETS
+from hpctrain.plan.memory import (
+    MemoryOptions,
+    activation_bytes,
+    estimate_memory,
+    gpu_memory_bytes,
+    rank_shares,
+    state_bytes,
+)
+from hpctrain.plan.parallel import rank_layouts
+
+# The four layouts measured on the autocast path: (model, options, autocast prediction GB,
+# measured GB (largest rank), prediction GB of the FSDP-cast path that auto now takes).
+TP8 = dict(strategy="none", tp=2, micro_batch=8)
+PP8 = dict(strategy="none", pp=2, pp_microbatches=8, micro_batch=1)
+TP1 = dict(strategy="none", tp=2, micro_batch=4)
+LAYOUTS = {
+    "8b tp2 batch 8": ("8b", TP8, 111.33, 111.6, 107.56),
+    "8b pp2 1f1b 8x1": ("8b", PP8, 85.99, 93.6, 85.90),
+    "1b tp2 micro-batch 4": ("1b", TP1, 15.79, 15.8, 15.11),
+    "1b pp2 1f1b 8x1": ("1b", PP8, 13.89, 15.1, 13.62),
+}
+
+
+def _plan(size: str, opts: dict, mixed_precision: str):
+    return estimate_memory(PRESETS[size], MemoryOptions(mixed_precision=mixed_precision, **opts))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_autocast_model_is_unchanged_and_auto_takes_fsdp_casts(name: str) -> None:
+    size, opts, autocast_gb, measured_gb, fsdp_gb = LAYOUTS[name]
+    autocast = _plan(size, opts, "autocast")
+    assert autocast.peak / 1e9 == pytest.approx(autocast_gb, abs=0.01)
+    assert autocast.peak / 1e9 == pytest.approx(measured_gb, rel=0.10)
+    auto, fsdp = _plan(size, opts, "auto"), _plan(size, opts, "fsdp")
+    assert auto.peak == fsdp.peak
+    # The predictions the next GPU measurement checks.
+    assert auto.peak / 1e9 == pytest.approx(fsdp_gb, abs=0.01)
+    # A bf16 residual stream: fewer activation bytes; the states are the same.
+    assert auto.activations < autocast.activations
+    assert (auto.params, auto.optimizer) == (autocast.params, autocast.optimizer)
+
+
+def test_residual_stream_is_bf16_and_the_bf16_copy_holds_every_parameter() -> None:
+    """Exactly 2 B less per residual element, and the working copy is 2 B per parameter."""
+    args = PRESETS["1b"]
+    opts = MemoryOptions(**TP1)
+    autocast = dataclasses.replace(opts, mixed_precision="autocast")
+    tokens = opts.micro_batch * opts.seq_len
+    saved = activation_bytes(args, autocast) - activation_bytes(args, opts)
+    assert saved == pytest.approx(tokens * args.n_layers * 2 * 2 * args.dim / opts.tp)
+    params, _, _ = state_bytes(args, opts)
+    plan = estimate_memory(args, opts)
+    assert plan.peak_moment == "start of backward"
+    assert plan.peak == pytest.approx(params + plan.optimizer + params / 2 + plan.activations)
+
+
+def test_pipeline_holds_one_bf16_copy_per_stage_embedding_included() -> None:
+    args = PRESETS["8b"]
+    opts = MemoryOptions(**PP8)
+    share = rank_shares(args, opts)[0]
+    assert share.embedding
+    params, _, _ = state_bytes(args, opts, share)
+    plan = estimate_memory(args, opts)
+    assert plan.stage == 0 and plan.working == pytest.approx(params / 2)
+    autocast = estimate_memory(args, dataclasses.replace(opts, mixed_precision="autocast"))
+    embedding = args.vocab_size * args.dim
+    assert autocast.working == pytest.approx(2 * (params / 4 - embedding))
+
+
+@pytest.mark.parametrize("opts", [
+    dict(strategy="fsdp", gpus=4, micro_batch=4),
+    dict(strategy="fsdp", gpus=2, tp=2, micro_batch=4),
+    dict(strategy="none", micro_batch=4),
+    dict(strategy="ddp", gpus=4, micro_batch=4),
+    dict(strategy="none", tp=2, micro_batch=4, precision="fp32"),
+])
+def test_layouts_without_a_choice_are_sized_as_before(opts: dict) -> None:
+    """FSDP's own policy, one GPU and DDP (autocast), fp32: auto changes nothing."""
+    auto = _plan("1b", opts, "auto")
+    pinned = "fsdp" if opts["strategy"] == "fsdp" else "autocast"
+    assert auto == _plan("1b", opts, pinned)
+
+
+@pytest.mark.parametrize(("opts", "message"), [
+    (dict(strategy="ddp", gpus=2, mixed_precision="fsdp"), "strategy 'ddp'"),
+    (dict(strategy="fsdp", gpus=2, mixed_precision="autocast"), "strategy 'fsdp'"),
+    (dict(strategy="none", pp=2, precision="fp8", mixed_precision="fsdp"), "fp8"),
+    (dict(strategy="none", mixed_precision="amp"), "mixed precision 'amp'"),
+])
+def test_combinations_training_refuses_are_refused(opts: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        estimate_memory(PRESETS["1b"], MemoryOptions(**opts))
+
+
+def test_suggesting_fsdp_leaves_an_autocast_choice_behind() -> None:
+    """DDP with mixed_precision=autocast that does not fit still hears 'shard with FSDP'."""
+    plan = estimate_memory(PRESETS["8b"], MemoryOptions(strategy="ddp", gpus=4, micro_batch=2,
+                                                        mixed_precision="autocast"),
+                           gpu_memory_bytes("h100"))
+    assert plan.fits is False
+    assert any("FSDP" in s for s in plan.suggestions), plan.suggestions
+
+
+def test_plan_parallel_sizes_tp_and_pp_with_fsdp_casts() -> None:
+    """8b on 2 H200s: the TP2 and PP2 layouts (no data parallelism) are sized on auto's path."""
+    plans = rank_layouts(PRESETS["8b"], gpus_per_node=2, nodes=1,
+                         gpu_bytes=gpu_memory_bytes("h200"))
+    model_parallel = [p for p in plans if p.strategy == "none"]
+    assert {(p.tp, p.pp) for p in model_parallel} >= {(2, 1), (1, 2)}
+    for p in model_parallel:
+        opts = dict(strategy="none", tp=p.tp, pp=p.pp, micro_batch=p.micro_batch, ac=p.ac,
+                    **({"pp_microbatches": p.microbatches} if p.pp > 1
+                       else {"grad_accum": p.microbatches}))
+        assert p.memory.peak == _plan("8b", opts, "fsdp").peak
+        assert p.memory.peak < _plan("8b", opts, "autocast").peak
+
+
+def test_cli_plan_memory_names_the_path(capsys) -> None:
+    base = ["plan", "memory", "--model", "1b", "--strategy", "none", "--tp", "2",
+            "--micro-batch", "4"]
+    main(base)
+    assert "bf16 (FSDP casts)" in capsys.readouterr().out
+    main([*base, "--mixed-precision", "autocast"])
+    assert "bf16 (autocast)" in capsys.readouterr().out
+    main([*base, "--json"])
+    assert '"mixed_precision": "fsdp"' in capsys.readouterr().out
