@@ -18,9 +18,9 @@ Tolerances. The two paths round different tensors to bf16 (FSDP: the parameters 
 residual stream; autocast: each matmul's operands), each rounding a relative 2^-9 at most,
 averaged over 64-wide dot products and 128 target tokens: measured at most 1.1e-4 relative on
 the losses of these 4 steps (PyTorch 2.13, CPU), resumed runs against uninterrupted ones on
-another layout and path included. We assert 2e-3, half of bf16's 2^-8: it still tells adjacent
-steps apart (the loss falls by 1% or more a step here, checked below), so a resume that loaded
-the wrong weights or data position fails it.
+another layout and path included, and on the validation losses. We assert 2e-3, half of bf16's
+2^-8: it still tells adjacent steps apart (the loss falls by more than twice that a step here,
+checked below), so a resume that loaded the wrong weights or data position fails it.
 """
 
 from __future__ import annotations
@@ -137,8 +137,11 @@ def test_fsdp_over_one_rank_computes_in_bf16_with_fp32_master_weights(pg: None) 
 
 # -- real ranks ---------------------------------------------------------------------------------
 
+# Validation at step 2 and at the end: FSDP's forward without backward leaves the parameters
+# gathered, and training must go on from there.
 COMMON = [*BF16, f"train.steps={STEPS}", "optim.schedule=constant", "parallel.strategy=none",
-          "train.micro_batch=4", "checkpoint.async_save=false", "checkpoint.save_at_end=false",
+          "train.micro_batch=4", "data.val_fraction=0.005", "train.val_every=2",
+          "checkpoint.async_save=false", "checkpoint.save_at_end=false",
           "checkpoint.interval=none"]
 SAVE_AT_2 = ["checkpoint.interval=steps", "checkpoint.every=2", "checkpoint.keep_every=2"]
 TP2, PP2 = ["parallel.tp=2"], ["parallel.pp=2", "parallel.pp_microbatches=2"]
@@ -179,9 +182,9 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return runs
 
 
-def _losses(out: Path, name: str) -> dict[int, float]:
+def _losses(out: Path, name: str, key: str = "loss") -> dict[int, float]:
     records = read_metrics(out / name / "metrics" / "rank-000.jsonl")
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
+    return {r["step"]: r[key] for r in records if key in r}
 
 
 def _close(actual: float, expected: float, what: str) -> None:
@@ -199,11 +202,17 @@ def _path_logged(out: Path, name: str) -> str:
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_fsdp_casts_train_like_autocast(out: Path, layout: str) -> None:
-    """Same losses as autocast within bf16 rounding, through another path (logged)."""
+    """Same training and validation losses as autocast within bf16 rounding, through another
+    path (logged)."""
     fsdp, autocast = _losses(out, f"{layout}_fsdp"), _losses(out, f"{layout}_autocast")
     assert sorted(fsdp) == sorted(autocast) == list(range(1, STEPS + 1))
     for step in fsdp:
         _close(fsdp[step], autocast[step], f"{layout} fsdp vs autocast at step {step}")
+    val, val_autocast = (_losses(out, f"{layout}_{path}", "val_loss")
+                         for path in ("fsdp", "autocast"))
+    assert sorted(val) == sorted(val_autocast) == [2, STEPS]
+    for step in val:
+        _close(val[step], val_autocast[step], f"{layout} validation at step {step}")
     assert fsdp != autocast  # the casts really differ
     fp32 = _losses(out, f"{layout}_fp32")[1]
     assert fsdp[1] != fp32 and autocast[1] != fp32  # and both compute in bf16
