@@ -152,6 +152,11 @@ def markdown(rows: list[dict], tolerance: float) -> str:
     return "\n".join(lines)
 
 
+def _version(v: object) -> str:
+    """torch.cuda.nccl.version(): a (major, minor, patch) tuple, an int in older releases."""
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
 def _size(n: int) -> str:
     for unit, scale in (("GiB", 1024**3), ("MiB", MIB), ("KiB", 1024)):
         if n >= scale and n % scale == 0:
@@ -332,7 +337,7 @@ def main() -> None:
     print(f"\nwithin {args.tolerance:.0%} at >= 64 MiB: {sum(checked)}/{len(checked)}")
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": torch.cuda.get_device_name(0),
             "gpus": nproc, "dtype": args.dtype, "torch": torch.__version__,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())), "tolerance": args.tolerance,
+            "nccl": _version(torch.cuda.nccl.version()), "tolerance": args.tolerance,
             "provenance": str(args.tree / "PROVENANCE.md")}
     report = {"meta": meta, "rows": rows, "ours": {"argv": ours_argv, "rows": ours},
               "nccl_tests": {op: {"argv": argv, "rows": r} for op, (argv, r) in peer.items()}}
