@@ -233,6 +233,11 @@ def build(tree: Path, out: Path, ops: list[str], jobs: int) -> tuple[Path, dict[
         raise PeerError(f"no nccl-tests tree at {tree}",
                         expected="Makefile, src/common.cu, verifiable/ (see the module doc)",
                         hint="carry .nccltests to the GPU machine (device tool carry list)")
+    for tool in ("make", "g++"):
+        if shutil.which(tool) is None:
+            raise PeerError(f"{tool} is not on PATH",
+                            expected="make and g++ (nvcc's host compiler)",
+                            hint="install build-essential, or build where they exist")
     home = cuda_home()
     staged, real_lib = nccl_home(out / "nccl_home")
     bin_dir = out / "build"
