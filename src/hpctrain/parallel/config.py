@@ -17,11 +17,11 @@ the lower precision while the optimizer keeps fp32 master weights:
 
 - ``fsdp``: FSDP2's ``MixedPrecisionPolicy`` casts the parameters to the compute dtype (gradients
   reduced in fp32). Without data-parallel sharding (strategy none) each block and the root are
-  ``fully_shard``-ed over the ``dp_shard`` axis of size 1, parameters kept gathered for the step
-  (``reshard_after_forward`` false): each forward-backward casts once (a pipeline stage once
-  per step, not per micro-batch: the schedule keeps them gathered until its last backward), and
-  the embedding output, hence the residual stream, is in the compute dtype (half the bytes for
-  sequence-parallel all-gathers and for saved activations);
+  ``fully_shard``-ed over the ``dp_shard`` axis of size 1, parameters kept gathered from
+  forward through backward (``reshard_after_forward`` false): each forward-backward casts once
+  (a pipeline stage once per step, not per micro-batch: the schedule keeps them gathered until
+  its last backward), and the embedding output, hence the residual stream, is in the compute
+  dtype (half the bytes for sequence-parallel all-gathers and for saved activations);
 - ``autocast``: ``torch.autocast`` around each forward (each pipeline stage's forward): weights
   re-cast per forward, residual stream in fp32;
 - ``auto``: ``fsdp`` with tensor or pipeline parallelism and strategy none (not fp8), else what

@@ -186,7 +186,7 @@ def describe_mixed_precision(cfg: ParallelConfig, precision: str) -> str:
         return (f"autocast to {dtype} around each forward, fp32 parameters and residual "
                 f"stream (parallel.mixed_precision={cfg.mixed_precision})")
     how = ("FSDP's policy" if cfg.strategy == "fsdp" else
-           "FSDP over a 1-rank shard group, parameters kept gathered for the step")
+           "FSDP over a 1-rank shard group, kept gathered from forward through backward")
     return (f"FSDP2 casts the parameters to {dtype} ({how}), fp32 master weights and gradient "
             f"reduction (parallel.mixed_precision={cfg.mixed_precision})")
 
