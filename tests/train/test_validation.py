@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import time
 
 import numpy as np
 import pytest
@@ -31,14 +31,38 @@ def _model() -> Transformer:
     return Transformer(ARGS)
 
 
-def _worker(rank: int, world: int, port: int, micro: int, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        out[rank] = evaluate(_model(), _dataset(), micro_batch=micro, rank=rank,
-                             world_size=world, device=torch.device("cpu"), autocast=None)
-    finally:
-        dist.destroy_process_group()
+# (ranks, micro-batch): 23 samples leave a different remainder on each.
+CASES = [(1, 4), (2, 3), (3, 2), (4, 5)]
+
+
+def _worker(rank: int, port: int, out: dict) -> None:
+    """One of 4 processes: evaluate every case this rank takes part in, each in a process group
+    of its own size (ranks beyond it sit out), so 4 processes serve all cases."""
+    store = dist.TCPStore("127.0.0.1", port, len(CASES), is_master=rank == 0)
+    for world, micro in CASES:
+        if rank >= world:
+            continue
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"{world}x{micro}", store),
+                                rank=rank, world_size=world)
+        try:
+            out[world, rank] = evaluate(_model(), _dataset(), micro_batch=micro, rank=rank,
+                                        world_size=world, device=torch.device("cpu"),
+                                        autocast=None)
+        finally:
+            dist.destroy_process_group()
+    # Rank 0 serves the store: it leaves last.
+    store.add("done", 1)
+    while rank == 0 and store.add("done", 0) < len(CASES):
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[tuple[int, int], dict]:
+    """(ranks, rank) -> that rank's validation result, every case from one spawn of 4."""
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_worker, args=(free_port(), out), nprocs=len(CASES), join=True)
+        return dict(out)
 
 
 def _reference_loss() -> float:
@@ -53,18 +77,16 @@ def _reference_loss() -> float:
     return sum(losses) / (len(ds) * SEQ)
 
 
-@pytest.mark.parametrize(("world", "micro"), [(1, 4), (2, 3), (3, 2), (4, 5)])
-def test_every_sample_counted_once(world: int, micro: int) -> None:
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(world, free_port(), micro, out), nprocs=world, join=True)
-        results = dict(out)
-    for r in results.values():
+@pytest.mark.parametrize(("world", "micro"), CASES)
+def test_every_sample_counted_once(results: dict[tuple[int, int], dict], world: int,
+                                   micro: int) -> None:
+    ranks = [results[world, rank] for rank in range(world)]
+    for r in ranks:
         assert r["val_tokens"] == N_SAMPLES * SEQ  # padding never counted
         assert r["val_samples"] == N_SAMPLES
         # The same global number on every rank, equal to one pass over the samples in order.
         assert r["val_loss"] == pytest.approx(_reference_loss(), rel=1e-5)
-    assert len({r["val_loss"] for r in results.values()}) == 1
+    assert len({r["val_loss"] for r in ranks}) == 1
 
 
 class _Masked(ContiguousTokens):
