@@ -25,16 +25,23 @@ TINY = ["run.device=cpu", "data.source=stdlib", "data.max_bytes=300000", "data.s
 
 
 def script(tmp: Path, name: str, overrides: list[str], *, pause_at: int | None = None,
-           where: Path | None = None, **params) -> Path:
+           slow_s: float | None = None, where: Path | None = None, **params) -> Path:
     """The generated batch script; ``pause_at`` holds step N for 4 s (an injected, harmless
     stall) so a signal sent after N-1 logged steps lands mid-run, however fast the steps are;
-    each rank appends ``node rank`` (SLURMD_NODENAME, SLURM_PROCID) to ``where`` as it starts."""
+    ``slow_s`` makes every step sleep that long (a run that waits for a signal then idles
+    instead of taking a core); each rank appends ``node rank`` (SLURMD_NODENAME,
+    SLURM_PROCID) to ``where`` as it starts."""
     python = sys.executable
-    if pause_at is not None or where is not None:
+    faults = []
+    if pause_at is not None:
+        faults.append(f"hang@step={pause_at},seconds=4")
+    if slow_s is not None:
+        faults.append(f"slow@seconds={slow_s}")
+    if faults or where is not None:
         python = str(tmp / f"{name}-python.sh")
         lines = ["#!/bin/bash"]
-        if pause_at is not None:
-            lines.append(f"export HPCTRAIN_FAULTS='hang@step={pause_at},seconds=4'")
+        if faults:
+            lines.append(f"export HPCTRAIN_FAULTS='{';'.join(faults)}'")
         if where is not None:
             lines.append(f'echo "$SLURMD_NODENAME $SLURM_PROCID" >> {where}')
         lines.append(f'exec {sys.executable} "$@"')

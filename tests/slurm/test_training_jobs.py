@@ -41,10 +41,11 @@ def test_signal_checkpoint_requeue_resume_exact(slurm_cluster, tmp_path: Path,
 @pytest.mark.slow
 def test_walltime_signal_reaches_the_ranks(slurm_cluster, tmp_path: Path) -> None:
     # A real --time with --signal=USR2@100: Slurm signals ~20 s in (it may be up to a minute
-    # late). max_requeues=0: checkpoint and stop, so the job ends instead of looping.
+    # late). max_requeues=0: checkpoint and stop, so the job ends instead of looping. Each step
+    # sleeps 0.2 s meanwhile, so the wait leaves the cores to the other tests.
     path = script(tmp_path, "walltime", ["train.steps=1000000", "checkpoint.max_requeues=0",
                                          "parallel.strategy=none"],
-                  time="2", signal_lead_s=100)
+                  time="2", signal_lead_s=100, slow_s=0.2)
     job = slurm_cluster.sbatch(path, cwd=REPO)
     start = time.monotonic()
     state = slurm_cluster.wait(job, timeout=180)
