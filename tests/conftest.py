@@ -225,6 +225,25 @@ def train(out_dir: Path, name: str, *overrides: str, nproc: int | None = None,
     return RunResult(args, done.returncode, done.stdout, done.stderr, out_dir / name)
 
 
+def train_together(out_dir: Path, jobs: dict[str, list[str]], *, nproc: int = 1,
+                   steps: int = STEPS, common: list[str] | None = None
+                   ) -> dict[str, RunResult]:
+    """Several `train` runs (name -> overrides) one after another in ONE launch of `nproc`
+    ranks, through the ranks' real entry point (tests/rank_jobs.py): what `hpctrain train`
+    runs, without starting and importing a launcher and `nproc` processes for each run.
+    ``common`` (default: TINY, QUIET and `steps`) goes before each run's overrides.
+
+    For runs compared by their numbers; what the CLI prints or exits with needs `train`."""
+    from rank_jobs import launch
+
+    common = common if common is not None else [*TINY, *QUIET, f"train.steps={steps}"]
+    spec = {"config": DEMO, "common": common, "out": str(out_dir),
+            "jobs": [{"name": name, "overrides": o} for name, o in jobs.items()]}
+    launch(nproc, spec, out_dir / f"launch-{nproc}", RUN_TIMEOUT_S * len(jobs))
+    return {name: RunResult(["train", DEMO, *common, *o], 0, "", "", out_dir / name)
+            for name, o in jobs.items()}
+
+
 @pytest.fixture(scope="session")
 def run_pool() -> Iterator[ThreadPoolExecutor]:
     """Runs independent CLI jobs side by side, at most as many as there are cores."""

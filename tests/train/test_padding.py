@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import train_together
 from hpctrain.data.loader import (
     IGNORE_INDEX,
     BatchLayout,
@@ -14,6 +16,7 @@ from hpctrain.data.loader import (
     GlobalOrderSampler,
     TokenLoader,
 )
+from hpctrain.observe.metrics import read_metrics
 
 N, SEQ = 10, 32  # 10 samples, global batch 4: steps of 4, 4 and 2 real samples per epoch
 
@@ -48,35 +51,44 @@ def test_padding_rows_have_ignored_targets() -> None:
     assert (inputs >= 0).all()  # padding inputs are real tokens, only their targets are masked
 
 
-def _losses(tmp_path, name: str, *extra: str) -> list[float]:
-    from hpctrain.observe.metrics import read_metrics
-
-    args = ["train", "configs/demo.yaml", "run.device=cpu", "data.source=stdlib",
-            f"data.seq_len={SEQ}", f"data.max_bytes={N * SEQ + 1}", "data.remainder=pad",
-            "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-            "model.ffn_dim=128", "train.precision=fp32", "train.deterministic=true",
-            "train.steps=3", "metrics.log_every=1", "metrics.progress=false",
-            "checkpoint.interval=none", "checkpoint.save_at_end=false", "run.suffix=none",
-            f"run.out_dir={tmp_path}", f"run.name={name}", *extra]
-    done = run_cli(args)
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = read_metrics(tmp_path / name / "metrics" / "rank-000.jsonl")
-    return [r["loss"] for r in rows if "loss" in r]
+# The runs below, apart from their layout.
+COMMON = ["run.device=cpu", "data.source=stdlib", f"data.seq_len={SEQ}",
+          f"data.max_bytes={N * SEQ + 1}", "data.remainder=pad", "model.dim=64",
+          "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+          "train.precision=fp32", "train.deterministic=true", "train.steps=3",
+          "metrics.log_every=1", "metrics.progress=false", "checkpoint.interval=none",
+          "checkpoint.save_at_end=false", "run.suffix=none"]
 
 
-def test_padded_step_is_exact_on_any_layout(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def losses(tmp_path_factory: pytest.TempPathFactory,
+           run_pool: ThreadPoolExecutor) -> dict[str, list[float]]:
+    """Run name -> loss per step: the 1-process runs in one launch, the 2-rank run beside it."""
+    out = tmp_path_factory.mktemp("padding")
+    one = run_pool.submit(train_together, out, {
+        "one": ["parallel.strategy=none", "train.micro_batch=4"],
+        # A negligible learning rate: every step sees the initial model.
+        "frozen": ["parallel.strategy=none", "train.micro_batch=4", "optim.lr=1e-12",
+                   "optim.warmup_steps=0"],
+    }, common=COMMON)
+    two = run_pool.submit(train_together, out, {
+        "two": ["parallel.strategy=ddp", "train.micro_batch=2"],
+    }, nproc=2, common=COMMON)
+    runs = {**one.result(), **two.result()}
+    return {name: [r["loss"] for r in read_metrics(run.run_dir / "metrics" / "rank-000.jsonl")
+                   if "loss" in r] for name, run in runs.items()}
+
+
+def test_padded_step_is_exact_on_any_layout(losses: dict[str, list[float]]) -> None:
     """In step 3 only 2 of 4 slots are real: with 2 ranks x 2, rank 1 holds only padding.
     A mean of per-rank means would halve that step's loss; the exact weighting does not."""
-    one = _losses(tmp_path, "one", "parallel.strategy=none", "train.micro_batch=4")
-    two = _losses(tmp_path, "two", "parallel.strategy=ddp", "train.micro_batch=2", "--nproc",
-                  "2")
+    one, two = losses["one"], losses["two"]
     assert len(one) == len(two) == 3
     assert two == pytest.approx(one, rel=1e-6)
 
 
-def test_padded_step_is_a_mean_over_real_tokens_only(tmp_path) -> None:
+def test_padded_step_is_a_mean_over_real_tokens_only(losses: dict[str, list[float]]) -> None:
     """With a negligible learning rate every step sees the initial model, whose loss is about
     ln(vocab) on any text: the half-empty step must not read half of that."""
-    losses = _losses(tmp_path, "frozen", "parallel.strategy=none", "train.micro_batch=4",
-                     "optim.lr=1e-12", "optim.warmup_steps=0")
-    assert losses[2] == pytest.approx(losses[0], rel=0.05)
+    frozen = losses["frozen"]
+    assert frozen[2] == pytest.approx(frozen[0], rel=0.05)

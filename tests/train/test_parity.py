@@ -1,12 +1,18 @@
 """The core promise: the same job gives the same loss curve on any layout of the same global batch.
 
-Every run goes through the real CLI (``python -m hpctrain train configs/demo.yaml ... --nproc N``)
-with fp32, deterministic kernels and a global batch of 4 samples for 6 steps:
+Every run trains with fp32, deterministic kernels and a global batch of 4 samples for 6 steps:
 
     1 process, strategy none, micro_batch 4          (the reference)
     2 ranks DDP, micro_batch 2 / FSDP, micro_batch 2
     1 process, micro_batch 2 x grad_accum 2 / micro_batch 1 x grad_accum 4
     2 ranks DDP, micro_batch 1 x grad_accum 2
+
+The reference and the first DDP run go through the real CLI (``python -m hpctrain train
+configs/demo.yaml ... --nproc N``; the session shares them with other modules). The others go
+through the ranks' real entry point in two launches (conftest's ``train_together``: one of 1
+process, one of 2 ranks, each running its jobs one after another), which spares a launcher and
+the ranks' start-up per run; the DDP rerun is the 2-rank launch's last job, so it also shows
+that nothing of the jobs before it in the same processes leaks into its numbers.
 
 The initial weights are a function of (seed, parameter name) and the data order a function of
 (seed, global batch), so these runs see the same weights and the same samples per step; they may
@@ -27,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from conftest import DDP, REFERENCE, RunResult, train
+from conftest import DDP, REFERENCE, RunResult, train_together
 
 LOSS_RTOL = 1e-6
 GRAD_NORM_RTOL = 5e-6
@@ -38,24 +44,34 @@ def runs(tmp_path_factory: pytest.TempPathFactory, run_pool: ThreadPoolExecutor,
          reference_run: Future[RunResult], ddp_run: Future[RunResult]
          ) -> dict[str, Future[RunResult]]:
     """Submit every run of this module at once; each test waits only for the runs it compares."""
-    out = tmp_path_factory.mktemp("parity")
+    one = run_pool.submit(train_together, tmp_path_factory.mktemp("parity-1"), {
+        "accum2": ["parallel.strategy=none", "train.micro_batch=2", "train.grad_accum=2"],
+        "accum4": ["parallel.strategy=none", "train.micro_batch=1", "train.grad_accum=4"],
+        "seed1": [*REFERENCE, "run.seed=1"],
+    })
+    two = run_pool.submit(train_together, tmp_path_factory.mktemp("parity-2"), {
+        "fsdp": ["parallel.strategy=fsdp", "train.micro_batch=2"],
+        "ddp_accum": ["parallel.strategy=ddp", "train.micro_batch=1", "train.grad_accum=2"],
+        "ddp_again": DDP,
+    }, nproc=2)
+    return {"reference": reference_run, "ddp": ddp_run,
+            **{name: _one_of(one, name) for name in ("accum2", "accum4", "seed1")},
+            **{name: _one_of(two, name) for name in ("fsdp", "ddp_accum", "ddp_again")}}
 
-    def submit(name: str, *overrides: str, nproc: int | None = None) -> Future[RunResult]:
-        return run_pool.submit(train, out, name, *overrides, nproc=nproc)
 
-    return {
-        "reference": reference_run,
-        "ddp": ddp_run,
-        "fsdp": submit("fsdp", "parallel.strategy=fsdp", "train.micro_batch=2", nproc=2),
-        "accum2": submit("accum2", "parallel.strategy=none", "train.micro_batch=2",
-                         "train.grad_accum=2"),
-        "accum4": submit("accum4", "parallel.strategy=none", "train.micro_batch=1",
-                         "train.grad_accum=4"),
-        "ddp_accum": submit("ddp_accum", "parallel.strategy=ddp", "train.micro_batch=1",
-                            "train.grad_accum=2", nproc=2),
-        "ddp_again": submit("ddp_again", *DDP, nproc=2),
-        "seed1": submit("seed1", *REFERENCE, "run.seed=1"),
-    }
+def _one_of(launch: Future[dict[str, RunResult]], name: str) -> Future[RunResult]:
+    """A future for run `name` of a launch of several (its error, if the launch failed)."""
+    run: Future[RunResult] = Future()
+
+    def done(launched: Future[dict[str, RunResult]]) -> None:
+        error = launched.exception()
+        if error is None:
+            run.set_result(launched.result()[name])
+        else:
+            run.set_exception(error)
+
+    launch.add_done_callback(done)
+    return run
 
 
 def result(runs: dict[str, Future[RunResult]], name: str) -> RunResult:
@@ -108,7 +124,8 @@ def test_gradient_accumulation_matches_one_big_batch(runs: dict[str, Future[RunR
 
 
 def test_deterministic_rerun_is_bit_identical(runs: dict[str, Future[RunResult]]) -> None:
-    """The same config twice (2 DDP ranks) gives exactly the same losses and grad norms."""
+    """The same config twice (2 DDP ranks) gives exactly the same losses and grad norms:
+    once through the CLI, once as the last of three jobs in other processes."""
     first, second = result(runs, "ddp"), result(runs, "ddp_again")
     for rank in (0, 1):
         assert second.losses(rank) == first.losses(rank)

@@ -1,0 +1,121 @@
+"""Many training jobs in one multi-rank launch: start the ranks once, train every layout in turn.
+
+Starting 4 ranks costs far more than training a tiny model for 10 steps (each process imports
+torch), so the layout tests hand one launch a list of jobs. Every rank runs this file; each job
+goes through the real entry point, ``hpctrain.train.job.run_training`` (run directory, process
+group, device mesh, Trainer, metrics, checkpoints), except that the process group is kept between
+jobs: each job builds its own mesh (and groups) on it.
+
+    launch(nproc, spec, workdir, timeout)   # spec: {"config", "common", "out", "jobs": [...]}
+
+A job is ``{"name": ..., "overrides": [...], "wait_for": path or absent}``; ``wait_for`` holds
+the job back until that path exists (a checkpoint another launch writes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+WAIT_S = 600.0
+
+
+def free_port() -> int:
+    """A TCP port free right now on localhost."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc: int, spec: dict[str, Any], workdir: Path, timeout: float,
+           env: dict[str, str] | None = None) -> None:
+    """Run ``spec``'s jobs on ``nproc`` ranks; fail (killing all) if one rank fails or hangs.
+
+    ``env`` adds variables to the ranks' environment (e.g. ``HPCTRAIN_FAULTS``).
+    """
+    extra = env or {}
+    from hpctrain.launch.local import kill_tree
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_path = workdir / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(nproc):
+        rank_env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc),
+                        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                        **extra)
+        rank_env.pop("TORCHELASTIC_RUN_ID", None)
+        log = (workdir / f"rank-{rank}.log").open("w")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, __file__, str(spec_path)], cwd=REPO,
+                                      env=rank_env, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    deadline = time.monotonic() + timeout
+    failed = None
+    try:
+        while any(p.poll() is None for p in procs):
+            codes = [p.poll() for p in procs]
+            failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
+            if failed is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        codes = [p.poll() for p in procs]
+        failed = next((r for r, c in enumerate(codes) if c != 0), None)
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+            p.wait(timeout=10)
+        for log in logs:
+            log.close()
+    if failed is not None:
+        # Every rank's account: the first to fail is often not the lowest rank.
+        tails = "\n".join(f"--- rank {r} (exit {p.returncode}) ---\n"
+                           + _errors((workdir / f"rank-{r}.log").read_text())
+                           for r, p in enumerate(procs))
+        raise AssertionError(f"a rank of {nproc} failed or timed out:\n{tails}")
+
+
+def _errors(log: str) -> str:
+    """The lines of a rank's log that tell what happened: errors and finished jobs."""
+    keep = [line for line in log.splitlines()
+            if line.startswith("job ") or "Error" in line or "error" in line]
+    return "\n".join(keep[-20:])
+
+
+def _run_jobs(spec_path: str) -> None:
+    import torch.distributed as dist
+
+    import hpctrain.train.job as job
+    from hpctrain.config import load_config
+
+    job.shutdown = lambda: None  # one process group for all jobs
+    spec = json.loads(Path(spec_path).read_text())
+    for item in spec["jobs"]:
+        wait_for = item.get("wait_for")
+        if wait_for:
+            deadline = time.monotonic() + WAIT_S
+            while not Path(wait_for).exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{wait_for} did not appear")
+                time.sleep(0.2)
+        cfg = load_config(spec["config"], [*spec["common"], *item["overrides"],
+                                           f"run.out_dir={spec['out']}",
+                                           f"run.name={item['name']}"])
+        started = time.monotonic()
+        job.run_training(cfg)
+        print(f"job {item['name']}: {time.monotonic() - started:.1f} s", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _run_jobs(sys.argv[1])
