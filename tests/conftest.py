@@ -244,6 +244,21 @@ def train_together(out_dir: Path, jobs: dict[str, list[str]], *, nproc: int = 1,
             for name, o in jobs.items()}
 
 
+def one_of(runs: Future[dict[str, RunResult]], name: str) -> Future[RunResult]:
+    """A future for run `name` of `train_together`'s runs (their error, if the launch failed)."""
+    run: Future[RunResult] = Future()
+
+    def done(launched: Future[dict[str, RunResult]]) -> None:
+        error = launched.exception()
+        if error is None:
+            run.set_result(launched.result()[name])
+        else:
+            run.set_exception(error)
+
+    runs.add_done_callback(done)
+    return run
+
+
 @pytest.fixture(scope="session")
 def run_pool() -> Iterator[ThreadPoolExecutor]:
     """Runs independent CLI jobs side by side, at most as many as there are cores."""

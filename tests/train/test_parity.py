@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from conftest import DDP, REFERENCE, RunResult, train_together
+from conftest import DDP, REFERENCE, RunResult, one_of, train_together
 
 LOSS_RTOL = 1e-6
 GRAD_NORM_RTOL = 5e-6
@@ -55,23 +55,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory, run_pool: ThreadPoolExecutor,
         "ddp_again": DDP,
     }, nproc=2)
     return {"reference": reference_run, "ddp": ddp_run,
-            **{name: _one_of(one, name) for name in ("accum2", "accum4", "seed1")},
-            **{name: _one_of(two, name) for name in ("fsdp", "ddp_accum", "ddp_again")}}
-
-
-def _one_of(launch: Future[dict[str, RunResult]], name: str) -> Future[RunResult]:
-    """A future for run `name` of a launch of several (its error, if the launch failed)."""
-    run: Future[RunResult] = Future()
-
-    def done(launched: Future[dict[str, RunResult]]) -> None:
-        error = launched.exception()
-        if error is None:
-            run.set_result(launched.result()[name])
-        else:
-            run.set_exception(error)
-
-    launch.add_done_callback(done)
-    return run
+            **{name: one_of(one, name) for name in ("accum2", "accum4", "seed1")},
+            **{name: one_of(two, name) for name in ("fsdp", "ddp_accum", "ddp_again")}}
 
 
 def result(runs: dict[str, Future[RunResult]], name: str) -> RunResult:

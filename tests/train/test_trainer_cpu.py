@@ -1,5 +1,6 @@
-"""End-to-end CPU runs of the Trainer through the real CLI: run-directory layout, precisions,
-activation checkpointing and the non-finite-loss guard.
+"""End-to-end CPU runs of the Trainer: run-directory layout, precisions, activation
+checkpointing and the non-finite-loss guard; through the real CLI where what it writes, prints
+or exits with is checked, else through the ranks' real entry point, several runs in one process.
 
     .venv/bin/pytest tests/train/test_trainer_cpu.py -q
 """
@@ -25,8 +26,10 @@ from conftest import (
     STEPS,
     TINY,
     RunResult,
+    one_of,
     run_cli,
     train,
+    train_together,
 )
 from hpctrain.config import load_config, to_dict
 from hpctrain.observe.metrics import read_metrics
@@ -36,18 +39,24 @@ from hpctrain.observe.metrics import read_metrics
 def runs(tmp_path_factory: pytest.TempPathFactory, run_pool: ThreadPoolExecutor,
          reference_run: Future[RunResult], ddp_run: Future[RunResult]
          ) -> dict[str, Future[RunResult]]:
-    """Submit every run of this module up front (autouse); they overlap on the 2 cores."""
+    """Submit every run of this module up front (autouse); they overlap on the 2 cores.
+
+    The runs checked by their numbers share one process (conftest's ``train_together``); those
+    checked by what the CLI says and exits with run through it."""
     out = tmp_path_factory.mktemp("trainer")
 
     def submit(name: str, *overrides: str, steps: int = STEPS) -> Future[RunResult]:
         return run_pool.submit(train, out, name, *REFERENCE, *overrides, steps=steps)
 
+    together = run_pool.submit(train_together, out, {
+        "bf16": [*REFERENCE, "train.precision=bf16", "train.steps=2"],
+        "fp16": [*REFERENCE, "train.precision=fp16", "train.steps=2"],
+        "ac_full": [*REFERENCE, "parallel.activation_checkpointing=full"],
+        "ac_every_k": [*REFERENCE, "parallel.activation_checkpointing=every_k",
+                       "parallel.ac_every=2"],
+    })
     return {
-        "bf16": submit("bf16", "train.precision=bf16", steps=2),
-        "fp16": submit("fp16", "train.precision=fp16", steps=2),
-        "ac_full": submit("ac_full", "parallel.activation_checkpointing=full"),
-        "ac_every_k": submit("ac_every_k", "parallel.activation_checkpointing=every_k",
-                             "parallel.ac_every=2"),
+        **{name: one_of(together, name) for name in ("bf16", "fp16", "ac_full", "ac_every_k")},
         # AdamW moves every weight by ~lr per step whatever the gradient; 1e30 overflows the
         # forward within 3 steps. (Also checks that a dot-less exponent is read as a number.)
         # guard.action=stop: fail on a bad step instead of skipping it.
