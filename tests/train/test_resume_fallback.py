@@ -1,5 +1,5 @@
 """Resume and rollback never crash on, nor silently ignore, what ``checkpoints/`` holds; the exit
-info names only committed checkpoints; a full disk says so. Real CLI runs of the tiny demo.
+info names only committed checkpoints; a full disk says so. Real runs of the tiny demo.
 
 One uninterrupted run saves steps 2, 4 and 6; each scenario copies it, damages it in one way,
 and runs the same command again for 8 steps:
@@ -12,6 +12,8 @@ and runs the same command again for 8 steps:
 
 Damaged checkpoints passed over are moved to ``checkpoints/damaged/``, never deleted; retention
 never touches them nor the stray entries. A rollback after a NaN streak uses the same fallback.
+The first three scenarios are read from their logs and folders and run one after another in
+one process (conftest's ``train_together``); the others are read from what the CLI says.
 """
 
 from __future__ import annotations
@@ -30,7 +32,17 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import DEMO, QUIET, TINY, RunResult, cli_command, cli_env, kill_group
+from conftest import (
+    DEMO,
+    QUIET,
+    TINY,
+    RunResult,
+    cli_command,
+    cli_env,
+    kill_group,
+    one_of,
+    train_together,
+)
 from hpctrain.checkpoint.manifest import step_of
 from hpctrain.observe.metrics import read_metrics
 
@@ -123,27 +135,32 @@ def _wrong_shape(ckpt: Path) -> None:
 
 # -- the scenarios --------------------------------------------------------------------------------
 
-def _strays_and_bad_step(ref: RunResult, out: Path) -> RunResult:
-    root = _copy(ref, out, "strays")
+def _strays_and_bad_step(root: Path) -> None:
     for name in STRAYS[:2]:
         shutil.copytree(root / "step-00000002", root / name)
     (root / STRAYS[2]).write_text("a file named like a checkpoint")
     (root / STRAYS[3]).write_text("the user's notes")
     _edit_manifest(root / "step-00000006", lambda m: m.update(step="abc"))
-    # keep_last=1: retention runs after each save and must leave strays and damaged/ alone.
-    return _run(out, "strays", "checkpoint.keep_last=1")
 
 
-def _inconsistent(ref: RunResult, out: Path) -> RunResult:
-    root = _copy(ref, out, "inconsistent")
+def _inconsistent(root: Path) -> None:
     _edit_manifest(root / "step-00000006", lambda m: m.update(step=4))
     _edit_manifest(root / "step-00000004", lambda m: m["loader"].update(step=1))
-    return _run(out, "inconsistent")
 
 
-def _does_not_load(ref: RunResult, out: Path) -> RunResult:
-    _wrong_shape(_copy(ref, out, "noload") / "step-00000006")
-    return _run(out, "noload")
+def _does_not_load(root: Path) -> None:
+    _wrong_shape(root / "step-00000006")
+
+
+def _fall_backs(ref: RunResult, out: Path) -> dict[str, RunResult]:
+    """Three damaged copies of the reference, each resumed by the same run for 8 steps; they
+    are checked by their logs and folders, so one process runs the three in turn."""
+    for name, damage in (("strays", _strays_and_bad_step), ("inconsistent", _inconsistent),
+                         ("noload", _does_not_load)):
+        damage(_copy(ref, out, name))
+    # keep_last=1: retention runs after each save and must leave strays and damaged/ alone.
+    return train_together(out, {"strays": ["checkpoint.keep_last=1"], "inconsistent": [],
+                                "noload": []}, common=[*BASE, "train.steps=8"])
 
 
 def _all_damaged(ref: RunResult, out: Path) -> RunResult:
@@ -187,7 +204,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory,
     out = tmp_path_factory.mktemp("resume")
     f: dict[str, Future] = {"reference": run_pool.submit(_run, out, "reference", steps=6)}
 
-    def after_reference(fn: Callable[[RunResult, Path], RunResult]) -> Future:
+    def after_reference(fn: Callable[[RunResult, Path], Any]) -> Future:
         chained: Future = Future()
 
         def start(done: Future) -> None:
@@ -201,9 +218,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory,
         f["reference"].add_done_callback(start)
         return chained
 
-    for key, fn in (("strays", _strays_and_bad_step), ("inconsistent", _inconsistent),
-                    ("noload", _does_not_load), ("alldamaged", _all_damaged)):
-        f[key] = after_reference(fn)
+    fall_backs = after_reference(_fall_backs)
+    for key in ("strays", "inconsistent", "noload"):
+        f[key] = one_of(fall_backs, key)
+    f["alldamaged"] = after_reference(_all_damaged)
     f["rollback"] = run_pool.submit(_rollback_past_damage, out)
     f["enospc"] = run_pool.submit(_failed_async_save, out)
     return f
