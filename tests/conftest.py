@@ -226,19 +226,23 @@ def train(out_dir: Path, name: str, *overrides: str, nproc: int | None = None,
 
 
 def train_together(out_dir: Path, jobs: dict[str, list[str]], *, nproc: int = 1,
-                   steps: int = STEPS, common: list[str] | None = None
-                   ) -> dict[str, RunResult]:
+                   steps: int = STEPS, common: list[str] | None = None,
+                   faults: dict[str, str] | None = None) -> dict[str, RunResult]:
     """Several `train` runs (name -> overrides) one after another in ONE launch of `nproc`
     ranks, through the ranks' real entry point (tests/rank_jobs.py): what `hpctrain train`
     runs, without starting and importing a launcher and `nproc` processes for each run.
-    ``common`` (default: TINY, QUIET and `steps`) goes before each run's overrides.
+    ``common`` (default: TINY, QUIET and `steps`) goes before each run's overrides;
+    ``faults`` gives runs by name their HPCTRAIN_FAULTS.
 
     For runs compared by their numbers; what the CLI prints or exits with needs `train`."""
     from rank_jobs import launch
 
     common = common if common is not None else [*TINY, *QUIET, f"train.steps={steps}"]
+    faults = faults or {}
     spec = {"config": DEMO, "common": common, "out": str(out_dir),
-            "jobs": [{"name": name, "overrides": o} for name, o in jobs.items()]}
+            "jobs": [{"name": name, "overrides": o,
+                      **({"faults": faults[name]} if name in faults else {})}
+                     for name, o in jobs.items()]}
     launch(nproc, spec, out_dir / f"launch-{nproc}", RUN_TIMEOUT_S * len(jobs))
     return {name: RunResult(["train", DEMO, *common, *o], 0, "", "", out_dir / name)
             for name, o in jobs.items()}

@@ -8,8 +8,9 @@ jobs: each job builds its own mesh (and groups) on it.
 
     launch(nproc, spec, workdir, timeout)   # spec: {"config", "common", "out", "jobs": [...]}
 
-A job is ``{"name": ..., "overrides": [...], "wait_for": path or absent}``; ``wait_for`` holds
-the job back until that path exists (a checkpoint another launch writes).
+A job is ``{"name": ..., "overrides": [...], "wait_for": path or absent, "faults": str or
+absent}``; ``wait_for`` holds the job back until that path exists (a checkpoint another launch
+writes); ``faults`` is that job's ``HPCTRAIN_FAULTS`` (in place of the launch's, if any).
 """
 
 from __future__ import annotations
@@ -99,7 +100,10 @@ def _run_jobs(spec_path: str) -> None:
 
     job.shutdown = lambda: None  # one process group for all jobs
     spec = json.loads(Path(spec_path).read_text())
+    launch_faults = os.environ.get("HPCTRAIN_FAULTS")
     for item in spec["jobs"]:
+        if "faults" in item:
+            _use_faults(item["faults"])
         wait_for = item.get("wait_for")
         if wait_for:
             deadline = time.monotonic() + WAIT_S
@@ -113,8 +117,22 @@ def _run_jobs(spec_path: str) -> None:
         started = time.monotonic()
         job.run_training(cfg)
         print(f"job {item['name']}: {time.monotonic() - started:.1f} s", flush=True)
+        if "faults" in item:
+            _use_faults(launch_faults)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _use_faults(value: str | None) -> None:
+    """Set HPCTRAIN_FAULTS for the jobs that follow, as if this process had started with it."""
+    from hpctrain import faults
+
+    if value is None:
+        os.environ.pop("HPCTRAIN_FAULTS", None)
+    else:
+        os.environ["HPCTRAIN_FAULTS"] = value
+    faults._specs.cache_clear()  # parsed once per process otherwise
+    faults._fired.clear()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,10 @@ caused for real (signals, kill -9, HPCTRAIN_FAULTS) in real CLI runs, and recove
 
 Every run is the tiny demo (see conftest) on CPU with deterministic kernels, so "resumed exactly"
 can be asserted bit for bit against an uninterrupted run. Independent runs go to the shared pool
-(2 at a time); a run that needs another's checkpoint is chained after it with ``_then``.
+(2 at a time); a run that needs another's checkpoint is chained after it with ``_then``. Runs
+read only from their folders (the reference, DDP -> FSDP, the NaN runs) share launches through
+conftest's ``train_together``; those whose exit code, console or signals are checked go
+through the CLI.
 
 Timing without races: a signal or a kill must land while the run is still going, and a tiny
 step takes ~50 ms. The ``hang@step=S,seconds=T`` fault (all ranks unless ``rank=``) sleeps T s
@@ -36,7 +39,9 @@ from conftest import (
     cli_command,
     cli_env,
     kill_group,
+    one_of,
     processes_mentioning,
+    train_together,
 )
 from hpctrain.checkpoint.manifest import read_manifest, verify_files
 from hpctrain.observe.metrics import read_metrics
@@ -264,8 +269,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory,
         return pool.submit(fn, *a, **kw)
 
     f: dict[str, Future] = {}
-    # The uninterrupted reference: 2 DDP ranks, 12 cosine steps, checkpoints at 6 and 12.
-    f["reference"] = submit(_run, out, "reference", *TWO_DDP, "checkpoint.every=6", nproc=2)
+    # The uninterrupted reference: 2 DDP ranks, 12 cosine steps, checkpoints at 6 and 12; then
+    # in the same 2 ranks, FSDP resumes its step 6 (and saves at 9). Both are read from their
+    # folders only, so they share one launch (conftest's train_together).
+    ref_ckpt = out / "reference" / "checkpoints"
+    two = submit(train_together, out, {
+        "reference": [*TWO_DDP, f"train.steps={STEPS}", "checkpoint.every=6"],
+        "ddp_to_fsdp": [*TWO_FSDP, f"train.steps={STEPS}", "checkpoint.every=9",
+                        f"checkpoint.resume={ref_ckpt / 'step-00000006'}"],
+    }, nproc=2, common=BASE)
+    f["reference"], f["ddp_to_fsdp"] = one_of(two, "reference"), one_of(two, "ddp_to_fsdp")
     f["preempt"] = submit(_preempt_and_rerun, out)
     f["kill9"] = submit(_kill_rank_and_restart, out)
     f["watchdog"] = submit(_run, out, "watchdog", *TWO_DDP, "watchdog.timeout=5", nproc=2,
@@ -274,18 +287,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory,
         f[f"io_error_async_{mode}"] = submit(
             _run, out, f"io_error_{mode}", *ONE, "checkpoint.every=3",
             f"checkpoint.async_save={mode}", steps=9, faults="save_io_error@step=6")
-    f["nan_skip"] = submit(_run, out, "nan_skip", *ONE, steps=8, faults="nan@step=5")
-    f["nan_rollback"] = submit(_run, out, "nan_rollback", *ONE, "guard.max_consecutive=3",
-                               "checkpoint.every=2", steps=14, faults="nan@step=4-12")
+    # Read from their folders too: one process runs both.
+    nan = submit(train_together, out, {
+        "nan_skip": [*ONE, "train.steps=8"],
+        "nan_rollback": [*ONE, "guard.max_consecutive=3", "checkpoint.every=2",
+                         "train.steps=14"],
+    }, common=BASE, faults={"nan_skip": "nan@step=5", "nan_rollback": "nan@step=4-12"})
+    f["nan_skip"], f["nan_rollback"] = one_of(nan, "nan_skip"), one_of(nan, "nan_rollback")
     f["nan_no_ckpt"] = submit(_run, out, "nan_no_ckpt", *ONE, "checkpoint.interval=none",
                               steps=8, faults="nan@step=1-100")
     f["resume_missing"] = submit(_run, out, "missing", *ONE, steps=2,
                                  flags=("--resume", str(out / "nonexistent")))
     # Saved by DDP on 2 ranks at step 6 -> FSDP on 2 ranks (which saves at 9) -> 1 process.
-    ref_ckpt = out / "reference" / "checkpoints"
-    f["ddp_to_fsdp"] = _then(pool, f["reference"], lambda _: _run(
-        out, "ddp_to_fsdp", *TWO_FSDP, "checkpoint.every=9", nproc=2,
-        flags=("--resume", str(ref_ckpt / "step-00000006"))))
     f["fsdp_to_one"] = _then(pool, f["ddp_to_fsdp"], lambda prev: _run(
         out, "fsdp_to_one", *ONE,
         flags=("--resume", str(prev.run_dir / "checkpoints" / "step-00000009"))))
