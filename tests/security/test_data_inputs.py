@@ -68,6 +68,45 @@ def _data(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProce
                           capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
+@pytest.fixture
+def data_here(capsys: pytest.CaptureFixture):
+    """``hpctrain data ARGS`` in this process (``cli.main``), as a CompletedProcess whose
+    stderr holds what the command printed there and the warnings it logged (which the console
+    shows: see the subprocess run in the first CLI test). For inputs that cannot block: the
+    FIFO test runs in a subprocess, which a timeout can end."""
+    from hpctrain.cli import main
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        # On the `hpctrain` logger itself: a test that set up rank logging in this process
+        # may have stopped it propagating to pytest's handlers.
+        warnings = _Collect(logging.WARNING)
+        logger = logging.getLogger("hpctrain")
+        logger.addHandler(warnings)
+        try:
+            main(["data", *args])
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        finally:
+            logger.removeHandler(warnings)
+        out = capsys.readouterr()
+        logged = "".join(f"{message}\n" for message in warnings.messages)
+        return subprocess.CompletedProcess(["data", *args], code, out.out, out.err + logged)
+
+    return run
+
+
+class _Collect(logging.Handler):
+    """Keeps the messages of the records it is handed."""
+
+    def __init__(self, level: int):
+        super().__init__(level)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 # -- links out of the tree ---------------------------------------------------------------------
 
 
@@ -85,27 +124,30 @@ def test_prepare_skips_a_link_out_of_the_tree(tmp_path: Path,
         assert "shadow" not in json.dumps(load_manifest(tmp_path / f"out{n}").raw["inputs"])
 
 
-def test_cli_prepare_pack_and_tokenizer_skip_it_unless_asked(tmp_path: Path) -> None:
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_cli_prepare_pack_and_tokenizer_skip_it_unless_asked(tmp_path: Path,
+                                                             data_here) -> None:
     corpus, _ = _corpus(tmp_path)
+    # A real process once: the warning reaches the console.
     r = _data("prepare", str(corpus), "--out", str(tmp_path / "p"), "--workers", "1",
               "--no-progress")
     assert r.returncode == 0, r.stderr
     assert "shadow.txt" in r.stderr and SECRET.strip() not in _all_tokens(tmp_path / "p")
-    r = _data("prepare", str(corpus), "--out", str(tmp_path / "pf"), "--workers", "1",
-              "--no-progress", "--follow-symlinks")
+    r = data_here("prepare", str(corpus), "--out", str(tmp_path / "pf"), "--workers", "1",
+                  "--no-progress", "--follow-symlinks")
     assert r.returncode == 0, r.stderr
     assert SECRET.strip() in _all_tokens(tmp_path / "pf")
 
-    r = _data("pack", str(corpus), "--out", str(tmp_path / "k"))
+    r = data_here("pack", str(corpus), "--out", str(tmp_path / "k"))
     assert r.returncode == 0, r.stderr
     assert "shadow.txt" in r.stderr and SECRET.strip() not in _tar_bytes(tmp_path / "k")
-    r = _data("pack", str(corpus), "--out", str(tmp_path / "kf"), "--follow-symlinks")
+    r = data_here("pack", str(corpus), "--out", str(tmp_path / "kf"), "--follow-symlinks")
     assert r.returncode == 0, r.stderr
     assert SECRET.strip() in _tar_bytes(tmp_path / "kf")
 
     if HAVE_TOKENIZERS:
-        r = _data("train-tokenizer", str(corpus), "--vocab", "260", "--out",
-                  str(tmp_path / "tok.json"))
+        r = data_here("train-tokenizer", str(corpus), "--vocab", "260", "--out",
+                      str(tmp_path / "tok.json"))
         assert r.returncode == 0, r.stderr
         assert "shadow.txt" in r.stderr
 
@@ -186,24 +228,26 @@ def _assert_exit_2(r: subprocess.CompletedProcess, *words: str) -> None:
         assert w in r.stderr, (w, r.stderr)
 
 
-def test_dangling_link_and_out_that_is_a_file(tmp_path: Path) -> None:
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_dangling_link_and_out_that_is_a_file(tmp_path: Path, data_here) -> None:
     corpus, _ = _corpus(tmp_path)
     (corpus / "gone.txt").symlink_to(corpus / "deleted.txt")
-    _assert_exit_2(_data("prepare", str(corpus), "--out", str(tmp_path / "p")), "gone.txt",
-                   "dangling")
-    _assert_exit_2(_data("pack", str(corpus), "--out", str(tmp_path / "k")), "gone.txt",
+    _assert_exit_2(data_here("prepare", str(corpus), "--out", str(tmp_path / "p")),
+                   "gone.txt", "dangling")
+    _assert_exit_2(data_here("pack", str(corpus), "--out", str(tmp_path / "k")), "gone.txt",
                    "dangling")
     (corpus / "gone.txt").unlink()
     (tmp_path / "file").write_text("precious")
-    _assert_exit_2(_data("prepare", str(corpus), "--out", str(tmp_path / "file")),
+    _assert_exit_2(data_here("prepare", str(corpus), "--out", str(tmp_path / "file")),
                    str(tmp_path / "file"), "not a directory")
-    _assert_exit_2(_data("pack", str(corpus), "--out", str(tmp_path / "file")),
+    _assert_exit_2(data_here("pack", str(corpus), "--out", str(tmp_path / "file")),
                    str(tmp_path / "file"), "not a directory")
     assert (tmp_path / "file").read_text() == "precious"
     if HAVE_TOKENIZERS:
         (tmp_path / "dir").mkdir()
-        _assert_exit_2(_data("train-tokenizer", str(corpus), "--vocab", "260", "--out",
-                             str(tmp_path / "dir")), str(tmp_path / "dir"), "is a directory")
+        _assert_exit_2(data_here("train-tokenizer", str(corpus), "--vocab", "260", "--out",
+                                 str(tmp_path / "dir")), str(tmp_path / "dir"),
+                       "is a directory")
 
 
 def _without_root_privilege() -> tuple[str, ...]:
