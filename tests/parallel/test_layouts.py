@@ -8,6 +8,9 @@ Two launches run side by side (gloo, CPU, a 4-layer 64-wide decoder, fp32, deter
   each once with one loader micro-batch and once with gradient accumulation; then a resume chain
   across layouts: the reference's step-3 checkpoint -> PP2 x TP2 (steps 4-5) -> FSDP4 (step 6)
   -> TP2 x FSDP2 (step 7).
+- the bad-step guard through a pipeline, one job in each launch: with the loss of step 2
+  poisoned (``HPCTRAIN_FAULTS=nan@step=2``), PP2 x TP2 skips that step on every stage exactly
+  as one process does.
 
 Every job logs the global loss, the global gradient norm (all stages and shards) and, at the
 end, the validation loss through the same layout (through the pipeline for PP). The reference
@@ -25,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rank_jobs import launch
 
 from conftest import DEMO, QUIET, TINY
 from hpctrain.observe.metrics import read_metrics
 from hpctrain.parallel.config import PP_SCHEDULES
 from hpctrain.parallel.pipeline import schedule_supported
+from rank_jobs import launch
 
 STEPS = 10
 RTOL = 1e-5
@@ -43,6 +46,9 @@ COMMON = [*TINY, "model.n_layers=4", *QUIET, f"train.steps={STEPS}", "optim.sche
           "checkpoint.save_at_end=false", "checkpoint.interval=none"]
 REFERENCE = ["parallel.strategy=none", "train.micro_batch=8", "checkpoint.interval=steps",
              "checkpoint.every=3", "checkpoint.keep_every=3"]
+# The guard jobs: 4 steps, the default schedule (1F1B), no validation split.
+GUARD = ["train.steps=4", "train.micro_batch=4", "data.val_fraction=0"]
+GUARD_FAULT = "nan@step=2"
 # Every schedule offered that this PyTorch runs on CPU (zbv needs 2.13 with gloo).
 SCHEDULES = tuple(s for s in PP_SCHEDULES if schedule_supported(s, "cpu"))
 
@@ -107,9 +113,15 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("layouts")
     runs = root / "runs"
     spec = {"config": DEMO, "common": COMMON, "out": str(runs)}
-    reference = {**spec, "jobs": [{"name": "reference", "overrides": REFERENCE}]}
+    reference = {**spec, "jobs": [
+        {"name": "reference", "overrides": REFERENCE},
+        {"name": "guard_one", "overrides": ["parallel.strategy=none", *GUARD],
+         "faults": GUARD_FAULT}]}
     layouts = {**spec, "jobs": [{"name": n, "overrides": o} for n, o in PARITY.items()]
-               + _resume_chain(runs)}
+               + _resume_chain(runs)
+               + [{"name": "guard_pp2_tp2", "overrides": [
+                   "parallel.strategy=none", "parallel.pp=2", "parallel.tp=2",
+                   "parallel.pp_microbatches=2", *GUARD], "faults": GUARD_FAULT}]}
     with ThreadPoolExecutor(max_workers=2) as pool:
         ref = pool.submit(launch, 1, reference, root / "launch-1", LAUNCH_TIMEOUT_S)
         four = pool.submit(launch, 4, layouts, root / "launch-4", LAUNCH_TIMEOUT_S)
@@ -195,3 +207,18 @@ def test_pipeline_layout_is_reported(out: Path, schedule: str) -> None:
     assert sorted(held) == [0, 1, 2, 3]
     steps = _steps(out, f"pp2_tp2_{schedule}")
     assert all(r["pp_bubble"] == event["pp_bubble"] for r in steps.values())
+
+
+def test_nan_step_is_skipped_on_every_stage(out: Path) -> None:
+    """The bad-step guard through a pipeline: a NaN loss on the last stage skips the step on
+    every stage, exactly as one process skips it. If any stage applied its update the weights
+    would split from the one-process run's and so would the losses of steps 3 and 4."""
+    ref = [r["loss"] for r in _records(out, "guard_one") if "loss" in r]
+    assert math.isnan(ref[1]) and all(math.isfinite(x) for x in ref[2:])
+    for rank in range(4):
+        recs = _records(out, "guard_pp2_tp2", rank)
+        assert [r["step"] for r in recs if r.get("event") == "bad_steps"] == [2]
+        losses = [r["loss"] for r in recs if "loss" in r]
+        assert math.isnan(losses[1])
+        for got, want in zip(losses[2:], ref[2:], strict=True):
+            assert abs(got - want) <= 1e-5 * abs(want), (rank, losses, ref)
