@@ -13,30 +13,44 @@ import torch.multiprocessing as mp
 from hpctrain.bench.busbw import OPS
 from hpctrain.bench.collective import CollectiveOptions, run_collectives
 
+CLEAN_RANKS = 3
+# name -> (ranks, options): the clean run on 3 ranks, a planted error on 2 (of the same 3).
+CASES = {
+    "clean": (CLEAN_RANKS, CollectiveOptions(sizes=[4096], warmup=0, iters=2)),
+    "corrupt": (2, CollectiveOptions(sizes=[4096], warmup=0, iters=2,
+                                     ops=["all_reduce", "all_gather", "sendrecv"],
+                                     corrupt_rank=1)),
+}
 
-def _worker(rank: int, n: int, store: str, opts: CollectiveOptions, out: str) -> None:
+
+def _worker(rank: int, tmp: str) -> None:
+    """One of 3 processes: every case it takes part in, each in a group of its own size."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n)
-    try:
-        rows = run_collectives(opts, torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
-    if rank == 0:
-        torch.save(rows, out)
+    for name, (n, opts) in CASES.items():
+        if rank >= n:
+            continue
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store-{name}", rank=rank,
+                                world_size=n)
+        try:
+            rows = run_collectives(opts, torch.device("cpu"))
+        finally:
+            dist.destroy_process_group()
+        if rank == 0:
+            torch.save(rows, f"{tmp}/{name}.pt")
 
 
-def run_ranks(n: int, **kw) -> list[dict]:
-    opts = CollectiveOptions(sizes=[4096], warmup=0, iters=2, **kw)
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[dict]]:
+    """Case name -> rank 0's rows, all cases from one spawn of 3 processes."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "rows.pt")
-        mp.spawn(_worker, args=(n, str(Path(tmp) / "store"), opts, out), nprocs=n)
-        return torch.load(out)
+        mp.spawn(_worker, args=(tmp,), nprocs=CLEAN_RANKS)
+        return {name: torch.load(Path(tmp) / f"{name}.pt") for name in CASES}
 
 
 # The 2-rank clean run is tests/bench/test_bench_cli.py's launcher test (real elastic launch).
-@pytest.fixture(scope="module", params=[3])
-def clean(request) -> tuple[int, list[dict]]:
-    return request.param, run_ranks(request.param)
+@pytest.fixture(scope="module")
+def clean(runs: dict[str, list[dict]]) -> tuple[int, list[dict]]:
+    return CLEAN_RANKS, runs["clean"]
 
 
 def test_every_op_is_exact(clean) -> None:
@@ -64,9 +78,9 @@ def test_busbw_follows_factor(clean) -> None:
     assert ar["ip_busbw"] == pytest.approx(ar["ip_algbw"] * 2 * (n - 1) / n)
 
 
-def test_planted_corruption_is_detected() -> None:
-    ops = ["all_reduce", "all_gather", "sendrecv"]
-    rows = run_ranks(2, ops=ops, corrupt_rank=1)
+def test_planted_corruption_is_detected(runs: dict[str, list[dict]]) -> None:
+    rows = runs["corrupt"]
+    assert {r["op"] for r in rows} == {"all_reduce", "all_gather", "sendrecv"}
     for r in rows:
         wrong = [r[f"{m}_wrong"] for m in ("oop", "ip") if r[f"{m}_wrong"] is not None]
         assert wrong and all(w > 0 for w in wrong), r
