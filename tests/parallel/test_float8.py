@@ -26,7 +26,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from rank_jobs import REPO, free_port, launch
 
 from conftest import DEMO, QUIET, TINY, run_cli
 from hpctrain.config import load_config
@@ -42,6 +41,7 @@ from hpctrain.parallel.float8 import (
 )
 from hpctrain.parallel.layout import ParallelLayout, check_layout
 from hpctrain.plan.memory import MemoryOptions, estimate_memory, resolve_model
+from rank_jobs import REPO, free_port, launch
 
 try:
     import_float8()  # torchao, imported without its log noise about kernels a CPU cannot load

@@ -32,7 +32,6 @@ from typing import Any
 
 import pytest
 import torch
-from rank_jobs import launch
 
 from conftest import DEMO, QUIET, TINY
 from hpctrain.config import load_config
@@ -42,6 +41,7 @@ from hpctrain.observe.metrics import read_metrics
 from hpctrain.parallel.config import mixed_precision_path
 from hpctrain.parallel.layout import ParallelLayout
 from hpctrain.parallel.parallelize import autocast_dtype, parallelize
+from rank_jobs import launch
 
 STEPS = 4
 RTOL = 2e-3

@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 import torch
-from rank_jobs import launch
 
 from conftest import DEMO, QUIET, TINY
 from hpctrain.config import load_config
@@ -31,6 +30,7 @@ from hpctrain.errors import ConfigError
 from hpctrain.models.sdpa_backend import attention_backend
 from hpctrain.observe.metrics import read_metrics
 from hpctrain.parallel.layout import check_layout
+from rank_jobs import launch
 
 STEPS = 4
 RTOL = 1e-5
