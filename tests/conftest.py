@@ -48,9 +48,38 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return root
 
 
-# The two longest groups (about 7 and 5 minutes on 2 cores) start first: the Slurm tests mostly
-# wait on the scheduler and overlap well with the rest, and neither is left alone at the end.
-LONGEST_GROUPS = ("slurm", "parallel/test_layouts.py")
+# The order xdist hands the groups out in: longest first, so that none is left running alone at
+# the end. The Slurm tests (about 6 minutes on 2 cores, mostly waiting on the scheduler) and the
+# layouts launch (about 4, both cores busy) start at once, one per worker, and overlap well;
+# then the groups of many CLI runs, by CPU time measured on 2 cores (CPU-seconds, shown for
+# when a group grows); every other group after them, in collection order.
+LONGEST_GROUPS = (
+    "slurm",
+    "parallel/test_layouts.py",
+    "train/test_resilience.py",  # ~180
+    "launch/test_launcher_signals.py",  # ~130
+    "launch/test_rerun_resumes.py",  # ~100
+    "launch/test_local_launcher.py",  # ~80
+    "security/test_run_lock_cli.py",  # ~70
+    "parallel/test_float8.py",  # ~65
+    "train/test_trainer_cpu.py",  # ~65
+    "train/test_goodput_runs.py",  # ~60
+    "train/test_parity.py",  # ~60
+    "observe/test_observe_runs.py",  # ~55
+    "parallel/test_mixed_precision.py",  # ~50
+    "train/test_resume_fallback.py",  # ~50
+    "checkpoint/test_writer.py",  # ~45
+    "security/test_data_inputs.py",  # ~40
+    "train/test_validation.py",  # ~40
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep LONGEST_GROUPS' order: pytest-xdist would otherwise hand the groups out by their
+    number of tests, most first (``--loadscope-reorder``, its default for --dist loadgroup),
+    which puts the Slurm tests and the layouts launch in the middle and a long group last."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
