@@ -25,7 +25,6 @@ from typing import Any
 import psutil
 import pytest
 
-from hpctrain.launch.local import kill_tree
 from hpctrain.observe.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -156,6 +155,8 @@ def cli_command(args: list[str]) -> list[str]:
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the process group `proc` leads (started with start_new_session) and all its
     descendants (the elastic agent starts each worker in a session of its own)."""
+    from hpctrain.launch.local import kill_tree
+
     kill_tree(proc.pid)
 
 
