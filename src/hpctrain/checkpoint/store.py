@@ -79,7 +79,8 @@ class CheckpointStore:
         dist.barrier(group=group)
         error, full, mine = None, False, {}
         try:
-            dcp.save(state, storage_writer=_Writer(tmp, step), process_group=group,
+            writer = _Writer(tmp, step, write_threads(self.cfg.write_threads))
+            dcp.save(state, storage_writer=writer, process_group=group,
                      planner=planner)
             rng_path = tmp / f"rng-rank-{self.rank:05d}.pt"
             _save_durable(rng, rng_path)
@@ -230,14 +231,25 @@ class _Writer(FileSystemWriter):
     """DCP's file writer (fsync on) with the injected-fault seams inside the write phase, where
     DCP reports a rank's I/O error to every rank, as it does for a real full disk."""
 
-    def __init__(self, path: Path, step: int):
-        super().__init__(path, sync_files=True)
+    def __init__(self, path: Path, step: int, threads: int):
+        super().__init__(path, sync_files=True, thread_count=threads)
         self._step = step
 
     def write_data(self, plan, planner):
         faults.maybe_slow_save(self._step)
         faults.maybe_fail_save(self._step)
         return super().write_data(plan, planner)
+
+
+def write_threads(configured: int) -> int:
+    """The threads (and files) each rank writes a checkpoint with: ``configured``, or for 0 half
+    the CPU cores this rank may use (its share of the node's when no launcher bound it), 1-8."""
+    if configured:
+        return configured
+    cores = len(os.sched_getaffinity(0))
+    if cores == os.cpu_count():  # not bound to its own cores: share them with the node's ranks
+        cores //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, min(8, cores // 2))
 
 
 def causes(e: BaseException) -> list[BaseException]:
