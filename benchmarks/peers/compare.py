@@ -11,7 +11,7 @@ per GPU, MFU by hpctrain's convention for both, peak memory, ratio) and writes e
 to ``--out``/compare.json. Every speed claim in the README comes from this script.
 
     python benchmarks/peers/compare.py --layouts 8b-tp2 --set parallel.mixed_precision=autocast \
-        --tag -autocast --only hpctrain         # an A/B of one setting on our side
+        --tag autocast --only hpctrain          # an A/B of one setting: rows 8b-tp2-autocast
     python benchmarks/peers/compare.py --layouts 8b-pp2 --profile   # + profile-8b-pp2.md
 
 ``--profile`` adds, after each layout's pairs, a short run of our side with three steps profiled
@@ -197,8 +197,17 @@ def _summary(rows: list[dict], mem_key: str) -> tuple[float | None, str, str, st
             f"{max(r[mem_key] for r in good):.1f}", shown)
 
 
-def main() -> None:
-    """Run the chosen layouts on both sides and print the table."""
+def _tag(text: str) -> str:
+    # Taken without its hyphen: argparse reads "--tag -autocast" as an unknown option "-a...",
+    # which once cost a GPU lease its A/B runs.
+    name = text.lstrip("-")
+    if not name:
+        raise argparse.ArgumentTypeError("a tag needs a name, e.g. --tag autocast")
+    return f"-{name}"
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), required=True)
     p.add_argument("--steps", type=int, default=60)
@@ -208,10 +217,17 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="an override for our side of every layout (an A/B: name it --tag)")
-    p.add_argument("--tag", default="", help="appended to the layout names in the results")
+    p.add_argument("--tag", default="", type=_tag,
+                   help="a name for the --set variant, appended to the layout names in the "
+                   "results as -TAG")
     p.add_argument("--profile", action="store_true",
                    help="after each layout, profile 3 steps of our side in a run of its own")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    """Run the chosen layouts on both sides and print the table."""
+    args = parser().parse_args()
     if not torch.cuda.is_available():
         sys.exit("compare needs CUDA GPUs")
     out = args.out.resolve()

@@ -1,0 +1,50 @@
+"""benchmarks/peers/compare.py without a GPU: its command line and the configs of its layouts."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpctrain.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def compare():
+    path = REPO / "benchmarks" / "peers" / "compare.py"
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("compare_peers", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+@pytest.mark.parametrize("given", [["--tag", "autocast"], ["--tag=-autocast"]])
+def test_a_tag_is_taken_with_or_without_its_hyphen(compare, given: list[str]) -> None:
+    args = compare.parser().parse_args(["--layouts", "8b-tp2", "--only", "hpctrain",
+                                        "--set", "parallel.mixed_precision=autocast", *given])
+    assert args.tag == "-autocast"
+    assert args.set == ["parallel.mixed_precision=autocast"]
+
+
+def test_an_empty_tag_is_refused(compare, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        compare.parser().parse_args(["--layouts", "8b-tp2", "--tag=-"])
+    assert "a tag needs a name" in capsys.readouterr().err
+
+
+def test_every_layout_is_a_valid_config_for_its_gpus(compare) -> None:
+    for name, layout in compare.LAYOUTS.items():
+        cfg = load_config(REPO / layout.config, layout.overrides)
+        par = cfg.parallel
+        assert layout.gpus % (par.tp * par.pp) == 0, name
+        assert cfg.model.size == layout.peer.size, name
