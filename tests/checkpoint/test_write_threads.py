@@ -7,12 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from hpctrain.checkpoint.config import CheckpointConfig
-from hpctrain.checkpoint.manifest import describe, read_manifest
-from hpctrain.checkpoint.store import write_threads
-from hpctrain.errors import ConfigError
-from tests.checkpoint.helpers import (
+from helpers import (
     make_model,
     make_optimizer,
     manager,
@@ -20,6 +15,11 @@ from tests.checkpoint.helpers import (
     state_of,
     train_steps,
 )
+
+from hpctrain.checkpoint.config import CheckpointConfig
+from hpctrain.checkpoint.manifest import describe, read_manifest
+from hpctrain.checkpoint.store import write_threads
+from hpctrain.errors import ConfigError
 
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["sync", "async"])
