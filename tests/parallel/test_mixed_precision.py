@@ -7,10 +7,11 @@ parameters and gradients the optimizer sees stay fp32.
 Two launches side by side (``rank_jobs.py``: gloo, CPU, the tiny 2-layer 64-wide decoder in
 bf16, deterministic kernels, 4 steps of 4 x 32 tokens):
 
-- 2 ranks: TP2 and PP2 (1F1B, 2 micro-batches) with ``mixed_precision=autocast`` and ``auto``
-  (which takes FSDP's casts here), the TP2 one saving at step 2; one fp32 step of each (a path
-  that silently computed in fp32 would match it bit for bit); PP2 resumed from the 1-rank
-  run's step-2 checkpoint;
+- 2 ranks: TP2 and PP2 (1F1B, 2 micro-batches) with ``mixed_precision=autocast`` (TP2 through
+  ``auto``, which takes it for this tiny model) and ``fsdp`` (what ``auto`` takes from 2B
+  parameters per rank), the TP2 one saving at step 2; one fp32 step of each (a path that
+  silently computed in fp32 would match it bit for bit); PP2 resumed from the 1-rank run's
+  step-2 checkpoint;
 - 1 rank (the one-GPU default: autocast), saving at step 2; resumed from TP2's step-2
   checkpoint.
 
@@ -36,7 +37,7 @@ import torch
 from conftest import DEMO, QUIET, TINY
 from hpctrain.config import load_config
 from hpctrain.errors import ConfigError
-from hpctrain.models import Transformer
+from hpctrain.models import Transformer, count_params
 from hpctrain.observe.metrics import read_metrics
 from hpctrain.parallel.config import mixed_precision_path
 from hpctrain.parallel.layout import ParallelLayout
@@ -51,37 +52,43 @@ BF16 = [*TINY, *QUIET, "train.precision=bf16"]
 
 # -- choosing the path --------------------------------------------------------------------------
 
-# (setting, strategy, tp, pp, precision) -> path
+B = 1_000_000_000
+# (setting, strategy, tp, pp, precision, parameters) -> path
 PATHS = [
-    ("auto", "none", 2, 1, "bf16", "fsdp"),
-    ("auto", "none", 1, 2, "bf16", "fsdp"),
-    ("auto", "none", 2, 2, "bf16", "fsdp"),
-    ("auto", "none", 1, 1, "bf16", "autocast"),  # one GPU: as before
-    ("auto", "ddp", 1, 1, "bf16", "autocast"),
-    ("auto", "fsdp", 2, 2, "bf16", "fsdp"),
-    ("auto", "none", 1, 2, "fp8", "autocast"),  # fp8 unchanged
-    ("auto", "none", 2, 1, "fp32", "none"),
-    ("auto", "fsdp", 1, 1, "fp32", "none"),
-    ("autocast", "none", 2, 1, "bf16", "autocast"),
-    ("autocast", "none", 1, 2, "bf16", "autocast"),
-    ("fsdp", "none", 1, 1, "bf16", "fsdp"),  # one GPU, asked for
-    ("fsdp", "none", 1, 2, "fp32", "none"),  # fp32: nothing to cast
+    ("auto", "none", 2, 1, "bf16", 8 * B, "fsdp"),
+    ("auto", "none", 1, 2, "bf16", 8 * B, "fsdp"),
+    ("auto", "none", 2, 2, "bf16", 8 * B, "fsdp"),  # 2B per rank: from there on
+    ("auto", "none", 2, 2, "bf16", 8 * B - 4, "autocast"),  # just under 2B per rank
+    ("auto", "none", 2, 1, "bf16", B, "autocast"),  # 1b: FSDP's hooks cost more than they save
+    ("auto", "none", 1, 2, "bf16", B, "autocast"),
+    ("auto", "none", 1, 1, "bf16", 8 * B, "autocast"),  # one GPU: as before
+    ("auto", "ddp", 1, 1, "bf16", 8 * B, "autocast"),
+    ("auto", "fsdp", 2, 2, "bf16", B, "fsdp"),
+    ("auto", "none", 1, 2, "fp8", 8 * B, "autocast"),  # fp8 unchanged
+    ("auto", "none", 2, 1, "fp32", 8 * B, "none"),
+    ("auto", "fsdp", 1, 1, "fp32", B, "none"),
+    ("autocast", "none", 2, 1, "bf16", 8 * B, "autocast"),
+    ("autocast", "none", 1, 2, "bf16", 8 * B, "autocast"),
+    ("fsdp", "none", 1, 1, "bf16", B, "fsdp"),  # one GPU, asked for
+    ("fsdp", "none", 2, 1, "bf16", B, "fsdp"),  # a small model, asked for
+    ("fsdp", "none", 1, 2, "fp32", B, "none"),  # fp32: nothing to cast
 ]
 
 
-@pytest.mark.parametrize(("setting", "strategy", "tp", "pp", "precision", "path"), PATHS)
+@pytest.mark.parametrize(("setting", "strategy", "tp", "pp", "precision", "params", "path"),
+                         PATHS)
 def test_path_is_chosen_as_specified(setting: str, strategy: str, tp: int, pp: int,
-                                     precision: str, path: str) -> None:
-    assert mixed_precision_path(setting, strategy, tp, pp, precision) == path
+                                     precision: str, params: int, path: str) -> None:
+    assert mixed_precision_path(setting, strategy, tp, pp, precision, params) == path
     if (setting, strategy) in (("autocast", "fsdp"), ("fsdp", "ddp")):
         return
     cfg = load_config(DEMO, [*TINY, f"parallel.strategy={strategy}", f"parallel.tp={tp}",
                              f"parallel.pp={pp}", f"parallel.mixed_precision={setting}",
                              f"train.precision={precision}"])
-    assert cfg.parallel.mixed_precision_path(precision) == path
+    assert cfg.parallel.mixed_precision_path(precision, params) == path
     # The trainer, validation and pipeline stages autocast exactly where the path says so.
     expected = torch.bfloat16 if path == "autocast" else None
-    assert autocast_dtype(cfg.parallel, precision) == expected
+    assert autocast_dtype(cfg.parallel, precision, params) == expected
 
 
 REFUSED = {
@@ -117,7 +124,8 @@ def test_fsdp_over_one_rank_computes_in_bf16_with_fp32_master_weights(pg: None) 
     from hpctrain.runtime.dist import MESH_AXES
 
     cfg = load_config(DEMO, [*BF16, "parallel.strategy=none", "parallel.mixed_precision=fsdp"])
-    assert autocast_dtype(cfg.parallel, "bf16") is None
+    assert autocast_dtype(cfg.parallel, "bf16", count_params(cfg.model.resolve(),
+                                                          include_embedding=True)) is None
     mesh = init_device_mesh("cpu", (1, 1, 1, 1), mesh_dim_names=MESH_AXES)
     with torch.device("meta"):
         model = Transformer(cfg.model.resolve())
@@ -146,6 +154,7 @@ COMMON = [*BF16, f"train.steps={STEPS}", "optim.schedule=constant", "parallel.st
 SAVE_AT_2 = ["checkpoint.interval=steps", "checkpoint.every=2", "checkpoint.keep_every=2"]
 TP2, PP2 = ["parallel.tp=2"], ["parallel.pp=2", "parallel.pp_microbatches=2"]
 AUTOCAST = ["parallel.mixed_precision=autocast"]
+FSDP_CASTS = ["parallel.mixed_precision=fsdp"]
 FP32_STEP = ["train.precision=fp32", "train.steps=1"]
 
 
@@ -160,14 +169,15 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     runs = root / "runs"
     spec = {"config": DEMO, "common": COMMON, "out": str(runs)}
     two = {**spec, "jobs": [
-        {"name": "tp2_fsdp", "overrides": [*TP2, *SAVE_AT_2]},
-        {"name": "tp2_autocast", "overrides": [*TP2, *AUTOCAST]},
-        {"name": "pp2_fsdp", "overrides": PP2},
+        {"name": "tp2_fsdp", "overrides": [*TP2, *FSDP_CASTS, *SAVE_AT_2]},
+        # auto: the tiny model is far below 2B parameters per rank, so autocast.
+        {"name": "tp2_autocast", "overrides": TP2},
+        {"name": "pp2_fsdp", "overrides": [*PP2, *FSDP_CASTS]},
         {"name": "pp2_autocast", "overrides": [*PP2, *AUTOCAST]},
         {"name": "tp2_fp32", "overrides": [*TP2, *FP32_STEP]},
         {"name": "pp2_fp32", "overrides": [*PP2, *FP32_STEP]},
         {"name": "pp2_resumed", "wait_for": _checkpoint(runs, "one", 2),
-         "overrides": [*PP2, f"checkpoint.resume={_checkpoint(runs, 'one', 2)}"]},
+         "overrides": [*PP2, *FSDP_CASTS, f"checkpoint.resume={_checkpoint(runs, 'one', 2)}"]},
     ]}
     one = {**spec, "jobs": [
         {"name": "one", "overrides": SAVE_AT_2},
@@ -219,6 +229,7 @@ def test_fsdp_casts_train_like_autocast(out: Path, layout: str) -> None:
     assert "FSDP2 casts the parameters to bf16 (FSDP over a 1-rank" in _path_logged(
         out, f"{layout}_fsdp")
     assert "autocast to bf16" in _path_logged(out, f"{layout}_autocast")
+    assert "(parallel.mixed_precision=auto)" in _path_logged(out, "tp2_autocast")
     # The tolerance tells adjacent steps apart: a wrong resume cannot hide in it.
     assert all(abs(fsdp[s + 1] - fsdp[s]) > 2 * RTOL * fsdp[s] for s in range(1, STEPS))
 

@@ -24,9 +24,11 @@ the lower precision while the optimizer keeps fp32 master weights:
   dtype (half the bytes for sequence-parallel all-gathers and for saved activations);
 - ``autocast``: ``torch.autocast`` around each forward (each pipeline stage's forward): weights
   re-cast per forward, residual stream in fp32;
-- ``auto``: ``fsdp`` with tensor or pipeline parallelism and strategy none (not fp8), else what
-  the strategy implies (FSDP's own policy with strategy fsdp; autocast on one GPU, with DDP and
-  with fp8). ``mixed_precision_path`` decides; the memory planner sizes the same path.
+- ``auto``: ``fsdp`` with tensor or pipeline parallelism and strategy none (not fp8) for models
+  of at least ``FSDP_CASTS_MIN_PARAMS`` parameters per model-parallel rank (the model's over
+  tp x pp), else what the strategy implies (FSDP's own policy with strategy fsdp; autocast on one
+  GPU, with DDP, with fp8 and for smaller models). ``mixed_precision_path`` decides; the memory
+  planner sizes the same path.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ from typing import Literal
 from hpctrain.errors import ConfigError
 
 MIXED_PRECISION = ("auto", "autocast", "fsdp")
+# Measured on 2xH200 against the same peer (benchmarks/RESULTS.md): FSDP's casts made 8b TP2 and
+# PP2 (4.0B parameters per rank) 9.6% and 3.0% faster than autocast, and 1b TP2 and PP2 (0.55B)
+# 30% and 23% slower. Their hooks cost about the same per block and micro-batch whatever the
+# width, while what they save (one cast per step, a bf16 residual stream) grows with it.
+FSDP_CASTS_MIN_PARAMS = 2_000_000_000
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
 # Schedules that run several stages on each rank (``pp_stages_per_rank`` applies).
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zb", "zbv")
@@ -142,10 +149,11 @@ class ParallelConfig:
                 "parallel.mixed_precision",
             )
 
-    def mixed_precision_path(self, precision: str) -> str:
-        """How this config computes in ``precision``: 'fsdp', 'autocast' or 'none' (fp32)."""
+    def mixed_precision_path(self, precision: str, params: int) -> str:
+        """How this config computes a model of ``params`` parameters in ``precision``: 'fsdp',
+        'autocast' or 'none' (fp32)."""
         return mixed_precision_path(self.mixed_precision, self.strategy, self.tp, self.pp,
-                                    precision)
+                                    precision, params)
 
     @property
     def stages_per_rank(self) -> int:
@@ -155,13 +163,16 @@ class ParallelConfig:
         return self.pp_stages_per_rank or 2
 
 
-def mixed_precision_path(setting: str, strategy: str, tp: int, pp: int, precision: str) -> str:
+def mixed_precision_path(setting: str, strategy: str, tp: int, pp: int, precision: str,
+                         params: int) -> str:
     """'fsdp' (FSDP2 casts the parameters), 'autocast' or 'none' (fp32): how a layout computes
-    in ``precision`` under ``parallel.mixed_precision = setting`` (module docstring)."""
+    a model of ``params`` parameters in ``precision`` under ``parallel.mixed_precision =
+    setting`` (module docstring)."""
     if precision == "fp32":
         return "none"
     if strategy == "fsdp" or setting == "fsdp":
         return "fsdp"
-    if setting == "auto" and strategy == "none" and (tp > 1 or pp > 1) and precision != "fp8":
+    if (setting == "auto" and strategy == "none" and (tp > 1 or pp > 1) and precision != "fp8"
+            and params // (tp * pp) >= FSDP_CASTS_MIN_PARAMS):
         return "fsdp"
     return "autocast"

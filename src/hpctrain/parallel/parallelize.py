@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 
+from hpctrain.models.flops import count_params
 from hpctrain.parallel.config import ZERO_BUBBLE_SCHEDULES, ParallelConfig
 from hpctrain.parallel.data import DTYPES, apply_ddp, apply_fsdp
 from hpctrain.parallel.float8 import (
@@ -95,23 +96,25 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout, m
     else:
         fp8 = None
     gather8 = float8_all_gather(fp8, cfg.strategy, layout.dp_shard)
-    log.info("mixed precision: %s", describe_mixed_precision(cfg, precision))
+    params = count_params(model.args, include_embedding=True)
+    log.info("mixed precision: %s", describe_mixed_precision(cfg, precision, params))
+    casts = cfg.mixed_precision_path(precision, params) == "fsdp"
     if layout.pp == 1:
         return Parallelized(_parallelize_part(model, cfg, layout, mesh, device, precision, seed,
-                                              fp8), float8_scales=gather8)
+                                              fp8, casts), float8_scales=gather8)
     if loss_fn is None:
         raise ValueError("pipeline parallelism needs the loss function")
     args = model.args
     bounds = balance_stages(args.n_layers, layout.num_stages,
                             module_costs(args, seq_len, microbatch_tokens))
     parts = split_model(model, layout, mesh.get_local_rank("pp"), bounds)
-    autocast = autocast_dtype(cfg, precision)
+    autocast = autocast_dtype(cfg, precision, params)
     stages = []
     for s, part in parts:
         if autocast is not None:
             autocast_forward(part, device.type, autocast)
         stages.append((s, _parallelize_part(part, cfg, layout, mesh, device, precision, seed,
-                                            fp8)))
+                                            fp8, casts)))
     union = StageUnion([part for _, part in parts], args.n_layers)
     return Parallelized(union, build_pipeline(stages, layout, mesh["pp"], device, loss_fn,
                                               bounds), float8_scales=gather8)
@@ -119,7 +122,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout, m
 
 def _parallelize_part(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout,
                       mesh: DeviceMesh, device: torch.device, precision: str,
-                      seed: int, fp8: Float8Training | None) -> nn.Module:
+                      seed: int, fp8: Float8Training | None, fsdp_casts: bool) -> nn.Module:
     if fp8 is not None:
         gather8 = float8_all_gather(fp8, cfg.strategy, layout.dp_shard)
         converted = convert_to_float8(model, fp8, all_gather=gather8)
@@ -152,7 +155,7 @@ def _parallelize_part(model: nn.Module, cfg: ParallelConfig, layout: ParallelLay
                    cfg.reshard_after_forward and not zero_bubble)
         materialize(model, device, seed)
         return model
-    if cfg.mixed_precision_path(precision) == "fsdp":
+    if fsdp_casts:
         # FSDP over a shard group of one rank, for its parameter casts only: resharding
         # would free nothing (the shard is the whole parameter) and cost a second cast.
         apply_fsdp(model, mesh, compute_precision(precision), reshard_after_forward=False)
@@ -164,21 +167,22 @@ def _parallelize_part(model: nn.Module, cfg: ParallelConfig, layout: ParallelLay
     return model
 
 
-def autocast_dtype(cfg: ParallelConfig, precision: str) -> torch.dtype | None:
-    """The autocast dtype the forward needs, or None where FSDP casts the parameters (or fp32).
+def autocast_dtype(cfg: ParallelConfig, precision: str, params: int) -> torch.dtype | None:
+    """The autocast dtype the forward of a model of ``params`` parameters needs, or None where
+    FSDP casts the parameters (or fp32).
 
     One GPU and DDP (and ``parallel.mixed_precision=autocast``) compute in ``precision`` through
     autocast (fp32 master weights, bf16 matmuls): never silently in fp32. fp8 autocasts to bf16
     like bf16 (the float8 Linears cast their own operands).
     """
-    if cfg.mixed_precision_path(precision) != "autocast":
+    if cfg.mixed_precision_path(precision, params) != "autocast":
         return None
     return DTYPES[compute_precision(precision)]
 
 
-def describe_mixed_precision(cfg: ParallelConfig, precision: str) -> str:
+def describe_mixed_precision(cfg: ParallelConfig, precision: str, params: int) -> str:
     """One line for the log: which mixed-precision path this run computes through."""
-    path = cfg.mixed_precision_path(precision)
+    path = cfg.mixed_precision_path(precision, params)
     dtype = compute_precision(precision)
     if path == "none":
         return "none (fp32 throughout)"

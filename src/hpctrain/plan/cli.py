@@ -159,7 +159,7 @@ def _memory(args: argparse.Namespace) -> None:
                          mixed_precision=args.mixed_precision)
     gpu = gpu_memory_bytes(args.gpu) if args.gpu else None
     plan = estimate_memory(model, opts, gpu)
-    path = opts.mixed_precision_path
+    path = opts.mixed_precision_path(model)
     if args.json:
         print(json.dumps({**plan.__dict__, "fits": plan.fits, "mixed_precision": path},
                          indent=2))

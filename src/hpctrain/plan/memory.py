@@ -37,11 +37,10 @@ measured peaks ``torch.cuda.max_memory_allocated`` in benchmarks/RESULTS.md, 4x 
   reduce-scatter.
 - mixed precision (``parallel.mixed_precision``, resolved as the trainer resolves it:
   ``MemoryOptions.mixed_precision_path``): where FSDP casts without sharding (strategy none,
-  ``fsdp``: auto's choice with TP or PP), the layout is sized as FSDP over one rank kept
-  gathered (ZeRO-2): one resident bf16 copy of every parameter the rank holds, the embedding
-  included, no autocast copies, a bf16 residual stream. Not yet checked against a measured peak;
-  the autocast model (``mixed_precision=autocast``) is the one the TP/PP peaks below were
-  measured on.
+  ``fsdp``: auto's choice with TP or PP from 2B parameters per model-parallel rank), the layout
+  is sized as FSDP over one rank kept gathered (ZeRO-2): one resident bf16 copy of every
+  parameter the rank holds, the embedding included, no autocast copies, a bf16 residual stream.
+  Measured on 2xH200 (8b): TP2 107.6 GB predicted vs 110.0 measured, PP2 85.9 vs 86.5.
 - DDP: the gradient buckets plus a second fp32 gradient copy (DDP rebuilds its buckets after the
   first step): 8 B per parameter, fitted on ddp4 `1b` (35.9 GB).
 
@@ -141,16 +140,15 @@ class MemoryOptions:
     # parallel.mixed_precision: auto, autocast or fsdp (FSDP's casts also without sharding).
     mixed_precision: str = "auto"
 
-    @property
-    def mixed_precision_path(self) -> str:
-        """'fsdp', 'autocast' or 'none' (fp32): how the trainer computes this layout."""
+    def mixed_precision_path(self, args: ModelArgs) -> str:
+        """'fsdp', 'autocast' or 'none' (fp32): how the trainer computes this layout of the
+        model ``args``."""
         return mixed_precision_path(self.mixed_precision, self.strategy, self.tp, self.pp,
-                                    self.precision)
+                                    self.precision, count_params(args, include_embedding=True))
 
-    @property
-    def fsdp_wrapped(self) -> bool:
+    def fsdp_wrapped(self, args: ModelArgs) -> bool:
         """Whether FSDP manages the parameters: sharding them, or only casting them."""
-        return self.strategy == "fsdp" or self.mixed_precision_path == "fsdp"
+        return self.strategy == "fsdp" or self.mixed_precision_path(args) == "fsdp"
 
     @property
     def stages_per_rank(self) -> int:
@@ -346,7 +344,7 @@ def activation_bytes(args: ModelArgs, opts: MemoryOptions, share: RankShare | No
     """Bytes of activations alive at the start of backward on one GPU (see module docstring)."""
     share = share or rank_shares(args, opts)[0]
     e = 4 if opts.precision == "fp32" else 2
-    r = 4 if opts.mixed_precision_path == "autocast" else e
+    r = 4 if opts.mixed_precision_path(args) == "autocast" else e
     d, kv, f, tp = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim, opts.tp
     # Residual stream (split along the sequence), the two gathered norm outputs (whole), the
     # head- and width-split projections.
@@ -418,7 +416,7 @@ def _estimate_rank(args: ModelArgs, opts: MemoryOptions, share: RankShare,
     if opts.pp > 1:
         # Gradients accumulate unsharded over the micro-batches; FSDP keeps the parameters
         # gathered from the first backward on and reduce-scatters after the last one.
-        if opts.fsdp_wrapped:
+        if opts.fsdp_wrapped(args):
             working = e * p
         else:
             working = 0.0 if opts.precision == "fp32" else 2.0 * (p - embedding)
@@ -426,7 +424,7 @@ def _estimate_rank(args: ModelArgs, opts: MemoryOptions, share: RankShare,
         return MemoryPlan(params=params, grads=4.0 * p, optimizer=optimizer, working=working,
                           activations=acts, peak=peak, peak_moment="pipeline steady state",
                           gpu_bytes=gpu_bytes)
-    if opts.fsdp_wrapped:
+    if opts.fsdp_wrapped(args):
         # Without sharding (FSDP for its casts only) the parameters stay gathered: ZeRO-2.
         zero2 = opts.zero == 2 or opts.strategy != "fsdp"
         gathered = e * p if zero2 else e * (p_root + 2 * p_block)

@@ -132,7 +132,8 @@ class Trainer:
                                                           bool(ckpt.committed())):
             load_pretrained(self.model, cfg.model.init_from, self.model_args, ckpt.verify,
                             ckpt.group)
-        self.autocast = autocast_dtype(pc, tc.precision)
+        self.autocast = autocast_dtype(pc, tc.precision,
+                                       count_params(self.model_args, include_embedding=True))
         # The attention kernel for whole steps (backward and recomputation included).
         self.attention = attention_backend(cfg.model.attention_backend, self.device)
         self.pp_group = mesh["pp"].get_group() if self.par.pp > 1 else None
