@@ -1,14 +1,18 @@
-"""Sequence-parallel norm weights: their gradients are summed over the tensor-parallel ranks."""
+"""Sequence-parallel norm weights: their gradients are summed over the tensor-parallel ranks.
+And the collectives one forward-backward of TP2 issues: sequence parallelism all-gathers and
+reduce-scatters activations, never all-reduces them."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.debug import CommDebugMode
 
 from conftest import free_port
 from hpctrain.models import ModelArgs, Transformer
@@ -46,7 +50,9 @@ def _worker(rank: int, port: int, out: dict) -> None:
         apply_tensor_parallel(model, mesh["tp"])
         materialize(model, CPU, seed=3)
         x, y = _batch()
-        tp_loss_fn(mesh["tp"], ARGS.vocab_size)(model(x), y).backward()
+        comms = CommDebugMode()
+        with comms:
+            tp_loss_fn(mesh["tp"], ARGS.vocab_size)(model(x), y).backward()
         norms = {n: p for n, p in model.named_parameters() if "norm" in n}
         partial_before = all(any(pl.is_partial() for pl in p.grad.placements)
                              for p in norms.values())
@@ -56,16 +62,22 @@ def _worker(rank: int, port: int, out: dict) -> None:
             "placements": {n: p.grad.placements for n, p in norms.items()},
             "grads": {n: p.grad.to_local().clone() for n, p in norms.items()},
             "all_dtensor": all(isinstance(p.grad, DTensor) for p in model.parameters()),
+            "comms": {str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()},
         }
     finally:
         dist.destroy_process_group()
 
 
-def test_partial_norm_gradients_become_the_whole_models() -> None:
+@pytest.fixture(scope="module")
+def results() -> dict:
+    """Both ranks' observations of one TP2 forward-backward (one spawn for the module)."""
     with mp.Manager() as manager:
         out = manager.dict()
         mp.spawn(_worker, args=(free_port(), out), nprocs=2, join=True)
-        results = dict(out)
+        return dict(out)
+
+
+def test_partial_norm_gradients_become_the_whole_models(results: dict) -> None:
     reference = _reference_grads()
     for rank in (0, 1):
         r = results[rank]
@@ -76,3 +88,20 @@ def test_partial_norm_gradients_become_the_whole_models() -> None:
         assert all(p == (Replicate(),) for p in r["placements"].values())
         for name, grad in r["grads"].items():
             torch.testing.assert_close(grad, reference[name], rtol=1e-5, atol=1e-6)
+
+
+def test_sequence_parallel_reduce_scatters_and_never_all_reduces_activations(
+        results: dict) -> None:
+    """Per block: forward all-gathers before attention and the FFN and reduce-scatters after
+    them; backward mirrors that, one reduce-scatter per module for the summed input gradients
+    of its projections. An all-reduce per projection (5 a block, each twice a reduce-scatter's
+    bytes) once cost an 8b TP2 step 81 ms on H200 (benchmarks/RESULTS.md). The
+    vocabulary-parallel loss all-reduces two per-token scalars in place (``allreduce_``)."""
+    blocks = ARGS.n_layers
+    for rank in (0, 1):
+        comms = results[rank]["comms"]
+        assert comms.get("all_reduce", 0) == 0, comms
+        # + 1 each for the embedding (reduce-scatter onto sequence slices) and the output
+        # layer (all-gather of its input), and their mirrors in backward.
+        assert comms == {"all_gather_into_tensor": 4 * blocks + 2,
+                         "reduce_scatter_tensor": 4 * blocks + 2, "allreduce_": 2}, comms
