@@ -6,6 +6,7 @@ two real candidates plus one injected failure.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -155,6 +156,29 @@ def test_fp8_needs_a_gpu_that_has_it_and_a_config_that_accepts_it(monkeypatch) -
     fp8 = [c for c in cands if c.setting.precision == "fp8"]
     assert len(cands) == 6 and len(fp8) == 2
     assert all("train.precision=fp8" in c.overrides for c in fp8)
+
+
+def test_tp_and_pp_without_fsdp_are_also_tried_with_the_other_bf16_casts() -> None:
+    """8b on 2 GPUs: auto computes TP2 and PP2 through FSDP's casts (4B parameters per rank);
+    each is measured beside its autocast twin, which the memory model sizes on its own."""
+    cands, _, _ = _shortlist(141.0, max_candidates=8)
+    assert len(cands) == 8 and len({c.setting for c in cands}) == 8
+    twins = [c for c in cands if c.setting.mixed_precision != "auto"]
+    assert {(c.setting.tp, c.setting.pp) for c in twins} == {(2, 1), (1, 2)}
+    for twin in twins:
+        assert twin.setting.mixed_precision == "autocast" and twin.setting.strategy == "none"
+        assert "parallel.mixed_precision=autocast" in twin.overrides
+        assert twin.label.endswith(", autocast")
+        (auto,) = [c for c in cands if c.setting == dataclasses.replace(
+            twin.setting, mixed_precision="auto")]
+        assert "parallel.mixed_precision=autocast" not in auto.overrides
+        assert twin.predicted_peak > auto.predicted_peak  # fp32 residual stream, weight copies
+    # A config that names its path keeps it: no twins, and no candidate overrides it.
+    pinned, _, _ = _shortlist(141.0, ("parallel.mixed_precision=autocast",
+                                      "parallel.strategy=none", "parallel.tp=2"),
+                              max_candidates=8)
+    assert all(c.setting.mixed_precision == "autocast" for c in pinned)
+    assert not any("parallel.mixed_precision" in o for c in pinned for o in c.overrides)
 
 
 def test_no_fp8_candidate_on_the_cpu() -> None:

@@ -2,7 +2,10 @@
 
 Settings from :mod:`hpctrain.bench.tune.space` that the trainer accepts and whose predicted peak
 plus 10% fits the memory are ranked by predicted tokens/s per GPU; the best of each layout and
-strategy is kept first, fp8 twins of the best are added where the GPU and the config allow fp8.
+strategy is kept first, fp8 twins of the best are added where the GPU and the config allow fp8,
+and twins of the best tensor- or pipeline-parallel settings without FSDP that compute bf16 the
+other way (``parallel.mixed_precision``: FSDP's casts or autocast, whichever ``auto`` did not
+take): the step-time model cannot tell them apart, and on GPUs they differed by 3-30%.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ MAX_CANDIDATES = 6
 CPU_MEM_GB = 16.0  # per rank, for the memory model when the ranks run on the CPU
 HEADROOM = 1.10  # as hpctrain.plan.memory: the peak plus 10% must fit
 FP8_TWINS = 2  # fp8 variants of this many of the best predicted layouts
+CASTS_TWINS = 2  # other-mixed-precision variants of this many TP/PP settings without FSDP
 FP8_CAPABILITY = (8, 9)  # Ada / Hopper and newer: fp8 tensor cores
 
 
@@ -170,6 +174,21 @@ def build_candidates(config: Path | None, overrides: list[str], gpus: int, *, de
         if refusal(twin) is None:
             twins.append(Candidate(twin, c.dp, "model", c.predicted_peak,
                                    c.predicted_tokens_per_s))
+    # Casts twins take the places of the last picks (second-best variants of a layout first).
+    with_twin = []
+    for c in picked:
+        twin = _casts_twin(c.setting, cfg)
+        fit = sized(twin) if twin and refusal(twin) is None else None
+        if isinstance(fit, tuple) and len(with_twin) < min(CASTS_TWINS, max_candidates // 3):
+            with_twin.append(c)
+            twins.append(Candidate(twin, c.dp, "model", *fit))
+    keep = [*picked[:n_fp8], *with_twin]
+    while len(picked) + len(twins) > slots:
+        spare = [c for c in picked if c not in keep]
+        if spare:
+            picked.remove(spare[-1])
+        else:
+            twins.pop()
     shortlist = ([baseline] if baseline else []) + picked + twins
     # The baseline, then fastest predicted first (an fp8 twin after the bf16 settings that
     # share its prediction).
@@ -178,6 +197,21 @@ def build_candidates(config: Path | None, overrides: list[str], gpus: int, *, de
     for c in shortlist:
         c.overrides = c.setting.overrides(cfg)
     return shortlist, notes, considered
+
+
+def _casts_twin(s: Setting, cfg) -> Setting | None:
+    """``s`` computing bf16 the other way, for a TP/PP setting without FSDP left to ``auto``
+    (None for any other)."""
+    from hpctrain.models import count_params
+    from hpctrain.parallel.config import mixed_precision_path
+
+    if s.strategy != "none" or s.tp * s.pp == 1 or s.mixed_precision != "auto":
+        return None
+    if s.precision not in ("bf16",):  # FSDP's casts without sharding: bf16 only
+        return None
+    path = mixed_precision_path("auto", s.strategy, s.tp, s.pp, s.precision,
+                                count_params(cfg.model.resolve(), include_embedding=True))
+    return dataclasses.replace(s, mixed_precision="autocast" if path == "fsdp" else "fsdp")
 
 
 def _pick(ranked: list[Candidate], n: int, refusal: Callable[[Setting], str | None]

@@ -34,6 +34,7 @@ class Setting:
     pp_microbatches: int = 0  # pipeline only; 0: one per loader micro-batch (grad_accum)
     dp_replicate: int = 1
     loss_chunks: int = 0  # the chunked loss; refused with tp or pp
+    mixed_precision: str = "auto"  # parallel.mixed_precision
 
     def overrides(self, cfg=None) -> list[str]:
         """The config overrides that train this setting on top of ``cfg`` (explicit for every
@@ -42,6 +43,8 @@ class Setting:
                f"parallel.pp={self.pp}"]
         if self.dp_replicate != (cfg.parallel.dp_replicate if cfg else 1):
             out.append(f"parallel.dp_replicate={self.dp_replicate}")
+        if self.mixed_precision != (cfg.parallel.mixed_precision if cfg else "auto"):
+            out.append(f"parallel.mixed_precision={self.mixed_precision}")
         if self.pp > 1:
             out.append(f"parallel.pp_microbatches={self.pp_microbatches}")
         if self.strategy == "fsdp":
@@ -63,8 +66,10 @@ class Setting:
             f" pp{self.pp}" if self.pp > 1 else "")
         ac = {"none": "no AC", "full": "AC full", "selective": "AC selective"}.get(
             self.ac, f"AC every {self.ac_every}")
+        casts = {"auto": "", "fsdp": ", FSDP casts", "autocast": ", autocast"}[
+            self.mixed_precision]
         return (f"{strategy} {layout}, mb {self.micro_batch} x {self.grad_accum}, {ac}, "
-                f"{self.precision}")
+                f"{self.precision}{casts}")
 
 
 def global_batch(cfg, gpus: int) -> tuple[int, int]:
@@ -92,7 +97,7 @@ def config_setting(cfg) -> Setting:
                    zero=3 if pc.strategy != "fsdp" or pc.reshard_after_forward else 2,
                    ac_every=pc.ac_every if pc.activation_checkpointing == "every_k" else 0,
                    pp_microbatches=m if pc.pp > 1 else 0, dp_replicate=pc.dp_replicate,
-                   loss_chunks=tc.loss_chunks)
+                   loss_chunks=tc.loss_chunks, mixed_precision=pc.mixed_precision)
 
 
 def recomputed_share(cfg, ac: str, ac_every: int = 0) -> float:
@@ -153,7 +158,8 @@ def enumerate_settings(cfg, gpus: int, *, precisions: tuple[str, ...]) -> Iterat
                                               micro_batch=mb, grad_accum=replica // mb,
                                               precision=precision, zero=zero,
                                               ac_every=k if ac == "every_k" else 0,
-                                              loss_chunks=chunks if tp * pp == 1 else 0)
+                                              loss_chunks=chunks if tp * pp == 1 else 0,
+                                              mixed_precision=cfg.parallel.mixed_precision)
                         mb *= 2
 
 
@@ -215,4 +221,5 @@ def _memory_options(cfg, s: Setting, dp: int, ac: str):
     return MemoryOptions(strategy=s.strategy, gpus=dp, zero=s.zero, tp=s.tp, pp=s.pp,
                          precision=precision, ac=ac, ac_save_mm=pc.ac_save_mm,
                          loss_chunks=s.loss_chunks, micro_batch=micro_batch,
-                         seq_len=cfg.data.seq_len, compile=pc.compile, **kw)
+                         seq_len=cfg.data.seq_len, compile=pc.compile,
+                         mixed_precision=s.mixed_precision, **kw)
