@@ -205,9 +205,9 @@ def _casts_twin(s: Setting, cfg) -> Setting | None:
     from hpctrain.models import count_params
     from hpctrain.parallel.config import mixed_precision_path
 
-    if s.strategy != "none" or s.tp * s.pp == 1 or s.mixed_precision != "auto":
-        return None
-    if s.precision not in ("bf16",):  # FSDP's casts without sharding: bf16 only
+    # FSDP's casts without sharding are for bf16 only (fp16 and fp8 are refused).
+    if (s.strategy != "none" or s.tp * s.pp == 1 or s.mixed_precision != "auto"
+            or s.precision != "bf16"):
         return None
     path = mixed_precision_path("auto", s.strategy, s.tp, s.pp, s.precision,
                                 count_params(cfg.model.resolve(), include_embedding=True))
