@@ -71,6 +71,9 @@ class Parallelized:
     pipeline: Pipeline | None = None
     # FSDP all-gathers float8 weights whose scales are computed once per update.
     float8_scales: bool = field(default=False, kw_only=True)
+    # The dtype the trainer autocasts whole steps to (None where FSDP casts, or in fp32); a
+    # pipeline's stages autocast their own forwards to it already.
+    autocast: torch.dtype | None = field(default=None, kw_only=True)
 
     def after_update(self) -> None:
         """Refresh what derives from the weights, after an optimizer step or a checkpoint
@@ -99,16 +102,17 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout, m
     params = count_params(model.args, include_embedding=True)
     log.info("mixed precision: %s", describe_mixed_precision(cfg, precision, params))
     casts = cfg.mixed_precision_path(precision, params) == "fsdp"
+    autocast = autocast_dtype(cfg, precision, params)
     if layout.pp == 1:
         return Parallelized(_parallelize_part(model, cfg, layout, mesh, device, precision, seed,
-                                              fp8, casts), float8_scales=gather8)
+                                              fp8, casts), float8_scales=gather8,
+                            autocast=autocast)
     if loss_fn is None:
         raise ValueError("pipeline parallelism needs the loss function")
     args = model.args
     bounds = balance_stages(args.n_layers, layout.num_stages,
                             module_costs(args, seq_len, microbatch_tokens))
     parts = split_model(model, layout, mesh.get_local_rank("pp"), bounds)
-    autocast = autocast_dtype(cfg, precision, params)
     stages = []
     for s, part in parts:
         if autocast is not None:
@@ -117,7 +121,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout, m
                                             fp8, casts)))
     union = StageUnion([part for _, part in parts], args.n_layers)
     return Parallelized(union, build_pipeline(stages, layout, mesh["pp"], device, loss_fn,
-                                              bounds), float8_scales=gather8)
+                                              bounds), float8_scales=gather8, autocast=autocast)
 
 
 def _parallelize_part(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout,

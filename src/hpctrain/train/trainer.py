@@ -42,7 +42,7 @@ from hpctrain.observe.progress import TrainProgress
 from hpctrain.parallel.float8 import Float8Training
 from hpctrain.parallel.grad_norm import clip_grads_, global_grad_norm
 from hpctrain.parallel.layout import check_layout
-from hpctrain.parallel.parallelize import autocast_dtype, parallelize
+from hpctrain.parallel.parallelize import parallelize
 from hpctrain.parallel.tensor import reduce_partial_grads
 from hpctrain.pretrained.weights import load_pretrained, starts_from_pretrained
 from hpctrain.runtime.dist import MESH_AXES, Distributed
@@ -132,8 +132,7 @@ class Trainer:
                                                           bool(ckpt.committed())):
             load_pretrained(self.model, cfg.model.init_from, self.model_args, ckpt.verify,
                             ckpt.group)
-        self.autocast = autocast_dtype(pc, tc.precision,
-                                       count_params(self.model_args, include_embedding=True))
+        self.autocast = parallel.autocast
         # The attention kernel for whole steps (backward and recomputation included).
         self.attention = attention_backend(cfg.model.attention_backend, self.device)
         self.pp_group = mesh["pp"].get_group() if self.par.pp > 1 else None
