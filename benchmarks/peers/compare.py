@@ -199,7 +199,10 @@ def _summary(rows: list[dict], mem_key: str) -> tuple[float | None, str, str, st
 
 def _tag(text: str) -> str:
     # Taken without its hyphen: argparse reads "--tag -autocast" as an unknown option "-a...",
-    # which once cost a GPU lease its A/B runs.
+    # which once cost a GPU lease its A/B runs. argparse also passes the default ("") through
+    # here: that is no tag, not an error (refusing it once cost a lease every run).
+    if not text:
+        return ""
     name = text.lstrip("-")
     if not name:
         raise argparse.ArgumentTypeError("a tag needs a name, e.g. --tag autocast")

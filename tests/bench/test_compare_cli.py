@@ -36,6 +36,12 @@ def test_a_tag_is_taken_with_or_without_its_hyphen(compare, given: list[str]) ->
     assert args.set == ["parallel.mixed_precision=autocast"]
 
 
+def test_no_tag_means_plain_layout_names(compare) -> None:
+    args = compare.parser().parse_args(["--layouts", "8b-tp2", "8b-pp2", "--steps", "40"])
+    assert args.tag == ""
+    assert args.layouts == ["8b-tp2", "8b-pp2"]
+
+
 def test_an_empty_tag_is_refused(compare, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         compare.parser().parse_args(["--layouts", "8b-tp2", "--tag=-"])
