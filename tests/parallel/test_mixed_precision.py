@@ -11,7 +11,8 @@ bf16, deterministic kernels, 4 steps of 4 x 32 tokens):
   ``auto``, which takes it for this tiny model) and ``fsdp`` (what ``auto`` takes from 2B
   parameters per rank), the TP2 one saving at step 2; one fp32 step of each (a path that
   silently computed in fp32 would match it bit for bit); PP2 resumed from the 1-rank run's
-  step-2 checkpoint;
+  step-2 checkpoint; PP2 with FSDP's casts and ``parallel.reduce_precision=bf16`` (its two
+  micro-batches' gradients summed in bf16);
 - 1 rank (the one-GPU default: autocast), saving at step 2; resumed from TP2's step-2
   checkpoint.
 
@@ -174,6 +175,8 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"name": "tp2_autocast", "overrides": TP2},
         {"name": "pp2_fsdp", "overrides": [*PP2, *FSDP_CASTS]},
         {"name": "pp2_autocast", "overrides": [*PP2, *AUTOCAST]},
+        {"name": "pp2_fsdp_bf16", "overrides": [*PP2, *FSDP_CASTS,
+                                                "parallel.reduce_precision=bf16"]},
         {"name": "tp2_fp32", "overrides": [*TP2, *FP32_STEP]},
         {"name": "pp2_fp32", "overrides": [*PP2, *FP32_STEP]},
         {"name": "pp2_resumed", "wait_for": _checkpoint(runs, "one", 2),
@@ -232,6 +235,19 @@ def test_fsdp_casts_train_like_autocast(out: Path, layout: str) -> None:
     assert "(parallel.mixed_precision=auto)" in _path_logged(out, "tp2_autocast")
     # The tolerance tells adjacent steps apart: a wrong resume cannot hide in it.
     assert all(abs(fsdp[s + 1] - fsdp[s]) > 2 * RTOL * fsdp[s] for s in range(1, STEPS))
+
+
+def test_bf16_reduction_trains_like_fp32_reduction(out: Path) -> None:
+    """PP2 accumulating its micro-batches' gradients in bf16: the same losses within bf16
+    rounding as in fp32 (the first step's exactly: no update yet), not the very same ones."""
+    bf16, fp32 = _losses(out, "pp2_fsdp_bf16"), _losses(out, "pp2_fsdp")
+    assert sorted(bf16) == sorted(fp32) == list(range(1, STEPS + 1))
+    assert bf16[1] == fp32[1]
+    for step in bf16:
+        _close(bf16[step], fp32[step], f"pp2 bf16 vs fp32 reduction at step {step}")
+    assert bf16[STEPS] != fp32[STEPS]
+    assert "reduced and accumulated in bf16" in _path_logged(out, "pp2_fsdp_bf16")
+    assert "reduced and accumulated in fp32" in _path_logged(out, "pp2_fsdp")
 
 
 def test_checkpoint_holds_fp32_master_weights_and_optimizer_state(out: Path) -> None:

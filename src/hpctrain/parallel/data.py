@@ -26,9 +26,11 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: str,
-               reshard_after_forward: bool) -> None:
-    """Shard every block of ``model``, then its root, in place (parameters may be on meta)."""
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+               reshard_after_forward: bool, reduce_precision: str = "fp32") -> None:
+    """Shard every block of ``model``, then its root, in place (parameters may be on meta);
+    forward in ``precision``, gradients reduced and accumulated in ``reduce_precision``."""
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[precision],
+                              reduce_dtype=DTYPES[reduce_precision])
     shard_mesh = dp_mesh(mesh)
     for block in model.layers:
         if block is not None:

@@ -100,6 +100,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout, m
         fp8 = None
     gather8 = float8_all_gather(fp8, cfg.strategy, layout.dp_shard)
     params = count_params(model.args, include_embedding=True)
+    cfg.check_reduce_precision(precision, params)
     log.info("mixed precision: %s", describe_mixed_precision(cfg, precision, params))
     casts = cfg.mixed_precision_path(precision, params) == "fsdp"
     autocast = autocast_dtype(cfg, precision, params)
@@ -156,13 +157,14 @@ def _parallelize_part(model: nn.Module, cfg: ParallelConfig, layout: ParallelLay
         # forward, the weight gradients come out wrong: measured, PyTorch 2.13).
         zero_bubble = layout.pp > 1 and layout.schedule in ZERO_BUBBLE_SCHEDULES
         apply_fsdp(model, mesh, compute_precision(precision),
-                   cfg.reshard_after_forward and not zero_bubble)
+                   cfg.reshard_after_forward and not zero_bubble, cfg.reduce_precision)
         materialize(model, device, seed)
         return model
     if fsdp_casts:
         # FSDP over a shard group of one rank, for its parameter casts only: resharding
         # would free nothing (the shard is the whole parameter) and cost a second cast.
-        apply_fsdp(model, mesh, compute_precision(precision), reshard_after_forward=False)
+        apply_fsdp(model, mesh, compute_precision(precision), reshard_after_forward=False,
+                   reduce_precision=cfg.reduce_precision)
         materialize(model, device, seed)
         return model
     materialize(model, device, seed)
@@ -195,8 +197,9 @@ def describe_mixed_precision(cfg: ParallelConfig, precision: str, params: int) -
                 f"stream (parallel.mixed_precision={cfg.mixed_precision})")
     how = ("FSDP's policy" if cfg.strategy == "fsdp" else
            "FSDP over a 1-rank shard group, kept gathered from forward through backward")
-    return (f"FSDP2 casts the parameters to {dtype} ({how}), fp32 master weights and gradient "
-            f"reduction (parallel.mixed_precision={cfg.mixed_precision})")
+    return (f"FSDP2 casts the parameters to {dtype} ({how}), fp32 master weights, gradients "
+            f"reduced and accumulated in {cfg.reduce_precision} "
+            f"(parallel.mixed_precision={cfg.mixed_precision})")
 
 
 def _checkpointed(index: int, cfg: ParallelConfig) -> bool:

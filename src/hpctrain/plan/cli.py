@@ -72,6 +72,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--mixed-precision", default="auto",
                    help="parallel.mixed_precision: auto (as training picks), autocast or fsdp "
                    "(FSDP's parameter casts, also without sharding)")
+    m.add_argument("--reduce-precision", default="fp32",
+                   help="parallel.reduce_precision: fp32 or bf16 (FSDP's path: the dtype "
+                   "gradients are reduced and accumulated over micro-batches in)")
     m.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     q = psub.add_parser("parallel", help="recommend dp/fsdp/tp/pp degrees for a cluster shape")
@@ -156,7 +159,8 @@ def _memory(args: argparse.Namespace) -> None:
                          compile=not args.no_compile, grad_accum=args.grad_accum,
                          pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
                          pp_stages_per_rank=args.pp_stages_per_rank,
-                         mixed_precision=args.mixed_precision)
+                         mixed_precision=args.mixed_precision,
+                         reduce_precision=args.reduce_precision)
     gpu = gpu_memory_bytes(args.gpu) if args.gpu else None
     plan = estimate_memory(model, opts, gpu)
     path = opts.mixed_precision_path(model)
@@ -179,7 +183,9 @@ def _memory(args: argparse.Namespace) -> None:
     table = Table()
     table.add_column("per GPU")
     table.add_column("GB", justify="right")
-    for label, value in (("parameters (fp32)", plan.params), ("gradients (fp32)", plan.grads),
+    # Inside a pipeline the gradients are the unsharded accumulators, in the reduction dtype.
+    grads = "bf16" if opts.pp > 1 and opts.accumulator_bytes(model) == 2 else "fp32"
+    for label, value in (("parameters (fp32)", plan.params), (f"gradients ({grads})", plan.grads),
                          ("AdamW state (fp32)", plan.optimizer),
                          ("working buffers", plan.working), ("activations", plan.activations)):
         table.add_row(label, f"{value / 1e9:.1f}")

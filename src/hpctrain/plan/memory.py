@@ -65,8 +65,12 @@ stage-micro-batches in flight at its peak (``inflight_chunks``: p - r for 1F1B, 
 the warm-up of interleaved schedules), each of ``micro_batch`` samples. Inside a pipeline
 gradients accumulate over the micro-batches, unsharded even with FSDP (reduce-scattered once,
 after the last backward), and FSDP keeps the stage's parameters gathered once backward began:
-so the peak is one moment holding the states, the gathered parameters, the fp32 gradient
+so the peak is one moment holding the states, the gathered parameters, the gradient
 accumulators and the in-flight activations. ``MemoryPlan.bubble`` is the schedule's idle share.
+
+Gradient accumulators (``parallel.reduce_precision``): on FSDP's path, gradients accumulated over
+micro-batches stay unsharded in the reduction dtype, 4 B per parameter in fp32 (the default) and
+2 B in bf16; so do the root's gradients awaiting their reduce-scatter. Elsewhere they are fp32.
 
 fp8 (``hpctrain.parallel.float8``) is sized exactly as bf16: states, gradients and optimizer are
 the same, and torchao's float8 Linears save their bf16 inputs for backward, not float8 copies, so
@@ -91,6 +95,7 @@ from hpctrain.parallel.config import (
     MIXED_PRECISION,
     MULTI_STAGE_SCHEDULES,
     PP_SCHEDULES,
+    REDUCE_PRECISION,
     ParallelConfig,
     mixed_precision_path,
 )
@@ -139,6 +144,8 @@ class MemoryOptions:
     pp_stages_per_rank: int = 0  # 0: 2 for interleaved schedules, else 1
     # parallel.mixed_precision: auto, autocast or fsdp (FSDP's casts also without sharding).
     mixed_precision: str = "auto"
+    # parallel.reduce_precision: fp32 or bf16 (FSDP's path: the gradient accumulators' dtype).
+    reduce_precision: str = "fp32"
 
     def mixed_precision_path(self, args: ModelArgs) -> str:
         """'fsdp', 'autocast' or 'none' (fp32): how the trainer computes this layout of the
@@ -149,6 +156,10 @@ class MemoryOptions:
     def fsdp_wrapped(self, args: ModelArgs) -> bool:
         """Whether FSDP manages the parameters: sharding them, or only casting them."""
         return self.strategy == "fsdp" or self.mixed_precision_path(args) == "fsdp"
+
+    def accumulator_bytes(self, args: ModelArgs) -> int:
+        """Bytes per parameter of an unsharded gradient accumulator (module docstring)."""
+        return 2 if self.fsdp_wrapped(args) and self.reduce_precision == "bf16" else 4
 
     @property
     def stages_per_rank(self) -> int:
@@ -170,7 +181,9 @@ class MemoryOptions:
                                      ("selective AC's saved matmuls", self.ac_save_mm,
                                       SAVE_MM),
                                      ("mixed precision", self.mixed_precision,
-                                      MIXED_PRECISION)):
+                                      MIXED_PRECISION),
+                                     ("reduce precision", self.reduce_precision,
+                                      REDUCE_PRECISION)):
             if value not in allowed:
                 raise ConfigError(f"{name} {value!r} is not known",
                                   expected=f"one of {', '.join(allowed)}")
@@ -188,9 +201,10 @@ class MemoryOptions:
         if self.zero not in (2, 3):
             raise ConfigError(f"zero = {self.zero}", expected="2 or 3")
         # The combinations training refuses, refused with the same words.
-        pc = ParallelConfig(strategy=self.strategy, mixed_precision=self.mixed_precision)
+        pc = ParallelConfig(strategy=self.strategy, mixed_precision=self.mixed_precision,
+                            tp=self.tp, pp=self.pp, reduce_precision=self.reduce_precision)
         pc.validate()
-        pc.check_precision(self.precision)
+        pc.check_reduce_precision(self.precision, count_params(args, include_embedding=True))
         if self.strategy == "none" and self.gpus > 1:
             raise ConfigError(f"strategy none with {self.gpus} GPUs",
                               expected="ddp or fsdp for more than one data-parallel GPU")
@@ -420,18 +434,21 @@ def _estimate_rank(args: ModelArgs, opts: MemoryOptions, share: RankShare,
             working = e * p
         else:
             working = 0.0 if opts.precision == "fp32" else 2.0 * (p - embedding)
-        peak = params + optimizer + working + 4.0 * p + acts
-        return MemoryPlan(params=params, grads=4.0 * p, optimizer=optimizer, working=working,
+        accumulators = opts.accumulator_bytes(args) * p
+        peak = params + optimizer + working + accumulators + acts
+        return MemoryPlan(params=params, grads=accumulators, optimizer=optimizer,
+                          working=working,
                           activations=acts, peak=peak, peak_moment="pipeline steady state",
                           gpu_bytes=gpu_bytes)
     if opts.fsdp_wrapped(args):
         # Without sharding (FSDP for its casts only) the parameters stay gathered: ZeRO-2.
         zero2 = opts.zero == 2 or opts.strategy != "fsdp"
         gathered = e * p if zero2 else e * (p_root + 2 * p_block)
-        if opts.grad_accum > 1:  # every block's unsharded fp32 accumulators
-            gathered += 4 * p
+        acc = opts.accumulator_bytes(args)
+        if opts.grad_accum > 1:  # every block's unsharded accumulators
+            gathered += acc * p
         working_start = gathered
-        working_end = gathered + 4 * p_root  # root's unsharded fp32 grads before reduce-scatter
+        working_end = gathered + acc * p_root  # root's unsharded grads before reduce-scatter
         start = params + optimizer + working_start + acts
         end = params + optimizer + grads + working_end
         working = max(working_start, working_end)

@@ -222,4 +222,5 @@ def _memory_options(cfg, s: Setting, dp: int, ac: str):
                          precision=precision, ac=ac, ac_save_mm=pc.ac_save_mm,
                          loss_chunks=s.loss_chunks, micro_batch=micro_batch,
                          seq_len=cfg.data.seq_len, compile=pc.compile,
-                         mixed_precision=s.mixed_precision, **kw)
+                         mixed_precision=s.mixed_precision,
+                         reduce_precision=pc.reduce_precision, **kw)
