@@ -112,3 +112,17 @@ def test_cli_refuses_a_bad_layout_with_exit_2(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr
     assert "1 ranks cannot be split into tp 2" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(("overrides", "reshards"), [
+    ([], True),
+    (["parallel.reshard_after_forward=false"], False),
+    (["parallel.pp=2"], False),  # each micro-batch would gather the stage twice
+    (["parallel.pp=2", "parallel.reshard_after_forward=true"], True),
+    (["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.compile=false",
+      "parallel.reshard_after_forward=true"], False),  # zero bubble needs them gathered
+])
+def test_fsdp_reshards_after_forward_unless_inside_a_pipeline(overrides: list[str],
+                                                              reshards: bool) -> None:
+    assert load_config(DEMO, [*BASE, FSDP, *overrides]).parallel.reshards_after_forward is (
+        reshards)

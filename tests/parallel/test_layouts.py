@@ -5,7 +5,8 @@ Two launches run side by side (gloo, CPU, a 4-layer 64-wide decoder, fp32, deter
 - 1 process: the reference, micro-batch 8 for 10 steps, saving at step 3;
 - 4 ranks, one launch for all of these jobs (``rank_jobs.py``), each the same global batch of 8:
   TP2 x FSDP2, HSDP 2x2, and PP2 x FSDP2 and PP2 x TP2 under every pipeline schedule offered,
-  each once with one loader micro-batch and once with gradient accumulation; then a resume chain
+  each once with one loader micro-batch and once with gradient accumulation (PP2 x FSDP2 1F1B
+  also with its parameters resharded after each forward, not the default); then a resume chain
   across layouts: the reference's step-3 checkpoint -> PP2 x TP2 (steps 4-5) -> FSDP4 (step 6)
   -> TP2 x FSDP2 (step 7).
 - the bad-step guard through a pipeline, one job in each launch: with the loss of step 2
@@ -79,6 +80,10 @@ def _parity_jobs() -> dict[str, list[str]]:
         jobs[f"pp2_tp2_{s}_accum"] = ["parallel.strategy=none", pp2, tp2, sched,
                                       f"train.micro_batch={8 // m}", f"train.grad_accum={m}"]
     jobs["pp2_tp2_interleaved_zb_accum"].append("parallel.activation_checkpointing=full")
+    # Inside a pipeline FSDP keeps the stage's parameters gathered unless told otherwise.
+    jobs["pp2_fsdp2_1f1b_accum_reshard"] = [fsdp, pp2, "parallel.pp_schedule=1f1b",
+                                            "train.micro_batch=2", "train.grad_accum=2",
+                                            "parallel.reshard_after_forward=true"]
     return jobs
 
 

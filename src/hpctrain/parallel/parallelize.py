@@ -32,7 +32,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 
 from hpctrain.models.flops import count_params
-from hpctrain.parallel.config import ZERO_BUBBLE_SCHEDULES, ParallelConfig
+from hpctrain.parallel.config import ParallelConfig
 from hpctrain.parallel.data import DTYPES, apply_ddp, apply_fsdp
 from hpctrain.parallel.float8 import (
     Float8Training,
@@ -152,12 +152,8 @@ def _parallelize_part(model: nn.Module, cfg: ParallelConfig, layout: ParallelLay
         blocks[i] = block
 
     if cfg.strategy == "fsdp":
-        # Zero-bubble schedules compute weight gradients in a pass of their own after the
-        # input gradients; FSDP must keep the parameters gathered for it (resharded after
-        # forward, the weight gradients come out wrong: measured, PyTorch 2.13).
-        zero_bubble = layout.pp > 1 and layout.schedule in ZERO_BUBBLE_SCHEDULES
-        apply_fsdp(model, mesh, compute_precision(precision),
-                   cfg.reshard_after_forward and not zero_bubble, cfg.reduce_precision)
+        apply_fsdp(model, mesh, compute_precision(precision), cfg.reshards_after_forward,
+                   cfg.reduce_precision)
         materialize(model, device, seed)
         return model
     if fsdp_casts:

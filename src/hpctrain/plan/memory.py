@@ -64,7 +64,8 @@ is sized and the largest is reported (``MemoryPlan.stage``). A rank holds the ac
 stage-micro-batches in flight at its peak (``inflight_chunks``: p - r for 1F1B, all for GPipe,
 the warm-up of interleaved schedules), each of ``micro_batch`` samples. Inside a pipeline
 gradients accumulate over the micro-batches, unsharded even with FSDP (reduce-scattered once,
-after the last backward), and FSDP keeps the stage's parameters gathered once backward began:
+after the last backward), and FSDP keeps the stage's parameters gathered (by default from the
+first forward on; with ``reshard_after_forward`` true once backward began, an overestimate):
 so the peak is one moment holding the states, the gathered parameters, the gradient
 accumulators and the in-flight activations. ``MemoryPlan.bubble`` is the schedule's idle share.
 

@@ -94,7 +94,7 @@ def config_setting(cfg) -> Setting:
     return Setting(strategy=pc.strategy, tp=pc.tp, pp=pc.pp,
                    ac=pc.activation_checkpointing, micro_batch=tc.micro_batch,
                    grad_accum=tc.grad_accum, precision=tc.precision,
-                   zero=3 if pc.strategy != "fsdp" or pc.reshard_after_forward else 2,
+                   zero=3 if pc.strategy != "fsdp" or pc.reshards_after_forward else 2,
                    ac_every=pc.ac_every if pc.activation_checkpointing == "every_k" else 0,
                    pp_microbatches=m if pc.pp > 1 else 0, dp_replicate=pc.dp_replicate,
                    loss_chunks=tc.loss_chunks, mixed_precision=pc.mixed_precision)
@@ -168,9 +168,10 @@ def _strategies(tp: int, pp: int, dp: int) -> list[tuple[str, int]]:
         return [("none", 3)]
     if tp == 1 and pp == 1:
         return [("ddp", 3), ("fsdp", 3), ("fsdp", 2)]
-    # The trainer refuses DDP with TP or PP; inside a pipeline the memory and step models do
-    # not tell ZeRO-2 from ZeRO-3 (a stage keeps its parameters gathered through backward).
-    return [("fsdp", 3), ("fsdp", 2)] if pp == 1 else [("fsdp", 3)]
+    # The trainer refuses DDP with TP or PP. Inside a pipeline only ZeRO-2, the trainer's
+    # default there: resharding after each micro-batch's forward would gather the stage twice a
+    # micro-batch, and the memory and step models size a stage kept gathered.
+    return [("fsdp", 3), ("fsdp", 2)] if pp == 1 else [("fsdp", 2)]
 
 
 def predict(cfg, s: Setting, gpus: int, peak_tflops: float) -> tuple[float, float]:
