@@ -198,10 +198,10 @@ class ParallelConfig:
     def reshards_after_forward(self) -> bool:
         """Whether FSDP frees the gathered parameters after each forward: as set, else true
         except inside a pipeline. There every micro-batch's forward and backward would gather the
-        stage again (16 all-gathers a step for 8 micro-batches, measured 6% behind torchtitan on
-        8b PP2 x FSDP2, which keeps them too). Zero-bubble schedules always keep them: their
-        weight-gradient pass runs after the input gradients, and resharded parameters give wrong
-        weight gradients there (measured, PyTorch 2.13)."""
+        stage again (16 all-gathers a step for 8 micro-batches); 8b PP2 x FSDP2 resharding so ran
+        6% behind torchtitan, which keeps them gathered with PP. Zero-bubble schedules always
+        keep them: their weight-gradient pass runs after the input gradients, and resharded
+        parameters give wrong weight gradients there (measured, PyTorch 2.13)."""
         if self.pp > 1 and self.pp_schedule in ZERO_BUBBLE_SCHEDULES:
             return False
         if self.reshard_after_forward is not None:
