@@ -60,6 +60,7 @@ class JobConfig:
             section = getattr(self, f.name)
             if hasattr(section, "validate"):
                 section.validate()
+        self.parallel.check_precision(self.train.precision)
         args = self.model.resolve()
         self.parallel.check_reduce_precision(self.train.precision,
                                              count_params(args, include_embedding=True))

@@ -180,7 +180,6 @@ class ParallelConfig:
         """Refuse ``reduce_precision = bf16`` where no FSDP policy reduces the gradients: the
         autocast path's gradients belong to fp32 parameters (auto takes it for models under
         ``FSDP_CASTS_MIN_PARAMS`` per model-parallel rank, which only the size tells)."""
-        self.check_precision(precision)
         if self.reduce_precision == "fp32":
             return
         path = self.mixed_precision_path(precision, params)
