@@ -60,10 +60,9 @@ class JobConfig:
             section = getattr(self, f.name)
             if hasattr(section, "validate"):
                 section.validate()
-        self.parallel.check_precision(self.train.precision)
         args = self.model.resolve()
-        self.parallel.check_reduce_precision(self.train.precision,
-                                             count_params(args, include_embedding=True))
+        self.parallel.check_precision(self.train.precision,
+                                      count_params(args, include_embedding=True))
         if self.data.seq_len > args.max_seq_len:
             raise ConfigError(
                 f"data.seq_len = {self.data.seq_len} exceeds the model's max_seq_len "

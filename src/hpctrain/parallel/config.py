@@ -139,9 +139,9 @@ class ParallelConfig:
                 hint="drop parallel.mixed_precision (auto)",
             )
 
-    def check_precision(self, precision: str) -> None:
+    def check_precision(self, precision: str, params: int) -> None:
         """Refuse ``mixed_precision`` and ``reduce_precision`` choices that ``train.precision``
-        cannot take."""
+        and a model of ``params`` parameters cannot take."""
         if self.reduce_precision == "bf16" and precision not in ("bf16", "fp8"):
             raise ConfigError(
                 f"parallel.reduce_precision = bf16 with train.precision = {precision}",
@@ -149,9 +149,7 @@ class ParallelConfig:
                 "gradients are bf16); fp32 training reduces in fp32, fp16 needs fp32 "
                 "reductions for its loss scaling",
                 hint="drop parallel.reduce_precision (fp32)")
-        if self.mixed_precision != "fsdp" or self.strategy == "fsdp":
-            return
-        if precision == "fp8":
+        if self.mixed_precision == "fsdp" and self.strategy != "fsdp" and precision == "fp8":
             raise ConfigError(
                 f"parallel.mixed_precision = fsdp with train.precision = fp8 and strategy "
                 f"{self.strategy!r}",
@@ -160,7 +158,7 @@ class ParallelConfig:
                 hint="drop parallel.mixed_precision (auto picks autocast for fp8), or shard with "
                 "parallel.strategy=fsdp",
             )
-        if precision == "fp16":
+        if self.mixed_precision == "fsdp" and self.strategy != "fsdp" and precision == "fp16":
             raise ConfigError(
                 f"parallel.mixed_precision = fsdp with train.precision = fp16 and strategy "
                 f"{self.strategy!r}",
@@ -169,21 +167,11 @@ class ParallelConfig:
                 hint="use train.precision=bf16 (no loss scaling needed), or drop "
                 "parallel.mixed_precision",
             )
-
-    def mixed_precision_path(self, precision: str, params: int) -> str:
-        """How this config computes a model of ``params`` parameters in ``precision``: 'fsdp',
-        'autocast' or 'none' (fp32)."""
-        return mixed_precision_path(self.mixed_precision, self.strategy, self.tp, self.pp,
-                                    precision, params)
-
-    def check_reduce_precision(self, precision: str, params: int) -> None:
-        """Refuse ``reduce_precision = bf16`` where no FSDP policy reduces the gradients: the
-        autocast path's gradients belong to fp32 parameters (auto takes it for models under
-        ``FSDP_CASTS_MIN_PARAMS`` per model-parallel rank, which only the size tells)."""
-        if self.reduce_precision == "fp32":
-            return
+        # bf16 reductions need an FSDP policy to reduce through: the autocast path's gradients
+        # belong to fp32 parameters (auto takes it for models under FSDP_CASTS_MIN_PARAMS per
+        # model-parallel rank, which only the size tells).
         path = self.mixed_precision_path(precision, params)
-        if path != "fsdp":
+        if self.reduce_precision == "bf16" and path != "fsdp":
             raise ConfigError(
                 f"parallel.reduce_precision = bf16 where the model computes through {path} "
                 f"(strategy {self.strategy!r}, mixed_precision {self.mixed_precision!r}, "
@@ -192,6 +180,12 @@ class ParallelConfig:
                 "parallel.mixed_precision fsdp (auto takes it with TP/PP from "
                 f"{FSDP_CASTS_MIN_PARAMS / 1e9:.0f}B parameters per model-parallel rank)",
                 hint="add parallel.mixed_precision=fsdp, or drop parallel.reduce_precision")
+
+    def mixed_precision_path(self, precision: str, params: int) -> str:
+        """How this config computes a model of ``params`` parameters in ``precision``: 'fsdp',
+        'autocast' or 'none' (fp32)."""
+        return mixed_precision_path(self.mixed_precision, self.strategy, self.tp, self.pp,
+                                    precision, params)
 
     @property
     def reshards_after_forward(self) -> bool:

@@ -100,8 +100,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout, m
         fp8 = None
     gather8 = float8_all_gather(fp8, cfg.strategy, layout.dp_shard)
     params = count_params(model.args, include_embedding=True)
-    cfg.check_precision(precision)  # as the config's load does, for callers that skip it
-    cfg.check_reduce_precision(precision, params)
+    cfg.check_precision(precision, params)  # as the config's load does, for callers that skip it
     log.info("mixed precision: %s", describe_mixed_precision(cfg, precision, params))
     casts = cfg.mixed_precision_path(precision, params) == "fsdp"
     autocast = autocast_dtype(cfg, precision, params)

@@ -205,8 +205,7 @@ class MemoryOptions:
         pc = ParallelConfig(strategy=self.strategy, mixed_precision=self.mixed_precision,
                             tp=self.tp, pp=self.pp, reduce_precision=self.reduce_precision)
         pc.validate()
-        pc.check_precision(self.precision)
-        pc.check_reduce_precision(self.precision, count_params(args, include_embedding=True))
+        pc.check_precision(self.precision, count_params(args, include_embedding=True))
         if self.strategy == "none" and self.gpus > 1:
             raise ConfigError(f"strategy none with {self.gpus} GPUs",
                               expected="ddp or fsdp for more than one data-parallel GPU")
