@@ -430,7 +430,7 @@ def _estimate_rank(args: ModelArgs, opts: MemoryOptions, share: RankShare,
 
     if opts.pp > 1:
         # Gradients accumulate unsharded over the micro-batches; FSDP keeps the parameters
-        # gathered from the first backward on and reduce-scatters after the last one.
+        # gathered (from the first forward by default) and reduce-scatters after the last one.
         if opts.fsdp_wrapped(args):
             working = e * p
         else:
