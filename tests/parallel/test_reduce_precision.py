@@ -59,9 +59,10 @@ def test_bf16_reduction_is_taken_on_fsdp_paths(overrides: list[str]) -> None:
     assert cfg.parallel.reduce_precision == "bf16"
 
 
-def _accumulated_grads(pg: None, reduce: str) -> dict[str, torch.Tensor]:
+def _accumulated_grads(reduce: str) -> dict[str, torch.Tensor]:
     """The fp32 gradients the optimizer sees after two micro-batches accumulated under FSDP's
-    casts over one rank (the trainer's way: no gradient sync until the last)."""
+    casts over one rank (the caller's 1-rank group; the trainer's way: no gradient sync until
+    the last)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from hpctrain.runtime.dist import MESH_AXES
@@ -83,7 +84,7 @@ def _accumulated_grads(pg: None, reduce: str) -> dict[str, torch.Tensor]:
 def test_bf16_reduction_accumulates_micro_batches_in_bf16(pg: None) -> None:
     """With bf16 every accumulated gradient element is a bf16 value, kept as an fp32 master
     gradient; with fp32 (the default) the sums are fp32 ones; the two agree to bf16 rounding."""
-    fp32, bf16 = _accumulated_grads(pg, "fp32"), _accumulated_grads(pg, "bf16")
+    fp32, bf16 = _accumulated_grads("fp32"), _accumulated_grads("bf16")
     assert fp32.keys() == bf16.keys() and len(bf16) > 10
     for name, grad in bf16.items():
         assert grad.dtype == torch.float32, name
