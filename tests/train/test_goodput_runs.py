@@ -87,6 +87,12 @@ def _wait_for(proc: subprocess.Popen, what: str, ok, timeout: float = 120) -> No
         time.sleep(0.05)
 
 
+def _log(run_dir: Path) -> str:
+    with suppress(OSError):
+        return (run_dir / "logs" / "rank-000.log").read_text()
+    return ""
+
+
 def _latest(run_dir: Path) -> str | None:
     with suppress(OSError):
         return (run_dir / "checkpoints" / "latest").read_text().strip()
@@ -99,7 +105,10 @@ def _preempt_in_flight(out: Path) -> tuple[RunResult, RunResult]:
     faults = "slow_save@step=2,seconds=6;hang@step=4,seconds=3"
     proc = _start(args, faults)
     try:
-        _wait_for(proc, "3 steps", lambda: _logged(out / "preempt") >= 3)
+        # Inside step 4's hang: once step 3 is logged, its preemption check may still be to
+        # come, and a signal there preempts at step 3.
+        _wait_for(proc, "step 4's hang", lambda: "hanging 3 s before step 4" in _log(
+            out / "preempt"))
         proc.send_signal(signal.SIGUSR2)
     finally:
         first = _finish(proc, args, out / "preempt")

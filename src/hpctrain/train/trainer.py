@@ -316,7 +316,12 @@ class Trainer:
                 self.observe.step_start(self.step + 1)
                 hang = faults.active("hang", self.step + 1)
                 if hang:
-                    time.sleep(float(hang.get("seconds", 3600)))
+                    seconds = float(hang.get("seconds", 3600))
+                    # Said before it happens: a log that shows the fault, and a test that must
+                    # act inside the hang (not between the last step and this one) can see it.
+                    log.warning("HPCTRAIN_FAULTS: hanging %.0f s before step %d", seconds,
+                                self.step + 1)
+                    time.sleep(seconds)
                 self.watchdog.beat(self.step, "data")
                 t0 = time.perf_counter()
                 with self.goodput.part("data_wait"):
