@@ -13,6 +13,8 @@ to ``--out``/compare.json. Every speed claim in the README comes from this scrip
     python benchmarks/peers/compare.py --layouts 8b-tp2 --set parallel.mixed_precision=autocast \
         --tag autocast --only hpctrain          # an A/B of one setting: rows 8b-tp2-autocast
     python benchmarks/peers/compare.py --layouts 8b-pp2 --profile   # + profile-8b-pp2.md
+    python benchmarks/peers/compare.py --layouts 8b-tp2 --set parallel.async_tp=true \
+        --peer-arg=--parallelism.enable_async_tensor_parallel --tag asynctp   # both sides
 
 ``--profile`` adds, after each layout's pairs, a short run of our side with three steps profiled
 and writes ``hpctrain profile``'s table of it (GPU time by kind, idle, exposed communication).
@@ -220,12 +222,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="an override for our side of every layout (an A/B: name it --tag)")
+    p.add_argument("--peer-arg", action="append", default=[], metavar="--FLAG[=VALUE]",
+                   help="a torchtitan command-line argument for the peer of every layout (give "
+                   "it as --peer-arg=--its.flag, so it is not read as ours)")
     p.add_argument("--tag", default="", type=_tag,
                    help="a name for the --set variant, appended to the layout names in the "
                    "results as -TAG")
     p.add_argument("--profile", action="store_true",
                    help="after each layout, profile 3 steps of our side in a run of its own")
     return p
+
+
+def chosen_layout(name: str, args: argparse.Namespace) -> Layout:
+    """Layout ``name`` with the command line's ``--set`` (ours) and ``--peer-arg`` (theirs)."""
+    base = LAYOUTS[name]
+    return replace(base, overrides=[*base.overrides, *args.set],
+                   peer=replace(base.peer, extra=[*base.peer.extra, *args.peer_arg]))
 
 
 def main() -> None:
@@ -236,7 +248,7 @@ def main() -> None:
     out = args.out.resolve()
     rows = []
     for name in args.layouts:
-        layout = replace(LAYOUTS[name], overrides=[*LAYOUTS[name].overrides, *args.set])
+        layout = chosen_layout(name, args)
         if layout.gpus > torch.cuda.device_count():
             print(f"== {name}: needs {layout.gpus} GPUs, skipped", flush=True)
             continue

@@ -42,6 +42,18 @@ def test_no_tag_means_plain_layout_names(compare) -> None:
     assert args.layouts == ["8b-tp2", "8b-pp2"]
 
 
+def test_an_ab_of_both_sides_reaches_both_command_lines(compare, tmp_path: Path) -> None:
+    """``--set`` goes to our overrides, ``--peer-arg`` to the end of torchtitan's argv."""
+    flag = "--parallelism.enable_async_tensor_parallel"
+    args = compare.parser().parse_args(["--layouts", "8b-tp2", "--set", "parallel.async_tp=true",
+                                        f"--peer-arg={flag}", "--tag", "asynctp"])
+    layout = compare.chosen_layout("8b-tp2", args)
+    assert layout.overrides == [*compare.LAYOUTS["8b-tp2"].overrides, "parallel.async_tp=true"]
+    assert layout.peer.argv(tmp_path)[-1] == flag
+    assert flag not in compare.LAYOUTS["8b-tp2"].peer.argv(tmp_path)  # the table is untouched
+    load_config(REPO / layout.config, layout.overrides)
+
+
 def test_an_empty_tag_is_refused(compare, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         compare.parser().parse_args(["--layouts", "8b-tp2", "--tag=-"])

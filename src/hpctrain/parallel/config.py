@@ -12,6 +12,7 @@ are given; the data-parallel shard degree is what is left of the world size::
       pp_microbatches: 0      # 0: one per loader micro-batch (train.grad_accum)
       mixed_precision: auto   # how bf16 is computed: auto, autocast or fsdp (below)
       reduce_precision: fp32  # FSDP paths: gradients reduced and accumulated in fp32 or bf16
+      async_tp: false         # TP with compile on GPUs: overlap SP's collectives with matmuls
 
 ``mixed_precision`` (bf16/fp16/fp8; nothing to choose in fp32) says how the forward computes in
 the lower precision while the optimizer keeps fp32 master weights:
@@ -39,6 +40,14 @@ them in fp32: on 8b PP2 (2xH200, 8 micro-batches) those adds took 117 ms of a 92
 bfloat16``), halves the accumulators and the reduce-scatter bytes, and casts to the fp32 master
 gradients once a step; the price is a bf16 rounding per micro-batch (about 2^-9 relative each),
 which grows with the number of micro-batches accumulated. The optimizer still steps fp32 masters.
+
+``async_tp`` (tensor parallelism with ``compile``, CUDA) turns on inductor's micro-pipelined TP:
+in each compiled block, an all-gather feeding a matmul and a matmul feeding a reduce-scatter become
+one fused op that splits the matmul into chunks and moves each chunk over NVLink (PyTorch's
+symmetric memory) while the next computes, so sequence parallelism's collectives hide behind the
+GEMMs instead of waiting in front of them (on 8b TP2, 2xH200: 91 ms of an 824 ms step exposed).
+Off by default: it needs symmetric memory between the TP ranks (peer-to-peer NVLink within one
+node), and its reduce-scatters sum the ranks' partial results in another order than NCCL's.
 """
 
 from __future__ import annotations
@@ -97,6 +106,8 @@ class ParallelConfig:
     mixed_precision: Literal["auto", "autocast", "fsdp"] = "auto"
     # The FSDP path's gradient reduction and micro-batch accumulation dtype (module docstring).
     reduce_precision: Literal["fp32", "bf16"] = "fp32"
+    # Micro-pipelined TP in the compiled blocks (module docstring): needs tp > 1, compile, CUDA.
+    async_tp: bool = False
 
     def validate(self) -> None:
         """Check the values that a type alone cannot."""
@@ -123,6 +134,15 @@ class ParallelConfig:
                 "parallel.dp_replicate",
             )
 
+        if self.async_tp and (self.tp == 1 or not self.compile):
+            raise ConfigError(
+                f"parallel.async_tp = true with tp = {self.tp} and compile = "
+                f"{str(self.compile).lower()}",
+                expected="async_tp with tp > 1 and compile true: inductor fuses the tensor-"
+                "parallel collectives into the matmuls of the compiled blocks",
+                hint="set parallel.tp=2 (or more) and parallel.compile=true, or drop "
+                "parallel.async_tp",
+            )
         if self.mixed_precision == "fsdp" and self.strategy == "ddp":
             raise ConfigError(
                 "parallel.mixed_precision = fsdp with strategy 'ddp'",

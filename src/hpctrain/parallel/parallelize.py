@@ -3,7 +3,8 @@
 Per model part (the whole model, or each pipeline stage this rank holds), as in torchtitan:
 
 0. with ``train.precision=fp8`` the blocks' Linears become float8 Linears (``parallel/float8.py``);
-1. tensor parallelism (``parallel/tensor.py``) shards heads, FFN and vocabulary over ``tp``;
+1. tensor parallelism (``parallel/tensor.py``) shards heads, FFN and vocabulary over ``tp``
+   (with ``parallel.async_tp``, the compile of step 3 overlaps its collectives with the matmuls);
 2. activation checkpointing wraps each block (whole, or op by op: ``parallel/selective_ac.py``);
 3. each block is compiled (so the compiled graph includes the recomputation and the TP
    redistributions);
@@ -53,7 +54,7 @@ from hpctrain.parallel.pipeline import (
 )
 from hpctrain.parallel.selective_ac import selective_checkpoint
 from hpctrain.parallel.stages import balance_stages, module_costs
-from hpctrain.parallel.tensor import apply_tensor_parallel
+from hpctrain.parallel.tensor import apply_tensor_parallel, enable_async_tp
 
 log = logging.getLogger("hpctrain.parallel")
 
@@ -136,6 +137,8 @@ def _parallelize_part(model: nn.Module, cfg: ParallelConfig, layout: ParallelLay
                  "; FSDP gathers their weights in float8" if gather8 else "")
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
+        if cfg.async_tp:
+            enable_async_tp(mesh["tp"], device)
     blocks: nn.ModuleList = model.layers
     for i, block in enumerate(list(blocks)):
         if block is None:  # held by another pipeline stage

@@ -9,6 +9,10 @@ reduce-scatter onto sequence slices) and so is the output layer, whose logits st
 ``vocab_parallel_cross_entropy`` computes the loss from the shards (Megatron's
 vocabulary-parallel cross entropy: one all-reduce of a max and one of two sums per token), so the
 ``[tokens, vocab]`` logits are never gathered.
+
+With ``parallel.async_tp`` (``enable_async_tp``) inductor rewrites, inside each compiled block,
+every all-gather that feeds a matmul and every matmul that feeds a reduce-scatter into one fused
+op over symmetric memory, which overlaps the transfer of one chunk with the matmul of the next.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch._inductor.config
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -29,6 +34,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from hpctrain.data.loader import IGNORE_INDEX
+from hpctrain.errors import ConfigError
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -69,6 +75,23 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
             "feed_forward.w3": ColwiseParallel(),
         })
+
+
+def enable_async_tp(tp_mesh: DeviceMesh, device: torch.device) -> None:
+    """Let inductor micro-pipeline the TP collectives of the blocks it compiles from now on."""
+    if device.type != "cuda":
+        raise ConfigError(
+            f"parallel.async_tp = true on {device.type}",
+            expected="async_tp on CUDA GPUs: its fused collectives move data through symmetric "
+            "memory (peer-to-peer NVLink)",
+            hint="drop parallel.async_tp for this run",
+        )
+    # Imported here: the module needs a CUDA build's symmetric-memory bindings.
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    # The compiler pass leaves a collective alone unless its group has symmetric memory.
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    torch._inductor.config._micro_pipeline_tp = True
 
 
 def reduce_partial_grads(params: list[nn.Parameter]) -> None:

@@ -1,0 +1,85 @@
+"""``parallel.async_tp``: the settings it needs are checked when the config loads, and a CPU
+run (two gloo ranks through ``parallelize``) is refused before anything compiles.
+
+What it does to speed (and that the loss stays that of plain TP) is measured on GPUs
+(``benchmarks/peers/compare.py --set parallel.async_tp=true``, benchmarks/RESULTS.md): its fused
+collectives need CUDA and symmetric memory, which no CPU test can run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+
+from conftest import DEMO, QUIET, TINY, free_port
+from hpctrain.config import load_config
+from hpctrain.errors import ConfigError
+from hpctrain.models import Transformer
+from hpctrain.parallel.layout import ParallelLayout
+from hpctrain.parallel.parallelize import parallelize
+from hpctrain.parallel.tensor import enable_async_tp
+from hpctrain.runtime.dist import MESH_AXES
+
+BASE = [*TINY, *QUIET, "parallel.strategy=none", "parallel.async_tp=true"]
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["parallel.compile=true"], "tp = 1 and compile = true"),
+    (["parallel.tp=2", "parallel.compile=false"], "tp = 2 and compile = false"),
+])
+def test_async_tp_without_tp_or_compile_is_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(DEMO, [*BASE, *overrides])
+    assert "tp > 1 and compile true" in info.value.expected
+    assert "drop parallel.async_tp" in info.value.hint
+
+
+def test_async_tp_with_tp_and_compile_loads() -> None:
+    cfg = load_config(DEMO, [*BASE, "parallel.tp=2", "parallel.compile=true"])
+    assert cfg.parallel.async_tp
+
+
+def test_async_tp_is_off_by_default() -> None:
+    assert not load_config(DEMO, [*TINY, *QUIET]).parallel.async_tp
+
+
+def test_async_tp_on_cpu_is_refused_before_the_compiler_is_touched() -> None:
+    with pytest.raises(ConfigError, match="async_tp = true on cpu") as info:
+        enable_async_tp(None, torch.device("cpu"))  # the device is checked before the mesh
+    assert "CUDA" in info.value.expected
+    assert not torch._inductor.config._micro_pipeline_tp
+
+
+def _parallelize_tp2(rank: int, port: int, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        cfg = load_config(DEMO, [*BASE, "parallel.tp=2", "parallel.compile=true"])
+        mesh = init_device_mesh("cpu", (1, 1, 1, 2), mesh_dim_names=MESH_AXES)
+        with torch.device("meta"):
+            model = Transformer(cfg.model.resolve())
+        try:
+            parallelize(model, cfg.parallel, ParallelLayout(tp=2), mesh, torch.device("cpu"),
+                        "fp32", seed=0)
+            out[rank] = "parallelized"
+        except ConfigError as e:
+            out[rank] = (str(e), torch._inductor.config._micro_pipeline_tp)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_parallelize_refuses_async_tp_on_cpu_ranks() -> None:
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_parallelize_tp2, args=(free_port(), out), nprocs=2, join=True)
+        results = dict(out)
+    for rank in (0, 1):
+        message, flag = results[rank]
+        assert "async_tp = true on cpu" in message
+        assert not flag
