@@ -144,6 +144,28 @@ def test_within_ten_percent_of_measured_tp_and_pp_peaks(opts: dict, measured_gb:
     assert plan.peak / 1e9 == pytest.approx(measured_gb, rel=0.10)
 
 
+# 1b on 4 H200s (issue 15; benchmarks/RESULTS.md, benchmarks/peers/compare.py layouts 1b-tp4,
+# 1b-pp2tp2, 1b-pp4-SCHEDULE): compiled, no AC, 8 micro-batches of 1 x 2048, autocast (0.55B
+# parameters or fewer per rank). The largest rank's max_memory_allocated.
+PP8 = dict(strategy="none", micro_batch=1, grad_accum=8, pp_microbatches=8)
+MEASURED_4GPU = {
+    "tp4": (dict(strategy="none", tp=4, micro_batch=8), 13.6),
+    "pp2 x tp2 1f1b": (dict(PP8, pp=2, tp=2), 8.0),
+    "pp4 1f1b": (dict(PP8, pp=4), 10.9),
+    "pp4 gpipe": (dict(PP8, pp=4, pp_schedule="gpipe"), 14.9),
+    "pp4 interleaved 1f1b": (dict(PP8, pp=4, pp_schedule="interleaved_1f1b"), 13.2),
+    "fsdp4": (dict(strategy="fsdp", gpus=4, micro_batch=4), 15.3),
+    "fsdp4 zero2": (dict(strategy="fsdp", gpus=4, micro_batch=4, zero=2), 17.5),
+}
+
+
+@pytest.mark.parametrize("name", list(MEASURED_4GPU))
+def test_within_ten_percent_of_measured_1b_peaks_on_4_gpus(name: str) -> None:
+    opts, measured_gb = MEASURED_4GPU[name]
+    plan = estimate_memory(PRESETS["1b"], MemoryOptions(**opts))
+    assert plan.peak / 1e9 == pytest.approx(measured_gb, rel=0.10)
+
+
 def test_fp8_is_planned_at_the_bf16_peak() -> None:
     """Only the blocks' GEMMs run in float8: the fp8 datasheet peak would predict ~2x."""
     assert gpu_peak_tflops("h100", "fp8") == gpu_peak_tflops("h100", "bf16") > 0
