@@ -22,7 +22,7 @@ from hpctrain.errors import ConfigError
 from hpctrain.models import Transformer
 from hpctrain.parallel.layout import ParallelLayout
 from hpctrain.parallel.parallelize import parallelize
-from hpctrain.parallel.tensor import enable_async_tp
+from hpctrain.parallel.tensor import async_tp_obstacle, enable_async_tp
 from hpctrain.runtime.dist import MESH_AXES
 
 BASE = [*TINY, *QUIET, "parallel.strategy=none", "parallel.async_tp=true"]
@@ -83,3 +83,27 @@ def test_parallelize_refuses_async_tp_on_cpu_ranks() -> None:
         message, flag = results[rank]
         assert "async_tp = true on cpu" in message
         assert not flag
+
+
+NVLINK = {(0, 1), (1, 0), (2, 3), (3, 2)}  # two NVLink pairs on one host
+
+
+def _peers(i: int, j: int) -> bool:
+    return (i, j) in NVLINK
+
+
+@pytest.mark.parametrize(("members", "obstacle"), [
+    ([("n1", 0), ("n1", 1)], None),
+    ([("n1", 2), ("n1", 3)], None),
+    ([("n1", 1), ("n1", 2)], "GPU 1 cannot access GPU 2 peer to peer on n1"),
+    ([("n1", 0), ("n2", 0)], "spans 2 hosts (n1, n2)"),
+    # One GPU visible per task: the indices name no GPU, so no peer question is asked.
+    ([("n1", 0), ("n1", 0)], None),
+])
+def test_an_async_tp_group_must_share_a_host_and_peer_access(
+        members: list[tuple[str, int]], obstacle: str | None) -> None:
+    found = async_tp_obstacle(members, _peers)
+    if obstacle is None:
+        assert found is None
+    else:
+        assert obstacle in found

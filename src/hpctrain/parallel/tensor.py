@@ -17,6 +17,7 @@ op over symmetric memory, which overlaps the transfer of one chunk with the matm
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 
 import torch
@@ -86,12 +87,41 @@ def enable_async_tp(tp_mesh: DeviceMesh, device: torch.device) -> None:
             "memory (peer-to-peer NVLink)",
             hint="drop parallel.async_tp for this run",
         )
+    group = tp_mesh.get_group()
+    members: list = [None] * tp_mesh.size()
+    dist.all_gather_object(members, (socket.gethostname(), device.index), group=group)
+    obstacle = async_tp_obstacle(members, torch.cuda.can_device_access_peer)
+    if obstacle:
+        raise ConfigError(
+            f"parallel.async_tp = true but {obstacle}",
+            expected="the ranks of each tensor-parallel group on one node, their GPUs connected "
+            "peer to peer (NVLink): symmetric memory maps each other's buffers",
+            hint="drop parallel.async_tp, or keep parallel.tp within the GPUs of one node")
     # Imported here: the module needs a CUDA build's symmetric-memory bindings.
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     # The compiler pass leaves a collective alone unless its group has symmetric memory.
-    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    enable_symm_mem_for_group(group.group_name)
     torch._inductor.config._micro_pipeline_tp = True
+
+
+def async_tp_obstacle(members: list[tuple[str, int]],
+                      can_access_peer: Callable[[int, int], bool]) -> str | None:
+    """Why a TP group of ``members`` (host, CUDA device index) cannot share symmetric memory,
+    or None. ``can_access_peer(i, j)``: whether this host's GPU i maps GPU j's memory."""
+    hosts = sorted({host for host, _ in members})
+    if len(hosts) > 1:
+        return f"its tensor-parallel group spans {len(hosts)} hosts ({', '.join(hosts)})"
+    indices = [index for _, index in members]
+    if len(set(indices)) < len(indices):
+        # Each rank sees only its own GPU (one CUDA_VISIBLE_DEVICES per task): the indices say
+        # nothing about which GPUs these are, so there is nothing to ask the driver here.
+        return None
+    for i in indices:
+        for j in indices:
+            if i != j and not can_access_peer(i, j):
+                return f"GPU {i} cannot access GPU {j} peer to peer on {hosts[0]}"
+    return None
 
 
 def reduce_partial_grads(params: list[nn.Parameter]) -> None:
