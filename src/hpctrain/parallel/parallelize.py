@@ -105,6 +105,11 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout, m
     log.info("mixed precision: %s", describe_mixed_precision(cfg, precision, params))
     casts = cfg.mixed_precision_path(precision, params) == "fsdp"
     autocast = autocast_dtype(cfg, precision, params)
+    if cfg.async_tp and layout.tp > 1:
+        # Before any part compiles (compilation runs at the first forward, with the flag set).
+        enable_async_tp(mesh["tp"], device)
+        log.info("async TP: the compiled blocks fuse their TP collectives into the matmuls "
+                 "(symmetric memory on the %d-rank TP group)", layout.tp)
     if layout.pp == 1:
         return Parallelized(_parallelize_part(model, cfg, layout, mesh, device, precision, seed,
                                               fp8, casts), float8_scales=gather8,
@@ -137,8 +142,6 @@ def _parallelize_part(model: nn.Module, cfg: ParallelConfig, layout: ParallelLay
                  "; FSDP gathers their weights in float8" if gather8 else "")
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
-        if cfg.async_tp:
-            enable_async_tp(mesh["tp"], device)
     blocks: nn.ModuleList = model.layers
     for i, block in enumerate(list(blocks)):
         if block is None:  # held by another pipeline stage
