@@ -93,6 +93,23 @@ def test_tp_and_pp_candidates_drop_the_chunked_loss(tmp_path: Path) -> None:
         check_layout(load_config(DEMO, [*TINY, "train.loss_chunks=4", *c.overrides]), 2)
 
 
+def test_async_tp_is_kept_for_tp_candidates_and_dropped_where_tp_is_1() -> None:
+    """A config with parallel.async_tp (which needs tp > 1) still gets data-parallel candidates:
+    they turn it off, the TP ones keep it, and each loads."""
+    base = [*TINY, "parallel.strategy=none", "parallel.tp=2", "parallel.compile=true",
+            "parallel.async_tp=true"]
+    cands, _, _ = candidates.build_candidates(DEMO, base, 2, device="cpu", gpu_bytes=16e9,
+                                              peak_tflops=989.0, fp8=False, max_candidates=8)
+    split = [c for c in cands if c.setting.tp > 1]
+    whole = [c for c in cands if c.setting.tp == 1]
+    assert split and whole
+    assert all(c.setting.async_tp and not any("async_tp" in o for o in c.overrides)
+               for c in split)
+    assert all("parallel.async_tp=false" in c.overrides for c in whole)
+    for c in cands:
+        load_config(DEMO, [*base, *c.overrides])
+
+
 def _shortlist(gpu_gb: float, overrides: tuple[str, ...] = (), **kw
                ) -> tuple[list, list[str], int]:
     return candidates.build_candidates(LLAMA_8B, list(overrides), 2, device="cuda",

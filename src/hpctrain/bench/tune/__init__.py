@@ -11,8 +11,9 @@ ZeRO-3 ``reshard_after_forward=true`` or ZeRO-2 ``=false``; ``none`` when one re
 GPUs), activation checkpointing (none, every k-th block, selective, full), the micro-batch
 (powers of two), and fp8 (``train.precision=fp8``) where the config accepts it and the GPU has
 fp8 tensor cores (CUDA capability 8.9 or newer; never on a CPU). Compilation, sequence length,
-optimizer, data and the chunked loss are the config's (``train.loss_chunks`` is set to 0 for
-tp/pp layouts, which refuse it and split the logits themselves).
+optimizer, data, the chunked loss and async TP are the config's (``train.loss_chunks`` is set to
+0 for tp/pp layouts, which refuse it and split the logits themselves; ``parallel.async_tp`` is
+kept for tp layouts and turned off for the others, which refuse it).
 
 **The global batch is never changed.** It is the config's ``micro_batch x grad_accum x dp`` on
 ``--gpus`` GPUs, and every candidate reaches it by adjusting ``train.grad_accum`` (for a

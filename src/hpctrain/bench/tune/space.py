@@ -35,6 +35,7 @@ class Setting:
     dp_replicate: int = 1
     loss_chunks: int = 0  # the chunked loss; refused with tp or pp
     mixed_precision: str = "auto"  # parallel.mixed_precision
+    async_tp: bool = False  # the config's parallel.async_tp, kept where tp > 1 (refused at 1)
 
     def overrides(self, cfg=None) -> list[str]:
         """The config overrides that train this setting on top of ``cfg`` (explicit for every
@@ -45,6 +46,8 @@ class Setting:
             out.append(f"parallel.dp_replicate={self.dp_replicate}")
         if self.mixed_precision != (cfg.parallel.mixed_precision if cfg else "auto"):
             out.append(f"parallel.mixed_precision={self.mixed_precision}")
+        if self.async_tp != (cfg.parallel.async_tp if cfg else False):
+            out.append(f"parallel.async_tp={str(self.async_tp).lower()}")
         if self.pp > 1:
             out.append(f"parallel.pp_microbatches={self.pp_microbatches}")
         if self.strategy == "fsdp":
@@ -97,7 +100,8 @@ def config_setting(cfg) -> Setting:
                    zero=3 if pc.strategy != "fsdp" or pc.reshards_after_forward else 2,
                    ac_every=pc.ac_every if pc.activation_checkpointing == "every_k" else 0,
                    pp_microbatches=m if pc.pp > 1 else 0, dp_replicate=pc.dp_replicate,
-                   loss_chunks=tc.loss_chunks, mixed_precision=pc.mixed_precision)
+                   loss_chunks=tc.loss_chunks, mixed_precision=pc.mixed_precision,
+                   async_tp=pc.async_tp)
 
 
 def recomputed_share(cfg, ac: str, ac_every: int = 0) -> float:
@@ -159,7 +163,8 @@ def enumerate_settings(cfg, gpus: int, *, precisions: tuple[str, ...]) -> Iterat
                                               precision=precision, zero=zero,
                                               ac_every=k if ac == "every_k" else 0,
                                               loss_chunks=chunks if tp * pp == 1 else 0,
-                                              mixed_precision=cfg.parallel.mixed_precision)
+                                              mixed_precision=cfg.parallel.mixed_precision,
+                                              async_tp=cfg.parallel.async_tp and tp > 1)
                         mb *= 2
 
 
