@@ -46,8 +46,9 @@ in each compiled block, an all-gather feeding a matmul and a matmul feeding a re
 one fused op that splits the matmul into chunks and moves each chunk over NVLink (PyTorch's
 symmetric memory) while the next computes, so sequence parallelism's collectives hide behind the
 GEMMs instead of waiting in front of them. On 8b TP2 (2xH200) the exposed share of the step fell
-from 11% to 3.4%, but the step only by 2.1%: the chunked matmuls are slower. Off by default: it needs symmetric memory between the TP ranks (peer-to-peer NVLink within one
-node), and its reduce-scatters sum the ranks' partial results in another order than NCCL's.
+from 11% to 3.4%, but the step only by 2.1% (most likely the chunked matmuls run slower). Off by
+default: it needs symmetric memory between the TP ranks (peer-to-peer NVLink within one node),
+and its reduce-scatters sum the ranks' partial results in another order than NCCL's.
 """
 
 from __future__ import annotations
