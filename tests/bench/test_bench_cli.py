@@ -12,7 +12,7 @@ from hpctrain.bench.busbw import OPS
 from hpctrain.bench.common import select_device
 from hpctrain.bench.gemm import run_gemm
 from hpctrain.cli import main
-from hpctrain.errors import ConfigError
+from hpctrain.errors import RuntimeEnvError
 
 
 def test_gemm_on_cpu_reports_unknown_peak() -> None:
@@ -58,8 +58,9 @@ def test_select_device_rejects_missing_cuda() -> None:
 
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
-    with pytest.raises(ConfigError, match="no CUDA"):
+    with pytest.raises(RuntimeEnvError, match="--device = 'cuda' but no CUDA") as info:
         select_device("cuda")
+    assert "set --device to cpu" in info.value.hint
 
 
 def test_collective_nproc_2_through_the_launcher(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ import torch
 
 from hpctrain.errors import ConfigError
 from hpctrain.launch.local import kill_tree
+from hpctrain.runtime.dist import pick_device
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
@@ -71,24 +72,9 @@ def human_bytes(n: int) -> str:
 
 
 def select_device(name: str, local_rank: int = 0) -> torch.device:
-    """Return the device to benchmark: ``auto`` (CUDA if present), ``cpu``, ``cuda``, ``cuda:N``."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cpu":
-        return torch.device("cpu")
-    if re.fullmatch(r"cuda(:\d+)?", name):
-        if not torch.cuda.is_available():
-            raise ConfigError(f"--device {name} but no CUDA device is visible",
-                              expected="a GPU node with the NVIDIA driver loaded",
-                              hint="use --device cpu (or auto) on a machine without GPUs")
-        index = int(name.split(":")[1]) if ":" in name else local_rank
-        if index >= torch.cuda.device_count():
-            raise ConfigError(f"--device {name}: only {torch.cuda.device_count()} GPUs visible",
-                              expected=f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    raise ConfigError(f"unknown device {name!r}", expected="auto, cpu, cuda or cuda:N",
-                      hint="e.g. --device cuda:1 to test the second GPU")
+    """The device to benchmark: ``auto`` (CUDA if present), ``cpu``, ``cuda``, ``cuda:N``; chosen as
+    training chooses it (``hpctrain.runtime.dist.pick_device``)."""
+    return pick_device(name, local_rank, setting="--device", host=socket.gethostname())
 
 
 def device_name(device: torch.device) -> str:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hpctrain.errors import RuntimeEnvError
+from hpctrain.errors import ConfigError, RuntimeEnvError
 from hpctrain.parallel.config import ParallelConfig
 from hpctrain.parallel.layout import mesh_degrees
 from hpctrain.runtime.config import RunConfig
@@ -64,31 +65,49 @@ class Distributed:
 
 def select_device(cfg: RunConfig, env: ProcessEnv) -> torch.device:
     """The device of this rank: ``cuda:<local rank>`` when CUDA is used, else the CPU."""
-    want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if not want_cuda:
+    return pick_device(cfg.device, env.local_rank, setting="run.device", host=env.hostname)
+
+
+def pick_device(name: str, local_rank: int, *, setting: str, host: str) -> torch.device:
+    """The device ``name`` (auto, cpu, cuda or cuda:N) means for local rank ``local_rank``, made
+    the current one: GPU N, else the rank's own GPU; the CPU for cpu, and for auto without CUDA.
+    ``setting`` names the option in errors (``run.device``, ``--device``)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
         return torch.device("cpu")
+    match = re.fullmatch(r"cuda(?::(\d+))?", name)
+    if match is None:
+        raise ConfigError(f"{setting} = {name!r}: unknown device",
+                          expected="auto, cpu, cuda or cuda:N",
+                          hint="cuda:1 names the second GPU; cuda gives each rank its own")
     if not torch.cuda.is_available():
         raise RuntimeEnvError(
-            "run.device = 'cuda' but no CUDA device is visible",
+            f"{setting} = {name!r} but no CUDA device is visible",
             expected="a GPU node with the NVIDIA driver loaded",
             hint=f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}; "
-            "use run.device=cpu to train on the CPU",
+            f"set {setting} to cpu (or auto) to run on the CPU",
         )
     count = torch.cuda.device_count()
-    if count == 1:
+    if match.group(1) is not None:
+        index = int(match.group(1))
+        if index >= count:
+            raise RuntimeEnvError(f"{setting} = {name}: only {count} GPUs visible on {host}",
+                                  expected=f"cuda:0..cuda:{count - 1}")
+    elif count == 1:
         # Slurm with --gpus-per-task (or a per-task CUDA_VISIBLE_DEVICES) shows each task only
         # its own GPU: it is device 0 whatever the local rank.
-        device = torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-        return device
-    if env.local_rank >= count:
+        index = 0
+    elif local_rank >= count:
         raise RuntimeEnvError(
-            f"local rank {env.local_rank} has no GPU: only {count} visible on {env.hostname}",
+            f"local rank {local_rank} has no GPU: only {count} visible on {host}",
             expected="one rank per GPU (local ranks 0..GPUs-1)",
             hint="match --nproc / --ntasks-per-node to the GPUs per node, and check that Slurm "
             "does not hide GPUs from tasks (--gpus-per-task vs --gpus-per-node)",
         )
-    device = torch.device("cuda", env.local_rank)
+    else:
+        index = local_rank
+    device = torch.device("cuda", index)
     torch.cuda.set_device(device)
     return device
 
