@@ -72,6 +72,9 @@ LAYOUTS: dict[str, Layout] = {
     # plan parallel's first choice for 1b on 2 GPUs (DDP; the peer replicates the same way).
     "1b-ddp2": Layout(2, _1B, ["parallel.strategy=ddp"],
                       PeerRun(size="1b", gpus=2, dp_shard=1, dp_replicate=2)),
+    # ... and on 4 GPUs (issue 15: plan parallel ranks DDP4 and FSDP4 first, equal).
+    "1b-ddp4": Layout(4, _1B, ["parallel.strategy=ddp"],
+                      PeerRun(size="1b", gpus=4, dp_shard=1, dp_replicate=4)),
     "8b-fsdp2-ac": Layout(2, _8B, [], PeerRun(size="8b", gpus=2, ac="full", local_batch=2)),
     # 8b on 2 GPUs as plan parallel ranks it for 141 GB cards: FSDP without AC at micro-batch 4
     # first, then TP2 at micro-batch 8 and PP2 with 8 micro-batches of 1 (no FSDP dimension,
