@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpctrain.bench.model import run_model_bench
+from hpctrain.bench.model import run_model_bench, step_records
 from hpctrain.errors import HpctrainError
 from hpctrain.runtime.env import MULTICAST_OFF
 
@@ -80,12 +80,11 @@ def order(repeats: int) -> list[str]:
     return runs
 
 
-def tail_score(metrics: Path, tail: int) -> float:
-    """Mean loss of the logged windows that end in the last ``tail`` steps of the run."""
-    windows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    windows = [w for w in windows if "loss" in w and "step" in w]
+def tail_score(run_dir: Path, tail: int) -> float:
+    """Mean loss of rank 0's logged windows that end in the last ``tail`` steps of the run."""
+    windows = [w for w in step_records(run_dir, 1)[0] if "loss" in w]
     if not windows:
-        raise HpctrainError(f"{metrics} holds no loss windows",
+        raise HpctrainError(f"{run_dir} logged no loss windows",
                             expected="a finished training run's metrics")
     last = windows[-1]["step"]
     kept = [w["loss"] for w in windows if w["step"] > last - tail]
@@ -139,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         except HpctrainError as e:
             print(f"run failed: {str(e)[-2000:]}", file=sys.stderr)
             return 1
-        score = tail_score(folder / "train" / "metrics" / "rank-000.jsonl", args.tail)
+        score = tail_score(folder / "train", args.tail)
         scores[precision].append(score)
         runs.append({"precision": precision, "score": score,
                      "tokens_per_s_per_gpu": row["tokens_per_s_per_gpu"], "folder": str(folder)})

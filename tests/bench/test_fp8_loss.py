@@ -30,11 +30,12 @@ def test_runs_alternate_abba(fp8_loss) -> None:
 
 
 def test_the_score_is_the_mean_of_the_last_windows(fp8_loss, tmp_path: Path) -> None:
-    metrics = tmp_path / "rank-000.jsonl"
-    lines = [{"step": s, "loss": float(s)} for s in (10, 20, 30, 40)]
-    metrics.write_text("\n".join(json.dumps(w) for w in [{"event": "layout"}, *lines]) + "\n")
-    assert fp8_loss.tail_score(metrics, 20) == pytest.approx(35.0)  # windows ending at 30, 40
-    assert fp8_loss.tail_score(metrics, 10) == pytest.approx(40.0)
+    (tmp_path / "metrics").mkdir()
+    lines = [{"step": s, "loss": float(s), "tokens_per_s": 1.0} for s in (10, 20, 30, 40)]
+    (tmp_path / "metrics" / "rank-000.jsonl").write_text(
+        "\n".join(json.dumps(w) for w in [{"event": "layout"}, *lines]) + "\n")
+    assert fp8_loss.tail_score(tmp_path, 20) == pytest.approx(35.0)  # windows ending at 30, 40
+    assert fp8_loss.tail_score(tmp_path, 10) == pytest.approx(40.0)
 
 
 @pytest.mark.parametrize(("scores", "within", "resolvable"), [
