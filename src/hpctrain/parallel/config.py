@@ -170,7 +170,8 @@ class ParallelConfig:
                 "gradients are bf16); fp32 training reduces in fp32, fp16 needs fp32 "
                 "reductions for its loss scaling",
                 hint="drop parallel.reduce_precision (fp32)")
-        if self.mixed_precision == "fsdp" and self.strategy != "fsdp" and precision == "fp8":
+        unsharded_casts = self.mixed_precision == "fsdp" and self.strategy != "fsdp"
+        if unsharded_casts and precision == "fp8":
             raise ConfigError(
                 f"parallel.mixed_precision = fsdp with train.precision = fp8 and strategy "
                 f"{self.strategy!r}",
@@ -179,7 +180,7 @@ class ParallelConfig:
                 hint="drop parallel.mixed_precision (auto picks autocast for fp8), or shard with "
                 "parallel.strategy=fsdp",
             )
-        if self.mixed_precision == "fsdp" and self.strategy != "fsdp" and precision == "fp16":
+        if unsharded_casts and precision == "fp16":
             raise ConfigError(
                 f"parallel.mixed_precision = fsdp with train.precision = fp16 and strategy "
                 f"{self.strategy!r}",
