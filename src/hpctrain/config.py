@@ -62,7 +62,8 @@ class JobConfig:
                 section.validate()
         args = self.model.resolve()
         self.parallel.check_precision(self.train.precision,
-                                      count_params(args, include_embedding=True))
+                                      count_params(args, include_embedding=True),
+                                      self.train.master_weights)
         if self.data.seq_len > args.max_seq_len:
             raise ConfigError(
                 f"data.seq_len = {self.data.seq_len} exceeds the model's max_seq_len "

@@ -160,9 +160,17 @@ class ParallelConfig:
                 hint="drop parallel.mixed_precision (auto)",
             )
 
-    def check_precision(self, precision: str, params: int) -> None:
-        """Refuse ``mixed_precision`` and ``reduce_precision`` choices that ``train.precision``
-        and a model of ``params`` parameters cannot take."""
+    def check_precision(self, precision: str, params: int, master: str = "fp32") -> None:
+        """Refuse ``mixed_precision`` and ``reduce_precision`` choices that ``train.precision``,
+        ``train.master_weights`` (``master``) and a model of ``params`` parameters cannot take."""
+        if master == "bf16" and self.mixed_precision != "auto" and self.strategy != "fsdp":
+            raise ConfigError(
+                f"parallel.mixed_precision = {self.mixed_precision} with train.master_weights "
+                f"= bf16 and strategy {self.strategy!r}",
+                expected="mixed_precision auto with bf16 master weights: the parameters are "
+                "bf16 already, so neither autocast nor FSDP's casts have anything to cast",
+                hint="drop parallel.mixed_precision (auto), or keep fp32 master weights "
+                "(drop train.master_weights)")
         if self.reduce_precision == "bf16" and precision not in ("bf16", "fp8"):
             raise ConfigError(
                 f"parallel.reduce_precision = bf16 with train.precision = {precision}",
@@ -192,7 +200,7 @@ class ParallelConfig:
         # bf16 reductions need an FSDP policy to reduce through: the autocast path's gradients
         # belong to fp32 parameters (auto takes it for models under FSDP_CASTS_MIN_PARAMS per
         # model-parallel rank, which only the size tells).
-        path = self.mixed_precision_path(precision, params)
+        path = self.mixed_precision_path(precision, params, master)
         if self.reduce_precision == "bf16" and path != "fsdp":
             raise ConfigError(
                 f"parallel.reduce_precision = bf16 where the model computes through {path} "
@@ -203,11 +211,11 @@ class ParallelConfig:
                 f"{FSDP_CASTS_MIN_PARAMS / 1e9:.0f}B parameters per model-parallel rank)",
                 hint="add parallel.mixed_precision=fsdp, or drop parallel.reduce_precision")
 
-    def mixed_precision_path(self, precision: str, params: int) -> str:
-        """How this config computes a model of ``params`` parameters in ``precision``: 'fsdp',
-        'autocast' or 'none' (fp32)."""
+    def mixed_precision_path(self, precision: str, params: int, master: str = "fp32") -> str:
+        """How this config computes a model of ``params`` parameters in ``precision`` with
+        ``master`` weights: 'fsdp', 'autocast', 'pure' (bf16 parameters) or 'none' (fp32)."""
         return mixed_precision_path(self.mixed_precision, self.strategy, self.tp, self.pp,
-                                    precision, params)
+                                    precision, params, master)
 
     @property
     def reshards_after_forward(self) -> bool:
@@ -232,12 +240,16 @@ class ParallelConfig:
 
 
 def mixed_precision_path(setting: str, strategy: str, tp: int, pp: int, precision: str,
-                         params: int) -> str:
-    """'fsdp' (FSDP2 casts the parameters), 'autocast' or 'none' (fp32): how a layout computes
-    a model of ``params`` parameters in ``precision`` under ``parallel.mixed_precision =
+                         params: int, master: str = "fp32") -> str:
+    """'fsdp' (FSDP2 casts the parameters), 'autocast', 'pure' (the parameters are bf16
+    themselves: ``train.master_weights=bf16``, nothing to cast) or 'none' (fp32): how a layout
+    computes a model of ``params`` parameters in ``precision`` under ``parallel.mixed_precision =
     setting`` (module docstring)."""
     if precision == "fp32":
         return "none"
+    if master == "bf16":
+        # FSDP's policy still sets the reduction dtype; without FSDP nothing wraps the model.
+        return "fsdp" if strategy == "fsdp" else "pure"
     if strategy == "fsdp" or setting == "fsdp":
         return "fsdp"
     if (setting == "auto" and strategy == "none" and (tp > 1 or pp > 1) and precision != "fp8"

@@ -18,7 +18,10 @@ def global_grad_norm(params: list[torch.nn.Parameter], pp_group: dist.ProcessGro
     """L2 norm of all gradients of the whole model (every stage and shard)."""
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        # Each tensor's norm in fp32 whatever the gradients' dtype: bf16 gradients
+        # (train.master_weights=bf16) would otherwise give a norm of 3 significant digits.
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+        norm = torch.linalg.vector_norm(torch.stack(norms))
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
     else:  # a stage whose parameters got no gradient still joins the pipeline's sum

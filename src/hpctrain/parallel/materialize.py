@@ -3,7 +3,8 @@
 Each parameter is initialised from its own generator, seeded by (seed, parameter name), as a
 full tensor on the device; a sharded parameter then keeps only its local slice. So the initial
 weights are the same for 1 rank, DDP on N and FSDP on N (on a given device type), which makes
-runs comparable across layouts. The full tensor exists for one parameter at a time only.
+runs comparable across layouts (and across parameter dtypes: bf16 parameters are the fp32 draws,
+rounded). The full tensor exists for one parameter at a time only.
 
 `load_weights` fills the parameters from pretrained weights instead: each rank asks a reader for
 the box of each parameter it holds (its FSDP/TP shard, as DCP computes it), so no rank reads or
@@ -44,8 +45,11 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
             name = canonical_name(name)
             gen = torch.Generator(device=device)
             gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-            full = torch.empty(param.shape, dtype=param.dtype, device=device)
+            # Drawn in fp32 and rounded: bf16 parameters (train.master_weights=bf16) start
+            # from the fp32 run's initial weights.
+            full = torch.empty(param.shape, dtype=torch.float32, device=device)
             model.init_parameter(name, full, gen)
+            full = full.to(param.dtype)
             if isinstance(param, DTensor):
                 # src_data_rank=None: every rank holds the same full tensor, so each just keeps
                 # its slice and no communication happens.

@@ -87,12 +87,13 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout, m
                 device: torch.device, precision: str, seed: int, *,
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                 seq_len: int = 0, microbatch_tokens: int = 0,
-                fp8: Float8Training | None = None) -> Parallelized:
+                fp8: Float8Training | None = None, master_weights: str = "fp32") -> Parallelized:
     """Transform, shard and initialise ``model`` (built on meta) for this rank of ``mesh``.
 
     With pipeline parallelism ``loss_fn(logits, targets)`` (summed token loss) runs on the last
     stage; ``seq_len`` and ``microbatch_tokens`` feed the stage-balancing cost model. With
     ``precision`` fp8, ``fp8`` says how the block Linears compute (default: tensorwise).
+    ``master_weights`` bf16 keeps the parameters themselves in bf16 (pure bf16 training).
     """
     if precision == "fp8":
         fp8 = fp8 or Float8Training()
@@ -101,10 +102,17 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout, m
         fp8 = None
     gather8 = float8_all_gather(fp8, cfg.strategy, layout.dp_shard)
     params = count_params(model.args, include_embedding=True)
-    cfg.check_precision(precision, params)  # as the config's load does, for callers that skip it
-    log.info("mixed precision: %s", describe_mixed_precision(cfg, precision, params))
-    casts = cfg.mixed_precision_path(precision, params) == "fsdp"
-    autocast = autocast_dtype(cfg, precision, params)
+    # As the config's load does, for callers that skip it.
+    cfg.check_precision(precision, params, master_weights)
+    log.info("mixed precision: %s",
+             describe_mixed_precision(cfg, precision, params, master_weights))
+    casts = cfg.mixed_precision_path(precision, params, master_weights) == "fsdp"
+    autocast = autocast_dtype(cfg, precision, params, master_weights)
+    if master_weights == "bf16":
+        # On meta, before any part is cut or sharded: every later step sees bf16 parameters.
+        # Buffers (the RoPE table) stay fp32.
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16)
     if cfg.async_tp and layout.tp > 1:
         # Before any part compiles (compilation runs at the first forward, with the flag set).
         enable_async_tp(mesh["tp"], device)
@@ -175,30 +183,39 @@ def _parallelize_part(model: nn.Module, cfg: ParallelConfig, layout: ParallelLay
     return model
 
 
-def autocast_dtype(cfg: ParallelConfig, precision: str, params: int) -> torch.dtype | None:
+def autocast_dtype(cfg: ParallelConfig, precision: str, params: int,
+                   master: str = "fp32") -> torch.dtype | None:
     """The autocast dtype the forward of a model of ``params`` parameters needs, or None where
-    FSDP casts the parameters (or fp32).
+    FSDP casts the parameters, where they are bf16 themselves (``master`` bf16), or in fp32.
 
     One GPU and DDP (and ``parallel.mixed_precision=autocast``) compute in ``precision`` through
     autocast (fp32 master weights, bf16 matmuls): never silently in fp32. fp8 autocasts to bf16
     like bf16 (the float8 Linears cast their own operands).
     """
-    if cfg.mixed_precision_path(precision, params) != "autocast":
+    if cfg.mixed_precision_path(precision, params, master) != "autocast":
         return None
     return DTYPES[compute_precision(precision)]
 
 
-def describe_mixed_precision(cfg: ParallelConfig, precision: str, params: int) -> str:
+def describe_mixed_precision(cfg: ParallelConfig, precision: str, params: int,
+                             master: str = "fp32") -> str:
     """One line for the log: which mixed-precision path this run computes through."""
-    path = cfg.mixed_precision_path(precision, params)
+    path = cfg.mixed_precision_path(precision, params, master)
     dtype = compute_precision(precision)
     if path == "none":
         return "none (fp32 throughout)"
+    if path == "pure":
+        return (f"none: parameters, gradients and AdamW moments in {dtype} "
+                f"(train.master_weights={dtype}), no casts")
     if path == "autocast":
         return (f"autocast to {dtype} around each forward, fp32 parameters and residual "
                 f"stream (parallel.mixed_precision={cfg.mixed_precision})")
     how = ("FSDP's policy" if cfg.strategy == "fsdp" else
            "FSDP over a 1-rank shard group, kept gathered from forward through backward")
+    if master == "bf16":
+        return (f"none: bf16 parameters, gradients and AdamW moments (train.master_weights="
+                f"bf16), FSDP's policy reduces and accumulates gradients in "
+                f"{cfg.reduce_precision}")
     return (f"FSDP2 casts the parameters to {dtype} ({how}), fp32 master weights, gradients "
             f"reduced and accumulated in {cfg.reduce_precision} "
             f"(parallel.mixed_precision={cfg.mixed_precision})")

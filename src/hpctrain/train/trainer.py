@@ -123,7 +123,8 @@ class Trainer:
                                cfg.run.seed, loss_fn=self.loss_fn, seq_len=cfg.data.seq_len,
                                microbatch_tokens=local_batch // self.par.microbatches
                                * cfg.data.seq_len,
-                               fp8=Float8Training(tc.fp8_recipe, tc.fp8_emulate))
+                               fp8=Float8Training(tc.fp8_recipe, tc.fp8_emulate),
+                               master_weights=tc.master_weights)
         self.model, self.pipeline = parallel.model, parallel.pipeline
         # Whatever derives from the weights (float8 scales) is refreshed after each update.
         self.after_update = parallel.after_update
