@@ -17,8 +17,12 @@ import argparse
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpctrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hpctrain.plan.memory import MemoryOptions
 
 _COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([kmbt]?)\s*$", re.IGNORECASE)
 _SCALE = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
@@ -75,6 +79,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--reduce-precision", default="fp32",
                    help="parallel.reduce_precision: fp32 or bf16 (FSDP's path: the dtype "
                    "gradients are reduced and accumulated over micro-batches in)")
+    m.add_argument("--master-weights", default="fp32",
+                   help="train.master_weights: fp32 or bf16 (with --precision bf16: pure bf16 "
+                   "training, parameters, gradients and AdamW moments in bf16)")
     m.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     q = psub.add_parser("parallel", help="recommend dp/fsdp/tp/pp degrees for a cluster shape")
@@ -160,13 +167,14 @@ def _memory(args: argparse.Namespace) -> None:
                          pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
                          pp_stages_per_rank=args.pp_stages_per_rank,
                          mixed_precision=args.mixed_precision,
-                         reduce_precision=args.reduce_precision)
+                         reduce_precision=args.reduce_precision,
+                         master_weights=args.master_weights)
     gpu = gpu_memory_bytes(args.gpu) if args.gpu else None
     plan = estimate_memory(model, opts, gpu)
     path = opts.mixed_precision_path(model)
     if args.json:
-        print(json.dumps({**plan.__dict__, "fits": plan.fits, "mixed_precision": path},
-                         indent=2))
+        print(json.dumps({**plan.__dict__, "fits": plan.fits, "mixed_precision": path,
+                          "master_weights": opts.master_weights}, indent=2))
         return
     n = count_params(model, include_embedding=True)
     layout = f"{opts.strategy}" + (f" ZeRO-{opts.zero}" if opts.strategy == "fsdp" else "")
@@ -175,18 +183,22 @@ def _memory(args: argparse.Namespace) -> None:
                 if opts.pp > 1 else "")
     title = (f"{args.model or 'custom'} ({n / 1e9:.2f}B params), {layout} over {opts.gpus} GPU"
              f"{'s' if opts.gpus > 1 else ''}, tp {opts.tp}, pp {opts.pp}{pipeline}, "
-             f"{opts.precision}{_PATHS[path]}, AC {opts.ac}, micro-batch {opts.micro_batch} x "
-             f"{opts.seq_len}"
+             f"{opts.precision}{_path_title(opts, path)}, AC {opts.ac}, micro-batch "
+             f"{opts.micro_batch} x {opts.seq_len}"
              f"{'' if opts.compile else ', eager'}")
     console = Console(width=160)
     console.print(title)
     table = Table()
     table.add_column("per GPU")
     table.add_column("GB", justify="right")
-    # Inside a pipeline the gradients are the unsharded accumulators, in the reduction dtype.
-    grads = "bf16" if opts.pp > 1 and opts.accumulator_bytes(model) == 2 else "fp32"
-    for label, value in (("parameters (fp32)", plan.params), (f"gradients ({grads})", plan.grads),
-                         ("AdamW state (fp32)", plan.optimizer),
+    # Inside a pipeline the gradients are the unsharded accumulators (FSDP's: in the reduction
+    # dtype); elsewhere the sharded or DDP-bucketed gradients, in the master weights' dtype.
+    grad_bytes = opts.accumulator_bytes(model) if opts.pp > 1 else opts.master_bytes
+    grads = "bf16" if grad_bytes == 2 else "fp32"
+    master = "bf16" if opts.master_bytes == 2 else "fp32"
+    for label, value in ((f"parameters ({master})", plan.params),
+                         (f"gradients ({grads})", plan.grads),
+                         (f"AdamW state ({master})", plan.optimizer),
                          ("working buffers", plan.working), ("activations", plan.activations)):
         table.add_row(label, f"{value / 1e9:.1f}")
     table.add_row(f"peak ({plan.peak_moment})", f"{plan.peak / 1e9:.1f}", style="bold")
@@ -206,7 +218,16 @@ def _memory(args: argparse.Namespace) -> None:
 
 
 # How the title names each mixed-precision path (``MemoryOptions.mixed_precision_path``).
-_PATHS = {"none": "", "autocast": " (autocast)", "fsdp": " (FSDP casts)"}
+_PATHS = {"none": "", "autocast": " (autocast)", "fsdp": " (FSDP casts)",
+          "pure": " (pure bf16: bf16 parameters, gradients and AdamW moments)"}
+
+
+def _path_title(opts: MemoryOptions, path: str) -> str:
+    """The title's words for ``path``; FSDP with bf16 master weights casts nothing."""
+    if path == "fsdp" and opts.master_weights == "bf16":
+        return (" (pure bf16: bf16 parameters, gradients and AdamW moments, FSDP reduces in "
+                f"{opts.reduce_precision})")
+    return _PATHS[path]
 
 
 def _parallel(args: argparse.Namespace) -> None:

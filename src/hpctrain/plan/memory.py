@@ -9,13 +9,17 @@ Exact terms (tested against real modules and a real AdamW on CPU):
 - AdamW state: exp_avg + exp_avg_sq in fp32 (8 B per parameter) plus one 4 B ``step`` per
   parameter tensor.
 
+With bf16 master weights (``train.master_weights=bf16``, pure bf16 training) the parameters,
+their gradients and both moments are bf16: 2 + 2 + 4 B per parameter, the fp32 ``step`` per
+tensor unchanged (also tested against a real AdamW step on bf16 parameters).
+
 Modelled terms (byte counts per token derived from the model's code, then checked against the
 measured peaks ``torch.cuda.max_memory_allocated`` in benchmarks/RESULTS.md, 4x H200):
 
 - activations saved per layer per token: the two residual-stream tensors the norms keep
   (4 B each under autocast, whose residual stream stays fp32; else the compute dtype: FSDP's
-  casts make the embedding output, hence the residual stream, bf16), plus in the
-  compute dtype: two norm outputs (2·dim), q and the attention output (2·dim), k and v
+  casts, like bf16 master weights, make the embedding output, hence the residual stream, bf16),
+  plus in the compute dtype: two norm outputs (2·dim), q and the attention output (2·dim), k and v
   (2·kv_dim), w1·x, w3·x and their SwiGLU product (3·ffn_dim), and SDPA's fp32 log-sum-exp per
   head. Eager mode (no torch.compile) also keeps fp32 RoPE/norm intermediates and the SiLU
   output: + (6·dim + 2·kv_dim + ffn_dim) elements, fitted on `1b` eager (35.0 GB measured).
@@ -41,8 +45,15 @@ measured peaks ``torch.cuda.max_memory_allocated`` in benchmarks/RESULTS.md, 4x 
   is sized as FSDP over one rank kept gathered (ZeRO-2): one resident bf16 copy of every
   parameter the rank holds, the embedding included, no autocast copies, a bf16 residual stream.
   Measured on 2xH200 (8b): TP2 107.6 GB predicted vs 110.0 measured, PP2 85.9 vs 86.5.
+- bf16 master weights: without FSDP (strategy none: one GPU, TP, PP; or DDP) the path is
+  ``pure``: the model is bf16, so no autocast copies (none in a pipeline either), a bf16
+  residual stream, and a pipeline's gradient accumulators are the bf16 ``.grad`` (2 B per
+  parameter). With strategy fsdp the path stays FSDP's (gathered bf16 parameters, accumulators
+  in ``reduce_precision``: FSDP2 upcasts unsharded accumulated gradients to the reduction
+  dtype), with the sharded states at their bf16 sizes. Not yet checked against a measured peak.
 - DDP: the gradient buckets plus a second fp32 gradient copy (DDP rebuilds its buckets after the
-  first step): 8 B per parameter, fitted on ddp4 `1b` (35.9 GB).
+  first step): 8 B per parameter, fitted on ddp4 `1b` (35.9 GB). With bf16 master weights both
+  are bf16, 4 B per parameter: derived from the fp32 fit, not measured.
 
 The peak is the larger of two moments: the start of backward (all activations live, gradients
 not yet allocated since the optimizer sets them to None) and the end of backward / optimizer step
@@ -75,7 +86,8 @@ their split backward keeps other tensors for the weight pass than these counts a
 
 Gradient accumulators (``parallel.reduce_precision``): on FSDP's path, gradients accumulated over
 micro-batches stay unsharded in the reduction dtype, 4 B per parameter in fp32 (the default) and
-2 B in bf16; so do the root's gradients awaiting their reduce-scatter. Elsewhere they are fp32.
+2 B in bf16; so do the root's gradients awaiting their reduce-scatter. Elsewhere they are the
+parameters' own ``.grad``: fp32, or bf16 with bf16 master weights.
 
 fp8 (``hpctrain.parallel.float8``) is sized exactly as bf16: states, gradients and optimizer are
 the same, and torchao's float8 Linears save their bf16 inputs for backward, not float8 copies, so
@@ -114,6 +126,7 @@ from hpctrain.parallel.stages import (
 
 STRATEGIES = ("none", "ddp", "fsdp")
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
+MASTER_WEIGHTS = ("fp32", "bf16")
 AC_MODES = ("none", "full", "selective")
 SAVE_MM = ("every_other", "all")
 
@@ -151,12 +164,21 @@ class MemoryOptions:
     mixed_precision: str = "auto"
     # parallel.reduce_precision: fp32 or bf16 (FSDP's path: the gradient accumulators' dtype).
     reduce_precision: str = "fp32"
+    # train.master_weights: fp32, or bf16 (with precision bf16: pure bf16 training, parameters,
+    # gradients and AdamW moments in bf16).
+    master_weights: str = "fp32"
 
     def mixed_precision_path(self, args: ModelArgs) -> str:
-        """'fsdp', 'autocast' or 'none' (fp32): how the trainer computes this layout of the
-        model ``args``."""
+        """'fsdp', 'autocast', 'pure' (bf16 master weights without FSDP) or 'none' (fp32): how
+        the trainer computes this layout of the model ``args``."""
         return mixed_precision_path(self.mixed_precision, self.strategy, self.tp, self.pp,
-                                    self.precision, count_params(args, include_embedding=True))
+                                    self.precision, count_params(args, include_embedding=True),
+                                    self.master_weights)
+
+    @property
+    def master_bytes(self) -> int:
+        """Bytes per parameter of the parameters, their gradients and each AdamW moment."""
+        return 2 if self.master_weights == "bf16" else 4
 
     def fsdp_wrapped(self, args: ModelArgs) -> bool:
         """Whether FSDP manages the parameters: sharding them, or only casting them."""
@@ -164,7 +186,9 @@ class MemoryOptions:
 
     def accumulator_bytes(self, args: ModelArgs) -> int:
         """Bytes per parameter of an unsharded gradient accumulator (module docstring)."""
-        return 2 if self.fsdp_wrapped(args) and self.reduce_precision == "bf16" else 4
+        if self.fsdp_wrapped(args):
+            return 2 if self.reduce_precision == "bf16" else 4
+        return self.master_bytes  # the parameters' own .grad
 
     @property
     def stages_per_rank(self) -> int:
@@ -188,10 +212,20 @@ class MemoryOptions:
                                      ("mixed precision", self.mixed_precision,
                                       MIXED_PRECISION),
                                      ("reduce precision", self.reduce_precision,
-                                      REDUCE_PRECISION)):
+                                      REDUCE_PRECISION),
+                                     ("master weights", self.master_weights,
+                                      MASTER_WEIGHTS)):
             if value not in allowed:
                 raise ConfigError(f"{name} {value!r} is not known",
                                   expected=f"one of {', '.join(allowed)}")
+        if self.master_weights == "bf16" and self.precision != "bf16":
+            # In train.validate's words: only bf16 training can drop its fp32 masters.
+            raise ConfigError(
+                f"train.master_weights = bf16 with train.precision = {self.precision}",
+                expected="bf16 master weights with train.precision bf16 (pure bf16 training); "
+                "fp16 needs fp32 masters for its loss scaling, fp8's float8 Linears and fp32 "
+                "training keep fp32 weights",
+                hint="set train.precision=bf16, or drop train.master_weights (fp32)")
         for name, value in (("gpus", self.gpus), ("tp", self.tp), ("pp", self.pp),
                             ("micro-batch", self.micro_batch), ("seq-len", self.seq_len),
                             ("grad-accum", self.grad_accum)):
@@ -209,7 +243,8 @@ class MemoryOptions:
         pc = ParallelConfig(strategy=self.strategy, mixed_precision=self.mixed_precision,
                             tp=self.tp, pp=self.pp, reduce_precision=self.reduce_precision)
         pc.validate()
-        pc.check_precision(self.precision, count_params(args, include_embedding=True))
+        pc.check_precision(self.precision, count_params(args, include_embedding=True),
+                           self.master_weights)
         if self.strategy == "none" and self.gpus > 1:
             raise ConfigError(f"strategy none with {self.gpus} GPUs",
                               expected="ddp or fsdp for more than one data-parallel GPU")
@@ -346,15 +381,17 @@ def _rank_params(args: ModelArgs, opts: MemoryOptions, share: RankShare
 
 def state_bytes(args: ModelArgs, opts: MemoryOptions, share: RankShare | None = None
                 ) -> tuple[float, float, float]:
-    """(parameters, gradients, optimizer) bytes per GPU, as persistent fp32 tensors."""
+    """(parameters, gradients, optimizer) bytes per GPU, as persistent tensors in the master
+    weights' dtype (AdamW's ``step`` always fp32)."""
     share = share or rank_shares(args, opts)[0]
     p, _, _ = _rank_params(args, opts, share)
     tensors = 9 * share.blocks + share.embedding + share.head * (
         1 + (0 if args.tie_embeddings and share.embedding else 1))
     shard = opts.gpus if opts.strategy == "fsdp" else 1
-    params = 4.0 * p / shard
-    grads = 4.0 * p / shard
-    optimizer = 8.0 * p / shard + 4.0 * tensors
+    b = opts.master_bytes
+    params = b * p / shard
+    grads = b * p / shard
+    optimizer = 2.0 * b * p / shard + 4.0 * tensors  # exp_avg + exp_avg_sq, and the steps
     return params, grads, optimizer
 
 
@@ -431,13 +468,15 @@ def _estimate_rank(args: ModelArgs, opts: MemoryOptions, share: RankShare,
     e = 4 if opts.precision == "fp32" else 2
     acts = activation_bytes(args, opts, share)
     embedding = args.vocab_size * args.dim / opts.tp if share.embedding else 0.0
+    # fp32 computes in fp32 and pure bf16 in its bf16 parameters: no copies to make.
+    no_casts = opts.mixed_precision_path(args) in ("none", "pure")
 
     if opts.pp > 1:
         # Gradients accumulate unsharded over the micro-batches; FSDP keeps the parameters
         # gathered (from the first forward by default) and reduce-scatters after the last one.
         if opts.fsdp_wrapped(args):
             working = e * p
-        elif opts.precision == "fp32":
+        elif no_casts:
             working = 0.0
         else:
             # Autocast casts the weights in every micro-batch's forward, and each keeps its
@@ -466,9 +505,10 @@ def _estimate_rank(args: ModelArgs, opts: MemoryOptions, share: RankShare,
         working = max(working_start, working_end)
     else:
         if opts.strategy == "ddp":
-            grads = 8.0 * p  # buckets + a second fp32 copy (calibrated, see docstring)
+            # Buckets + a second gradient copy (calibrated in fp32; bf16 derived, docstring).
+            grads = 2.0 * opts.master_bytes * p
         # Autocast keeps bf16 copies of the weights (not the embedding) for backward.
-        working = 0.0 if opts.precision == "fp32" else 2.0 * (p - embedding)
+        working = 0.0 if no_casts else 2.0 * (p - embedding)
         persistent_grads = grads if opts.strategy == "ddp" else 0.0
         start = params + optimizer + working + acts + persistent_grads
         end = params + optimizer + grads
