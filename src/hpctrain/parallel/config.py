@@ -32,6 +32,10 @@ the lower precision while the optimizer keeps fp32 master weights:
   GPU, with DDP, with fp8 and for smaller models). ``mixed_precision_path`` decides; the memory
   planner sizes the same path.
 
+With ``train.master_weights=bf16`` (pure bf16 training) the parameters are bf16 themselves: the
+path is ``pure`` (nothing cast, no FSDP wrapper) unless FSDP shards, whose policy then only sets
+the reduction dtype; ``auto`` is the only setting accepted without sharding.
+
 ``reduce_precision`` (the FSDP path only) is the dtype FSDP's policy reduces gradients in, across
 data-parallel ranks, and accumulates them in over the micro-batches of a step (a pipeline's, or
 ``train.grad_accum``'s). ``fp32`` (the default) upcasts each micro-batch's bf16 gradients and adds
