@@ -198,6 +198,30 @@ def test_tp_and_pp_without_fsdp_are_also_tried_with_the_other_bf16_casts() -> No
     assert not any("parallel.mixed_precision" in o for c in pinned for o in c.overrides)
 
 
+def test_a_pure_bf16_config_is_sized_and_ranked_in_bf16() -> None:
+    """8b on 2 GPUs with train.master_weights=bf16: every candidate keeps it, is sized at the
+    bf16 states (a smaller peak than the same setting with fp32 masters), and none is offered
+    another path's casts or fp8 (both refused with bf16 master weights)."""
+    pure, _, n_pure = _shortlist(90.0, ("train.master_weights=bf16",), max_candidates=8, fp8=True)
+    masters, _, n_masters = _shortlist(90.0, max_candidates=8)
+    assert n_pure > n_masters  # at 90 GB more settings fit without fp32 states
+    assert pure and all(c.setting.mixed_precision == "auto" for c in pure)
+    assert all(c.setting.precision == "bf16" for c in pure)
+    by_setting = {c.setting: c for c in masters}
+    shared = [c for c in pure if c.setting in by_setting]
+    assert shared
+    for c in shared:
+        assert c.predicted_peak < by_setting[c.setting].predicted_peak
+        if c.setting.strategy == "fsdp":
+            # The same parameters to gather and reduce (gathered bf16, reduced in fp32): the
+            # step-time model counts them from the bf16 states' bytes without halving them.
+            assert c.predicted_tokens_per_s == pytest.approx(
+                by_setting[c.setting].predicted_tokens_per_s)
+    # The config's own setting says nothing of master weights: every run inherits bf16.
+    cfg = load_config(LLAMA_8B, ["train.master_weights=bf16", *pure[0].overrides])
+    assert cfg.train.master_weights == "bf16"
+
+
 def test_no_fp8_candidate_on_the_cpu() -> None:
     plan = candidates.plan_tuning(DEMO, TINY, 2, max_candidates=8)
     assert plan.device == "cpu" and not plan.fp8 and "fp8 not tried: no GPU" in plan.notes

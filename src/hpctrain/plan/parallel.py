@@ -226,7 +226,7 @@ def predict_step(plan: ParallelPlan, args: ModelArgs, opts: MemoryOptions, gpus_
         crossing = 2 * plan.microbatches * opts.micro_batch * opts.seq_len * args.dim * e
         same_node = plan.tp * plan.dp * plan.pp <= gpus_per_node
         pp_comm = crossing / (NVLINK_BYTES_PER_S if same_node else NETWORK_BYTES_PER_S)
-    params = _rank_params(plan.memory, plan)
+    params = _rank_params(plan.memory, plan, opts)
     dp_bytes = 0.0
     if plan.strategy == "fsdp":
         # ZeRO-3 gathers for forward and again for backward, each micro-batch; inside a
@@ -234,7 +234,8 @@ def predict_step(plan: ParallelPlan, args: ModelArgs, opts: MemoryOptions, gpus_
         gathers = 2 * plan.microbatches if plan.pp == 1 else 1
         dp_bytes = params * (gathers * e + 4) * (plan.dp - 1) / plan.dp
     elif plan.strategy == "ddp":
-        dp_bytes = 2 * params * 4 * (plan.dp - 1) / plan.dp
+        # All-reduce of the gradients, in the parameters' dtype.
+        dp_bytes = 2 * params * opts.master_bytes * (plan.dp - 1) / plan.dp
     in_node = plan.tp * plan.dp <= gpus_per_node
     dp_comm = dp_bytes / (NVLINK_BYTES_PER_S if in_node else NETWORK_BYTES_PER_S)
     busy = compute + tp_comm + pp_comm
@@ -245,10 +246,10 @@ def predict_step(plan: ParallelPlan, args: ModelArgs, opts: MemoryOptions, gpus_
     plan.tokens_per_s = tokens / (plan.tp * plan.pp) / step
 
 
-def _rank_params(memory: MemoryPlan, plan: ParallelPlan) -> float:
-    """Parameters a GPU holds before data-parallel sharding (from the fp32 master bytes)."""
+def _rank_params(memory: MemoryPlan, plan: ParallelPlan, opts: MemoryOptions) -> float:
+    """Parameters a GPU holds before data-parallel sharding (from the master weights' bytes)."""
     shard = plan.dp if plan.strategy == "fsdp" else 1
-    return memory.params / 4 * shard
+    return memory.params / opts.master_bytes * shard
 
 
 def _explain(plan: ParallelPlan, plans: list[ParallelPlan], args: ModelArgs) -> list[str]:

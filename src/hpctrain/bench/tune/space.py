@@ -229,4 +229,5 @@ def _memory_options(cfg, s: Setting, dp: int, ac: str):
                          loss_chunks=s.loss_chunks, micro_batch=micro_batch,
                          seq_len=cfg.data.seq_len, compile=pc.compile,
                          mixed_precision=s.mixed_precision,
-                         reduce_precision=pc.reduce_precision, **kw)
+                         reduce_precision=pc.reduce_precision,
+                         master_weights=cfg.train.master_weights, **kw)
