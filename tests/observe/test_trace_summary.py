@@ -91,3 +91,35 @@ def test_a_cpu_trace_or_a_run_without_profiles_is_refused_with_a_hint(tmp_path: 
     (tmp_path / "bad.trace.json").write_text("{not json")
     with pytest.raises(TraceError, match="cannot read"):
         summarise_trace(tmp_path / "bad.trace.json")
+
+
+def _launch(correlation: int, ts: float) -> dict:
+    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 3,
+            "pid": 1, "tid": 1, "args": {"correlation": correlation}}
+
+
+def test_idle_gaps_say_whether_the_gpu_waited_for_a_launch(tmp_path: Path) -> None:
+    """Three gaps: one the CPU closed late (launched 6 us into a 10 us gap), one whose kernel
+    was queued long before (a wait on something else), one with no launch in the trace."""
+    def kernel(name: str, ts: float, dur: float, corr: int) -> dict:
+        return {**_kernel(name, ts, dur), "args": {"correlation": corr}}
+
+    path = _trace(tmp_path, [
+        kernel("gemm_a", 100, 10, 1),                 # busy 100-110
+        kernel("triton_b", 120, 5, 2),                # gap 110-120, launched at 116
+        kernel("nccl_c", 125, 5, 3),
+        kernel("gemm_d", 131, 4, 4),                  # gap 130-131, launched at 50
+        _kernel("Memcpy HtoD", 160, 2, cat="gpu_memcpy"),  # gap 135-160, no correlation
+        _launch(1, 90), _launch(2, 116), _launch(3, 118), _launch(4, 50),
+    ], folder="step-000005-000005")
+    s = summarise_trace(path, steps=1)
+    assert s.idle_us == 10 + 1 + 25 and s.n_gaps == 3
+    assert [(g.at_us, g.length_us, g.before, g.after) for g in s.gaps] == [
+        (35, 25, "gemm_d", "Memcpy HtoD"), (10, 10, "gemm_a", "triton_b"),
+        (30, 1, "nccl_c", "gemm_d")]
+    assert [g.launch_lag_us for g in s.gaps] == [None, 6, -80]
+    assert s.idle_launch_us == 6  # only the first 6 us of the 10 us gap waited for the CPU
+    text = markdown([s])
+    assert "0.04 ms a step in 3 gaps; 17% of it before the CPU had launched" in text
+    assert "- 0.010 ms at 0.0 ms, after gemm_a, before triton_b (launched +0.006 ms" in text
+    assert "(launch not in the trace)" in text

@@ -12,7 +12,11 @@ Per trace (one rank), over the span from its first GPU event to its last:
 - busy: the union of all GPU activity, and idle = span - busy: the GPU waiting for the CPU
   (launch gaps, host syncs, data) or for another rank;
 - communication exposed vs overlapped: the union of NCCL kernels minus its overlap with the
-  union of every other kernel. Exposed communication is what overlapping would win.
+  union of every other kernel. Exposed communication is what overlapping would win;
+- the idle gaps, largest first, each with the kernels around it and when the CPU launched the
+  kernel that ended it (matched by the trace's correlation ids). Idle before that launch is the
+  GPU waiting for the CPU to issue work (launch-bound: Python, dispatch, a host sync before it);
+  idle after it is the launch's own latency or a wait on another stream or rank.
 
 Kinds are read from kernel names (cuBLAS/CUTLASS ``gemm``/``nvjet``/``xmma``, flash/cuDNN
 attention, ``nccl``, fused/multi-tensor Adam, ``triton_``), which is how profilers summarise
@@ -38,11 +42,34 @@ _PATTERNS = (
     ("fused pointwise (Triton)", re.compile(r"^triton_")),
 )
 _GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+# Host-side calls that enqueue GPU work (cudaLaunchKernel, cudaMemcpyAsync, cuLaunchKernelEx...).
+_LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
+GAPS_SHOWN = 5
 _FOLDER = re.compile(r"step-(\d+)-(\d+)$")
 
 
 class TraceError(HpctrainError):
     """A trace that cannot be summarised."""
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A stretch of the span with no GPU activity at all."""
+
+    at_us: float  # from the span's start
+    length_us: float
+    before: str  # the kernel whose end opened it
+    after: str  # the kernel whose start closed it
+    # When the CPU launched ``after``, from the gap's start (> 0: the GPU had run dry and waited
+    # for that launch); None where the trace holds no matching launch.
+    launch_lag_us: float | None
+
+    @property
+    def waiting_for_launch_us(self) -> float:
+        """The part of the gap before the CPU had launched the kernel that ended it."""
+        if self.launch_lag_us is None:
+            return 0.0
+        return min(self.length_us, max(0.0, self.launch_lag_us))
 
 
 @dataclass
@@ -57,6 +84,9 @@ class TraceSummary:
     comm_exposed_us: float = 0.0
     kinds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
     top: list[tuple[str, float, int]] = field(default_factory=list)
+    gaps: list[Gap] = field(default_factory=list)  # the largest, longest first
+    n_gaps: int = 0
+    idle_launch_us: float = 0.0  # idle before the next kernel's launch, over all gaps
 
     @property
     def idle_us(self) -> float:
@@ -133,7 +163,33 @@ def summarise_trace(path: Path, steps: int | None = None, top: int = 8) -> Trace
     res.comm_exposed_us = res.comm_us - _overlap(comm_m, compute_m)
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     res.top = [(name, sum(durs), len(durs)) for name, durs in ranked]
+    launches = {e["args"]["correlation"]: float(e["ts"]) for e in events
+                if isinstance(e, dict) and e.get("cat") in _LAUNCH_CATS
+                and isinstance(e.get("args"), dict) and "correlation" in e["args"]}
+    gaps = idle_gaps(gpu, launches, origin=min(s for s, _ in spans))
+    res.n_gaps = len(gaps)
+    res.idle_launch_us = sum(g.waiting_for_launch_us for g in gaps)
+    res.gaps = sorted(gaps, key=lambda g: -g.length_us)[:GAPS_SHOWN]
     return res
+
+
+def idle_gaps(gpu: list[dict], launches: dict, origin: float) -> list[Gap]:
+    """Every gap between GPU events (on any stream), in time order."""
+    gaps = []
+    ordered = sorted(gpu, key=lambda e: float(e["ts"]))
+    last = ordered[0]
+    end = float(last["ts"]) + float(last["dur"])
+    for e in ordered[1:]:
+        start = float(e["ts"])
+        if start > end:
+            args = e.get("args") if isinstance(e.get("args"), dict) else {}
+            launched = launches.get(args.get("correlation"))
+            gaps.append(Gap(end - origin, start - end, str(last.get("name", "")),
+                            str(e.get("name", "")),
+                            None if launched is None else launched - end))
+        if float(e["ts"]) + float(e["dur"]) > end:
+            last, end = e, float(e["ts"]) + float(e["dur"])
+    return gaps
 
 
 def find_traces(target: Path) -> list[tuple[Path, int | None]]:
@@ -174,4 +230,22 @@ def markdown(summaries: list[TraceSummary]) -> str:
         lines.append(f"\nLargest kernels, {s.path.parent.name}/{s.path.name}:")
         for name, us, n in s.top:
             lines.append(f"- {us / 1000:.1f} ms in {n} calls: {name[:110]}")
+        lines += _gap_lines(s)
     return "\n".join(lines)
+
+
+def _gap_lines(s: TraceSummary) -> list[str]:
+    """Where the idle time of one trace sits, and how much of it waited for a launch."""
+    if not s.gaps:
+        return []
+    div = 1000.0 * (s.steps or 1)
+    share = 100 * s.idle_launch_us / s.idle_us if s.idle_us else 0.0
+    out = [f"\nIdle, {s.path.parent.name}/{s.path.name}: {s.idle_us / div:.2f} ms"
+           f"{' a step' if s.steps else ''} in {s.n_gaps} gaps; {share:.0f}% of it before the "
+           "CPU had launched the next kernel (launch-bound). Largest gaps:"]
+    for g in s.gaps:
+        when = ("launch not in the trace" if g.launch_lag_us is None else
+                f"launched {g.launch_lag_us / 1000:+.3f} ms from the gap's start")
+        out.append(f"- {g.length_us / 1000:.3f} ms at {g.at_us / 1000:.1f} ms, after "
+                   f"{g.before[:60]}, before {g.after[:60]} ({when})")
+    return out
