@@ -4,6 +4,9 @@ Sharded gradients (FSDP, tensor parallelism) are DTensors: their norm is reduced
 they are sharded on. Pipeline stages hold disjoint parameters, so their squared norms add up
 across the ``pp`` axis. The result is one value, the same on every rank: what one process holding
 the whole model would compute, which the bad-step guard and clipping need.
+
+Clipping either scales the gradients in place (``clip_grads_``) or hands the fused AdamW kernel
+a divisor it applies as it reads each gradient (``clip_divisor``), which saves a pass over them.
 """
 
 from __future__ import annotations
@@ -37,3 +40,9 @@ def clip_grads_(params: list[torch.nn.Parameter], max_norm: float, norm: torch.T
     """Scale gradients so that their global norm ``norm`` is at most ``max_norm``."""
     grads = [p for p in params if p.grad is not None]
     torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+
+
+def clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What to divide every gradient by so that their global norm ``norm`` is at most
+    ``max_norm`` (1 where it is already): clipping as a fused optimizer's ``grad_scale``."""
+    return ((norm.float() + 1e-6) / max_norm).clamp(min=1.0)

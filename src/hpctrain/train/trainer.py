@@ -40,7 +40,7 @@ from hpctrain.observe.metrics import MetricsWriter
 from hpctrain.observe.peaks import mfu_peak_dtype, peak_tflops
 from hpctrain.observe.progress import TrainProgress
 from hpctrain.parallel.float8 import Float8Training
-from hpctrain.parallel.grad_norm import clip_grads_, global_grad_norm
+from hpctrain.parallel.grad_norm import clip_divisor, clip_grads_, global_grad_norm
 from hpctrain.parallel.layout import check_layout
 from hpctrain.parallel.parallelize import parallelize
 from hpctrain.parallel.tensor import reduce_partial_grads
@@ -286,8 +286,14 @@ class Trainer:
         if self.par.tp > 1:
             reduce_partial_grads(params)
         norm = global_grad_norm(params, self.pp_group)
-        if self.cfg.train.grad_clip > 0:
-            clip_grads_(params, self.cfg.train.grad_clip, norm)
+        clip = self.cfg.train.grad_clip
+        if clip > 0 and self.scaler is None:
+            # The fused AdamW divides each gradient by grad_scale as it reads it: clipping there
+            # spares a pass that reads and writes every gradient. fp16's GradScaler sets
+            # grad_scale itself, so fp16 scales the gradients first.
+            self.optimizer.grad_scale = clip_divisor(norm, clip)
+        elif clip > 0:
+            clip_grads_(params, clip, norm)
         bad = self.guard.check(loss, norm)
         self.lr_applied = self.optimizer.param_groups[0]["lr"]
         if self.scaler is not None:
