@@ -6,12 +6,19 @@ token; the head (final norm, output layer, loss) its matmul FLOPs plus the memor
 the ``[tokens, vocab]`` logits; the embedding its memory-bound lookup and dense gradient. Memory
 traffic is converted to FLOP-equivalents at ``FLOPS_PER_BYTE`` (an H100/H200's dense bf16 peak
 over its HBM bandwidth). With the 1b shape the head weighs about two blocks, with 8b about three.
+
+The zero-bubble schedules' order of actions (``zero_bubble_actions``) is PyTorch's own
+(``ScheduleZBVZeroBubble`` and ``ScheduleInterleavedZeroBubble`` in
+``torch.distributed.pipelining.schedules``), re-derived here without a process group and tested
+against PyTorch's tables: forward (F), input-gradient (I) and weight-gradient (W) passes, each of
+one stage and micro-batch. ``held_chunks`` follows what a rank holds through that order.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 
 from hpctrain.models.flops import count_params
 from hpctrain.models.sizes import ModelArgs
@@ -92,16 +99,122 @@ def inflight_chunks(schedule: str, pp: int, microbatches: int, stages_per_rank: 
                     pp_rank: int) -> int:
     """Stage-micro-batches whose activations a rank holds at its peak (start of its first
     backward): all for GPipe; p - r for 1F1B; the warm-up forwards plus one for interleaved
-    schedules (PyTorch's warm-up count); 2p for zbv (p micro-batches of each of its two
-    stages, as 1F1B's first stage)."""
+    1F1B (PyTorch's warm-up count); for the zero-bubble schedules the most held at once over
+    PyTorch's order of actions (forwarded, not yet through their weight pass)."""
     p, m, v = pp, microbatches, stages_per_rank
     if schedule == "gpipe":
         return m
     if schedule == "1f1b":
         return min(m, p - pp_rank)
-    if schedule == "zbv":
-        return min(2 * p, 2 * m)
+    if schedule in ("zbv", "interleaved_zb"):
+        moments = held_chunks(zero_bubble_actions(schedule, p, m, v, pp_rank))
+        return max(sum(f + s for f, s in held.values()) for held in moments)
     rounds = max(1, m // p)
     per_round = m // rounds
     warmup = min((v - 1) * per_round + 2 * (p - 1 - pp_rank), m * v)
     return min(warmup + 1, m * v)
+
+
+# One compute action of a pipeline rank: ("F" | "I" | "W", stage index, micro-batch index).
+Action = tuple[str, int, int]
+
+
+class _Actions:
+    """A rank's actions as they are appended, each numbered per (kind, stage) in order."""
+
+    def __init__(self) -> None:
+        self.done: Counter[tuple[str, int]] = Counter()
+        self.order: list[Action] = []
+
+    def add(self, kind: str, stage: int) -> None:
+        """Append the next micro-batch's ``kind`` pass of ``stage``."""
+        self.order.append((kind, stage, self.done[kind, stage]))
+        self.done[kind, stage] += 1
+
+
+def zero_bubble_actions(schedule: str, pp: int, microbatches: int, stages_per_rank: int,
+                        pp_rank: int) -> list[Action]:
+    """A rank's F / I / W actions in the order PyTorch's zbv or interleaved_zb runs them."""
+    if schedule == "zbv":
+        return _zbv_actions(pp, microbatches, pp_rank)
+    return _interleaved_zb_actions(pp, microbatches, stages_per_rank, pp_rank)
+
+
+def _zbv_actions(pp: int, m: int, rank: int) -> list[Action]:
+    """``ScheduleZBVZeroBubble._calculate_single_rank_operations`` without its idle steps."""
+    # PyTorch plans at least 2p - 1 micro-batches (enough to fill the V), then drops the extra.
+    n = max(2 * pp - 1, m)
+    down, up = rank, 2 * pp - 1 - rank  # the V's two stages on this rank
+    acts = _Actions()
+    for _ in range(2 * (pp - rank) - 1):
+        acts.add("F", down)
+    for _ in range(rank):
+        acts.add("F", up)
+        acts.add("F", down)
+    for _ in range(pp - rank):
+        for kind in "FIW":
+            acts.add(kind, up)
+    while acts.done["F", up] < acts.done["F", down] or acts.done["F", down] < n:
+        if acts.done["F", down] < n:
+            acts.add("F", down)
+        for stage, kinds in ((down, "IW"), (up, "FIW")):
+            for kind in kinds:
+                acts.add(kind, stage)
+    for _ in range(rank):
+        acts.add("I", down)
+        acts.add("I", up)
+    for _ in range(pp - rank):
+        acts.add("I", down)
+        acts.add("W", down)
+    for stage in (up, down):
+        while acts.done["W", stage] < acts.done["I", stage]:
+            acts.add("W", stage)
+    return [a for a in acts.order if a[2] < m]
+
+
+def _interleaved_zb_actions(pp: int, m: int, v: int, rank: int) -> list[Action]:
+    """``ScheduleInterleavedZeroBubble``'s order: PyTorch's ``_get_1f1b_rank_ops`` with zero
+    bubble. The bubbles it then inserts are idle steps; they reorder nothing."""
+    rounds = max(1, m // pp)
+    per_round = m // rounds
+    warmup = min((v - 1) * per_round + (pp - 1 - rank), m * v)  # multiply_factor 1
+
+    def forward_stage(op: int) -> int:
+        return (op // per_round) % v * pp + rank
+
+    def backward_stage(op: int) -> int:
+        return (v - 1 - (op - warmup) // per_round % v) * pp + rank
+
+    acts = _Actions()
+    weights = 0  # W passes so far; the k-th follows the k-th I's stage
+    for op in range(m * v + warmup):
+        if op < m * v:
+            acts.add("F", forward_stage(op))
+        if op >= warmup:
+            acts.add("I", backward_stage(op))
+            # The first `rank` input passes run without their weight pass (1F1B's steady
+            # state); from then on each I is followed by the oldest pending W.
+            if op - warmup >= rank:
+                acts.add("W", backward_stage(warmup + weights))
+                weights += 1
+    for op in range(warmup + weights, m * v + warmup):
+        acts.add("W", backward_stage(op))
+    return acts.order
+
+
+def held_chunks(actions: list[Action]) -> list[dict[int, tuple[int, int]]]:
+    """After each action, per stage: the stage-micro-batches the rank holds, as (forwarded,
+    past their input-gradient pass), both awaiting their weight pass."""
+    forwarded: Counter[int] = Counter()
+    split: Counter[int] = Counter()
+    moments = []
+    for kind, stage, _ in actions:
+        if kind == "F":
+            forwarded[stage] += 1
+        elif kind == "I":
+            forwarded[stage] -= 1
+            split[stage] += 1
+        else:
+            split[stage] -= 1
+        moments.append({s: (forwarded[s], split[s]) for s in forwarded.keys() | split.keys()})
+    return moments

@@ -73,7 +73,18 @@ Pipeline parallelism (``pp`` ranks, ``pp_stages_per_rank`` stages each, cut wher
 ``hpctrain.parallel.stages`` cuts them, embedding and output layer included): every pipeline rank
 is sized and the largest is reported (``MemoryPlan.stage``). A rank holds the activations of the
 stage-micro-batches in flight at its peak (``inflight_chunks``: p - r for 1F1B, all for GPipe,
-the warm-up of interleaved schedules), each of ``micro_batch`` samples. Inside a pipeline
+the warm-up of interleaved 1F1B), each of ``micro_batch`` samples. The zero-bubble schedules
+(zbv, interleaved_zb) split each backward into an input-gradient pass (I) and a deferred
+weight-gradient pass (W). PyTorch's I (``stage_backward_input``) runs autograd with
+``retain_graph=True``: past I a stage-micro-batch still holds all its saved activations and
+autocast copies, plus the gradient I captured for W at every product with a weight (per block
+the seven matmul outputs in the compute dtype and the two norm outputs in the residual stream's),
+and its stage output and received gradient (``backward_state``); the last stage frees the loss's
+tensors and keeps the logits' gradient; stage 0's I does nothing (its W runs the whole backward).
+W frees it all. Each rank is walked through PyTorch's order of actions
+(``hpctrain.parallel.stages.zero_bubble_actions``) and sized at its costliest moment (tested on
+CPU against PyTorch's split backward: after I the same saved bytes as after F, the captured
+gradients exactly these counts, nothing after W). Inside a pipeline
 gradients accumulate over the micro-batches, unsharded even with FSDP (reduce-scattered once,
 after the last backward), and FSDP keeps the stage's parameters gathered (by default from the
 first forward on; with ``reshard_after_forward`` true once backward began, an overestimate):
@@ -81,8 +92,10 @@ so the peak is one moment holding the states, the gathered parameters, the gradi
 accumulators and the in-flight activations. ``MemoryPlan.bubble`` is the schedule's idle share.
 Checked on 4 H200s (1b through autocast, compiled, 8 micro-batches of 1 x 2048): PP4 1F1B 10.7
 GB predicted vs 10.9 measured, GPipe 16.2 vs 14.9, interleaved 1F1B 12.8 vs 13.2, PP2 x TP2 7.7
-vs 8.0. The zero-bubble schedules (eager) miss: ZBV 11.5 vs 13.1, interleaved ZB 15.3 vs 13.1;
-their split backward keeps other tensors for the weight pass than these counts assume.
+vs 8.0; eager, the zero-bubble schedules: ZBV 13.1 vs 13.1 (rank 3 after its last I: seven
+stage-micro-batches awaiting W), interleaved ZB 12.9 vs 13.1 (rank 0). Counted as 1F1B's
+in-flight activations these were 11.5 and 15.3. Transients inside I and W are not modelled,
+nor checked with activation checkpointing.
 
 Gradient accumulators (``parallel.reduce_precision``): on FSDP's path, gradients accumulated over
 micro-batches stay unsharded in the reduction dtype, 4 B per parameter in fp32 (the default) and
@@ -113,15 +126,18 @@ from hpctrain.parallel.config import (
     MULTI_STAGE_SCHEDULES,
     PP_SCHEDULES,
     REDUCE_PRECISION,
+    ZERO_BUBBLE_SCHEDULES,
     ParallelConfig,
     mixed_precision_path,
 )
 from hpctrain.parallel.stages import (
     balance_stages,
     bubble_estimate,
+    held_chunks,
     inflight_chunks,
     module_costs,
     stage_indices,
+    zero_bubble_actions,
 )
 
 STRATEGIES = ("none", "ddp", "fsdp")
@@ -336,7 +352,14 @@ class RankShare:
     embedding: bool
     head: bool
     inflight_layers: float
-    logits_live: int
+    logits_live: int  # last-stage micro-batches holding the loss's tensors
+    # Zero bubble, stage-micro-batches past their input-gradient pass (I), awaiting their weight
+    # pass (W): block layers among inflight_layers that also keep the gradients W needs, stages
+    # other than the last keeping their output and its gradient, last-stage micro-batches
+    # keeping the logits' gradient instead of the loss's tensors.
+    split_layers: float = 0.0
+    split_outputs: int = 0
+    split_logits: int = 0
 
     @staticmethod
     def whole(args: ModelArgs) -> RankShare:
@@ -355,12 +378,38 @@ def rank_shares(args: ModelArgs, opts: MemoryOptions) -> list[RankShare]:
     shares = []
     for rank in range(opts.pp):
         stages = stage_indices(rank, opts.pp, v, opts.pp_schedule)
+        if opts.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+            shares.append(_zero_bubble_share(args, opts, rank, stages, bounds))
+            continue
         blocks = sum(bounds[s + 1] - bounds[s] for s in stages)
         chunks = inflight_chunks(opts.pp_schedule, opts.pp, m, v, rank)
         head = n_stages - 1 in stages
         shares.append(RankShare(blocks, 0 in stages, head, chunks * blocks / len(stages),
                                 (m if opts.pp_schedule == "gpipe" else 1) if head else 0))
     return shares
+
+
+def _zero_bubble_share(args: ModelArgs, opts: MemoryOptions, rank: int, stages: list[int],
+                       bounds: tuple[int, ...]) -> RankShare:
+    """A zero-bubble rank's share at its costliest moment over PyTorch's order of actions."""
+    last = opts.pp * opts.stages_per_rank - 1
+    size = {s: bounds[s + 1] - bounds[s] for s in stages}
+    actions = zero_bubble_actions(opts.pp_schedule, opts.pp, opts.microbatches,
+                                  opts.stages_per_rank, rank)
+    moments = []
+    for held in held_chunks(actions):
+        split = {s: n for s, (_, n) in held.items()}
+        moments.append(RankShare(
+            blocks=sum(size.values()), embedding=0 in stages, head=last in stages,
+            inflight_layers=sum(size[s] * (f + n) for s, (f, n) in held.items()),
+            logits_live=held.get(last, (0, 0))[0],
+            # Stage 0's I is no pass at all (its input needs no gradient): W runs its whole
+            # backward, so it keeps no gradients for W.
+            split_layers=sum(size[s] * n for s, n in split.items() if s != 0),
+            split_outputs=sum(n for s, n in split.items() if s != last),
+            split_logits=split.get(last, 0)))
+    return max(moments, key=lambda share: (activation_bytes(args, opts, share)
+                                           + _pipeline_working(args, opts, share)))
 
 
 def _rank_params(args: ModelArgs, opts: MemoryOptions, share: RankShare
@@ -415,6 +464,9 @@ def activation_bytes(args: ModelArgs, opts: MemoryOptions, share: RankShare | No
         layers = share.inflight_layers * _selective_layer(args, opts, e, r) + layer
     else:
         layers = share.inflight_layers * layer
+    layers += share.split_layers * _weight_pass_layer(args, opts, e, r)
+    # Past I a stage keeps its output and the gradient it received (backward_state) until W.
+    layers += share.split_outputs * 2 * r * d / tp
     head_buffers = 0.0
     if tp > 1:
         # The vocabulary-parallel loss at its peak: the rank's logits, their fp32 copy and
@@ -426,7 +478,24 @@ def activation_bytes(args: ModelArgs, opts: MemoryOptions, share: RankShare | No
         head_buffers = 4.0 * args.vocab_size * d * share.logits_live
     else:
         logits = (2 if opts.compile else 4) * e * args.vocab_size
-    return tokens * (layers + share.logits_live * logits) + head_buffers
+    # Past I the loss's tensors are freed; the output layer's W keeps the logits' gradient and
+    # the final norm's the gradient of its output.
+    split_logits = share.split_logits * (e * args.vocab_size + r * d) / tp
+    return tokens * (layers + share.logits_live * logits + split_logits) + head_buffers
+
+
+def _weight_pass_layer(args: ModelArgs, opts: MemoryOptions, e: int, r: int) -> float:
+    """Bytes per token one block keeps between its input- and weight-gradient passes (zero
+    bubble) beyond its activations: the gradient of each weight's product.
+
+    PyTorch's I (``stage_backward_input``) runs autograd with ``retain_graph=True`` and captures
+    the gradient flowing into every node where a weight meets the activations, for W to finish:
+    the seven matmuls' outputs (compute dtype; wq, wk, wv, w1, w3 split over tp, the row-parallel
+    wo's and w2's whole partial sums) and the two norms' outputs (the residual stream's dtype).
+    The retained graph also keeps every activation saved in the forward until W.
+    """
+    d, kv, f, tp = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim, opts.tp
+    return e * ((d + 2 * kv + 2 * f) / tp + 2 * d) + 2 * r * d / tp
 
 
 def _selective_layer(args: ModelArgs, opts: MemoryOptions, e: int, r: int) -> float:
@@ -461,6 +530,23 @@ def estimate_memory(args: ModelArgs, opts: MemoryOptions, gpu_bytes: float | Non
     return plan
 
 
+def _pipeline_working(args: ModelArgs, opts: MemoryOptions, share: RankShare) -> float:
+    """Working bytes of a pipeline rank: FSDP's gathered parameters or autocast's copies."""
+    p, p_root, p_block = _rank_params(args, opts, share)
+    # FSDP keeps the stage's parameters gathered (from the first forward by default).
+    if opts.fsdp_wrapped(args):
+        return (4 if opts.precision == "fp32" else 2) * p
+    if opts.mixed_precision_path(args) in ("none", "pure"):
+        return 0.0
+    # Autocast casts the weights in every micro-batch's forward, and each keeps its copies for
+    # its backward: one per stage-micro-batch in flight (the blocks' and the output layer's; the
+    # embedding is looked up in fp32). Zero bubble: until its W, whose retained graph holds them.
+    # 1b PP4 1F1B on H200: 10.9 GB measured, 9.1 predicted with one copy, 10.7 with these.
+    embedding = args.vocab_size * args.dim / opts.tp if share.embedding else 0.0
+    head_copies = share.logits_live + share.split_logits
+    return 2.0 * (share.inflight_layers * p_block + (p_root - embedding) * head_copies)
+
+
 def _estimate_rank(args: ModelArgs, opts: MemoryOptions, share: RankShare,
                    gpu_bytes: float | None) -> MemoryPlan:
     params, grads, optimizer = state_bytes(args, opts, share)
@@ -472,19 +558,9 @@ def _estimate_rank(args: ModelArgs, opts: MemoryOptions, share: RankShare,
     no_casts = opts.mixed_precision_path(args) in ("none", "pure")
 
     if opts.pp > 1:
-        # Gradients accumulate unsharded over the micro-batches; FSDP keeps the parameters
-        # gathered (from the first forward by default) and reduce-scatters after the last one.
-        if opts.fsdp_wrapped(args):
-            working = e * p
-        elif no_casts:
-            working = 0.0
-        else:
-            # Autocast casts the weights in every micro-batch's forward, and each keeps its
-            # copies for its backward: one per stage-micro-batch in flight (the blocks' and the
-            # output layer's; the embedding is looked up in fp32). 1b PP4 1F1B on H200: 10.9 GB
-            # measured, 9.1 predicted with one copy, 10.7 with these.
-            head = (p_root - embedding) * max(share.logits_live, 1)
-            working = 2.0 * (share.inflight_layers * p_block + head)
+        # Gradients accumulate unsharded over the micro-batches; FSDP reduce-scatters them
+        # after the last one.
+        working = _pipeline_working(args, opts, share)
         accumulators = opts.accumulator_bytes(args) * p
         peak = params + optimizer + working + accumulators + acts
         return MemoryPlan(params=params, grads=accumulators, optimizer=optimizer,
