@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hpctrain.cli import main
+from hpctrain.errors import ConfigError
 from hpctrain.models import PRESETS, ModelArgs, Transformer
 from hpctrain.parallel.layout import ParallelLayout
 from hpctrain.parallel.pipeline import split_model
@@ -169,3 +170,21 @@ def test_within_ten_percent_of_measured_1b_peaks_on_4_gpus(name: str) -> None:
 def test_fp8_is_planned_at_the_bf16_peak() -> None:
     """Only the blocks' GEMMs run in float8: the fp8 datasheet peak would predict ~2x."""
     assert gpu_peak_tflops("h100", "fp8") == gpu_peak_tflops("h100", "bf16") > 0
+
+
+def test_pure_bf16_layouts_are_sized_as_such_and_their_command_says_so(capsys) -> None:
+    """8b on 2 x 80 GB: bf16 master weights fit more layouts, with smaller peaks, and the
+    printed command trains what was sized; a bad choice is refused as such."""
+    masters = rank_layouts(PRESETS["8b"], gpus_per_node=2, nodes=1, gpu_bytes=H100)
+    pure = rank_layouts(PRESETS["8b"], gpus_per_node=2, nodes=1, gpu_bytes=H100,
+                        master_weights="bf16")
+    assert len(pure) >= len(masters)
+    assert min(p.memory.peak for p in pure) < min(p.memory.peak for p in masters)
+    assert "train.master_weights=bf16" in pure[0].command("c.yaml", "8b", 2, 1)
+    assert not any("master_weights" in o for o in masters[0].overrides())
+    main(["plan", "parallel", "--model", "8b", "--gpus-per-node", "2", "--gpu", "h100",
+          "--master-weights", "bf16"])
+    assert "train.precision=bf16 train.master_weights=bf16" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="master_weights = bf16 with train.precision = fp32"):
+        rank_layouts(PRESETS["1b"], gpus_per_node=2, nodes=1, gpu_bytes=H100,
+                     precision="fp32", master_weights="bf16")

@@ -52,6 +52,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         q.add_argument("--vocab", type=int)
         q.add_argument("--seq-len", type=int, default=2048)
         q.add_argument("--precision", default="bf16", help="bf16, fp16 or fp32")
+        q.add_argument("--master-weights", default="fp32",
+                       help="train.master_weights: fp32 or bf16 (with --precision bf16: pure "
+                       "bf16 training, parameters, gradients and AdamW moments in bf16)")
         q.add_argument("--gpu", default=None, help="h100, h200, a100-40, ... or memory in GB")
 
     m = psub.add_parser("memory", help="per-GPU memory for a model, strategy and batch")
@@ -79,9 +82,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--reduce-precision", default="fp32",
                    help="parallel.reduce_precision: fp32 or bf16 (FSDP's path: the dtype "
                    "gradients are reduced and accumulated over micro-batches in)")
-    m.add_argument("--master-weights", default="fp32",
-                   help="train.master_weights: fp32 or bf16 (with --precision bf16: pure bf16 "
-                   "training, parameters, gradients and AdamW moments in bf16)")
     m.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     q = psub.add_parser("parallel", help="recommend dp/fsdp/tp/pp degrees for a cluster shape")
@@ -239,7 +239,8 @@ def _parallel(args: argparse.Namespace) -> None:
     peak = gpu_peak_tflops(args.gpu, args.precision)
     plans = rank_layouts(_model(args), gpus_per_node=args.gpus_per_node, nodes=args.nodes,
                          gpu_bytes=gpu_memory_bytes(args.gpu), seq_len=args.seq_len,
-                         precision=args.precision, peak=peak, global_batch=args.global_batch)
+                         precision=args.precision, peak=peak, global_batch=args.global_batch,
+                         master_weights=args.master_weights)
     best = plans[0]
     print(f"strategy {best.strategy}: data {best.dp} x tensor {best.tp} x pipeline {best.pp}, "
           f"micro-batch {best.micro_batch}, activation checkpointing {best.ac}, "

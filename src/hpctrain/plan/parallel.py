@@ -70,11 +70,14 @@ class ParallelPlan:
     microbatches: int = 1  # per step: accumulated, or the pipeline's
     tokens_per_s: float = 0.0  # predicted, per GPU
     step_parts: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds
+    master_weights: str = "fp32"  # train.master_weights the layout was sized with
 
     def overrides(self) -> list[str]:
         """The config overrides that train this layout."""
         out = [f"parallel.strategy={self.strategy}", f"train.micro_batch={self.micro_batch}",
                f"parallel.activation_checkpointing={self.ac}"]
+        if self.master_weights == "bf16":  # sized as pure bf16: train it so
+            out += ["train.precision=bf16", "train.master_weights=bf16"]
         if self.microbatches > 1:  # accumulated, or the pipeline's micro-batches
             out.append(f"train.grad_accum={self.microbatches}")
         if self.tp > 1:
@@ -94,10 +97,14 @@ class ParallelPlan:
 
 def rank_layouts(args: ModelArgs, *, gpus_per_node: int, nodes: int, gpu_bytes: float,
                  seq_len: int = 2048, precision: str = "bf16", peak: float | None = None,
-                 global_batch: int | None = None) -> list[ParallelPlan]:
+                 global_batch: int | None = None, master_weights: str = "fp32"
+                 ) -> list[ParallelPlan]:
     """Every layout that fits, fastest first (predicted tokens/s per GPU)."""
     if gpus_per_node < 1 or nodes < 1:
         raise ConfigError(f"{nodes} nodes x {gpus_per_node} GPUs", expected="positive counts")
+    # A bad precision or master-weights choice is said as such, not as "no layout fits".
+    MemoryOptions(precision=precision, master_weights=master_weights, seq_len=seq_len
+                  ).validate(args)
     total = gpus_per_node * nodes
     batch = global_batch or 4 * total
     peak = peak or DEFAULT_PEAK_TFLOPS
@@ -111,10 +118,11 @@ def rank_layouts(args: ModelArgs, *, gpus_per_node: int, nodes: int, gpu_bytes: 
                 best = None
                 for opts, mem in _fitting(args, gpu_bytes, batch // dp, strategy=strategy,
                                           gpus=dp, tp=tp, pp=pp, seq_len=seq_len,
-                                          precision=precision):
+                                          precision=precision,
+                                          master_weights=master_weights):
                     accum = batch // dp // opts.micro_batch
                     plan = ParallelPlan(strategy, dp, tp, pp, opts.micro_batch, opts.ac, mem,
-                                        [], accum)
+                                        [], accum, master_weights=master_weights)
                     predict_step(plan, args, opts, gpus_per_node, peak)
                     if best is None or plan.tokens_per_s > best.tokens_per_s:
                         best = plan
@@ -136,11 +144,11 @@ def rank_layouts(args: ModelArgs, *, gpus_per_node: int, nodes: int, gpu_bytes: 
 
 def plan_parallel(args: ModelArgs, *, gpus_per_node: int, nodes: int, gpu_bytes: float,
                   seq_len: int = 2048, precision: str = "bf16", peak: float | None = None,
-                  global_batch: int | None = None) -> ParallelPlan:
+                  global_batch: int | None = None, master_weights: str = "fp32") -> ParallelPlan:
     """The fastest layout that fits ``nodes`` x ``gpus_per_node`` GPUs."""
     return rank_layouts(args, gpus_per_node=gpus_per_node, nodes=nodes, gpu_bytes=gpu_bytes,
                         seq_len=seq_len, precision=precision, peak=peak,
-                        global_batch=global_batch)[0]
+                        global_batch=global_batch, master_weights=master_weights)[0]
 
 
 def gpu_peak_tflops(gpu: str, precision: str) -> float | None:
