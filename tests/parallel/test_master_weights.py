@@ -10,7 +10,8 @@ deterministic kernels, 4 steps of a global batch of 4 x 32 tokens):
 - 2 ranks: TP2 (saving at step 2), PP2 (1F1B, 2 micro-batches), FSDP2 and DDP2, all pure bf16;
   PP2 resumed from the 1-rank pure run's step-2 checkpoint;
 - 1 rank: pure bf16 (saving at step 2); fp32 master weights with bf16 compute (saving at step
-  2); pure bf16 resumed from TP2's step-2 checkpoint, and from the fp32-master checkpoint.
+  2); pure bf16 resumed from TP2's step-2 checkpoint, and from the fp32-master checkpoint;
+  fp32 master weights resumed from the pure run's checkpoint.
 
 Tolerances. Layouts sum the same products in other orders, and each bf16 parameter update
 rounds to 2^-9 relative. Measured over these 4 steps (PyTorch 2.13, CPU): at most 5.2e-5
@@ -177,6 +178,8 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"name": "masters", "overrides": ["train.master_weights=fp32", *SAVE_AT_2]},
         {"name": "one_from_masters", "overrides": [
             f"checkpoint.resume={_checkpoint(runs, 'masters', 2)}"]},
+        {"name": "masters_from_one", "overrides": [
+            "train.master_weights=fp32", f"checkpoint.resume={_checkpoint(runs, 'one', 2)}"]},
         {"name": "one_resumed", "wait_for": _checkpoint(runs, "tp2", 2),
          "overrides": [f"checkpoint.resume={_checkpoint(runs, 'tp2', 2)}"]},
     ]}
@@ -238,8 +241,10 @@ def test_checkpoint_holds_bf16_weights_and_moments(out: Path) -> None:
 
 def test_resume_across_layouts_and_master_dtypes(out: Path) -> None:
     """TP2 -> one rank and one rank -> PP2 resume within bf16 rounding; an fp32-master
-    checkpoint resumes into bf16 master weights (its weights and moments rounded)."""
-    pairs = (("one_resumed", "tp2"), ("pp2_resumed", "one"), ("one_from_masters", "masters"))
+    checkpoint resumes into bf16 master weights (its weights and moments rounded), and a
+    pure bf16 one into fp32 master weights (widened)."""
+    pairs = (("one_resumed", "tp2"), ("pp2_resumed", "one"), ("one_from_masters", "masters"),
+             ("masters_from_one", "one"))
     for resumed, source in pairs:
         run, ref = _losses(out, resumed), _losses(out, source)
         assert sorted(run) == [3, 4], resumed
