@@ -27,7 +27,7 @@ class TrainConfig:
     # The dtype the parameters, their gradients and AdamW's moments are kept in. fp32: master
     # weights, the forward computes in `precision` (autocast or FSDP's casts). bf16 (with
     # precision bf16): pure bf16 training, as torchtitan's --training.dtype bfloat16: half the
-    # state memory and no casts, but an update smaller than 2^-8 of a weight rounds away
+    # state memory and no casts, but an update below about 2^-9 of a weight rounds away
     # (README, "Pure bf16").
     master_weights: Literal["fp32", "bf16"] = "fp32"
     # Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged).
