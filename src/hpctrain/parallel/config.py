@@ -166,7 +166,15 @@ class ParallelConfig:
 
     def check_precision(self, precision: str, params: int, master: str = "fp32") -> None:
         """Refuse ``mixed_precision`` and ``reduce_precision`` choices that ``train.precision``,
-        ``train.master_weights`` (``master``) and a model of ``params`` parameters cannot take."""
+        ``train.master_weights`` (``master``) and a model of ``params`` parameters cannot take,
+        and bf16 master weights without bf16 training (the config and the planner both ask)."""
+        if master == "bf16" and precision != "bf16":
+            raise ConfigError(
+                f"train.master_weights = bf16 with train.precision = {precision}",
+                expected="bf16 master weights with train.precision bf16 (pure bf16 training); "
+                "fp16 needs fp32 masters for its loss scaling, fp8's float8 Linears and fp32 "
+                "training keep fp32 weights",
+                hint="set train.precision=bf16, or drop train.master_weights (fp32)")
         if master == "bf16" and self.mixed_precision != "auto" and self.strategy != "fsdp":
             raise ConfigError(
                 f"parallel.mixed_precision = {self.mixed_precision} with train.master_weights "

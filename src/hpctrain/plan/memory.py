@@ -234,14 +234,6 @@ class MemoryOptions:
             if value not in allowed:
                 raise ConfigError(f"{name} {value!r} is not known",
                                   expected=f"one of {', '.join(allowed)}")
-        if self.master_weights == "bf16" and self.precision != "bf16":
-            # In train.validate's words: only bf16 training can drop its fp32 masters.
-            raise ConfigError(
-                f"train.master_weights = bf16 with train.precision = {self.precision}",
-                expected="bf16 master weights with train.precision bf16 (pure bf16 training); "
-                "fp16 needs fp32 masters for its loss scaling, fp8's float8 Linears and fp32 "
-                "training keep fp32 weights",
-                hint="set train.precision=bf16, or drop train.master_weights (fp32)")
         for name, value in (("gpus", self.gpus), ("tp", self.tp), ("pp", self.pp),
                             ("micro-batch", self.micro_batch), ("seq-len", self.seq_len),
                             ("grad-accum", self.grad_accum)):

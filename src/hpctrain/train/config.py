@@ -28,7 +28,7 @@ class TrainConfig:
     # weights, the forward computes in `precision` (autocast or FSDP's casts). bf16 (with
     # precision bf16): pure bf16 training, as torchtitan's --training.dtype bfloat16: half the
     # state memory and no casts, but an update below about 2^-9 of a weight rounds away
-    # (README, "Pure bf16").
+    # (README, "Pure bf16"). Checked against precision by ParallelConfig.check_precision.
     master_weights: Literal["fp32", "bf16"] = "fp32"
     # Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged).
     grad_clip: float = 1.0
@@ -57,13 +57,6 @@ class TrainConfig:
             raise ConfigError(
                 f"train.grad_clip = {self.grad_clip} must be >= 0", hint="0 disables clipping"
             )
-        if self.master_weights == "bf16" and self.precision != "bf16":
-            raise ConfigError(
-                f"train.master_weights = bf16 with train.precision = {self.precision}",
-                expected="bf16 master weights with train.precision bf16 (pure bf16 training); "
-                "fp16 needs fp32 masters for its loss scaling, fp8's float8 Linears and fp32 "
-                "training keep fp32 weights",
-                hint="set train.precision=bf16, or drop train.master_weights (fp32)")
 
 
 @dataclass
