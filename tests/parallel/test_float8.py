@@ -17,7 +17,6 @@ shard's own maximum moved this model's loss by no more than the right ones), so 
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from hpctrain.parallel.float8 import (
 from hpctrain.parallel.layout import ParallelLayout, check_layout
 from hpctrain.plan.memory import MemoryOptions, estimate_memory, resolve_model
 from rank_jobs import REPO, free_port, launch
+from run_records import assert_close, checkpoint_dir, logged
 
 try:
     import_float8()  # torchao, imported without its log noise about kernels a CPU cannot load
@@ -180,10 +180,6 @@ def test_memory_plan_sizes_fp8_as_bf16() -> None:
 # -- training runs -------------------------------------------------------------------------
 
 
-def _checkpoint(out: Path, run: str, step: int) -> str:
-    return str(out / run / "checkpoints" / f"step-{step:08d}")
-
-
 def _rank_check() -> None:
     """One rank of 2 (gloo): FSDP with float8 all-gather gathers exactly the float8 weight
     that the whole weight casts to with the scale of its global maximum."""
@@ -261,12 +257,14 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"name": "one_bf16", "overrides": [*BF16, "train.micro_batch=4", *SAVE_AT_3]},
         {"name": "one_fp8", "overrides": [*FP8, "train.micro_batch=4"]},
         {"name": "one_fp8_from_bf16", "overrides": [
-            *FP8, "train.micro_batch=4", f"checkpoint.resume={_checkpoint(runs, 'one_bf16', 3)}"]},
+            *FP8, "train.micro_batch=4",
+            f"checkpoint.resume={checkpoint_dir(runs, 'one_bf16', 3)}"]},
     ]}
     two = {**spec, "jobs": [
         {"name": "two_fp8", "overrides": [*FP8, "train.micro_batch=2", *SAVE_AT_3]},
         {"name": "two_bf16_from_fp8", "overrides": [
-            *BF16, "train.micro_batch=2", f"checkpoint.resume={_checkpoint(runs, 'two_fp8', 3)}"]},
+            *BF16, "train.micro_batch=2",
+            f"checkpoint.resume={checkpoint_dir(runs, 'two_fp8', 3)}"]},
         {"name": "two_rowwise", "overrides": [*FP8, "train.fp8_recipe=rowwise",
                                               "train.micro_batch=2"]},
         {"name": "two_pp2", "overrides": [*FP8, "parallel.pp=2", "train.micro_batch=4",
@@ -288,34 +286,23 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return runs
 
 
-def _losses(out: Path, name: str) -> dict[int, float]:
-    records = read_metrics(out / name / "metrics" / "rank-000.jsonl")
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
-
-
-def _assert_close(actual: float, expected: float, rtol: float, what: str) -> None:
-    assert math.isfinite(actual) and abs(actual - expected) <= rtol * abs(expected), (
-        f"{what}: {actual!r} vs {expected!r} ({abs(actual - expected) / abs(expected):.2e} "
-        f"relative, rtol {rtol:.0e})")
-
-
 def test_fp8_learns_and_tracks_bf16(out: Path) -> None:
     """One rank: the fp8 loss falls and stays within the sanity bound of bf16's, every step."""
-    fp8, bf16 = _losses(out, "one_fp8"), _losses(out, "one_bf16")
+    fp8, bf16 = logged(out, "one_fp8"), logged(out, "one_bf16")
     assert sorted(fp8) == list(range(1, STEPS + 1))
     assert fp8[STEPS] < fp8[1] - 0.3, fp8
     for step in fp8:
-        _assert_close(fp8[step], bf16[step], FP8_VS_BF16, f"fp8 vs bf16 at step {step}")
+        assert_close(fp8[step], bf16[step], FP8_VS_BF16, f"fp8 vs bf16 at step {step}")
     assert fp8 != bf16  # the float8 Linears did compute something else
 
 
 def test_fsdp_float8_all_gather_matches_one_rank(out: Path) -> None:
     """2 ranks gathering float8 weights (scales precomputed after each step) follow the
     1-rank fp8 curve; the log says the weights went over the wire in float8."""
-    two, one = _losses(out, "two_fp8"), _losses(out, "one_fp8")
+    two, one = logged(out, "two_fp8"), logged(out, "one_fp8")
     assert sorted(two) == list(range(1, STEPS + 1))
     for step in two:
-        _assert_close(two[step], one[step], RANKS_RTOL, f"2-rank fp8 at step {step}")
+        assert_close(two[step], one[step], RANKS_RTOL, f"2-rank fp8 at step {step}")
     log = (out / "two_fp8" / "logs" / "rank-000.log").read_text()
     assert ("fp8 (tensorwise, emulated): 14 block Linears compute in float8; FSDP gathers "
             "their weights in float8") in log
@@ -335,12 +322,12 @@ def test_gathered_float8_weights_are_exact(out: Path) -> None:
 def test_rowwise_pipeline_and_ddp_train(out: Path) -> None:
     """Rowwise scales (weights gathered in bf16), fp8 per pipeline stage and fp8 under DDP
     all train like the 1-rank fp8 run."""
-    one = _losses(out, "one_fp8")
+    one = logged(out, "one_fp8")
     for name in ("two_rowwise", "two_pp2", "two_ddp"):
-        run = _losses(out, name)
+        run = logged(out, name)
         assert sorted(run) == list(range(1, STEPS + 1)), name
         for step in run:
-            _assert_close(run[step], one[step], FP8_VS_BF16, f"{name} at step {step}")
+            assert_close(run[step], one[step], FP8_VS_BF16, f"{name} at step {step}")
 
 
 @pytest.mark.parametrize(("saved", "resumed"), [("two_fp8", "two_bf16_from_fp8"),
@@ -348,10 +335,10 @@ def test_rowwise_pipeline_and_ddp_train(out: Path) -> None:
 def test_checkpoints_cross_precisions(out: Path, saved: str, resumed: str) -> None:
     """A checkpoint saved under fp8 (float8-gathered weights included) resumes under bf16 and
     the other way round: same parameter names, and the loss goes on from where it was."""
-    before, after = _losses(out, saved), _losses(out, resumed)
+    before, after = logged(out, saved), logged(out, resumed)
     assert sorted(after) == [4, 5, 6]
     for step in after:
-        _assert_close(after[step], before[step], FP8_VS_BF16, f"{resumed} at step {step}")
+        assert_close(after[step], before[step], FP8_VS_BF16, f"{resumed} at step {step}")
     records = read_metrics(out / resumed / "metrics" / "rank-000.jsonl")
     (load,) = [r for r in records if r.get("event") == "checkpoint_load"]
     assert load["step"] == 3

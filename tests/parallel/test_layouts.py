@@ -35,6 +35,7 @@ from hpctrain.observe.metrics import read_metrics
 from hpctrain.parallel.config import PP_SCHEDULES
 from hpctrain.parallel.pipeline import schedule_supported
 from rank_jobs import launch
+from run_records import assert_close, checkpoint_dir
 
 STEPS = 10
 RTOL = 1e-5
@@ -90,25 +91,21 @@ def _parity_jobs() -> dict[str, list[str]]:
 PARITY = _parity_jobs()
 
 
-def _checkpoint(out: Path, run: str, step: int) -> str:
-    return str(out / run / "checkpoints" / f"step-{step:08d}")
-
-
 def _resume_chain(out: Path) -> list[dict[str, Any]]:
     """Each job resumes the previous one's last checkpoint under another layout."""
     save = ["checkpoint.save_at_end=true"]
     return [
-        {"name": "resume_pp2_tp2", "wait_for": _checkpoint(out, "reference", 3),
+        {"name": "resume_pp2_tp2", "wait_for": checkpoint_dir(out, "reference", 3),
          "overrides": ["parallel.strategy=none", "parallel.pp=2", "parallel.tp=2",
                        "train.micro_batch=8", "parallel.pp_microbatches=2", "train.steps=5",
-                       *save, f"checkpoint.resume={_checkpoint(out, 'reference', 3)}"]},
+                       *save, f"checkpoint.resume={checkpoint_dir(out, 'reference', 3)}"]},
         {"name": "resume_fsdp4",
          "overrides": ["parallel.strategy=fsdp", "train.micro_batch=2", "train.steps=6", *save,
-                       f"checkpoint.resume={_checkpoint(out, 'resume_pp2_tp2', 5)}"]},
+                       f"checkpoint.resume={checkpoint_dir(out, 'resume_pp2_tp2', 5)}"]},
         {"name": "resume_tp2_fsdp2",
          "overrides": ["parallel.strategy=fsdp", "parallel.tp=2", "train.micro_batch=4",
                        "train.steps=7", *save,
-                       f"checkpoint.resume={_checkpoint(out, 'resume_fsdp4', 6)}"]},
+                       f"checkpoint.resume={checkpoint_dir(out, 'resume_fsdp4', 6)}"]},
     ]
 
 
@@ -148,12 +145,6 @@ def _val_loss(out: Path, name: str) -> float:
     return val
 
 
-def _assert_close(actual: float, expected: float, rtol: float, what: str) -> None:
-    assert math.isfinite(actual) and abs(actual - expected) <= rtol * abs(expected), (
-        f"{what}: {actual!r} vs {expected!r} ({abs(actual - expected) / abs(expected):.2e} "
-        f"relative, rtol {rtol:.0e})")
-
-
 def test_reference_learns(out: Path) -> None:
     """The curve compared is a moving one: the loss falls over the 10 steps."""
     losses = [r["loss"] for r in _steps(out, "reference").values()]
@@ -167,10 +158,10 @@ def test_layout_matches_single_process(out: Path, name: str) -> None:
     ref, run = _steps(out, "reference"), _steps(out, name)
     assert sorted(run) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
-        _assert_close(run[step]["loss"], ref[step]["loss"], RTOL, f"{name} loss at {step}")
-        _assert_close(run[step]["grad_norm"], ref[step]["grad_norm"], NORM_RTOL,
+        assert_close(run[step]["loss"], ref[step]["loss"], RTOL, f"{name} loss at {step}")
+        assert_close(run[step]["grad_norm"], ref[step]["grad_norm"], NORM_RTOL,
                       f"{name} grad norm at {step}")
-    _assert_close(_val_loss(out, name), _val_loss(out, "reference"), RTOL,
+    assert_close(_val_loss(out, name), _val_loss(out, "reference"), RTOL,
                   f"{name} validation loss")
     # Every rank reports the same global values.
     for rank in (1, 2, 3):
@@ -191,9 +182,9 @@ def test_resume_across_layouts(out: Path) -> None:
         run = _steps(out, name)
         assert sorted(run) == list(steps), name
         for step in steps:
-            _assert_close(run[step]["loss"], ref[step]["loss"], RESUME_RTOL,
+            assert_close(run[step]["loss"], ref[step]["loss"], RESUME_RTOL,
                           f"{name} loss at step {step}")
-            _assert_close(run[step]["grad_norm"], ref[step]["grad_norm"], NORM_RTOL,
+            assert_close(run[step]["grad_norm"], ref[step]["grad_norm"], NORM_RTOL,
                           f"{name} grad norm at step {step}")
 
 

@@ -34,11 +34,11 @@ from conftest import DEMO, QUIET, TINY
 from hpctrain.config import load_config
 from hpctrain.errors import ConfigError
 from hpctrain.models import Transformer
-from hpctrain.observe.metrics import read_metrics
 from hpctrain.parallel.config import mixed_precision_path
 from hpctrain.parallel.layout import ParallelLayout
 from hpctrain.parallel.parallelize import autocast_dtype, parallelize
 from rank_jobs import launch
+from run_records import assert_close, checkpoint_dir, logged
 
 STEPS = 4
 RTOL = 2e-3
@@ -154,10 +154,6 @@ SAVE_AT_2 = ["checkpoint.interval=steps", "checkpoint.every=2", "checkpoint.keep
 HALF_BATCH = ["train.micro_batch=2"]
 
 
-def _checkpoint(out: Path, run: str, step: int) -> str:
-    return str(out / run / "checkpoints" / f"step-{step:08d}")
-
-
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Both launches, once for the module: the run directories' parent."""
@@ -169,19 +165,19 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"name": "pp2", "overrides": ["parallel.pp=2", "parallel.pp_microbatches=2"]},
         {"name": "fsdp2", "overrides": ["parallel.strategy=fsdp", *HALF_BATCH]},
         {"name": "ddp2", "overrides": ["parallel.strategy=ddp", *HALF_BATCH]},
-        {"name": "pp2_resumed", "wait_for": _checkpoint(runs, "one", 2),
+        {"name": "pp2_resumed", "wait_for": checkpoint_dir(runs, "one", 2),
          "overrides": ["parallel.pp=2", "parallel.pp_microbatches=2",
-                       f"checkpoint.resume={_checkpoint(runs, 'one', 2)}"]},
+                       f"checkpoint.resume={checkpoint_dir(runs, 'one', 2)}"]},
     ]}
     one = {**spec, "jobs": [
         {"name": "one", "overrides": SAVE_AT_2},
         {"name": "masters", "overrides": ["train.master_weights=fp32", *SAVE_AT_2]},
         {"name": "one_from_masters", "overrides": [
-            f"checkpoint.resume={_checkpoint(runs, 'masters', 2)}"]},
+            f"checkpoint.resume={checkpoint_dir(runs, 'masters', 2)}"]},
         {"name": "masters_from_one", "overrides": [
-            "train.master_weights=fp32", f"checkpoint.resume={_checkpoint(runs, 'one', 2)}"]},
-        {"name": "one_resumed", "wait_for": _checkpoint(runs, "tp2", 2),
-         "overrides": [f"checkpoint.resume={_checkpoint(runs, 'tp2', 2)}"]},
+            "train.master_weights=fp32", f"checkpoint.resume={checkpoint_dir(runs, 'one', 2)}"]},
+        {"name": "one_resumed", "wait_for": checkpoint_dir(runs, "tp2", 2),
+         "overrides": [f"checkpoint.resume={checkpoint_dir(runs, 'tp2', 2)}"]},
     ]}
     with ThreadPoolExecutor(max_workers=2) as pool:
         jobs = [pool.submit(launch, 2, two, root / "launch-2", LAUNCH_TIMEOUT_S),
@@ -191,24 +187,13 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return runs
 
 
-def _losses(out: Path, name: str) -> dict[int, float]:
-    records = read_metrics(out / name / "metrics" / "rank-000.jsonl")
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
-
-
-def _close(actual: float, expected: float, what: str) -> None:
-    assert math.isfinite(actual) and abs(actual - expected) <= RTOL * abs(expected), (
-        f"{what}: {actual!r} vs {expected!r} ({abs(actual - expected) / abs(expected):.2e} "
-        f"relative, rtol {RTOL:.0e})")
-
-
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "fsdp2", "ddp2"])
 def test_layouts_train_like_one_rank(out: Path, layout: str) -> None:
     """Every layout's pure bf16 losses are the one-rank run's within bf16 rounding."""
-    run, one = _losses(out, layout), _losses(out, "one")
+    run, one = logged(out, layout), logged(out, "one")
     assert sorted(run) == sorted(one) == list(range(1, STEPS + 1))
     for step in run:
-        _close(run[step], one[step], f"{layout} vs one rank at step {step}")
+        assert_close(run[step], one[step], RTOL, f"{layout} vs one rank at step {step}")
     log = (out / layout / "logs" / "rank-000.log").read_text()
     expected = ("FSDP's policy reduces" if layout == "fsdp2"
                 else "parameters, gradients and AdamW moments in bf16")
@@ -220,10 +205,10 @@ def test_layouts_train_like_one_rank(out: Path, layout: str) -> None:
 def test_pure_bf16_trains_like_fp32_master_weights(out: Path) -> None:
     """Same first loss to bf16 rounding (same initial weights, rounded), then close curves,
     not the same ones."""
-    pure, masters = _losses(out, "one"), _losses(out, "masters")
-    _close(pure[1], masters[1], "first step")
+    pure, masters = logged(out, "one"), logged(out, "masters")
+    assert_close(pure[1], masters[1], RTOL, "first step")
     for step in pure:
-        _close(pure[step], masters[step], f"pure vs fp32 masters at step {step}")
+        assert_close(pure[step], masters[step], RTOL, f"pure vs fp32 masters at step {step}")
     assert pure[STEPS] != masters[STEPS]
 
 
@@ -231,7 +216,7 @@ def test_checkpoint_holds_bf16_weights_and_moments(out: Path) -> None:
     """What TP2 saved: bf16 weights and AdamW moments (half the bytes of fp32 masters)."""
     from hpctrain.checkpoint.safe_io import SafeFileSystemReader
 
-    meta = SafeFileSystemReader(_checkpoint(out, "tp2", 2)).read_metadata()
+    meta = SafeFileSystemReader(checkpoint_dir(out, "tp2", 2)).read_metadata()
     dtypes = {key: m.properties.dtype for key, m in meta.state_dict_metadata.items()
               if hasattr(m, "properties")}
     weights = [k for k in dtypes if k.endswith("attention.wq.weight")]
@@ -246,10 +231,10 @@ def test_resume_across_layouts_and_master_dtypes(out: Path) -> None:
     pairs = (("one_resumed", "tp2"), ("pp2_resumed", "one"), ("one_from_masters", "masters"),
              ("masters_from_one", "one"))
     for resumed, source in pairs:
-        run, ref = _losses(out, resumed), _losses(out, source)
+        run, ref = logged(out, resumed), logged(out, source)
         assert sorted(run) == [3, 4], resumed
         for step in run:
-            _close(run[step], ref[step], f"{resumed} vs {source} at step {step}")
+            assert_close(run[step], ref[step], RTOL, f"{resumed} vs {source} at step {step}")
     # Resuming continues the masters' run, not a fresh pure one.
-    fresh = _losses(out, "one")
-    assert _losses(out, "one_from_masters")[3] != fresh[3]
+    fresh = logged(out, "one")
+    assert logged(out, "one_from_masters")[3] != fresh[3]

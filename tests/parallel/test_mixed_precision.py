@@ -27,7 +27,6 @@ checked below), so a resume that loaded the wrong weights or data position fails
 
 from __future__ import annotations
 
-import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -39,11 +38,11 @@ from conftest import DEMO, QUIET, TINY
 from hpctrain.config import load_config
 from hpctrain.errors import ConfigError
 from hpctrain.models import Transformer, count_params
-from hpctrain.observe.metrics import read_metrics
 from hpctrain.parallel.config import mixed_precision_path
 from hpctrain.parallel.layout import ParallelLayout
 from hpctrain.parallel.parallelize import autocast_dtype, parallelize
 from rank_jobs import launch
+from run_records import assert_close, checkpoint_dir, logged
 
 STEPS = 4
 RTOL = 2e-3
@@ -159,10 +158,6 @@ FSDP_CASTS = ["parallel.mixed_precision=fsdp"]
 FP32_STEP = ["train.precision=fp32", "train.steps=1"]
 
 
-def _checkpoint(out: Path, run: str, step: int) -> str:
-    return str(out / run / "checkpoints" / f"step-{step:08d}")
-
-
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Both launches, once for the module: the run directories' parent."""
@@ -179,13 +174,13 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                                 "parallel.reduce_precision=bf16"]},
         {"name": "tp2_fp32", "overrides": [*TP2, *FP32_STEP]},
         {"name": "pp2_fp32", "overrides": [*PP2, *FP32_STEP]},
-        {"name": "pp2_resumed", "wait_for": _checkpoint(runs, "one", 2),
-         "overrides": [*PP2, *FSDP_CASTS, f"checkpoint.resume={_checkpoint(runs, 'one', 2)}"]},
+        {"name": "pp2_resumed", "wait_for": checkpoint_dir(runs, "one", 2),
+         "overrides": [*PP2, *FSDP_CASTS, f"checkpoint.resume={checkpoint_dir(runs, 'one', 2)}"]},
     ]}
     one = {**spec, "jobs": [
         {"name": "one", "overrides": SAVE_AT_2},
-        {"name": "one_resumed", "wait_for": _checkpoint(runs, "tp2_fsdp", 2),
-         "overrides": [f"checkpoint.resume={_checkpoint(runs, 'tp2_fsdp', 2)}"]},
+        {"name": "one_resumed", "wait_for": checkpoint_dir(runs, "tp2_fsdp", 2),
+         "overrides": [f"checkpoint.resume={checkpoint_dir(runs, 'tp2_fsdp', 2)}"]},
     ]}
     with ThreadPoolExecutor(max_workers=2) as pool:
         jobs = [pool.submit(launch, 2, two, root / "launch-2", LAUNCH_TIMEOUT_S),
@@ -193,17 +188,6 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
         for job in jobs:
             job.result()
     return runs
-
-
-def _losses(out: Path, name: str, key: str = "loss") -> dict[int, float]:
-    records = read_metrics(out / name / "metrics" / "rank-000.jsonl")
-    return {r["step"]: r[key] for r in records if key in r}
-
-
-def _close(actual: float, expected: float, what: str) -> None:
-    assert math.isfinite(actual) and abs(actual - expected) <= RTOL * abs(expected), (
-        f"{what}: {actual!r} vs {expected!r} ({abs(actual - expected) / abs(expected):.2e} "
-        f"relative, rtol {RTOL:.0e})")
 
 
 def _path_logged(out: Path, name: str) -> str:
@@ -217,17 +201,17 @@ def _path_logged(out: Path, name: str) -> str:
 def test_fsdp_casts_train_like_autocast(out: Path, layout: str) -> None:
     """Same training and validation losses as autocast within bf16 rounding, through another
     path (logged)."""
-    fsdp, autocast = _losses(out, f"{layout}_fsdp"), _losses(out, f"{layout}_autocast")
+    fsdp, autocast = logged(out, f"{layout}_fsdp"), logged(out, f"{layout}_autocast")
     assert sorted(fsdp) == sorted(autocast) == list(range(1, STEPS + 1))
     for step in fsdp:
-        _close(fsdp[step], autocast[step], f"{layout} fsdp vs autocast at step {step}")
-    val, val_autocast = (_losses(out, f"{layout}_{path}", "val_loss")
+        assert_close(fsdp[step], autocast[step], RTOL, f"{layout} fsdp vs autocast at step {step}")
+    val, val_autocast = (logged(out, f"{layout}_{path}", "val_loss")
                          for path in ("fsdp", "autocast"))
     assert sorted(val) == sorted(val_autocast) == [2, STEPS]
     for step in val:
-        _close(val[step], val_autocast[step], f"{layout} validation at step {step}")
+        assert_close(val[step], val_autocast[step], RTOL, f"{layout} validation at step {step}")
     assert fsdp != autocast  # the casts really differ
-    fp32 = _losses(out, f"{layout}_fp32")[1]
+    fp32 = logged(out, f"{layout}_fp32")[1]
     assert fsdp[1] != fp32 and autocast[1] != fp32  # and both compute in bf16
     assert "FSDP2 casts the parameters to bf16 (FSDP over a 1-rank" in _path_logged(
         out, f"{layout}_fsdp")
@@ -240,11 +224,11 @@ def test_fsdp_casts_train_like_autocast(out: Path, layout: str) -> None:
 def test_bf16_reduction_trains_like_fp32_reduction(out: Path) -> None:
     """PP2 accumulating its micro-batches' gradients in bf16: the same losses within bf16
     rounding as in fp32 (the first step's exactly: no update yet), not the very same ones."""
-    bf16, fp32 = _losses(out, "pp2_fsdp_bf16"), _losses(out, "pp2_fsdp")
+    bf16, fp32 = logged(out, "pp2_fsdp_bf16"), logged(out, "pp2_fsdp")
     assert sorted(bf16) == sorted(fp32) == list(range(1, STEPS + 1))
     assert bf16[1] == fp32[1]
     for step in bf16:
-        _close(bf16[step], fp32[step], f"pp2 bf16 vs fp32 reduction at step {step}")
+        assert_close(bf16[step], fp32[step], RTOL, f"pp2 bf16 vs fp32 reduction at step {step}")
     assert bf16[STEPS] != fp32[STEPS]
     assert "reduced and accumulated in bf16" in _path_logged(out, "pp2_fsdp_bf16")
     assert "reduced and accumulated in fp32" in _path_logged(out, "pp2_fsdp")
@@ -254,7 +238,7 @@ def test_checkpoint_holds_fp32_master_weights_and_optimizer_state(out: Path) -> 
     """What TP2 with FSDP's casts saved (the optimizer's view) is fp32 throughout."""
     from hpctrain.checkpoint.safe_io import SafeFileSystemReader
 
-    meta = SafeFileSystemReader(_checkpoint(out, "tp2_fsdp", 2)).read_metadata()
+    meta = SafeFileSystemReader(checkpoint_dir(out, "tp2_fsdp", 2)).read_metadata()
     dtypes: dict[str, Any] = {key: m.properties.dtype for key, m in
                               meta.state_dict_metadata.items() if hasattr(m, "properties")}
     weights = [k for k in dtypes if k.endswith("attention.wq.weight")]
@@ -267,7 +251,7 @@ def test_resume_across_layouts_and_paths(out: Path) -> None:
     """TP2 (FSDP casts) -> one rank (autocast), and one rank -> PP2 (FSDP casts): the resumed
     steps' losses are the uninterrupted run's within bf16 rounding."""
     for resumed, source in (("one_resumed", "tp2_fsdp"), ("pp2_resumed", "one")):
-        run, ref = _losses(out, resumed), _losses(out, source)
+        run, ref = logged(out, resumed), logged(out, source)
         assert sorted(run) == [3, 4], resumed
         for step in run:
-            _close(run[step], ref[step], f"{resumed} vs {source} at step {step}")
+            assert_close(run[step], ref[step], RTOL, f"{resumed} vs {source} at step {step}")
