@@ -26,16 +26,24 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: str,
-               reshard_after_forward: bool, reduce_precision: str = "fp32") -> None:
+               reshard_after_forward: bool, reduce_precision: str = "fp32", *,
+               last_block_gathered: bool = False) -> None:
     """Shard every block of ``model``, then its root, in place (parameters may be on meta);
-    forward in ``precision``, gradients reduced and accumulated in ``reduce_precision``."""
+    forward in ``precision``, gradients reduced and accumulated in ``reduce_precision``.
+
+    ``last_block_gathered``: where backward follows each forward at once (no pipeline), the
+    last block's backward comes first, so freeing its gathered parameters after its forward
+    would only gather them again right away (torchtitan keeps them too).
+    """
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[precision],
                               reduce_dtype=DTYPES[reduce_precision])
     shard_mesh = dp_mesh(mesh)
-    for block in model.layers:
-        if block is not None:
-            fully_shard(block, mesh=shard_mesh, mp_policy=mp,
-                        reshard_after_forward=reshard_after_forward)
+    blocks = [block for block in model.layers if block is not None]
+    for i, block in enumerate(blocks):
+        last = i == len(blocks) - 1
+        fully_shard(block, mesh=shard_mesh, mp_policy=mp,
+                    reshard_after_forward=reshard_after_forward
+                    and not (last and last_block_gathered))
     fully_shard(model, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
 
