@@ -382,3 +382,32 @@ def test_dry_run_prints_the_list_and_runs_nothing(tmp_path: Path, capsys) -> Non
     text = capsys.readouterr().out
     assert "(as configured)" in text and "predicted peak GB" in text
     assert not (tmp_path / "tune").exists()
+
+
+def test_dry_run_for_a_named_gpu_type_needs_no_gpu(tmp_path: Path, capsys) -> None:
+    """On a login node (no GPU), ``--gpu h200 --dry-run`` lists 8b's candidates for H200s: GPU
+    memory and peak from the tables, fp8 twins since the H200 has fp8 tensor cores."""
+    main(["tune", str(LLAMA_8B), "--gpus", "4", "--gpu", "h200", "--dry-run",
+          "--out", str(tmp_path / "tune")])
+    text = capsys.readouterr().out
+    assert "fit 4 GPU(s) of 141 GB (h200)" in text and "(as configured)" in text
+    assert "fp8" in text and "tokens/s per GPU" in text
+    assert not (tmp_path / "tune").exists()
+    # An A100 has no fp8 tensor cores: no fp8 candidate, and the note says why.
+    main(["tune", str(LLAMA_8B), "--gpus", "4", "--gpu", "a100-80", "--dry-run"])
+    text = capsys.readouterr().out
+    assert "no fp8 tensor cores known for a100-80" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpu", "h200"], "--gpu h200 without --dry-run"),
+    (["--gpu", "rtx9", "--dry-run"], "unknown GPU 'rtx9'"),
+    (["--gpu", "h200", "--dry-run", "run.device=cpu"], "--gpu h200 with run.device = cpu"),
+])
+def test_a_named_gpu_is_refused_where_it_cannot_apply(argv: list[str], message: str,
+                                                     tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["tune", str(LLAMA_8B), "--gpus", "2", "--out", str(tmp_path), *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "HINT" in err and "Traceback" not in err

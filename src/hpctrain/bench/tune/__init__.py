@@ -1,6 +1,7 @@
 """``hpctrain tune CONFIG --gpus N``: measure configurations the memory model allows, keep the best.
 
     hpctrain tune configs/llama-8b-fsdp.yaml --gpus 2 --dry-run    # the short list, nothing run
+    hpctrain tune configs/llama-8b-fsdp.yaml --gpus 4 --gpu h200 --dry-run   # on a login node
     hpctrain tune configs/llama-8b-fsdp.yaml --gpus 2              # measure it (minutes)
     hpctrain train runs/tune/llama-8b-fsdp/best.yaml --nproc 2      # train the winner
 
@@ -20,15 +21,16 @@ kept for tp layouts and turned off for the others, which refuse it).
 pipeline: its micro-batches). A tuner that changed the batch would change the optimisation
 problem (the loss curve, the learning-rate schedule's meaning) to buy speed: that is not tuning.
 
-How the short list is chosen: every combination is sized with `hpctrain.plan.memory` and
-dropped unless its peak plus 10% fits the GPU (``torch.cuda.get_device_properties``, or
-``--gpu-mem-gb``; 16 GB per rank on a CPU). The rest are ranked by the step-time model of
-``hpctrain plan parallel`` (predicted tokens/s per GPU). That model has no ZeRO-2 term (ranked
-just ahead of its ZeRO-3 twin: one all-gather fewer per micro-batch) and knows only ``none``
-and ``full`` checkpointing: ``every_k`` and ``selective`` step times are interpolated between
-the two by the share of the forward they recompute; ``every_k``'s memory too (the memory model
-has no ``every_k``; the peak so interpolated errs high, but leaves out up to half a block's
-activations).
+How the short list is chosen: every combination is sized with `hpctrain.plan.memory` and dropped
+unless its peak plus 10% fits the GPU (``torch.cuda.get_device_properties``, or
+``--gpu-mem-gb``; 16 GB per rank on a CPU; with ``--gpu TYPE --dry-run``, that type's memory and
+peak from the planner's tables, on a machine without it). The rest are ranked by the step-time
+model of ``hpctrain plan parallel`` (predicted tokens/s per GPU). That model has no ZeRO-2 term
+(ranked just ahead of its ZeRO-3 twin: one all-gather fewer per micro-batch) and knows only
+``none`` and ``full`` checkpointing: ``every_k`` and ``selective`` step times are interpolated
+between the two by the share of the forward they recompute; ``every_k``'s memory too (the memory
+model has no ``every_k``; the peak so interpolated errs high, but leaves out up to half a
+block's activations).
 Nor does it know fp8's speed: fp8 twins of the best predicted layouts are added (their memory
 estimated as bf16). ``--max-candidates`` are kept: the config as given first (the baseline), the
 best of each layout/strategy, then the next best. The list is printed before anything runs.

@@ -86,18 +86,23 @@ class TunePlan:
     considered: int  # settings that fit, before the short list
 
 
-def fp8_allowed(config: Path, overrides: list[str], device: str, *, capability=None
-                ) -> tuple[bool, str]:
-    """(whether fp8 candidates are tried, why not) for this config on this device."""
+def fp8_allowed(config: Path, overrides: list[str], device: str, *, capability=None,
+                named_gpu: str | None = None) -> tuple[bool, str]:
+    """(whether fp8 candidates are tried, why not) for this config on this device, or on the
+    GPU type ``named_gpu`` (``--gpu``: fp8 where its datasheet lists an fp8 rate)."""
     from hpctrain.config import load_config
+    from hpctrain.observe.peaks import peak_tflops
 
     if device != "cuda":
         return False, "fp8 not tried: no GPU"
-    if capability is None:
+    if named_gpu is not None:
+        if peak_tflops(named_gpu, "fp8") is None:
+            return False, f"fp8 not tried: no fp8 tensor cores known for {named_gpu}"
+    elif capability is None:
         import torch
 
         capability = torch.cuda.get_device_capability(0)
-    if tuple(capability) < FP8_CAPABILITY:
+    if named_gpu is None and tuple(capability) < FP8_CAPABILITY:
         return False, (f"fp8 not tried: CUDA capability {capability[0]}.{capability[1]} "
                        "(fp8 tensor cores need 8.9 or newer)")
     cfg = load_config(config, overrides)
@@ -235,12 +240,15 @@ def _pick(ranked: list[Candidate], n: int, refusal: Callable[[Setting], str | No
 
 def plan_tuning(config: Path | None, overrides: list[str], gpus: int, *,
                 gpu_mem_gb: float | None = None, max_candidates: int = MAX_CANDIDATES,
-                allow_fp8: bool = True) -> TunePlan:
-    """The short list for ``config`` on ``gpus`` GPUs (or CPU ranks) of this machine."""
+                allow_fp8: bool = True, gpu: str | None = None) -> TunePlan:
+    """The short list for ``config`` on ``gpus`` GPUs (or CPU ranks) of this machine, or of
+    GPUs of type ``gpu`` (``h100``, ``h200``...: memory and peak from the tables, for a short
+    list made where no such GPU is, e.g. a login node)."""
     import torch
 
     from hpctrain.config import load_config
     from hpctrain.observe.peaks import peak_tflops
+    from hpctrain.plan.memory import gpu_memory_bytes
     from hpctrain.plan.parallel import DEFAULT_PEAK_TFLOPS
 
     if gpus < 1:
@@ -248,8 +256,19 @@ def plan_tuning(config: Path | None, overrides: list[str], gpus: int, *,
     cfg = load_config(config, overrides)
     device = cfg.run.device
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
+        device = "cuda" if torch.cuda.is_available() or gpu else "cpu"
+    if gpu is not None:
+        if device != "cuda":
+            raise ConfigError(f"--gpu {gpu} with run.device = {device}",
+                              expected="run.device auto or cuda", hint="drop --gpu to tune "
+                              "for CPU ranks")
+        name, total = gpu, gpu_memory_bytes(gpu)
+        if peak_tflops(gpu) is None:
+            raise ConfigError(f"--gpu {gpu}: no peak TFLOP/s known for it",
+                              expected="a GPU type the step-time model knows, e.g. h100, "
+                              "h200, a100, b200, l40s, mi300x",
+                              hint="without --gpu, tune on a node that has the GPU")
+    elif device == "cuda":
         visible = torch.cuda.device_count()
         if visible == 0:
             raise ConfigError("run.device = cuda but no GPU is visible",
@@ -274,8 +293,8 @@ def plan_tuning(config: Path | None, overrides: list[str], gpus: int, *,
         if gpu_mem_gb <= 0:
             raise ConfigError(f"--gpu-mem-gb {gpu_mem_gb}", expected="a positive size in GB")
         total = gpu_mem_gb * 1e9
-    fp8, why = fp8_allowed(config, overrides, device) if allow_fp8 else (False, "fp8 not "
-                                                                              "tried: --no-fp8")
+    fp8, why = (fp8_allowed(config, overrides, device, named_gpu=gpu) if allow_fp8
+                else (False, "fp8 not tried: --no-fp8"))
     peak = peak_tflops(name, "fp32" if cfg.train.precision == "fp32" else "bf16")
     batch, _ = global_batch(cfg, gpus)
     candidates, notes, considered = build_candidates(

@@ -48,6 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "and run the rest")
     p.add_argument("--dry-run", action="store_true",
                    help="print the short list and its predictions, run nothing")
+    p.add_argument("--gpu", default=None,
+                   help="with --dry-run: the short list for GPUs of this type (h100, h200, "
+                   "a100, ...), made where none is visible, e.g. on a login node")
     p.add_argument("--out", type=Path, default=None,
                    help="results folder (default runs/tune/<config stem>)")
     p.set_defaults(handler=run)
@@ -57,8 +60,13 @@ def run(args: argparse.Namespace) -> None:
     """``hpctrain tune``: plan, measure, report, write."""
     import torch
 
+    if args.gpu is not None and not args.dry_run:
+        raise ConfigError(f"--gpu {args.gpu} without --dry-run",
+                          expected="--gpu only with --dry-run (measuring needs the GPUs "
+                          "themselves)", hint="add --dry-run, or run on a node with the GPUs")
     plan = plan_tuning(args.config, args.overrides, args.gpus, gpu_mem_gb=args.gpu_mem_gb,
-                       max_candidates=args.max_candidates, allow_fp8=not args.no_fp8)
+                       max_candidates=args.max_candidates, allow_fp8=not args.no_fp8,
+                       gpu=args.gpu)
     on_gpu = plan.device == "cuda"
     steps = args.steps or (30 if on_gpu else 8)
     log_every = args.log_every or (5 if on_gpu else 2)
@@ -168,7 +176,8 @@ def _announce(plan: TunePlan, best: int, config: Path, out: Path, gpus: int) -> 
 
 def _command(args: argparse.Namespace) -> str:
     argv = ["hpctrain", "tune", str(args.config), *args.overrides, "--gpus", str(args.gpus)]
-    for flag, value in (("--gpu-mem-gb", args.gpu_mem_gb), ("--steps", args.steps),
+    for flag, value in (("--gpu", args.gpu), ("--gpu-mem-gb", args.gpu_mem_gb),
+                        ("--steps", args.steps),
                         ("--log-every", args.log_every), ("--out", args.out)):
         if value is not None:
             argv += [flag, str(value)]
