@@ -129,7 +129,7 @@ DDP = ["parallel.strategy=ddp", "train.micro_batch=2"]
 
 METRIC_FIELDS = {
     "step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "data_time_s", "mfu",
-    "mem_gb", "ts", "rank", "host",
+    "mem_gb", "ts", "rank", "host", "host_wait_s",
 }
 
 RUN_TIMEOUT_S = 180.0

@@ -2,7 +2,8 @@
 
 On a GPU the CPU enqueues work ahead of the device; a window timed before its one sync counted
 queued work as done and reported tokens/s 6-12% above what the run delivered (issue 14's
-measurements on an H200). Here the sync is made slow on purpose: its time must be in the window.
+measurements on an H200). Here the sync is made slow on purpose: its time must be in the window,
+and the window's ``host_wait_s`` (how long the host waited for the device) must show it.
 """
 
 from __future__ import annotations
@@ -30,3 +31,7 @@ def test_window_time_includes_the_sync(monkeypatch) -> None:
     (loss_sum, good, extra), elapsed = window.read(torch.tensor(7.0))
     assert (loss_sum, good, extra) == (2.0, 1.0, 7.0)  # the NaN step is left out of the mean
     assert elapsed >= SYNC_S
+    assert SYNC_S <= window.host_wait <= elapsed
+    record = window.record(10, 2.0, elapsed, lr=1e-3, tokens_per_step=100.0, flops_per_token=1.0,
+                           peak=None, device=torch.device("cpu"))
+    assert record["host_wait_s"] == window.host_wait
