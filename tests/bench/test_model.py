@@ -34,9 +34,10 @@ def _write_metrics(run_dir: Path, rank: int, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def _step(step: int, tok: float, mfu: float | None, ts: float) -> dict:
+def _step(step: int, tok: float, mfu: float | None, ts: float, wait: float = 0.07) -> dict:
     return {"ts": ts, "step": step, "loss": 10.0 / step, "tokens_per_s": tok,
-            "step_time_s": 0.5, "data_time_s": 0.005, "mfu": mfu, "mem_gb": 10.0 + step / 100}
+            "step_time_s": 0.5, "data_time_s": 0.005, "mfu": mfu, "mem_gb": 10.0 + step / 100,
+            "host_wait_s": wait}
 
 
 def test_summarise_skips_warmup_and_event_lines(tmp_path: Path) -> None:
@@ -45,7 +46,9 @@ def test_summarise_skips_warmup_and_event_lines(tmp_path: Path) -> None:
     for rank in range(2):
         rows = [_step(5, 100.0, 0.01, 1000.0)]
         rows.append({"ts": 1001.0, "event": "checkpoint_stall", "step": 5, "stall_s": 1.0})
-        rows += [_step(s, 1000.0 + rank * 100 + s, 0.40, 1000.0 + s) for s in range(10, 45, 5)]
+        # Rank 1's host is the one that falls behind: its device barely waits for it.
+        rows += [_step(s, 1000.0 + rank * 100 + s, 0.40, 1000.0 + s, 0.001 * s if rank else 0.07)
+                 for s in range(10, 45, 5)]
         rows.append({"ts": 1050.0, "event": "checkpoint", "step": 40})
         _write_metrics(tmp_path, rank, rows)
     res = summarise(tmp_path, 2, hfu_mult=4 / 3, warmup_frac=0.3)
@@ -57,6 +60,7 @@ def test_summarise_skips_warmup_and_event_lines(tmp_path: Path) -> None:
     assert res.hfu == pytest.approx(0.40 * 4 / 3)
     assert res.peak_mem_gb == pytest.approx(10.4)
     assert res.data_time_frac == pytest.approx(0.01)
+    assert res.host_wait_s == [pytest.approx(0.07), pytest.approx(0.0275)]
     # 30 s at 1,400 W for 30 steps x 8,192 tokens x 2 ranks.
     add_energy(res, joules=42_000.0, tokens_per_step_per_rank=8192)
     assert res.gpu_watts == pytest.approx(1400.0)
@@ -65,9 +69,13 @@ def test_summarise_skips_warmup_and_event_lines(tmp_path: Path) -> None:
 
 
 def test_unknown_mfu_stays_unknown(tmp_path: Path) -> None:
-    _write_metrics(tmp_path, 0, [_step(s, 500.0, None, float(s)) for s in (2, 4, 6)])
+    rows = [_step(s, 500.0, None, float(s)) for s in (2, 4, 6)]
+    for row in rows:  # metrics written before host_wait_s existed
+        del row["host_wait_s"]
+    _write_metrics(tmp_path, 0, rows)
     res = summarise(tmp_path, 1, hfu_mult=4 / 3)
     assert res.mfu is None and res.hfu is None
+    assert res.host_wait_s == [None]
     assert res.measured_steps == (2, 6)
 
 

@@ -159,6 +159,9 @@ class ModelResult:
     measured_span_s: tuple[float, float]  # the same, as metrics timestamps
     gpu_watts: float | None = None  # mean over the measured span, summed over the run's GPUs
     joules_per_token: float | None = None
+    # Per rank, the median wait of the host for its device at a window's end (None where the
+    # metrics predate it): near zero, that rank's GPU waited for its CPU's launches.
+    host_wait_s: list[float | None] | None = None
 
     @property
     def tokens_per_joule(self) -> float | None:
@@ -181,6 +184,8 @@ def summarise(run_dir: Path, ranks: int, *, hfu_mult: float = 1.0,
     flat = [r for k in kept for r in k]
     step_t = statistics.median(r["step_time_s"] for r in flat)
     data_t = statistics.median(r["data_time_s"] for r in flat)
+    waits = [statistics.median(r["host_wait_s"] for r in k)
+             if all("host_wait_s" in r for r in k) else None for k in kept]
     return ModelResult(
         ranks=ranks,
         tokens_per_s_per_gpu=tok,
@@ -193,6 +198,7 @@ def summarise(run_dir: Path, ranks: int, *, hfu_mult: float = 1.0,
         measured_steps=(warm_end[0]["step"], kept[0][-1]["step"]),
         # Ranks log the same window within a collective's latency; take the widest span.
         measured_span_s=(min(w["ts"] for w in warm_end), max(k[-1]["ts"] for k in kept)),
+        host_wait_s=waits,
     )
 
 
@@ -308,6 +314,8 @@ def result_row(result: ModelResult, cfg) -> dict[str, Any]:
         "gpu_watts": result.gpu_watts, "joules_per_token": result.joules_per_token,
         "tokens_per_joule": result.tokens_per_joule, "final_loss": result.final_loss,
         "measured_steps": list(result.measured_steps),
+        "host_wait_ms": None if result.host_wait_s is None else [
+            None if w is None else round(1e3 * w, 2) for w in result.host_wait_s],
     }
 
 
