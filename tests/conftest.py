@@ -356,6 +356,24 @@ def pg() -> Iterator[None]:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def compare() -> Iterator[Any]:
+    """benchmarks/peers/compare.py as a module (it needs no GPU until it runs a layout)."""
+    import importlib.util
+
+    path = REPO / "benchmarks" / "peers" / "compare.py"
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("compare_peers", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
 @pytest.fixture()
 def no_faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     """HPCTRAIN_FAULTS unset (and the parsed cache cleared) before and after the test."""

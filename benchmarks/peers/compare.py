@@ -274,6 +274,16 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.json").write_text(json.dumps(rows, indent=1))
     print(table(rows, torch.cuda.get_device_name(0)))
+    print(slow_window_lines(rows))
+
+
+def slow_window_lines(rows: list[dict]) -> str:
+    """Our windows more than 5% below their run's median, with the cause the metrics show."""
+    lines = [f"- {r['layout']}{r.get('tag', '')}: the window ending at step {w['step']} ran "
+             f"{w['below_median']:.1%} below the median: {w['cause']}"
+             for r in rows for w in r.get("slow_windows") or []]
+    return "\n".join(["Slow windows (hpctrain):", *lines] if lines else
+                     ["Slow windows (hpctrain): none more than 5% below the median"])
 
 
 if __name__ == "__main__":

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,21 +9,6 @@ import pytest
 from hpctrain.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def compare():
-    path = REPO / "benchmarks" / "peers" / "compare.py"
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("compare_peers", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclasses look their module up there
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(path.parent))
-    yield module
-    sys.modules.pop(spec.name, None)
 
 
 @pytest.mark.parametrize("given", [["--tag", "autocast"], ["--tag=-autocast"]])

@@ -342,6 +342,9 @@ def _model(args: argparse.Namespace) -> None:
     print(f"bench model: {cfg.model.size}, {cfg.parallel.strategy} on {args.nproc} {unit}(s), "
           f"steps {first + 1}-{last} measured (earlier ones are warm-up)")
     _print_vertical(row, unit, cfg.train.precision)
+    for w in row["slow_windows"]:
+        print(f"slow window: steps to {w['step']} ran {w['below_median']:.1%} below the median: "
+              f"{w['cause']}")
     if note:
         print(note)
     paths = res.write(out)

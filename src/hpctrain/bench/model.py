@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpctrain.bench.common import run_command
+from hpctrain.bench.slow_windows import slow_windows
 from hpctrain.errors import ConfigError, HpctrainError
 
 if TYPE_CHECKING:
@@ -162,6 +163,8 @@ class ModelResult:
     # Per rank, the median wait of the host for its device at a window's end (None where the
     # metrics predate it): near zero, that rank's GPU waited for its CPU's launches.
     host_wait_s: list[float | None] | None = None
+    # Measured windows more than 5% below the median, with their evidence and cause.
+    slow_windows: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def tokens_per_joule(self) -> float | None:
@@ -199,6 +202,7 @@ def summarise(run_dir: Path, ranks: int, *, hfu_mult: float = 1.0,
         # Ranks log the same window within a collective's latency; take the widest span.
         measured_span_s=(min(w["ts"] for w in warm_end), max(k[-1]["ts"] for k in kept)),
         host_wait_s=waits,
+        slow_windows=slow_windows(run_dir, ranks, warm_end[0]["step"], kept[0][-1]["step"]),
     )
 
 
@@ -316,6 +320,7 @@ def result_row(result: ModelResult, cfg) -> dict[str, Any]:
         "measured_steps": list(result.measured_steps),
         "host_wait_ms": None if result.host_wait_s is None else [
             None if w is None else round(1e3 * w, 2) for w in result.host_wait_s],
+        "slow_windows": result.slow_windows,
     }
 
 
