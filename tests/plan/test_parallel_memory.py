@@ -189,6 +189,28 @@ def test_within_ten_percent_of_measured_8b_peaks_on_4_gpus(name: str) -> None:
     assert plan.peak / 1e9 == pytest.approx(measured_gb, rel=0.10)
 
 
+# The other measured peaks of benchmarks/RESULTS.md's TP/PP rows: pure bf16 (master weights in
+# bf16) on 2 H200s, and FSDP composed with TP and with PP on 4 (``gpus`` is the data-parallel
+# width); no AC.
+MEASURED_COMPOSED = {
+    "8b tp2 pure bf16": ("8b", dict(strategy="none", tp=2, micro_batch=8,
+                                    master_weights="bf16"), 77.8),
+    "8b pp2 1f1b pure bf16": ("8b", dict(PP8, pp=2, master_weights="bf16"), 44.1),
+    "1b one gpu pure bf16": ("1b", dict(strategy="none", micro_batch=4, master_weights="bf16"),
+                             18.5),
+    "8b fsdp2 x tp2": ("8b", dict(strategy="fsdp", gpus=2, tp=2, micro_batch=8), 77.9),
+    "8b pp2 x fsdp2 1f1b": ("8b", dict(PP8, strategy="fsdp", gpus=2, pp=2), 61.1),
+    "8b fsdp4": ("8b", dict(strategy="fsdp", gpus=4, micro_batch=4), 67.2),
+}
+
+
+@pytest.mark.parametrize("name", list(MEASURED_COMPOSED))
+def test_within_ten_percent_of_measured_pure_and_composed_peaks(name: str) -> None:
+    size, opts, measured_gb = MEASURED_COMPOSED[name]
+    plan = estimate_memory(PRESETS[size], MemoryOptions(seq_len=2048, **opts))
+    assert plan.peak / 1e9 == pytest.approx(measured_gb, rel=0.10)
+
+
 def test_fp8_is_planned_at_the_bf16_peak() -> None:
     """Only the blocks' GEMMs run in float8: the fp8 datasheet peak would predict ~2x."""
     assert gpu_peak_tflops("h100", "fp8") == gpu_peak_tflops("h100", "bf16") > 0
