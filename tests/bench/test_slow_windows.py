@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from conftest import DEMO
-from hpctrain.bench.model import result_row, summarise
+from hpctrain.bench.model import rank_metrics, result_row, summarise
 from hpctrain.bench.slow_windows import slow_windows
 from hpctrain.config import load_config
 
@@ -41,9 +41,16 @@ def _write(run_dir: Path, waits: tuple[float, float] = (0.06, 0.001)) -> None:
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def _slow(run_dir: Path, first_step: int, last_step: int) -> list[dict]:
+    lines = rank_metrics(run_dir, 2)
+    windows = [[r for r in rank if "tokens_per_s" in r] for rank in lines]
+    events = [r for rank in lines for r in rank if "tokens_per_s" not in r]
+    return slow_windows(windows, events, first_step, last_step)
+
+
 def test_each_slow_window_has_its_cause(tmp_path: Path) -> None:
     _write(tmp_path)
-    found = {w["step"]: w for w in slow_windows(tmp_path, 2, first_step=10, last_step=80)}
+    found = {w["step"]: w for w in _slow(tmp_path, 10, 80)}
     assert sorted(found) == [20, 30, 35, 40]
     assert found[20]["cause"] == "events: checkpoint_stall"
     assert found[30]["cause"] == "rank 1 behind its CPU"
@@ -54,10 +61,10 @@ def test_each_slow_window_has_its_cause(tmp_path: Path) -> None:
     # On a CPU every host wait is ~0 (the "device" never lags): no rank is singled out.
     cpu = tmp_path / "cpu"
     _write(cpu, waits=(2e-5, 1e-6))
-    found = {w["step"]: w for w in slow_windows(cpu, 2, first_step=10, last_step=80)}
+    found = {w["step"]: w for w in _slow(cpu, 10, 80)}
     assert found[30]["cause"] == "not in the metrics (GPU or communication)"
     # Outside the measured span nothing is listed, however slow.
-    assert slow_windows(tmp_path, 2, first_step=20, last_step=25) == []
+    assert _slow(tmp_path, 20, 25) == []
 
 
 def test_bench_rows_carry_them_and_compare_prints_them(tmp_path: Path, compare) -> None:

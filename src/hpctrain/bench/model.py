@@ -112,8 +112,8 @@ def train_argv(config_path: Path, nproc: int, python: str = sys.executable) -> l
     return argv
 
 
-def step_records(run_dir: Path, ranks: int) -> list[list[dict[str, Any]]]:
-    """Per rank, the step records of a run's metrics (event lines have no tokens_per_s)."""
+def rank_metrics(run_dir: Path, ranks: int) -> list[list[dict[str, Any]]]:
+    """Per rank, every record of a run's metrics: step windows and events."""
     from hpctrain.observe.metrics import read_metrics
 
     per_rank = []
@@ -121,9 +121,17 @@ def step_records(run_dir: Path, ranks: int) -> list[list[dict[str, Any]]]:
         path = Path(run_dir) / "metrics" / f"rank-{rank:03d}.jsonl"
         if not path.exists():
             raise TrainRunError(f"{path} is missing", hint="see the run's logs/ directory")
-        per_rank.append([r for r in read_metrics(path)
-                         if isinstance(r.get("tokens_per_s"), int | float)])
+        per_rank.append(read_metrics(path))
     return per_rank
+
+
+def _is_window(record: dict[str, Any]) -> bool:
+    return isinstance(record.get("tokens_per_s"), int | float)  # event lines have none
+
+
+def step_records(run_dir: Path, ranks: int) -> list[list[dict[str, Any]]]:
+    """Per rank, the step records of a run's metrics."""
+    return [[r for r in rank if _is_window(r)] for rank in rank_metrics(run_dir, ranks)]
 
 
 def kept_windows(records: list[dict[str, Any]], warmup_frac: float = 0.3
@@ -175,8 +183,10 @@ class ModelResult:
 def summarise(run_dir: Path, ranks: int, *, hfu_mult: float = 1.0,
               warmup_frac: float = 0.3) -> ModelResult:
     """Throughput, MFU/HFU, memory and timing of a finished run from its per-rank metrics."""
+    lines = rank_metrics(run_dir, ranks)
+    windows = [[r for r in rank if _is_window(r)] for rank in lines]
     kept, warm_end = [], []
-    for recs in step_records(run_dir, ranks):
+    for recs in windows:
         k, w = kept_windows(recs, warmup_frac)
         kept.append(k)
         warm_end.append(w)
@@ -202,7 +212,9 @@ def summarise(run_dir: Path, ranks: int, *, hfu_mult: float = 1.0,
         # Ranks log the same window within a collective's latency; take the widest span.
         measured_span_s=(min(w["ts"] for w in warm_end), max(k[-1]["ts"] for k in kept)),
         host_wait_s=waits,
-        slow_windows=slow_windows(run_dir, ranks, warm_end[0]["step"], kept[0][-1]["step"]),
+        slow_windows=slow_windows(
+            windows, [r for rank in lines for r in rank if not _is_window(r)],
+            warm_end[0]["step"], kept[0][-1]["step"]),
     )
 
 

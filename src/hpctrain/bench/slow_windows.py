@@ -13,7 +13,7 @@ slow window is listed with the evidence the metrics files hold, and a cause read
   launches: ``host_wait_s``);
 - otherwise ``not in the metrics (GPU or communication)``.
 
-    slow = slow_windows(run_dir, ranks=4, first_step=10, last_step=40)
+    slow = slow_windows(windows, events, first_step=10, last_step=40)  # bench.model.summarise
     # [{"step": 30, "tokens_per_s": 47210.0, "below_median": 0.081, "cause": "events: checkpoint",
     #   "data_time_s": 0.0004, "host_wait_s": [0.061, 0.059, 0.002, 0.060], "events": [...]}]
 """
@@ -21,7 +21,6 @@ slow window is listed with the evidence the metrics files hold, and a cause read
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 from typing import Any
 
 THRESHOLD = 0.05  # a window this far below the median is listed
@@ -32,17 +31,15 @@ CPU_BEHIND = 0.1  # a rank waiting less than this share of the ranks' median wai
 MIN_WAIT_S = 1e-3
 
 
-def slow_windows(run_dir: Path, ranks: int, first_step: int, last_step: int,
+def slow_windows(windows: list[list[dict[str, Any]]], events: list[dict[str, Any]],
+                 first_step: int, last_step: int,
                  threshold: float = THRESHOLD) -> list[dict[str, Any]]:
     """The windows ending in ``(first_step, last_step]`` (the measured span) whose rank-0
-    tokens/s fell more than ``threshold`` below the span's median, each with its evidence."""
-    from hpctrain.observe.metrics import read_metrics
+    tokens/s fell more than ``threshold`` below the span's median, each with its evidence.
 
-    lines = [read_metrics(Path(run_dir) / "metrics" / f"rank-{r:03d}.jsonl")
-             for r in range(ranks)]
-    windows = [[r for r in rank if isinstance(r.get("tokens_per_s"), int | float)]
-               for rank in lines]
-    events = [r for rank in lines for r in rank if "event" in r or "val_loss" in r]
+    ``windows``: per rank, its step records; ``events``: the other metrics records of all
+    ranks (run events, validation results).
+    """
     ends = [r["step"] for r in windows[0]]
     measured = [r for r in windows[0] if first_step < r["step"] <= last_step]
     if not measured:
@@ -56,7 +53,8 @@ def slow_windows(run_dir: Path, ranks: int, first_step: int, last_step: int,
         step = record["step"]
         start = max((e for e in ends if e < step), default=0)
         same = [next((r for r in rank if r["step"] == step), None) for rank in windows]
-        found = sorted({_name(e) for e in events if _in_window(e, start, step)})
+        found = sorted({_name(e) for e in events
+                        if ("event" in e or "val_loss" in e) and _in_window(e, start, step)})
         waits = [None if r is None else r.get("host_wait_s") for r in same]
         data = max((r.get("data_time_s", 0.0) for r in same if r is not None), default=0.0)
         slow.append({"step": step, "tokens_per_s": record["tokens_per_s"],
