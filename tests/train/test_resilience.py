@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import signal
 import subprocess
@@ -136,6 +137,20 @@ def _wait_steps(proc: subprocess.Popen, run_dir: Path, n: int, timeout: float = 
         time.sleep(0.05)
 
 
+def _wait_hang(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 120) -> None:
+    """Until every rank logs that it hangs before ``step``: by then the ranks have agreed on
+    the previous step (a signal sent once its metrics line exists may still reach that
+    agreement on a loaded machine, and the save lands one step early)."""
+    said = re.compile(rf"HPCTRAIN_FAULTS: hanging \d+ s before step {step}\b")
+    logs = [run_dir / "logs" / f"rank-{rank:03d}.log" for rank in range(2)]
+    deadline = time.monotonic() + timeout
+    while not all(p.is_file() and said.search(p.read_text()) for p in logs):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"the ranks never logged the hang before step {step} "
+                                 f"(exit {proc.poll()})")
+        time.sleep(0.05)
+
+
 def _records(run: RunResult, rank: int = 0) -> list[dict]:
     return read_metrics(run.run_dir / "metrics" / f"rank-{rank:03d}.jsonl")
 
@@ -197,7 +212,7 @@ def _preempt_and_rerun(out: Path) -> tuple[RunResult, dict, list[str], RunResult
     faults = "hang@step=5,seconds=4"
     proc = _popen(args, faults)
     try:
-        _wait_steps(proc, out / "preempt", 4)
+        _wait_hang(proc, out / "preempt", 5)
         proc.send_signal(signal.SIGUSR2)
         time.sleep(0.1)
         proc.send_signal(signal.SIGUSR2)  # a second signal during the same preemption
