@@ -5,8 +5,52 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam
 
 from hpctrain.train.config import OptimConfig
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class LocalShardAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` whose fused kernel runs on each DTensor's local shard.
+
+    AdamW is elementwise: a shard's update needs only that shard of the parameter, its gradient
+    and its moments, which share one layout. Through DTensor's dispatch the same kernel costs a
+    sharding propagation per tensor on the CPU, every step (4.6 ms against 1.8 ms for 1b's 201
+    tensors, ``benchmarks/step_tail_cpu.py``), at the step's tail where the next step's
+    launches wait. The parameters and the state stay DTensors, so state dicts and DCP resharding
+    are unchanged; only the call into the kernel differs.
+    """
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW update of every parameter that has a gradient."""
+        if closure is not None:
+            raise ValueError("LocalShardAdamW.step takes no closure")
+        for group in self.param_groups:
+            lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])
+            has_complex = self._init_group(group, *lists)
+            params, grads = lists[0], lists[1]
+            for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+                if isinstance(g, DTensor) and g.placements != p.placements:
+                    # What DTensor's dispatch of the kernel would do too: the gradient in its
+                    # parameter's layout (a tied weight's is replicated: a local slice; a
+                    # pending sum: a reduction).
+                    grads[i] = g.redistribute(p.device_mesh, p.placements)
+            beta1, beta2 = group["betas"]
+            adam(
+                *([_local(t) for t in ts] for ts in lists),
+                amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2,
+                lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                maximize=group["maximize"], foreach=group["foreach"],
+                capturable=group["capturable"], differentiable=group["differentiable"],
+                fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
+                found_inf=getattr(self, "found_inf", None),
+                decoupled_weight_decay=group["decoupled_weight_decay"])
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float):
@@ -14,6 +58,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float):
 
     Fused also matters for correctness: only the fused kernel takes a device-side
     ``found_inf`` flag, which the bad-step guard uses to skip an update without a host sync.
+    Sharded parameters are updated through their local shards (``LocalShardAdamW``).
     """
     decay, no_decay = [], []
     for p in model.parameters():
@@ -25,7 +70,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float):
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(
+    return LocalShardAdamW(
         groups,
         lr=lr,
         betas=(cfg.beta1, cfg.beta2),
