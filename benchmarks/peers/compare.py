@@ -16,6 +16,12 @@ to ``--out``/compare.json. Every speed claim in the README comes from this scrip
     python benchmarks/peers/compare.py --layouts 8b-tp2 --set parallel.async_tp=true \
         --peer-arg=--parallelism.enable_async_tensor_parallel --tag asynctp   # both sides
 
+    hpctrain tune configs/llama-8b-fsdp.yaml --gpus 4 --out runs/tune/8b-4gpu
+    python benchmarks/peers/compare.py --tuned runs/tune/8b-4gpu --steps 30   # layout "tuned"
+
+``--tuned`` compares the configuration ``hpctrain tune`` picked: our side trains its best.yaml,
+the peer the same layout, batch and precision in its flags (``tuned.py``).
+
 ``--profile`` adds, after each layout's pairs, a short run of our side with three steps profiled
 and writes ``hpctrain profile``'s table of it (GPU time by kind, idle, exposed communication).
 """
@@ -34,7 +40,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from torchtitan_peer import PeerRun, run_peer  # noqa: E402
+from torchtitan_peer import PEER_SCHEDULES, PeerRun, run_peer  # noqa: E402
+from tuned import read_tuned  # noqa: E402
 
 from hpctrain.bench.model import run_model_bench  # noqa: E402
 from hpctrain.errors import HpctrainError  # noqa: E402
@@ -109,9 +116,7 @@ LAYOUTS: dict[str, Layout] = {
                           "no AC, 8 micro-batches of 1 per data-parallel rank"),
 }
 # TP4, PP2 x TP2 and PP4 under every schedule, for 1b and 8b (issue 15; no FSDP dimension, so
-# the peer runs pure bf16). torchtitan's names for our schedules:
-_PEER_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
-                   "interleaved_zb": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble"}
+# the peer runs pure bf16).
 for _size, _config in (("1b", _1B), ("8b", _8B)):
     _no_ac = ["parallel.strategy=none", "parallel.activation_checkpointing=none"]
     LAYOUTS[f"{_size}-tp4"] = Layout(
@@ -124,7 +129,7 @@ for _size, _config in (("1b", _1B), ("8b", _8B)):
         PeerRun(size=_size, gpus=4, pp=2, tp=2, dp_shard=1, local_batch=8,
                 pp_microbatch_size=1, dtype="bfloat16"),
         "no AC, 8 micro-batches of 1; peer: pure bf16")
-    for _ours, _theirs in _PEER_SCHEDULES.items():
+    for _ours, _theirs in PEER_SCHEDULES.items():
         # Zero-bubble schedules split backward into two passes, which we refuse to compile
         # (parallel/layout.py): both sides run them eager.
         _zb = _ours in ("interleaved_zb", "zbv")
@@ -217,7 +222,9 @@ def _tag(text: str) -> str:
 def parser() -> argparse.ArgumentParser:
     """The command line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), required=True)
+    p.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=[])
+    p.add_argument("--tuned", type=Path, metavar="TUNE_DIR",
+                   help="also the layout `hpctrain tune --out TUNE_DIR` picked (named 'tuned')")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--repeat", type=int, default=1, help="pairs per layout (ABBA order)")
     p.add_argument("--only", choices=["hpctrain", "torchtitan"], default=None)
@@ -246,11 +253,21 @@ def chosen_layout(name: str, args: argparse.Namespace) -> Layout:
 def main() -> None:
     """Run the chosen layouts on both sides and print the table."""
     args = parser().parse_args()
+    names = list(args.layouts)
+    if args.tuned is not None:
+        try:
+            tuned = read_tuned(args.tuned)
+        except HpctrainError as e:
+            sys.exit(f"compare: error: {e}")
+        LAYOUTS["tuned"] = Layout(tuned.gpus, str(tuned.config), [], tuned.peer, tuned.note)
+        names.append("tuned")
+    if not names:
+        sys.exit("compare: error: name --layouts, --tuned or both")
     if not torch.cuda.is_available():
         sys.exit("compare needs CUDA GPUs")
     out = args.out.resolve()
     rows = []
-    for name in args.layouts:
+    for name in names:
         layout = chosen_layout(name, args)
         if layout.gpus > torch.cuda.device_count():
             print(f"== {name}: needs {layout.gpus} GPUs, skipped", flush=True)

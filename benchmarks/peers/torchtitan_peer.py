@@ -31,6 +31,9 @@ from hpctrain.runtime.env import MULTICAST_OFF
 
 # torchtitan's flavors for our sizes; `1b` is registered by the module written below.
 FLAVORS = {"1b": "1b", "8b": "8B"}
+# torchtitan's names for hpctrain's pipeline schedules (parallel.pp_schedule).
+PEER_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
+                  "interleaved_zb": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble"}
 # The 1b shape of hpctrain's `models/sizes.py` (TinyLlama), in torchtitan's argument names.
 _FLAVOR_MODULE = '''\
 from torchtitan.models.llama3 import llama3_args
