@@ -31,8 +31,9 @@ step() {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/gpus.txt" 2>&1
 nvidia-smi topo -m >> "$R/gpus.txt" 2>&1
 step 1b-weak $C --layouts 1b-1gpu 1b-fsdp4 --steps 40 --out "$R/1b-weak"
-step tune-8b python3 -m hpctrain tune configs/llama-8b-fsdp.yaml --gpus 4 --max-candidates 4 \
-    --steps 20 --out "$R/tune-8b"
+# train.grad_accum=2: a global batch of 16 x 2048 (8b-fsdp4's), so micro-batch 4 can be tried.
+step tune-8b python3 -m hpctrain tune configs/llama-8b-fsdp.yaml train.grad_accum=2 --gpus 4 \
+    --max-candidates 4 --steps 20 --out "$R/tune-8b"
 step 8b-tuned $C --tuned "$R/tune-8b" --steps 30 --out "$R/8b-tuned"
 CUDA_VISIBLE_DEVICES=0,1 step 1b-fsdp2 $C --layouts 1b-fsdp2 --steps 40 --out "$R/1b-fsdp2"
 step 8b-pure $C --layouts 8b-tp4 8b-pp4-1f1b --steps 30 --set train.master_weights=bf16 \
