@@ -42,11 +42,18 @@ def read_tuned(folder: Path) -> Tuned:
             raise ConfigError(f"{path} does not exist",
                               hint="pass the --out folder of an `hpctrain tune` call that found "
                               "a winner (it writes results.json and best.yaml)")
-    doc = json.loads(results.read_text())
-    if doc.get("winner") is None:
-        raise ConfigError(f"{results} has no winner: every candidate failed")
-    label = doc["candidates"][doc["winner"]]["label"]
-    gpus = int(doc["meta"]["gpus"])
+    try:
+        doc = json.loads(results.read_text())
+        winner = doc["winner"]
+        label = None if winner is None else doc["candidates"][winner]["label"]
+        gpus = int(doc["meta"]["gpus"])
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise ConfigError(f"{results} is not a results.json of `hpctrain tune` "
+                          f"({type(e).__name__}: {e})",
+                          hint="rerun the tuning, or --resume it into the same --out") from e
+    if winner is None:
+        raise ConfigError(f"{results} has no winner: every candidate failed",
+                          hint="its candidates' reasons are in the same file")
     peer, notes = peer_run(best, gpus)
     return Tuned(best.resolve(), gpus, peer, "; ".join([f"tune's pick: {label}", *notes]))
 

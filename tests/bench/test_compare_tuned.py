@@ -105,6 +105,13 @@ def test_what_the_peer_cannot_run_is_refused(compare, tmp_path: Path) -> None:
     assert "hpctrain tune" in e.value.hint
     with pytest.raises(ConfigError, match="has no winner"):
         compare.read_tuned(_tune_dir(tmp_path / "a", [], winner=None))
+    damaged = _tune_dir(tmp_path / "d", [])
+    (damaged / "results.json").write_text('{"meta": {"gpus": 4}, "winn')  # cut short
+    with pytest.raises(ConfigError, match="is not a results.json of `hpctrain tune`"):
+        compare.read_tuned(damaged)
+    (damaged / "results.json").write_text('{"winner": 3, "candidates": [], "meta": {}}')
+    with pytest.raises(ConfigError, match="IndexError"):
+        compare.read_tuned(damaged)
     with pytest.raises(ConfigError, match="compared in bf16 or fp8 only"):
         compare.read_tuned(_tune_dir(tmp_path / "b", ["train.precision=fp32"]))
     with pytest.raises(ConfigError, match="no flavor"):
