@@ -5,8 +5,8 @@ and plain beside them, with weight decay, a clip divisor (``grad_scale``) and a 
 (``found_inf``): after four steps every shard and moment equals what ``torch.optim.AdamW``
 computes through DTensor's dispatch, bit for bit, and what one process computes on the whole
 tensors. Gradients in another layout than their parameter's are brought to it first: a
-replicated one on a sharded parameter (a tied embedding under tensor parallelism) and one whose
-sum over ranks is still pending (``Partial``).
+replicated one on a sharded parameter (the vocabulary-sharded embedding's under tensor
+parallelism) and one whose sum over ranks is still pending (``Partial``).
 """
 
 from __future__ import annotations

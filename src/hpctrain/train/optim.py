@@ -38,8 +38,8 @@ class LocalShardAdamW(torch.optim.AdamW):
             for i, (p, g) in enumerate(zip(params, grads, strict=True)):
                 if isinstance(g, DTensor) and g.placements != p.placements:
                     # What DTensor's dispatch of the kernel would do too: the gradient in its
-                    # parameter's layout (a tied weight's is replicated: a local slice; a
-                    # pending sum: a reduction).
+                    # parameter's layout (under TP the vocabulary-sharded embedding's comes back
+                    # replicated: a local slice; a pending sum: a reduction).
                     grads[i] = g.redistribute(p.device_mesh, p.placements)
             beta1, beta2 = group["betas"]
             adam(
