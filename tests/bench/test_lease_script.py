@@ -36,7 +36,7 @@ def _steps() -> list[tuple[str, list[str]]]:
 def test_every_step_parses_and_its_layouts_load(compare) -> None:
     steps = _steps()
     names = [name for name, _ in steps]
-    assert len(steps) == 8 and len(set(names)) == len(names), names
+    assert len(steps) == 10 and len(set(names)) == len(names), names
     compared = 0
     for name, argv in steps:
         if argv[:2] == COMPARE.split():
@@ -50,7 +50,7 @@ def test_every_step_parses_and_its_layouts_load(compare) -> None:
             assert argv[:3] == ["python3", "-m", "hpctrain"], (name, argv)
             args = parse_args(argv[3:])
             load_config(REPO / args.config, args.overrides)
-    assert compared == 7
+    assert compared == 9
 
 
 def test_the_tuned_comparison_reads_the_tuning_it_follows() -> None:

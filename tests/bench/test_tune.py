@@ -110,6 +110,22 @@ def test_async_tp_is_kept_for_tp_candidates_and_dropped_where_tp_is_1() -> None:
         load_config(DEMO, [*base, *c.overrides])
 
 
+def test_fsdp_prefetch_is_kept_for_fsdp_candidates_and_dropped_for_the_others() -> None:
+    """A config with parallel.fsdp_prefetch (which needs FSDP) still gets DDP candidates: they
+    turn it off, the FSDP ones keep the config's, and each loads."""
+    base = [*TINY, "parallel.strategy=fsdp", "parallel.fsdp_prefetch=2"]
+    cands, _, _ = candidates.build_candidates(DEMO, base, 2, device="cpu", gpu_bytes=16e9,
+                                              peak_tflops=989.0, fp8=False, max_candidates=12)
+    fsdp = [c for c in cands if c.setting.strategy == "fsdp"]
+    other = [c for c in cands if c.setting.strategy != "fsdp"]
+    assert fsdp and other
+    assert all(not any("fsdp_prefetch" in o for o in c.overrides) for c in fsdp)
+    assert all("parallel.fsdp_prefetch=0" in c.overrides for c in other)
+    for c in cands:
+        assert load_config(DEMO, [*base, *c.overrides]).parallel.fsdp_prefetch == (
+            2 if c.setting.strategy == "fsdp" else 0)
+
+
 def _shortlist(gpu_gb: float, overrides: tuple[str, ...] = (), **kw
                ) -> tuple[list, list[str], int]:
     return candidates.build_candidates(LLAMA_8B, list(overrides), 2, device="cuda",

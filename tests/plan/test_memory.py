@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hpctrain.errors import ConfigError
-from hpctrain.models import PRESETS, ModelArgs, Transformer
+from hpctrain.models import PRESETS, ModelArgs, Transformer, count_params
 from hpctrain.plan.memory import (
     MemoryOptions,
     estimate_memory,
@@ -80,12 +80,30 @@ def test_activation_checkpointing_shrinks_activations() -> None:
     assert full.activations < none.activations / 5
 
 
+def test_fsdp_prefetch_holds_each_further_block_gathered() -> None:
+    """Prefetching one block ahead is what the model assumed already (current + next); each
+    block further holds one more block's bf16 parameters."""
+    args = PRESETS["1b"]
+    base = MemoryOptions(strategy="fsdp", gpus=4, micro_batch=4)
+    block = 2 * (count_params(dataclasses.replace(args, n_layers=1, vocab_size=0),
+                              include_embedding=True) - args.dim)
+    plans = [estimate_memory(args, dataclasses.replace(base, fsdp_prefetch=k)) for k in range(4)]
+    assert plans[0].working == plans[1].working
+    assert plans[3].working - plans[1].working == pytest.approx(2 * block)
+    # ZeRO-2 keeps every block gathered already: nothing more.
+    zero2 = dataclasses.replace(base, zero=2)
+    assert (estimate_memory(args, dataclasses.replace(zero2, fsdp_prefetch=2)).working
+            == estimate_memory(args, zero2).working)
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: resolve_model("3b"), "unknown model size"),
     (lambda: gpu_memory_bytes("v100x"), "unknown GPU"),
     (lambda: estimate_memory(TINY, MemoryOptions(strategy="zero9")), "strategy"),
     (lambda: estimate_memory(TINY, MemoryOptions(tp=3)), "tp = 3"),
     (lambda: estimate_memory(TINY, MemoryOptions(strategy="none", gpus=2)), "none"),
+    (lambda: estimate_memory(TINY, MemoryOptions(strategy="ddp", fsdp_prefetch=1)),
+     "fsdp_prefetch = 1 with strategy 'ddp'"),
 ])
 def test_bad_inputs(call, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -13,6 +13,7 @@ are given; the data-parallel shard degree is what is left of the world size::
       mixed_precision: auto   # how bf16 is computed: auto, autocast or fsdp (below)
       reduce_precision: fp32  # FSDP paths: gradients reduced and accumulated in fp32 or bf16
       async_tp: false         # TP with compile on GPUs: overlap SP's collectives with matmuls
+      fsdp_prefetch: 0        # FSDP: blocks gathered explicitly ahead of use (0: FSDP2's own)
 
 ``mixed_precision`` (bf16/fp16/fp8; nothing to choose in fp32) says how the forward computes in
 the lower precision while the optimizer keeps fp32 master weights:
@@ -53,6 +54,15 @@ GEMMs instead of waiting in front of them. On 8b TP2 (2xH200) the exposed share 
 from 11% to 3.4%, but the step only by 2.1% (most likely the chunked matmuls run slower). Off by
 default: it needs symmetric memory between the TP ranks (peer-to-peer NVLink within one node),
 and its reduce-scatters sum the ranks' partial results in another order than NCCL's.
+
+``fsdp_prefetch`` (strategy fsdp) sets how many blocks ahead each block issues the all-gathers
+of, in forward (the next ones) and in backward (the previous ones). 0 leaves it to FSDP2, whose
+implicit prefetch issues a block's all-gather when the CPU reaches that block: on a rank whose
+CPU falls behind its GPU (the 4-GPU FSDP profile of 1b in benchmarks/RESULTS.md), it comes after
+the previous block's kernels and the GPU waits for it. With 1, a block's all-gather is issued
+before the previous block's kernels, whatever the CPU's lead. Each further block held gathered
+costs its parameters in the compute dtype (the memory planner counts them). Scheduling only:
+the losses are the same bit for bit.
 """
 
 from __future__ import annotations
@@ -113,6 +123,8 @@ class ParallelConfig:
     reduce_precision: Literal["fp32", "bf16"] = "fp32"
     # Micro-pipelined TP in the compiled blocks (module docstring): needs tp > 1, compile, CUDA.
     async_tp: bool = False
+    # FSDP: blocks whose all-gathers each block issues ahead of use (module docstring); 0: FSDP2's.
+    fsdp_prefetch: int = 0
 
     def validate(self) -> None:
         """Check the values that a type alone cannot."""
@@ -125,7 +137,7 @@ class ParallelConfig:
             if getattr(self, key) < 1:
                 raise ConfigError(f"parallel.{key} = {getattr(self, key)} must be >= 1",
                                   hint="1 leaves that axis unused")
-        for key in ("pp_microbatches", "pp_stages_per_rank"):
+        for key in ("pp_microbatches", "pp_stages_per_rank", "fsdp_prefetch"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"parallel.{key} = {getattr(self, key)} must be >= 0",
                                   hint="0 picks the default")
@@ -139,6 +151,13 @@ class ParallelConfig:
                 "parallel.dp_replicate",
             )
 
+        if self.fsdp_prefetch and self.strategy != "fsdp":
+            raise ConfigError(
+                f"parallel.fsdp_prefetch = {self.fsdp_prefetch} with strategy "
+                f"{self.strategy!r}",
+                expected="fsdp_prefetch with strategy fsdp: it schedules FSDP's all-gathers",
+                hint="drop parallel.fsdp_prefetch, or shard with parallel.strategy=fsdp",
+            )
         if self.async_tp and (self.tp == 1 or not self.compile):
             raise ConfigError(
                 f"parallel.async_tp = true with tp = {self.tp} and compile = "

@@ -27,13 +27,15 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: str,
                reshard_after_forward: bool, reduce_precision: str = "fp32", *,
-               last_block_gathered: bool = False) -> None:
+               last_block_gathered: bool = False, prefetch: int = 0) -> None:
     """Shard every block of ``model``, then its root, in place (parameters may be on meta);
     forward in ``precision``, gradients reduced and accumulated in ``reduce_precision``.
 
     ``last_block_gathered``: where backward follows each forward at once (no pipeline), the
     last block's backward comes first, so freeing its gathered parameters after its forward
     would only gather them again right away (torchtitan keeps them too).
+    ``prefetch``: each block issues the all-gathers of the next ``prefetch`` blocks in forward
+    and of the previous ones in backward (``parallel.fsdp_prefetch``; 0: FSDP2's own).
     """
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[precision],
                               reduce_dtype=DTYPES[reduce_precision])
@@ -45,6 +47,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: str,
                     reshard_after_forward=reshard_after_forward
                     and not (last and last_block_gathered))
     fully_shard(model, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    if prefetch:
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
+            # Backward runs the blocks in reverse: block i is followed by i - 1, i - 2, ...
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch):i][::-1])
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device

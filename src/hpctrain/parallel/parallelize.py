@@ -167,7 +167,8 @@ def _parallelize_part(model: nn.Module, cfg: ParallelConfig, layout: ParallelLay
 
     if cfg.strategy == "fsdp":
         apply_fsdp(model, mesh, compute_precision(precision), cfg.reshards_after_forward,
-                   cfg.reduce_precision, last_block_gathered=layout.pp == 1)
+                   cfg.reduce_precision, last_block_gathered=layout.pp == 1,
+                   prefetch=cfg.fsdp_prefetch)
         materialize(model, device, seed)
         return model
     if fsdp_casts:

@@ -82,6 +82,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--reduce-precision", default="fp32",
                    help="parallel.reduce_precision: fp32 or bf16 (FSDP's path: the dtype "
                    "gradients are reduced and accumulated over micro-batches in)")
+    m.add_argument("--fsdp-prefetch", type=int, default=0,
+                   help="parallel.fsdp_prefetch: blocks FSDP gathers ahead (0: its own, one)")
     m.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     q = psub.add_parser("parallel", help="recommend dp/fsdp/tp/pp degrees for a cluster shape")
@@ -168,7 +170,8 @@ def _memory(args: argparse.Namespace) -> None:
                          pp_stages_per_rank=args.pp_stages_per_rank,
                          mixed_precision=args.mixed_precision,
                          reduce_precision=args.reduce_precision,
-                         master_weights=args.master_weights)
+                         master_weights=args.master_weights,
+                         fsdp_prefetch=args.fsdp_prefetch)
     gpu = gpu_memory_bytes(args.gpu) if args.gpu else None
     plan = estimate_memory(model, opts, gpu)
     path = opts.mixed_precision_path(model)

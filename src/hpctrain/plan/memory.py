@@ -36,7 +36,8 @@ measured peaks ``torch.cuda.max_memory_allocated`` in benchmarks/RESULTS.md, 4x 
   is recomputed. Not yet checked against a measured peak.
 - working buffers: autocast's bf16 copies of the weights (saved for backward, no FSDP; in a
   pipeline, one per stage-micro-batch in flight); FSDP's gathered root module (embedding +
-  output) and two gathered blocks (current + prefetched), all blocks gathered under ZeRO-2
+  output) and two gathered blocks (current + prefetched; 1 + ``parallel.fsdp_prefetch`` where
+  that asks for more than one ahead), all blocks gathered under ZeRO-2
   (``reshard_after_forward=false``: +2.2 GB on `1b`, measured 17.5 vs 15.3 GB); at the end of
   backward the root's unsharded fp32 gradients before reduce-scatter.
 - mixed precision (``parallel.mixed_precision``, resolved as the trainer resolves it:
@@ -183,6 +184,8 @@ class MemoryOptions:
     # train.master_weights: fp32, or bf16 (with precision bf16: pure bf16 training, parameters,
     # gradients and AdamW moments in bf16).
     master_weights: str = "fp32"
+    # parallel.fsdp_prefetch: blocks gathered ahead of the one computing (0: FSDP2's one).
+    fsdp_prefetch: int = 0
 
     def mixed_precision_path(self, args: ModelArgs) -> str:
         """'fsdp', 'autocast', 'pure' (bf16 master weights without FSDP) or 'none' (fp32): how
@@ -249,7 +252,8 @@ class MemoryOptions:
             raise ConfigError(f"zero = {self.zero}", expected="2 or 3")
         # The combinations training refuses, refused with the same words.
         pc = ParallelConfig(strategy=self.strategy, mixed_precision=self.mixed_precision,
-                            tp=self.tp, pp=self.pp, reduce_precision=self.reduce_precision)
+                            tp=self.tp, pp=self.pp, reduce_precision=self.reduce_precision,
+                            fsdp_prefetch=self.fsdp_prefetch)
         pc.validate()
         pc.check_precision(self.precision, count_params(args, include_embedding=True),
                            self.master_weights)
@@ -562,7 +566,8 @@ def _estimate_rank(args: ModelArgs, opts: MemoryOptions, share: RankShare,
     if opts.fsdp_wrapped(args):
         # Without sharding (FSDP for its casts only) the parameters stay gathered: ZeRO-2.
         zero2 = opts.zero == 2 or opts.strategy != "fsdp"
-        gathered = e * p if zero2 else e * (p_root + 2 * p_block)
+        ahead = max(1, opts.fsdp_prefetch)
+        gathered = e * p if zero2 else e * (p_root + (1 + ahead) * p_block)
         acc = opts.accumulator_bytes(args)
         if opts.grad_accum > 1:  # every block's unsharded accumulators
             gathered += acc * p

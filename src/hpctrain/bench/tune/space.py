@@ -48,6 +48,8 @@ class Setting:
             out.append(f"parallel.mixed_precision={self.mixed_precision}")
         if self.async_tp != (cfg.parallel.async_tp if cfg else False):
             out.append(f"parallel.async_tp={str(self.async_tp).lower()}")
+        if self.strategy != "fsdp" and cfg is not None and cfg.parallel.fsdp_prefetch:
+            out.append("parallel.fsdp_prefetch=0")  # the config's, refused without FSDP
         if self.pp > 1:
             out.append(f"parallel.pp_microbatches={self.pp_microbatches}")
         if self.strategy == "fsdp":
@@ -230,4 +232,5 @@ def _memory_options(cfg, s: Setting, dp: int, ac: str):
                          seq_len=cfg.data.seq_len, compile=pc.compile,
                          mixed_precision=s.mixed_precision,
                          reduce_precision=pc.reduce_precision,
-                         master_weights=cfg.train.master_weights, **kw)
+                         master_weights=cfg.train.master_weights,
+                         fsdp_prefetch=pc.fsdp_prefetch if s.strategy == "fsdp" else 0, **kw)
