@@ -9,7 +9,8 @@ activation checkpointing, compile and precision, in its own flags. Where the pee
 dimension its mixed precision is off (it warns and computes in fp32), so it then runs pure bf16,
 its fastest setting there, as the fixed layouts of compare.py do. What torchtitan cannot take
 is refused with the reason (fp32 or fp16 training, a model size it has no flavor for), and what
-it has no counterpart for (the chunked loss) is said in the layout's note.
+it has no counterpart for (the chunked loss, explicit FSDP prefetch, bf16 gradient reduction
+beside fp32 master weights) is said in the layout's note.
 """
 
 from __future__ import annotations
@@ -108,6 +109,11 @@ def peer_run(config: Path, gpus: int) -> tuple[PeerRun, list[str]]:
             extra.append(f"--quantize.linear.float8.recipe_name={train.fp8_recipe}")
     if par.async_tp:
         extra.append("--parallelism.enable_async_tensor_parallel")
+    if par.reduce_precision == "bf16" and dtype == "float32":
+        notes.append("ours reduces gradients in bf16, the peer in fp32")
+    if par.fsdp_prefetch:
+        notes.append(f"ours prefetches {par.fsdp_prefetch} FSDP block(s) explicitly; the peer "
+                     "leaves it to FSDP2")
     if train.loss_chunks:
         notes.append(f"ours chunks the loss ({train.loss_chunks}); the peer has no such option")
     return PeerRun(size=cfg.model.size, gpus=gpus, dp_shard=shard, dp_replicate=replicate,
