@@ -4,9 +4,9 @@
 #   1. 1b on 1 GPU and FSDP on 4 (weak scaling, target 93%), slow windows and host_wait_ms;
 #   2. hpctrain tune on 8b over 4 GPUs, then its pick on both sides (compare.py --tuned);
 #   3. 1b FSDP on 2 of the GPUs (issue 14: 93% of 1 GPU, 1.2x the peer);
-#   4. 8b TP4 and PP4 1F1B with pure bf16 on our side too (the peer runs pure bf16 there);
-#   5. 1b FSDP4 as ZeRO-2, then also reducing gradients in bf16 (half the reduce-scatter bytes),
-#      then with explicit FSDP prefetch of 1 and 2 blocks (parallel.fsdp_prefetch);
+#   4. 1b FSDP4 with explicit FSDP prefetch of 1 and 2 blocks (parallel.fsdp_prefetch), as
+#      ZeRO-2, and as ZeRO-2 reducing gradients in bf16 (half the reduce-scatter bytes);
+#   5. 8b TP4 and PP4 1F1B with pure bf16 on our side too (the peer runs pure bf16 there);
 #   6. a profile of 8b PP4 ZBV (our zero-bubble runs 28% behind).
 # About 25 minutes in all, longer than one device call may run: start it detached, then poll.
 #   (setsid nohup bash benchmarks/peers/lease_4gpu.sh /tmp/lease > /tmp/lease.out 2>&1 &)
@@ -38,17 +38,17 @@ step tune-8b python3 -m hpctrain tune configs/llama-8b-fsdp.yaml train.grad_accu
     --max-candidates 4 --steps 20 --out "$R/tune-8b"
 step 8b-tuned $C --tuned "$R/tune-8b" --steps 30 --out "$R/8b-tuned"
 CUDA_VISIBLE_DEVICES=0,1 step 1b-fsdp2 $C --layouts 1b-fsdp2 --steps 40 --out "$R/1b-fsdp2"
-step 8b-pure $C --layouts 8b-tp4 8b-pp4-1f1b --steps 30 --set train.master_weights=bf16 \
-    --tag pure --out "$R/8b-pure"
+step 1b-prefetch1 $C --layouts 1b-fsdp4 --only hpctrain --steps 40 --set parallel.fsdp_prefetch=1 \
+    --tag prefetch1 --out "$R/1b-prefetch1"
+step 1b-prefetch2 $C --layouts 1b-fsdp4 --only hpctrain --steps 40 --set parallel.fsdp_prefetch=2 \
+    --tag prefetch2 --out "$R/1b-prefetch2"
 step 1b-zero2 $C --layouts 1b-fsdp4 --only hpctrain --steps 40 \
     --set parallel.reshard_after_forward=false --tag zero2 --out "$R/1b-zero2"
 step 1b-zero2-bf16rs $C --layouts 1b-fsdp4 --only hpctrain --steps 40 \
     --set parallel.reshard_after_forward=false --set parallel.reduce_precision=bf16 \
     --tag zero2-bf16rs --out "$R/1b-zero2-bf16rs"
-step 1b-prefetch $C --layouts 1b-fsdp4 --only hpctrain --steps 40 --set parallel.fsdp_prefetch=1 \
-    --tag prefetch1 --out "$R/1b-prefetch1"
-step 1b-prefetch2 $C --layouts 1b-fsdp4 --only hpctrain --steps 40 --set parallel.fsdp_prefetch=2 \
-    --tag prefetch2 --out "$R/1b-prefetch2"
+step 8b-pure $C --layouts 8b-tp4 8b-pp4-1f1b --steps 30 --set train.master_weights=bf16 \
+    --tag pure --out "$R/8b-pure"
 step 8b-zbv-profile $C --layouts 8b-pp4-zbv --only hpctrain --steps 30 --profile \
     --out "$R/8b-zbv"
 touch "$R/DONE"
