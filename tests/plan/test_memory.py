@@ -90,6 +90,9 @@ def test_fsdp_prefetch_holds_each_further_block_gathered() -> None:
     plans = [estimate_memory(args, dataclasses.replace(base, fsdp_prefetch=k)) for k in range(4)]
     assert plans[0].working == plans[1].working
     assert plans[3].working - plans[1].working == pytest.approx(2 * block)
+    # No more than the model's other blocks can be ahead of the one computing.
+    many = estimate_memory(args, dataclasses.replace(base, fsdp_prefetch=1000))
+    assert many.working - plans[1].working == pytest.approx((args.n_layers - 2) * block)
     # ZeRO-2 keeps every block gathered already: nothing more.
     zero2 = dataclasses.replace(base, zero=2)
     assert (estimate_memory(args, dataclasses.replace(zero2, fsdp_prefetch=2)).working

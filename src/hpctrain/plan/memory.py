@@ -566,7 +566,7 @@ def _estimate_rank(args: ModelArgs, opts: MemoryOptions, share: RankShare,
     if opts.fsdp_wrapped(args):
         # Without sharding (FSDP for its casts only) the parameters stay gathered: ZeRO-2.
         zero2 = opts.zero == 2 or opts.strategy != "fsdp"
-        ahead = max(1, opts.fsdp_prefetch)
+        ahead = min(max(1, opts.fsdp_prefetch), max(1, share.blocks - 1))  # blocks that exist
         gathered = e * p if zero2 else e * (p_root + (1 + ahead) * p_block)
         acc = opts.accumulator_bytes(args)
         if opts.grad_accum > 1:  # every block's unsharded accumulators
