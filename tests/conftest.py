@@ -9,7 +9,9 @@ machine's 2 cores finish each in a few seconds; independent runs can overlap thr
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import queue as queues
 import shutil
 import socket
 import subprocess
@@ -35,6 +37,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def spawn_ranks(target, nranks: int, timeout: float = 120) -> list:
+    """Start ``target(rank, port, queue)`` in ``nranks`` spawned processes and return what they
+    put on the queue, in arrival order; a rank that dies fails the test at once (its traceback
+    is above) rather than after the timeout, and every rank must exit 0."""
+    ctx = multiprocessing.get_context("spawn")
+    results_queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=target, args=(r, port, results_queue)) for r in range(nranks)]
+    for p in procs:
+        p.start()
+    results, deadline = [], time.monotonic() + timeout
+    while len(results) < nranks:
+        try:
+            results.append(results_queue.get(timeout=1))
+        except queues.Empty:
+            assert all(p.exitcode in (None, 0) for p in procs), [p.exitcode for p in procs]
+            assert time.monotonic() < deadline, "the ranks never reported"
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return results
 
 
 @pytest.fixture

@@ -12,11 +12,10 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
-from conftest import free_port
+from conftest import spawn_ranks
 from hpctrain.parallel.grad_norm import global_grad_norm
 
 PLACEMENTS = [
@@ -62,15 +61,7 @@ def _rank(rank: int, port: int, queue) -> None:
 
 
 def test_norm_of_sharded_gradients_equals_the_whole_tensors_norm() -> None:
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, queue)) for r in range(4)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = spawn_ranks(_rank, 4)
     full = _full_grads()
     expected = torch.linalg.vector_norm(torch.cat([g.flatten() for g in full]
                                                   + [torch.arange(4.0)])).item()

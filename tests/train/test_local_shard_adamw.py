@@ -12,17 +12,14 @@ parallelism) and one whose sum over ranks is still pending (``Partial``).
 from __future__ import annotations
 
 import os
-import time
-from queue import Empty
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from conftest import free_port
+from conftest import spawn_ranks
 from hpctrain.train.optim import LocalShardAdamW
 
 PLACEMENTS = [Shard(0), Shard(0), Shard(1), Replicate(), None]  # None: a plain tensor
@@ -96,21 +93,7 @@ def _rank(rank: int, port: int, queue) -> None:
 
 
 def test_local_shard_updates_equal_dtensor_and_whole_tensor_updates() -> None:
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results, deadline = [], time.monotonic() + 120
-    while len(results) < len(procs):
-        try:
-            results.append(queue.get(timeout=1))
-        except Empty:  # a rank that failed says so in its traceback above; don't wait it out
-            assert all(p.exitcode in (None, 0) for p in procs), [p.exitcode for p in procs]
-            assert time.monotonic() < deadline, "the ranks never reported"
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = spawn_ranks(_rank, 2)
     # One process, whole tensors, torch's own fused AdamW: the reference.
     params = [torch.nn.Parameter(t) for t in _full(0)]
     opt = _train(torch.optim.AdamW, params, lambda step: _full(step + 1))
