@@ -129,9 +129,13 @@ def _is_window(record: dict[str, Any]) -> bool:
     return isinstance(record.get("tokens_per_s"), int | float)  # event lines have none
 
 
+def _windows(lines: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+    return [[r for r in rank if _is_window(r)] for rank in lines]
+
+
 def step_records(run_dir: Path, ranks: int) -> list[list[dict[str, Any]]]:
     """Per rank, the step records of a run's metrics."""
-    return [[r for r in rank if _is_window(r)] for rank in rank_metrics(run_dir, ranks)]
+    return _windows(rank_metrics(run_dir, ranks))
 
 
 def kept_windows(records: list[dict[str, Any]], warmup_frac: float = 0.3
@@ -184,7 +188,7 @@ def summarise(run_dir: Path, ranks: int, *, hfu_mult: float = 1.0,
               warmup_frac: float = 0.3) -> ModelResult:
     """Throughput, MFU/HFU, memory and timing of a finished run from its per-rank metrics."""
     lines = rank_metrics(run_dir, ranks)
-    windows = [[r for r in rank if _is_window(r)] for rank in lines]
+    windows = _windows(lines)
     kept, warm_end = [], []
     for recs in windows:
         k, w = kept_windows(recs, warmup_frac)

@@ -45,6 +45,7 @@ def slow_windows(windows: list[list[dict[str, Any]]], events: list[dict[str, Any
     if not measured:
         return []
     median = statistics.median(r["tokens_per_s"] for r in measured)
+    events = [e for e in events if "event" in e or "val_loss" in e]
     slow = []
     for record in measured:
         below = 1 - record["tokens_per_s"] / median
@@ -53,8 +54,7 @@ def slow_windows(windows: list[list[dict[str, Any]]], events: list[dict[str, Any
         step = record["step"]
         start = max((e for e in ends if e < step), default=0)
         same = [next((r for r in rank if r["step"] == step), None) for rank in windows]
-        found = sorted({_name(e) for e in events
-                        if ("event" in e or "val_loss" in e) and _in_window(e, start, step)})
+        found = sorted({_name(e) for e in events if _in_window(e, start, step)})
         waits = [None if r is None else r.get("host_wait_s") for r in same]
         data = max((r.get("data_time_s", 0.0) for r in same if r is not None), default=0.0)
         slow.append({"step": step, "tokens_per_s": record["tokens_per_s"],
