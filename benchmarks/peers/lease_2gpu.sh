@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue 14's open measurements on one 2-GPU host, as one batch, most wanted first, each step
+# beside torchtitan where there is a peer:
+#   1. 1b on 1 GPU and FSDP on 2 (1.20x the peer on 1 GPU; 93% weak scaling and 1.2x on 2);
+#   2. hpctrain tune on 8b over 2 GPUs (no AC, micro-batch 4 as given: the 2-GPU layout that
+#      holds 8b without AC on 141 GB cards), then its pick on both sides (compare.py --tuned);
+#   3. 1b FSDP2 as ZeRO-2 on both sides, then ours reducing gradients in bf16 (no peer flag);
+#   4. an A/B at once, one GPU each: 1b with inductor's coordinate-descent tuning of its
+#      generated kernels against 1b without (the pointwise kernels are 14% of a 1-GPU step);
+#   5. 1b FSDP2 with explicit FSDP prefetch of one block.
+# About 25 minutes in all, longer than one device call may run: start it detached, then poll.
+#   (setsid nohup bash benchmarks/peers/lease_2gpu.sh /tmp/lease > /tmp/lease.out 2>&1 &)
+#   test -f /tmp/lease/DONE      # each step's output: /tmp/lease/NAME.log and NAME/
+# Needs fetch_wheels.sh's wheels installed into /tmp/site (README.md beside this file).
+# tests/bench/test_lease_script.py parses every command below with the real parsers.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+R=${1:-runs/lease}
+mkdir -p "$R"
+export PYTHONPATH=/tmp/site:src NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+    NVSHMEM_DISABLE_NVLS=1
+C="python3 benchmarks/peers/compare.py"
+
+# step NAME COMMAND...: run it, its output and exit status into $R/NAME.log; go on either way.
+step() {
+    local name=$1
+    shift
+    echo "== $name $(date +%T)"
+    "$@" > "$R/$name.log" 2>&1
+    echo "rc=$? $(date +%T)" | tee -a "$R/$name.log"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/gpus.txt" 2>&1
+nvidia-smi topo -m >> "$R/gpus.txt" 2>&1
+step 1b-weak $C --layouts 1b-1gpu 1b-fsdp2 --steps 40 --out "$R/1b-weak"
+step tune-8b python3 -m hpctrain tune configs/llama-8b-fsdp.yaml \
+    parallel.activation_checkpointing=none train.micro_batch=4 --gpus 2 --max-candidates 3 \
+    --steps 20 --out "$R/tune-8b"
+step 8b-tuned $C --tuned "$R/tune-8b" --steps 30 --out "$R/8b-tuned"
+step 1b-zero2 $C --layouts 1b-fsdp2 --steps 40 --set parallel.reshard_after_forward=false \
+    --peer-arg=--parallelism.fsdp_reshard_after_forward=never --tag zero2 --out "$R/1b-zero2"
+step 1b-zero2-bf16rs $C --layouts 1b-fsdp2 --only hpctrain --steps 40 \
+    --set parallel.reshard_after_forward=false --set parallel.reduce_precision=bf16 \
+    --tag zero2-bf16rs --out "$R/1b-zero2-bf16rs"
+CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 step 1b-cdt \
+    $C --layouts 1b-1gpu --only hpctrain --steps 40 --tag cdt --out "$R/1b-cdt" &
+CUDA_VISIBLE_DEVICES=1 step 1b-plain $C --layouts 1b-1gpu --only hpctrain --steps 40 \
+    --out "$R/1b-plain"
+wait
+step 1b-prefetch1 $C --layouts 1b-fsdp2 --only hpctrain --steps 40 \
+    --set parallel.fsdp_prefetch=1 --tag prefetch1 --out "$R/1b-prefetch1"
+touch "$R/DONE"
