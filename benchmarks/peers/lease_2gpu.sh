@@ -11,27 +11,11 @@
 # About 25 minutes in all, longer than one device call may run: start it detached, then poll.
 #   (setsid nohup bash benchmarks/peers/lease_2gpu.sh /tmp/lease > /tmp/lease.out 2>&1 &)
 #   test -f /tmp/lease/DONE      # each step's output: /tmp/lease/NAME.log and NAME/
-# Needs fetch_wheels.sh's wheels installed into /tmp/site (README.md beside this file).
+# Runs from a copy of the checkout (lease_common.sh says why). Needs fetch_wheels.sh's wheels
+# installed into /tmp/site (README.md beside this file).
 # tests/bench/test_lease_script.py parses every command below with the real parsers.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-R=${1:-runs/lease}
-mkdir -p "$R"
-export PYTHONPATH=/tmp/site:src NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
-    NVSHMEM_DISABLE_NVLS=1
-C="python3 benchmarks/peers/compare.py"
-
-# step NAME COMMAND...: run it, its output and exit status into $R/NAME.log; go on either way.
-step() {
-    local name=$1
-    shift
-    echo "== $name $(date +%T)"
-    "$@" > "$R/$name.log" 2>&1
-    echo "rc=$? $(date +%T)" | tee -a "$R/$name.log"
-}
-
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/gpus.txt" 2>&1
-nvidia-smi topo -m >> "$R/gpus.txt" 2>&1
+source "$(dirname "$0")/lease_common.sh"
 step 1b-weak $C --layouts 1b-1gpu 1b-fsdp2 --steps 40 --out "$R/1b-weak"
 step tune-8b python3 -m hpctrain tune configs/llama-8b-fsdp.yaml \
     parallel.activation_checkpointing=none train.micro_batch=4 --gpus 2 --max-candidates 3 \

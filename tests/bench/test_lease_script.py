@@ -18,7 +18,7 @@ from hpctrain.config import load_config
 REPO = Path(__file__).resolve().parents[2]
 PEERS = REPO / "benchmarks" / "peers"
 # script: (steps, of which compare.py runs)
-SCRIPTS = {"lease_4gpu.sh": (10, 9), "lease_2gpu.sh": (8, 7)}
+SCRIPTS = {"lease_4gpu.sh": (5, 5), "lease_2gpu.sh": (8, 7)}
 COMPARE = "python3 benchmarks/peers/compare.py"
 
 
@@ -61,9 +61,8 @@ def test_every_step_parses_and_its_layouts_load(compare, script: str) -> None:
     assert compared == n_compared
 
 
-@pytest.mark.parametrize("script", sorted(SCRIPTS))
-def test_the_tuned_comparison_reads_the_tuning_it_follows(script: str) -> None:
-    steps = dict(_steps(script))
+def test_the_tuned_comparison_reads_the_tuning_it_follows() -> None:
+    steps = dict(_steps("lease_2gpu.sh"))
     tune_out = steps["tune-8b"][steps["tune-8b"].index("--out") + 1]
     tuned = steps["8b-tuned"]
     assert tuned[tuned.index("--tuned") + 1] == tune_out
