@@ -191,6 +191,26 @@ def test_fp8_needs_a_gpu_that_has_it_and_a_config_that_accepts_it(monkeypatch) -
     assert all("train.precision=fp8" in c.overrides for c in fp8)
 
 
+def test_fp8_settings_are_sized_as_fp8_and_tried_where_only_fp8_fits() -> None:
+    """8b without AC, micro-batch 4, on 4 GPUs of 80 GB: ZeRO-2 in bf16 needs ~81 GB, in fp8
+    (float8 all-gather and saved inputs) ~67 GB, so only its fp8 form is on the list (measured
+    on H200s: 68.0 GB, the fastest of tune's candidates)."""
+    overrides = ["parallel.activation_checkpointing=none", "train.micro_batch=4"]
+    cands, _, _ = candidates.build_candidates(LLAMA_8B, overrides, 4, device="cuda",
+                                              gpu_bytes=80e9, peak_tflops=989.0, fp8=True,
+                                              max_candidates=4)
+    zero2 = [c for c in cands if c.setting.zero == 2 and c.setting.ac == "none"
+             and c.setting.micro_batch == 4]
+    assert [c.setting.precision for c in zero2] == ["fp8"]
+    assert 60e9 < zero2[0].predicted_peak < 80e9 / candidates.HEADROOM
+    # Each fp8 candidate carries its own, smaller prediction, not its bf16 twin's.
+    for c in cands:
+        if c.setting.precision == "fp8":
+            bf16 = dataclasses.replace(c.setting, precision="bf16")
+            assert c.predicted_peak < space.predict(load_config(LLAMA_8B, overrides), bf16,
+                                                    4, 989.0)[0]
+
+
 def test_tp_and_pp_without_fsdp_are_also_tried_with_the_other_bf16_casts() -> None:
     """8b on 2 GPUs: auto computes TP2 and PP2 through FSDP's casts (4B parameters per rank);
     each is measured beside its autocast twin, which the memory model sizes on its own."""

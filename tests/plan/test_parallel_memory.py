@@ -182,6 +182,21 @@ MEASURED_H200 = {
     "8b fsdp2 x tp2": ("8b", dict(strategy="fsdp", gpus=2, tp=2, micro_batch=8), 77.9),
     "8b pp2 x fsdp2 1f1b": ("8b", dict(PP8, strategy="fsdp", gpus=2, pp=2), 61.1),
     "8b fsdp4": ("8b", dict(strategy="fsdp", gpus=4, micro_batch=4), 67.2),
+    # hpctrain tune's candidates (2026-11-27, 2 and 4 H200s, compiled, micro-batch 4), and the
+    # 1b fp8 run on one GPU (autocast). fp8 is tensorwise, FSDP's all-gather in float8.
+    "1b fsdp2": ("1b", dict(strategy="fsdp", gpus=2, micro_batch=4), 18.61),
+    "1b fsdp2 zero2": ("1b", dict(strategy="fsdp", gpus=2, micro_batch=4, zero=2), 20.72),
+    "1b ddp2": ("1b", dict(strategy="ddp", gpus=2, micro_batch=4), 35.86),
+    "8b fsdp2": ("8b", dict(strategy="fsdp", gpus=2, micro_batch=4), 91.74),
+    "8b fsdp2 zero2": ("8b", dict(strategy="fsdp", gpus=2, micro_batch=4, zero=2), 105.26),
+    "8b fsdp4 zero2": ("8b", dict(strategy="fsdp", gpus=4, micro_batch=4, zero=2), 81.17),
+    "1b fsdp2 zero2 fp8": ("1b", dict(strategy="fsdp", gpus=2, micro_batch=4, zero=2,
+                                      precision="fp8"), 17.10),
+    "8b fsdp2 zero2 fp8": ("8b", dict(strategy="fsdp", gpus=2, micro_batch=4, zero=2,
+                                      precision="fp8"), 92.11),
+    "8b fsdp4 zero2 fp8": ("8b", dict(strategy="fsdp", gpus=4, micro_batch=4, zero=2,
+                                      precision="fp8"), 68.02),
+    "1b one gpu fp8": ("1b", dict(strategy="none", micro_batch=4, precision="fp8"), 22.5),
 }
 
 

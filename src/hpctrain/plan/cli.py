@@ -51,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         q.add_argument("--ffn-dim", type=int)
         q.add_argument("--vocab", type=int)
         q.add_argument("--seq-len", type=int, default=2048)
-        q.add_argument("--precision", default="bf16", help="bf16, fp16 or fp32")
+        q.add_argument("--precision", default="bf16", help="bf16, fp16, fp32 or fp8")
         q.add_argument("--master-weights", default="fp32",
                        help="train.master_weights: fp32 or bf16 (with --precision bf16: pure "
                        "bf16 training, parameters, gradients and AdamW moments in bf16)")
@@ -84,6 +84,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "gradients are reduced and accumulated over micro-batches in)")
     m.add_argument("--fsdp-prefetch", type=int, default=0,
                    help="parallel.fsdp_prefetch: blocks FSDP gathers ahead (0: its own, one)")
+    m.add_argument("--fp8-recipe", default="tensorwise",
+                   help="train.fp8_recipe with --precision fp8: tensorwise or rowwise")
     m.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     q = psub.add_parser("parallel", help="recommend dp/fsdp/tp/pp degrees for a cluster shape")
@@ -171,7 +173,7 @@ def _memory(args: argparse.Namespace) -> None:
                          mixed_precision=args.mixed_precision,
                          reduce_precision=args.reduce_precision,
                          master_weights=args.master_weights,
-                         fsdp_prefetch=args.fsdp_prefetch)
+                         fsdp_prefetch=args.fsdp_prefetch, fp8_recipe=args.fp8_recipe)
     gpu = gpu_memory_bytes(args.gpu) if args.gpu else None
     plan = estimate_memory(model, opts, gpu)
     path = opts.mixed_precision_path(model)

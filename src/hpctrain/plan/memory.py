@@ -103,12 +103,21 @@ micro-batches stay unsharded in the reduction dtype, 4 B per parameter in fp32 (
 2 B in bf16; so do the root's gradients awaiting their reduce-scatter. Elsewhere they are the
 parameters' own ``.grad``: fp32, or bf16 with bf16 master weights.
 
-fp8 (``hpctrain.parallel.float8``) is sized exactly as bf16: states, gradients and optimizer are
-the same, and torchao's float8 Linears save their bf16 inputs for backward, not float8 copies, so
-the activations are no smaller. FSDP's float8 all-gather holds the gathered block weights in 1 B
-instead of 2 (an overestimate of one byte per parameter of the two gathered blocks), and the
-float8 copies of weights and activations made inside each matmul are transient; neither is
-modelled. Not yet checked against a measured fp8 peak.
+fp8 (``hpctrain.parallel.float8``): states, gradients and optimizer are as in bf16. Three things
+shrink, each from the blocks' Linear layers (attention and FFN; not the embedding or output):
+
+- compiled, with tensorwise scales, the Linears' inputs are kept for backward in float8 (1 B):
+  the two norm outputs, the attention output and the SwiGLU product. Eager, torchao's
+  ``Float8Linear`` keeps its bf16 input; rowwise needs the input scaled along the other axis for
+  the weight gradient, so it is sized as bf16 too (neither measured);
+- FSDP's float8 all-gather (tensorwise, weights sharded) holds the gathered Linear weights in
+  1 B, in ZeRO-2's whole gathered model as in ZeRO-3's gathered blocks;
+- under autocast, the Linears cast their fp32 weights to float8 themselves: no bf16 copies of
+  them are made (the embedding is looked up in fp32; the output layer's copy stays).
+
+Measured on H200s (benchmarks/RESULTS.md, 2026-11-27), against 20-28% over before these: 1b
+FSDP2 ZeRO-2 micro-batch 4, 17.10 GB (predicted 17.49); 8b FSDP2 ZeRO-2 no AC micro-batch 4,
+92.11 (91.03); the same on FSDP4, 68.02 (66.93); 1b on one GPU (autocast), 22.5 (24.4, +8.6%).
 
 CUDA context and allocator fragmentation (outside max_memory_allocated, typically 0.5–2 GB) are
 not included: keep ~10% headroom.
@@ -131,6 +140,7 @@ from hpctrain.parallel.config import (
     ParallelConfig,
     mixed_precision_path,
 )
+from hpctrain.parallel.float8 import FP8_RECIPES, Float8Training, float8_all_gather
 from hpctrain.parallel.stages import (
     balance_stages,
     bubble_estimate,
@@ -186,6 +196,8 @@ class MemoryOptions:
     master_weights: str = "fp32"
     # parallel.fsdp_prefetch: blocks gathered ahead of the one computing (0: FSDP2's one).
     fsdp_prefetch: int = 0
+    # train.fp8_recipe, with precision fp8: tensorwise or rowwise scales (module docstring).
+    fp8_recipe: str = "tensorwise"
 
     def mixed_precision_path(self, args: ModelArgs) -> str:
         """'fsdp', 'autocast', 'pure' (bf16 master weights without FSDP) or 'none' (fp32): how
@@ -193,6 +205,17 @@ class MemoryOptions:
         return mixed_precision_path(self.mixed_precision, self.strategy, self.tp, self.pp,
                                     self.precision, count_params(args, include_embedding=True),
                                     self.master_weights)
+
+    @property
+    def float8_gather(self) -> bool:
+        """Whether FSDP all-gathers the blocks' Linear weights in float8 (1 B)."""
+        fp8 = Float8Training(self.fp8_recipe) if self.precision == "fp8" else None
+        return float8_all_gather(fp8, self.strategy, self.gpus)
+
+    @property
+    def float8_saved_inputs(self) -> bool:
+        """Whether the blocks' Linears keep their inputs for backward in float8 (1 B)."""
+        return self.precision == "fp8" and self.fp8_recipe == "tensorwise" and self.compile
 
     @property
     def master_bytes(self) -> int:
@@ -233,7 +256,8 @@ class MemoryOptions:
                                      ("reduce precision", self.reduce_precision,
                                       REDUCE_PRECISION),
                                      ("master weights", self.master_weights,
-                                      MASTER_WEIGHTS)):
+                                      MASTER_WEIGHTS),
+                                     ("fp8 recipe", self.fp8_recipe, FP8_RECIPES)):
             if value not in allowed:
                 raise ConfigError(f"{name} {value!r} is not known",
                                   expected=f"one of {', '.join(allowed)}")
@@ -450,6 +474,9 @@ def activation_bytes(args: ModelArgs, opts: MemoryOptions, share: RankShare | No
     # Residual stream (split along the sequence), the two gathered norm outputs (whole), the
     # head- and width-split projections.
     layer = 2 * r * d / tp + e * 2 * d + (e * (2 * d + 2 * kv + 3 * f) + 4 * args.n_heads) / tp
+    if opts.float8_saved_inputs:
+        # The Linears' inputs in 1 B: both norm outputs, the attention output, SwiGLU's product.
+        layer -= (e - 1) * (2 * d + (d + f) / tp)
     if not opts.compile:
         layer += e * (6 * d + 2 * kv + f) / tp
     tokens = opts.micro_batch * opts.seq_len
@@ -526,12 +553,30 @@ def estimate_memory(args: ModelArgs, opts: MemoryOptions, gpu_bytes: float | Non
     return plan
 
 
+def _gathered_block(args: ModelArgs, opts: MemoryOptions, p_block: float) -> float:
+    """Bytes of one block's parameters as FSDP gathers them: in the compute dtype, the
+    Linear weights in float8 under FSDP's float8 all-gather."""
+    e = 4 if opts.precision == "fp32" else 2
+    if not opts.float8_gather:
+        return e * p_block
+    return e * p_block - (e - 1) * (p_block - 2 * args.dim)  # all but the two norms' weights
+
+
+def _cast_copies(args: ModelArgs, opts: MemoryOptions, p_root: float, p_block: float,
+                 blocks: float, embedding: float) -> float:
+    """Bytes of autocast's bf16 weight copies kept for backward: the output layer's and
+    the blocks' (fp8: the block Linears cast their fp32 weights to float8 themselves)."""
+    block = 2 * args.dim if opts.precision == "fp8" else p_block
+    return 2.0 * (blocks * block + p_root - embedding)
+
+
 def _pipeline_working(args: ModelArgs, opts: MemoryOptions, share: RankShare) -> float:
     """Working bytes of a pipeline rank: FSDP's gathered parameters or autocast's copies."""
     p, p_root, p_block = _rank_params(args, opts, share)
+    e = 4 if opts.precision == "fp32" else 2
     # FSDP keeps the stage's parameters gathered (from the first forward by default).
     if opts.fsdp_wrapped(args):
-        return (4 if opts.precision == "fp32" else 2) * p
+        return e * p_root + share.blocks * _gathered_block(args, opts, p_block)
     if opts.mixed_precision_path(args) in ("none", "pure"):
         return 0.0
     # Autocast casts the weights in every micro-batch's forward, and each keeps its copies for
@@ -540,7 +585,8 @@ def _pipeline_working(args: ModelArgs, opts: MemoryOptions, share: RankShare) ->
     # 1b PP4 1F1B on H200: 10.9 GB measured, 9.1 predicted with one copy, 10.7 with these.
     embedding = args.vocab_size * args.dim / opts.tp if share.embedding else 0.0
     head_copies = share.logits_live + share.split_logits
-    return 2.0 * (share.inflight_layers * p_block + (p_root - embedding) * head_copies)
+    block = 2 * args.dim if opts.precision == "fp8" else p_block  # as _cast_copies
+    return 2.0 * (share.inflight_layers * block + (p_root - embedding) * head_copies)
 
 
 def _estimate_rank(args: ModelArgs, opts: MemoryOptions, share: RankShare,
@@ -567,7 +613,8 @@ def _estimate_rank(args: ModelArgs, opts: MemoryOptions, share: RankShare,
         # Without sharding (FSDP for its casts only) the parameters stay gathered: ZeRO-2.
         zero2 = opts.zero == 2 or opts.strategy != "fsdp"
         ahead = min(max(1, opts.fsdp_prefetch), max(1, share.blocks - 1))  # blocks that exist
-        gathered = e * p if zero2 else e * (p_root + (1 + ahead) * p_block)
+        block = _gathered_block(args, opts, p_block)
+        gathered = e * p_root + (share.blocks if zero2 else 1 + ahead) * block
         acc = opts.accumulator_bytes(args)
         if opts.grad_accum > 1:  # every block's unsharded accumulators
             gathered += acc * p
@@ -581,7 +628,8 @@ def _estimate_rank(args: ModelArgs, opts: MemoryOptions, share: RankShare,
             # Buckets + a second gradient copy (calibrated in fp32; bf16 derived, docstring).
             grads = 2.0 * opts.master_bytes * p
         # Autocast keeps bf16 copies of the weights (not the embedding) for backward.
-        working = 0.0 if no_casts else 2.0 * (p - embedding)
+        working = 0.0 if no_casts else _cast_copies(args, opts, p_root, p_block,
+                                                    share.blocks, embedding)
         persistent_grads = grads if opts.strategy == "ddp" else 0.0
         start = params + optimizer + working + acts + persistent_grads
         end = params + optimizer + grads

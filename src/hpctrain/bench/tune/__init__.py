@@ -31,9 +31,10 @@ model of ``hpctrain plan parallel`` (predicted tokens/s per GPU). That model has
 between the two by the share of the forward they recompute; ``every_k``'s memory too (the memory
 model has no ``every_k``; the peak so interpolated errs high, but leaves out up to half a
 block's activations).
-Nor does it know fp8's speed: fp8 twins of the best predicted layouts are added (their memory
-estimated as bf16). ``--max-candidates`` are kept: the config as given first (the baseline), the
-best of each layout/strategy, then the next best. The list is printed before anything runs.
+Nor does it know fp8's speed: the best fp8 settings are added, ranked as their bf16 twins but
+sized as fp8 (the memory model's float8 terms), so a setting that fits only in fp8 is tried.
+``--max-candidates`` are kept: the config as given first (the baseline), the best of each
+layout/strategy, then the next best. The list is printed before anything runs.
 
 Measuring: each candidate is a real ``hpctrain train`` run via `hpctrain.bench.model` (``--steps``
 steps; warm-up windows skipped, tokens/s per GPU and MFU as ``bench model`` reads them), one

@@ -2,10 +2,11 @@
 
 Settings from :mod:`hpctrain.bench.tune.space` that the trainer accepts and whose predicted peak
 plus 10% fits the memory are ranked by predicted tokens/s per GPU; the best of each layout and
-strategy is kept first, fp8 twins of the best are added where the GPU and the config allow fp8,
-and twins of the best tensor- or pipeline-parallel settings without FSDP that compute bf16 the
-other way (``parallel.mixed_precision``: FSDP's casts or autocast, whichever ``auto`` did not
-take): the step-time model cannot tell them apart, and on GPUs they differed by 3-30%.
+strategy is kept first, the best fp8 settings (sized as fp8) are added where the GPU and the
+config allow fp8, and twins of the best tensor- or pipeline-parallel settings without FSDP that
+compute bf16 the other way (``parallel.mixed_precision``: FSDP's casts or autocast, whichever
+``auto`` did not take): the step-time model cannot tell them apart, and on GPUs they differed
+by 3-30%.
 """
 
 from __future__ import annotations
@@ -158,27 +159,32 @@ def build_candidates(config: Path | None, overrides: list[str], gpus: int, *, de
     else:
         notes.append(f"the config as given is not a candidate on {gpus} rank(s): {why}")
 
-    ranked = []
-    for s in enumerate_settings(cfg, gpus, precisions=(cfg.train.precision,)):
-        if baseline is not None and s == baseline.setting:
-            continue
-        fit = sized(s)
-        if isinstance(fit, tuple):
-            ranked.append(Candidate(s, gpus // (s.tp * s.pp), "model", *fit))
+    def fitting(precision: str) -> list[Candidate]:
+        """The settings in ``precision`` predicted to fit, fastest predicted first; at equal
+        speed the larger micro-batch (fewer, larger kernels), ZeRO-2 before ZeRO-3, then the
+        smaller peak."""
+        found = []
+        for s in enumerate_settings(cfg, gpus, precisions=(precision,)):
+            if baseline is not None and s == baseline.setting:
+                continue
+            fit = sized(s)
+            if isinstance(fit, tuple):
+                found.append(Candidate(s, gpus // (s.tp * s.pp), "model", *fit))
+        found.sort(key=lambda c: (-c.predicted_tokens_per_s, -c.setting.micro_batch,
+                                  c.setting.zero, c.predicted_peak))
+        return found
+
+    ranked = fitting(cfg.train.precision)
     considered = len(ranked) + (baseline is not None)
-    # Fastest predicted first; at equal speed the larger micro-batch (fewer, larger kernels),
-    # ZeRO-2 before ZeRO-3, then the smaller peak.
-    ranked.sort(key=lambda c: (-c.predicted_tokens_per_s, -c.setting.micro_batch,
-                               c.setting.zero, c.predicted_peak))
     slots = max_candidates - (baseline is not None)
     n_fp8 = min(FP8_TWINS, max_candidates // 3) if fp8 else 0
     picked = _pick(ranked, slots - n_fp8, refusal)
-    twins = []
-    for c in picked[:n_fp8]:
-        twin = dataclasses.replace(c.setting, precision="fp8")
-        if refusal(twin) is None:
-            twins.append(Candidate(twin, c.dp, "model", c.predicted_peak,
-                                   c.predicted_tokens_per_s))
+    # fp8 settings are sized as fp8 (smaller than bf16: plan/memory.py), so one that fits only
+    # in fp8 (8b without AC on 80 GB cards) is tried too. The step-time model ranks them as
+    # their bf16 twins: the best of them usually is the fp8 twin of the best bf16 pick.
+    twins = _pick(fitting("fp8"), n_fp8, refusal) if n_fp8 else []
+    with_fp8 = [c for c in picked
+                if dataclasses.replace(c.setting, precision="fp8") in {t.setting for t in twins}]
     # Casts twins take the places of the last picks (second-best variants of a layout first).
     with_twin = []
     for c in picked:
@@ -187,7 +193,7 @@ def build_candidates(config: Path | None, overrides: list[str], gpus: int, *, de
         if isinstance(fit, tuple) and len(with_twin) < min(CASTS_TWINS, max_candidates // 3):
             with_twin.append(c)
             twins.append(Candidate(twin, c.dp, "model", *fit))
-    keep = [*picked[:n_fp8], *with_twin]
+    keep = [*with_fp8, *with_twin]
     while len(picked) + len(twins) > slots:
         spare = [c for c in picked if c not in keep]
         if spare:

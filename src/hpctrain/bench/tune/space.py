@@ -223,11 +223,9 @@ def _memory_options(cfg, s: Setting, dp: int, ac: str):
               "pp_stages_per_rank": pc.pp_stages_per_rank}
     else:
         kw = {"grad_accum": s.grad_accum}
-    # The memory model knows no fp8: torchao's fp8 training keeps bf16 weights and activations
-    # around its fp8 matrix products, so it is sized as bf16.
-    precision = "bf16" if s.precision == "fp8" else s.precision
     return MemoryOptions(strategy=s.strategy, gpus=dp, zero=s.zero, tp=s.tp, pp=s.pp,
-                         precision=precision, ac=ac, ac_save_mm=pc.ac_save_mm,
+                         precision=s.precision, fp8_recipe=cfg.train.fp8_recipe,
+                         ac=ac, ac_save_mm=pc.ac_save_mm,
                          loss_chunks=s.loss_chunks, micro_batch=micro_batch,
                          seq_len=cfg.data.seq_len, compile=pc.compile,
                          mixed_precision=s.mixed_precision,
