@@ -39,7 +39,6 @@ from hpctrain.parallel.float8 import (
     import_float8,
 )
 from hpctrain.parallel.layout import ParallelLayout, check_layout
-from hpctrain.plan.memory import MemoryOptions, estimate_memory, resolve_model
 from rank_jobs import REPO, free_port, launch
 from run_records import assert_close, checkpoint_dir, logged
 
@@ -166,15 +165,6 @@ def test_mfu_is_against_the_bf16_peak() -> None:
     """fp8 runs state MFU against bf16's peak; other precisions against their own."""
     assert mfu_peak_dtype("fp8") == "bf16"
     assert mfu_peak_dtype("fp32") == "fp32"
-
-
-def test_memory_plan_sizes_fp8_as_bf16() -> None:
-    """``plan memory`` accepts fp8 and sizes it as bf16 (see plan/memory.py's note)."""
-    model = resolve_model("1b")
-    plans = [estimate_memory(model, MemoryOptions(strategy="fsdp", gpus=8, precision=p,
-                                                  micro_batch=2, seq_len=2048))
-             for p in ("fp8", "bf16")]
-    assert plans[0] == plans[1]
 
 
 # -- training runs -------------------------------------------------------------------------
