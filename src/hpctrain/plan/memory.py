@@ -115,9 +115,9 @@ shrink, each from the blocks' Linear layers (attention and FFN; not the embeddin
 - under autocast, the Linears cast their fp32 weights to float8 themselves: no bf16 copies of
   them are made (the embedding is looked up in fp32; the output layer's copy stays).
 
-Measured on H200s (benchmarks/RESULTS.md, 2026-11-27), against 20-28% over before these: 1b
-FSDP2 ZeRO-2 micro-batch 4, 17.10 GB (predicted 17.49); 8b FSDP2 ZeRO-2 no AC micro-batch 4,
-92.11 (91.03); the same on FSDP4, 68.02 (66.93); 1b on one GPU (autocast), 22.5 (24.4, +8.6%).
+Measured on H200s (benchmarks/RESULTS.md, 2026-11-27), against 14-27% over before these: 1b
+FSDP2 ZeRO-2 micro-batch 4, 17.10 GB (predicted 17.48); 8b FSDP2 ZeRO-2 no AC micro-batch 4,
+92.11 (91.03); the same on FSDP4, 68.02 (66.94); 1b on one GPU (autocast), 22.5 (24.46, +8.7%).
 
 CUDA context and allocator fragmentation (outside max_memory_allocated, typically 0.5–2 GB) are
 not included: keep ~10% headroom.
@@ -562,12 +562,10 @@ def _gathered_block(args: ModelArgs, opts: MemoryOptions, p_block: float) -> flo
     return e * p_block - (e - 1) * (p_block - 2 * args.dim)  # all but the two norms' weights
 
 
-def _cast_copies(args: ModelArgs, opts: MemoryOptions, p_root: float, p_block: float,
-                 blocks: float, embedding: float) -> float:
-    """Bytes of autocast's bf16 weight copies kept for backward: the output layer's and
-    the blocks' (fp8: the block Linears cast their fp32 weights to float8 themselves)."""
-    block = 2 * args.dim if opts.precision == "fp8" else p_block
-    return 2.0 * (blocks * block + p_root - embedding)
+def _cast_block(args: ModelArgs, opts: MemoryOptions, p_block: float) -> float:
+    """Parameters of one block that autocast copies to bf16 for backward: all, or with fp8
+    only the norms' (the block Linears cast their fp32 weights to float8 themselves)."""
+    return 2 * args.dim if opts.precision == "fp8" else p_block
 
 
 def _pipeline_working(args: ModelArgs, opts: MemoryOptions, share: RankShare) -> float:
@@ -585,8 +583,8 @@ def _pipeline_working(args: ModelArgs, opts: MemoryOptions, share: RankShare) ->
     # 1b PP4 1F1B on H200: 10.9 GB measured, 9.1 predicted with one copy, 10.7 with these.
     embedding = args.vocab_size * args.dim / opts.tp if share.embedding else 0.0
     head_copies = share.logits_live + share.split_logits
-    block = 2 * args.dim if opts.precision == "fp8" else p_block  # as _cast_copies
-    return 2.0 * (share.inflight_layers * block + (p_root - embedding) * head_copies)
+    return 2.0 * (share.inflight_layers * _cast_block(args, opts, p_block)
+                  + (p_root - embedding) * head_copies)
 
 
 def _estimate_rank(args: ModelArgs, opts: MemoryOptions, share: RankShare,
@@ -628,8 +626,8 @@ def _estimate_rank(args: ModelArgs, opts: MemoryOptions, share: RankShare,
             # Buckets + a second gradient copy (calibrated in fp32; bf16 derived, docstring).
             grads = 2.0 * opts.master_bytes * p
         # Autocast keeps bf16 copies of the weights (not the embedding) for backward.
-        working = 0.0 if no_casts else _cast_copies(args, opts, p_root, p_block,
-                                                    share.blocks, embedding)
+        working = 0.0 if no_casts else 2.0 * (
+            share.blocks * _cast_block(args, opts, p_block) + p_root - embedding)
         persistent_grads = grads if opts.strategy == "ddp" else 0.0
         start = params + optimizer + working + acts + persistent_grads
         end = params + optimizer + grads
