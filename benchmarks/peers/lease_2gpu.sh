@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 14's open measurements on one 2-GPU host, as one batch, most wanted first, each step
-# beside torchtitan where there is a peer:
+# Issue 14's measurements on one 2-GPU host, as one batch, most wanted first, each step beside
+# torchtitan where there is a peer (run on 2x H200, 2026-11-27: benchmarks/RESULTS.md, section
+# "The tuner's picks beside the peer on 2 and 4 GPUs"):
 #   1. 1b on 1 GPU and FSDP on 2 (1.20x the peer on 1 GPU; 93% weak scaling and 1.2x on 2);
 #   2. hpctrain tune on 8b over 2 GPUs (no AC, micro-batch 4 as given: the 2-GPU layout that
 #      holds 8b without AC on 141 GB cards), then its pick on both sides (compare.py --tuned);
