@@ -1,7 +1,8 @@
 # Sourced by lease_*.sh: what every detached GPU batch needs before its steps.
 #   - The device tool copies the working tree onto the machine again at the start of each call,
 #     and a batch spans several calls: it re-executes itself from a copy of its own, so no
-#     source file changes under a running step (one run died at import while that copy ran).
+#     source file changes under a running step (a run started in the seconds a new call began
+#     died at import, a module of the tree not found).
 #   - $R (the first argument, default runs/lease of the checkout) holds each step's log;
 #     $C is compare.py; multicast stays off (device README); `step NAME COMMAND...` runs one
 #     command.
