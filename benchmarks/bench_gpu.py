@@ -84,7 +84,8 @@ def plain_matmul_tflops(size: int = 8192, reps: int = 50, trials: int = 5) -> fl
 def estimate_gb(opts: dict) -> float:
     """`plan memory`'s peak for one variant, in GB."""
     from hpctrain.models import PRESETS
-    from hpctrain.plan.memory import MemoryOptions, estimate_memory
+    from hpctrain.plan.memory import estimate_memory
+    from hpctrain.plan.memory_options import MemoryOptions
 
     kw = {k: v for k, v in opts.items() if k != "model"}
     return estimate_memory(PRESETS[opts["model"]], MemoryOptions(seq_len=2048, **kw)).peak / 1e9

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from hpctrain.models import Transformer
 from hpctrain.parallel.grad_norm import global_grad_norm
-from hpctrain.plan.memory import resolve_model
+from hpctrain.plan.memory_options import resolve_model
 from hpctrain.train.optim import LocalShardAdamW
 
 

@@ -132,7 +132,8 @@ def test_memory_plan_models_the_chunked_loss() -> None:
     instead of the whole logits' two bf16 copies (compiled loss)."""
     from hpctrain.errors import ConfigError
     from hpctrain.models import PRESETS
-    from hpctrain.plan.memory import MemoryOptions, activation_bytes, estimate_memory
+    from hpctrain.plan.memory import activation_bytes, estimate_memory
+    from hpctrain.plan.memory_options import MemoryOptions
 
     args, tokens = PRESETS["1b"], 4 * 2048
     v, d = args.vocab_size, args.dim

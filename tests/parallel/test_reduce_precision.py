@@ -20,7 +20,8 @@ from hpctrain.errors import ConfigError
 from hpctrain.models import Transformer, count_params
 from hpctrain.parallel.layout import ParallelLayout
 from hpctrain.parallel.parallelize import parallelize
-from hpctrain.plan.memory import MemoryOptions, estimate_memory, resolve_model
+from hpctrain.plan.memory import estimate_memory
+from hpctrain.plan.memory_options import MemoryOptions, resolve_model
 
 BF16 = [*TINY, *QUIET, "train.precision=bf16"]
 FSDP_CASTS = ["parallel.strategy=none", "parallel.mixed_precision=fsdp"]

@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hpctrain.bench.model import hfu_factor
 from hpctrain.models import ModelArgs, Transformer, flops_per_token
 from hpctrain.parallel.selective_ac import recomputed_flops_per_token, selective_checkpoint
-from hpctrain.plan.memory import MemoryOptions, activation_bytes, estimate_memory
+from hpctrain.plan.memory import activation_bytes, estimate_memory
+from hpctrain.plan.memory_options import MemoryOptions
 
 SMALL = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=61,
                   max_seq_len=64)

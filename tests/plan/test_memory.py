@@ -9,14 +9,8 @@ import torch
 
 from hpctrain.errors import ConfigError
 from hpctrain.models import PRESETS, ModelArgs, Transformer, count_params
-from hpctrain.plan.memory import (
-    MemoryOptions,
-    estimate_memory,
-    gpu_memory_bytes,
-    n_param_tensors,
-    resolve_model,
-    state_bytes,
-)
+from hpctrain.plan.memory import estimate_memory, n_param_tensors, state_bytes
+from hpctrain.plan.memory_options import MemoryOptions, gpu_memory_bytes, resolve_model
 
 TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64,
                  max_seq_len=16)

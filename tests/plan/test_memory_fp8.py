@@ -14,7 +14,8 @@ import pytest
 from hpctrain.cli import main
 from hpctrain.errors import ConfigError
 from hpctrain.models import PRESETS
-from hpctrain.plan.memory import MemoryOptions, estimate_memory, rank_shares
+from hpctrain.plan.memory import estimate_memory, rank_shares
+from hpctrain.plan.memory_options import MemoryOptions
 
 ARGS = PRESETS["1b"]
 TOKENS = 4 * 2048

@@ -21,13 +21,13 @@ from hpctrain.parallel.layout import ParallelLayout
 from hpctrain.parallel.pipeline import split_model
 from hpctrain.parallel.stages import balance_stages, module_costs
 from hpctrain.plan.memory import (
-    MemoryOptions,
     activation_bytes,
     estimate_memory,
     n_param_tensors,
     rank_shares,
     state_bytes,
 )
+from hpctrain.plan.memory_options import MemoryOptions
 
 TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64,
                  max_seq_len=16)

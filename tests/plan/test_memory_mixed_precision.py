@@ -17,14 +17,8 @@ import pytest
 from hpctrain.cli import main
 from hpctrain.errors import ConfigError
 from hpctrain.models import PRESETS
-from hpctrain.plan.memory import (
-    MemoryOptions,
-    activation_bytes,
-    estimate_memory,
-    gpu_memory_bytes,
-    rank_shares,
-    state_bytes,
-)
+from hpctrain.plan.memory import activation_bytes, estimate_memory, rank_shares, state_bytes
+from hpctrain.plan.memory_options import MemoryOptions, gpu_memory_bytes
 from hpctrain.plan.parallel import rank_layouts
 
 # (model, options, autocast prediction GB, measured GB (largest rank), FSDP-cast prediction GB,

@@ -17,12 +17,8 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 
 from hpctrain.models import PRESETS, ModelArgs, Transformer
 from hpctrain.parallel.stages import held_chunks, inflight_chunks, zero_bubble_actions
-from hpctrain.plan.memory import (
-    MemoryOptions,
-    RankShare,
-    activation_bytes,
-    rank_shares,
-)
+from hpctrain.plan.memory import RankShare, activation_bytes, rank_shares
+from hpctrain.plan.memory_options import MemoryOptions
 
 TINY = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=1000,
                  max_seq_len=16)

@@ -13,14 +13,8 @@ from hpctrain.models import PRESETS, ModelArgs, Transformer
 from hpctrain.parallel.layout import ParallelLayout
 from hpctrain.parallel.pipeline import split_model
 from hpctrain.parallel.stages import balance_stages, module_costs
-from hpctrain.plan.memory import (
-    MemoryOptions,
-    activation_bytes,
-    estimate_memory,
-    gpu_memory_bytes,
-    rank_shares,
-    state_bytes,
-)
+from hpctrain.plan.memory import activation_bytes, estimate_memory, rank_shares, state_bytes
+from hpctrain.plan.memory_options import MemoryOptions, gpu_memory_bytes
 from hpctrain.plan.parallel import gpu_peak_tflops, rank_layouts
 
 SMALL = ModelArgs(dim=32, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,

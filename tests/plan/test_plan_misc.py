@@ -12,7 +12,7 @@ from hpctrain.errors import ConfigError
 from hpctrain.models import PRESETS, ModelArgs
 from hpctrain.plan.budget import plan_budget, tokens_per_s_from_run
 from hpctrain.plan.interval import daly_interval, job_mttf, young_interval
-from hpctrain.plan.memory import gpu_memory_bytes
+from hpctrain.plan.memory_options import gpu_memory_bytes
 from hpctrain.plan.parallel import plan_parallel
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from hpctrain.errors import ConfigError
 
 if TYPE_CHECKING:
-    from hpctrain.plan.memory import MemoryOptions
+    from hpctrain.plan.memory_options import MemoryOptions
 
 _COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([kmbt]?)\s*$", re.IGNORECASE)
 _SCALE = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _model(args: argparse.Namespace):
-    from hpctrain.plan.memory import resolve_model
+    from hpctrain.plan.memory_options import resolve_model
 
     return resolve_model(args.model, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
                          n_kv_heads=args.kv_heads, ffn_dim=args.ffn_dim, vocab_size=args.vocab)
@@ -161,7 +161,8 @@ def _memory(args: argparse.Namespace) -> None:
     from rich.table import Table
 
     from hpctrain.models import count_params
-    from hpctrain.plan.memory import MemoryOptions, estimate_memory, fmt_gb, gpu_memory_bytes
+    from hpctrain.plan.memory import estimate_memory, fmt_gb
+    from hpctrain.plan.memory_options import MemoryOptions, gpu_memory_bytes
 
     model = _model(args)
     opts = MemoryOptions(strategy=args.strategy, gpus=args.gpus, zero=args.zero, tp=args.tp,
@@ -236,7 +237,7 @@ def _path_title(opts: MemoryOptions, path: str) -> str:
 
 
 def _parallel(args: argparse.Namespace) -> None:
-    from hpctrain.plan.memory import gpu_memory_bytes
+    from hpctrain.plan.memory_options import gpu_memory_bytes
     from hpctrain.plan.parallel import describe, gpu_peak_tflops, rank_layouts
 
     if not args.gpu:

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from hpctrain.errors import ConfigError
 from hpctrain.models import ModelArgs, flops_per_token
 from hpctrain.observe.peaks import peak_tflops
-from hpctrain.plan.memory import MemoryOptions, MemoryPlan, estimate_memory, fmt_gb
+from hpctrain.plan.memory import estimate_memory, fmt_gb
+from hpctrain.plan.memory_options import MemoryOptions, MemoryPlan
 
 MICRO_BATCHES = (8, 4, 2, 1)
 # Share of the dense bf16 peak a 1b-8b Llama step reaches: 49.5% measured for 1b on an H200

@@ -254,7 +254,7 @@ def plan_tuning(config: Path | None, overrides: list[str], gpus: int, *,
 
     from hpctrain.config import load_config
     from hpctrain.observe.peaks import peak_tflops
-    from hpctrain.plan.memory import gpu_memory_bytes
+    from hpctrain.plan.memory_options import gpu_memory_bytes
     from hpctrain.plan.parallel import DEFAULT_PEAK_TFLOPS
 
     if gpus < 1:

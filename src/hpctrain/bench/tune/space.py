@@ -211,7 +211,7 @@ def predict(cfg, s: Setting, gpus: int, peak_tflops: float) -> tuple[float, floa
 
 
 def _memory_options(cfg, s: Setting, dp: int, ac: str):
-    from hpctrain.plan.memory import MemoryOptions
+    from hpctrain.plan.memory_options import MemoryOptions
 
     pc = cfg.parallel
     kw: dict[str, Any] = {}

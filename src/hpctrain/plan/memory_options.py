@@ -1,0 +1,225 @@
+"""What ``hpctrain plan memory`` sizes and what it answers: a training setup (``MemoryOptions``,
+checked as training checks it), the per-GPU bytes by category (``MemoryPlan``), and the model
+and GPU named on the command line. The sizing itself is :mod:`hpctrain.plan.memory`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from hpctrain.errors import ConfigError
+from hpctrain.models import PRESETS, ModelArgs, count_params
+from hpctrain.parallel.config import (
+    MIXED_PRECISION,
+    MULTI_STAGE_SCHEDULES,
+    PP_SCHEDULES,
+    REDUCE_PRECISION,
+    ParallelConfig,
+    mixed_precision_path,
+)
+from hpctrain.parallel.float8 import FP8_RECIPES, Float8Training, float8_all_gather
+from hpctrain.parallel.selective_ac import SAVE_MM
+
+STRATEGIES = ("none", "ddp", "fsdp")
+PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
+MASTER_WEIGHTS = ("fp32", "bf16")
+AC_MODES = ("none", "full", "selective")
+
+# Memory per GPU in GB (1e9 B) as sold; lookup by lower-cased name.
+GPU_MEMORY_GB: dict[str, float] = {
+    "a100-40": 40.0, "a100": 80.0, "a100-80": 80.0, "h100": 80.0, "h100-pcie": 80.0,
+    "h100-nvl": 94.0, "h200": 141.0, "b200": 180.0, "gh200": 96.0, "l40s": 48.0,
+    "mi250x": 128.0, "mi300x": 192.0,
+}
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """A training setup to size: strategy over `gpus`, precision, AC, batch shape."""
+
+    strategy: str = "fsdp"
+    gpus: int = 1
+    zero: int = 3  # FSDP only: 3 reshards after forward, 2 keeps parameters gathered
+    tp: int = 1
+    pp: int = 1
+    precision: str = "bf16"
+    ac: str = "none"
+    ac_save_mm: str = "every_other"  # selective AC: which matmul outputs are kept
+    loss_chunks: int = 0  # >0: the chunked linear + cross entropy (no whole logits)
+    micro_batch: int = 1  # samples per (pipeline) micro-batch
+    # Micro-batches accumulated per step without a pipeline. FSDP then keeps unsharded fp32
+    # gradient accumulators until the last one (no reduce-scatter before).
+    grad_accum: int = 1
+    seq_len: int = 2048
+    compile: bool = True
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 0  # micro-batches per step through the pipeline; 0: pp x stages
+    pp_stages_per_rank: int = 0  # 0: 2 for interleaved schedules, else 1
+    # parallel.mixed_precision: auto, autocast or fsdp (FSDP's casts also without sharding).
+    mixed_precision: str = "auto"
+    # parallel.reduce_precision: fp32 or bf16 (FSDP's path: the gradient accumulators' dtype).
+    reduce_precision: str = "fp32"
+    # train.master_weights: fp32, or bf16 (with precision bf16: pure bf16 training, parameters,
+    # gradients and AdamW moments in bf16).
+    master_weights: str = "fp32"
+    # parallel.fsdp_prefetch: blocks gathered ahead of the one computing (0: FSDP2's one).
+    fsdp_prefetch: int = 0
+    # train.fp8_recipe, with precision fp8: tensorwise or rowwise scales (module docstring).
+    fp8_recipe: str = "tensorwise"
+
+    def mixed_precision_path(self, args: ModelArgs) -> str:
+        """'fsdp', 'autocast', 'pure' (bf16 master weights without FSDP) or 'none' (fp32): how
+        the trainer computes this layout of the model ``args``."""
+        return mixed_precision_path(self.mixed_precision, self.strategy, self.tp, self.pp,
+                                    self.precision, count_params(args, include_embedding=True),
+                                    self.master_weights)
+
+    @property
+    def float8_gather(self) -> bool:
+        """Whether FSDP all-gathers the blocks' Linear weights in float8 (1 B)."""
+        fp8 = Float8Training(self.fp8_recipe) if self.precision == "fp8" else None
+        return float8_all_gather(fp8, self.strategy, self.gpus)
+
+    @property
+    def float8_saved_inputs(self) -> bool:
+        """Whether the blocks' Linears keep their inputs for backward in float8 (1 B)."""
+        return self.precision == "fp8" and self.fp8_recipe == "tensorwise" and self.compile
+
+    @property
+    def master_bytes(self) -> int:
+        """Bytes per parameter of the parameters, their gradients and each AdamW moment."""
+        return 2 if self.master_weights == "bf16" else 4
+
+    def fsdp_wrapped(self, args: ModelArgs) -> bool:
+        """Whether FSDP manages the parameters: sharding them, or only casting them."""
+        return self.strategy == "fsdp" or self.mixed_precision_path(args) == "fsdp"
+
+    def accumulator_bytes(self, args: ModelArgs) -> int:
+        """Bytes per parameter of an unsharded gradient accumulator (module docstring)."""
+        if self.fsdp_wrapped(args):
+            return 2 if self.reduce_precision == "bf16" else 4
+        return self.master_bytes  # the parameters' own .grad
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages on each rank."""
+        if self.pp_schedule not in MULTI_STAGE_SCHEDULES:
+            return 1
+        return self.pp_stages_per_rank or 2
+
+    @property
+    def microbatches(self) -> int:
+        """Pipeline micro-batches per optimizer step."""
+        return self.pp_microbatches or self.pp * self.stages_per_rank
+
+    def validate(self, args: ModelArgs) -> None:
+        """Raise ConfigError for unknown choices or impossible degrees."""
+        for name, value, allowed in (("strategy", self.strategy, STRATEGIES),
+                                     ("precision", self.precision, PRECISIONS),
+                                     ("activation checkpointing", self.ac, AC_MODES),
+                                     ("selective AC's saved matmuls", self.ac_save_mm,
+                                      SAVE_MM),
+                                     ("mixed precision", self.mixed_precision,
+                                      MIXED_PRECISION),
+                                     ("reduce precision", self.reduce_precision,
+                                      REDUCE_PRECISION),
+                                     ("master weights", self.master_weights,
+                                      MASTER_WEIGHTS),
+                                     ("fp8 recipe", self.fp8_recipe, FP8_RECIPES)):
+            if value not in allowed:
+                raise ConfigError(f"{name} {value!r} is not known",
+                                  expected=f"one of {', '.join(allowed)}")
+        for name, value in (("gpus", self.gpus), ("tp", self.tp), ("pp", self.pp),
+                            ("micro-batch", self.micro_batch), ("seq-len", self.seq_len),
+                            ("grad-accum", self.grad_accum)):
+            if value < 1:
+                raise ConfigError(f"{name} = {value}", expected="a positive integer")
+        if self.loss_chunks < 0:
+            raise ConfigError(f"loss chunks = {self.loss_chunks}", expected="0 (off) or more")
+        if self.loss_chunks and (self.tp > 1 or self.pp > 1):
+            raise ConfigError(f"loss chunks = {self.loss_chunks} with tp {self.tp}, pp "
+                              f"{self.pp}", expected="no chunked loss with tensor or pipeline "
+                              "parallelism (as training refuses it)")
+        if self.zero not in (2, 3):
+            raise ConfigError(f"zero = {self.zero}", expected="2 or 3")
+        # The combinations training refuses, refused with the same words.
+        pc = ParallelConfig(strategy=self.strategy, mixed_precision=self.mixed_precision,
+                            tp=self.tp, pp=self.pp, reduce_precision=self.reduce_precision,
+                            fsdp_prefetch=self.fsdp_prefetch)
+        pc.validate()
+        pc.check_precision(self.precision, count_params(args, include_embedding=True),
+                           self.master_weights)
+        if self.strategy == "none" and self.gpus > 1:
+            raise ConfigError(f"strategy none with {self.gpus} GPUs",
+                              expected="ddp or fsdp for more than one data-parallel GPU")
+        if args.n_heads % self.tp or args.n_kv_heads % self.tp:
+            raise ConfigError(f"tp = {self.tp} does not divide the heads "
+                              f"({args.n_heads} query, {args.n_kv_heads} kv)",
+                              expected="a tensor-parallel degree dividing both head counts")
+        if args.ffn_dim % self.tp or args.vocab_size % self.tp or self.seq_len % self.tp:
+            raise ConfigError(f"tp = {self.tp} does not divide the FFN width {args.ffn_dim}, "
+                              f"the vocabulary {args.vocab_size} and the sequence "
+                              f"{self.seq_len}", expected="a tensor-parallel degree dividing "
+                              "all three (they are split tp ways)")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ConfigError(f"pipeline schedule {self.pp_schedule!r} is not known",
+                              expected=f"one of {', '.join(PP_SCHEDULES)}")
+        if args.n_layers < self.pp * self.stages_per_rank:
+            raise ConfigError(f"pp = {self.pp} x {self.stages_per_rank} stages per rank for "
+                              f"{args.n_layers} layers",
+                              expected="at least one layer per pipeline stage")
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per GPU by category, the peak, and whether/how it fits."""
+
+    params: float
+    grads: float
+    optimizer: float
+    working: float
+    activations: float
+    peak: float
+    peak_moment: str
+    gpu_bytes: float | None = None
+    suggestions: list[str] = field(default_factory=list)
+    stage: int | None = None  # pipeline rank whose peak this is (the largest), None without PP
+    bubble: float = 0.0  # idle share of a step (pipeline bubble)
+
+    @property
+    def fits(self) -> bool | None:
+        """True when the peak plus 10% headroom fits the GPU; None without a GPU size."""
+        if self.gpu_bytes is None:
+            return None
+        return self.peak * 1.10 <= self.gpu_bytes
+
+
+def resolve_model(size: str | None, **overrides: int | None) -> ModelArgs:
+    """A preset (``tiny``, ``125m``, ``1b``, ``8b``) with optional shape overrides."""
+    if size is None and not all(overrides.get(k) for k in
+                                ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size")):
+        raise ConfigError("no model given", expected="--model SIZE or the full shape",
+                          hint=f"sizes: {', '.join(PRESETS)}; or --dim --layers --heads "
+                          "--ffn-dim --vocab")
+    if size is not None and size not in PRESETS:
+        raise ConfigError(f"unknown model size {size!r}", expected=f"one of {', '.join(PRESETS)}",
+                          hint="or give the shape: --dim --layers --heads --ffn-dim --vocab")
+    fields = {k: v for k, v in overrides.items() if v is not None}
+    if size is None:
+        fields.setdefault("n_kv_heads", fields["n_heads"])
+        return ModelArgs(**fields)
+    return dataclasses.replace(PRESETS[size], **fields)
+
+
+def gpu_memory_bytes(gpu: str) -> float:
+    """Memory of a GPU given by name (``h100``, ``h200``...) or a number of GB (``80``)."""
+    try:
+        return float(gpu) * 1e9
+    except ValueError:
+        pass
+    key = gpu.lower().removeprefix("nvidia-").removeprefix("nvidia ")
+    if key not in GPU_MEMORY_GB:
+        raise ConfigError(f"unknown GPU {gpu!r}", expected=f"one of {', '.join(GPU_MEMORY_GB)} "
+                          "or a size in GB", hint="e.g. --gpu h100 or --gpu 80")
+    return GPU_MEMORY_GB[key] * 1e9
