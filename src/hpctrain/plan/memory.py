@@ -255,7 +255,7 @@ def activation_bytes(args: ModelArgs, opts: MemoryOptions, share: RankShare | No
                      ) -> float:
     """Bytes of activations alive at the start of backward on one GPU (see module docstring)."""
     share = share or rank_shares(args, opts)[0]
-    e = 4 if opts.precision == "fp32" else 2
+    e = opts.compute_bytes
     r = 4 if opts.mixed_precision_path(args) == "autocast" else e
     d, kv, f, tp = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim, opts.tp
     # Residual stream (split along the sequence), the two gathered norm outputs (whole), the
@@ -343,7 +343,7 @@ def estimate_memory(args: ModelArgs, opts: MemoryOptions, gpu_bytes: float | Non
 def _gathered_block(args: ModelArgs, opts: MemoryOptions, p_block: float) -> float:
     """Bytes of one block's parameters as FSDP gathers them: in the compute dtype, the
     Linear weights in float8 under FSDP's float8 all-gather."""
-    e = 4 if opts.precision == "fp32" else 2
+    e = opts.compute_bytes
     if not opts.float8_gather:
         return e * p_block
     return e * p_block - (e - 1) * (p_block - 2 * args.dim)  # all but the two norms' weights
@@ -358,7 +358,7 @@ def _cast_block(args: ModelArgs, opts: MemoryOptions, p_block: float) -> float:
 def _pipeline_working(args: ModelArgs, opts: MemoryOptions, share: RankShare) -> float:
     """Working bytes of a pipeline rank: FSDP's gathered parameters or autocast's copies."""
     p, p_root, p_block = _rank_params(args, opts, share)
-    e = 4 if opts.precision == "fp32" else 2
+    e = opts.compute_bytes
     # FSDP keeps the stage's parameters gathered (from the first forward by default).
     if opts.fsdp_wrapped(args):
         return e * p_root + share.blocks * _gathered_block(args, opts, p_block)
@@ -378,7 +378,7 @@ def _estimate_rank(args: ModelArgs, opts: MemoryOptions, share: RankShare,
                    gpu_bytes: float | None) -> MemoryPlan:
     params, grads, optimizer = state_bytes(args, opts, share)
     p, p_root, p_block = _rank_params(args, opts, share)
-    e = 4 if opts.precision == "fp32" else 2
+    e = opts.compute_bytes
     acts = activation_bytes(args, opts, share)
     embedding = args.vocab_size * args.dim / opts.tp if share.embedding else 0.0
     # fp32 computes in fp32 and pure bf16 in its bf16 parameters: no copies to make.

@@ -87,6 +87,12 @@ class MemoryOptions:
         return self.precision == "fp8" and self.fp8_recipe == "tensorwise" and self.compile
 
     @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of what the forward computes: 4 in fp32, else 2 (bf16, fp16, and
+        fp8 outside its float8 matmuls)."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
     def master_bytes(self) -> int:
         """Bytes per parameter of the parameters, their gradients and each AdamW moment."""
         return 2 if self.master_weights == "bf16" else 4

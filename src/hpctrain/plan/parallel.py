@@ -213,7 +213,7 @@ def predict_step(plan: ParallelPlan, args: ModelArgs, opts: MemoryOptions, gpus_
     The step-time model of ``hpctrain plan parallel``; ``hpctrain tune`` ranks its candidates
     with it too, so that both commands order layouts alike.
     """
-    e = 4 if opts.precision == "fp32" else 2
+    e = opts.compute_bytes
     tokens = opts.micro_batch * opts.seq_len * plan.microbatches  # per replica and step
     flops = flops_per_token(args, opts.seq_len) * tokens * (4 / 3 if opts.ac == "full" else 1)
     efficiency = (MATMUL_EFFICIENCY * (TP_EFFICIENCY if plan.tp > 1 else 1.0)

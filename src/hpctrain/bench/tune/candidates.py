@@ -183,8 +183,9 @@ def build_candidates(config: Path | None, overrides: list[str], gpus: int, *, de
     # in fp8 (8b without AC on 80 GB cards) is tried too. The step-time model ranks them as
     # their bf16 twins: the best of them usually is the fp8 twin of the best bf16 pick.
     twins = _pick(fitting("fp8"), n_fp8, refusal) if n_fp8 else []
+    fp8_settings = {t.setting for t in twins}
     with_fp8 = [c for c in picked
-                if dataclasses.replace(c.setting, precision="fp8") in {t.setting for t in twins}]
+                if dataclasses.replace(c.setting, precision="fp8") in fp8_settings]
     # Casts twins take the places of the last picks (second-best variants of a layout first).
     with_twin = []
     for c in picked:
