@@ -36,6 +36,7 @@ from hpctrain.parallel.float8 import (
     Float8Training,
     check_float8_device,
     convert_to_float8,
+    fused_gather_cast,
     import_float8,
 )
 from hpctrain.parallel.layout import ParallelLayout, check_layout
@@ -159,6 +160,49 @@ def test_odd_shapes_refused_on_hardware() -> None:
     with pytest.raises(ConfigError) as e:
         convert_to_float8(model, Float8Training(), all_gather=False)
     assert "multiples of 16" in e.value.render()
+
+
+def test_fused_gather_cast_gives_torchao_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cast before a float8 all-gather, replaced by ``fused_gather_cast``: the same float8
+    bytes and scale as torchao's, values past the float8 range saturated as torchao does."""
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as weight
+
+    import hpctrain.parallel.float8 as f8
+
+    # The patch holds for the process (an earlier conversion may have made it): start from
+    # torchao's method, and leave the class as it was found.
+    theirs = f8._TORCHAO_PRE_ALL_GATHER or weight.fsdp_pre_all_gather
+    monkeypatch.setattr(weight, "fsdp_pre_all_gather", theirs)
+    monkeypatch.setattr(f8, "_TORCHAO_PRE_ALL_GATHER", None)
+    assert fused_gather_cast()
+    assert weight.fsdp_pre_all_gather is not theirs and fused_gather_cast()  # once only
+    torch.manual_seed(0)
+    shard = torch.randn(48, 64)
+    dtype = torch.float8_e4m3fn
+    for scale in (torch.finfo(dtype).max / shard.abs().max(), torch.tensor(1e4)):
+        w = weight(shard, LinearMMConfig(), dtype, precomputed_scale=scale.float())
+        (want,), (want_scale,) = theirs(w, None)
+        (got,), (got_scale,) = weight.fsdp_pre_all_gather(w, None)
+        assert got.dtype == dtype and got.shape == shard.shape
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert got_scale is want_scale
+    assert got.float().abs().max() == torch.finfo(dtype).max  # 1e4 saturates
+
+
+def test_fused_gather_cast_keeps_an_unknown_torchao(monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A torchao whose pre-all-gather method takes other arguments keeps its own, warned."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as weight
+
+
+    def other(self, mesh, outer_size, outer_stride, module, mp_policy):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(weight, "fsdp_pre_all_gather", other)
+    assert not fused_gather_cast()
+    assert weight.fsdp_pre_all_gather is other
+    assert "is not the one hpctrain fuses" in caplog.text
 
 
 def test_mfu_is_against_the_bf16_peak() -> None:
