@@ -74,8 +74,7 @@ def test_pipeline_and_tensor_parallel_without_fsdp(compare, tmp_path: Path) -> N
         "parallel.strategy=none", "parallel.tp=2", "parallel.pp=2",
         "parallel.pp_schedule=interleaved_zb", "parallel.compile=false",
         "parallel.activation_checkpointing=every_k", "parallel.ac_every=3",
-        "train.micro_batch=1", "train.grad_accum=8", "train.precision=fp8",
-        "train.fp8_recipe=rowwise"])
+        "train.micro_batch=1", "train.grad_accum=8"])
     tuned = compare.read_tuned(folder)
     f = _flags(tuned.peer.argv(tmp_path))
     assert (f["parallelism.tensor_parallel_degree"], f["parallelism.pipeline_parallel_degree"],
@@ -88,18 +87,20 @@ def test_pipeline_and_tensor_parallel_without_fsdp(compare, tmp_path: Path) -> N
     assert f["activation_checkpoint.selective_ac_option"] == "3"  # every third block
     assert "compile.no-enable" in f
     assert f["training.dtype"] == "bfloat16" and "peer: pure bf16" in tuned.note
-    assert f["quantize.linear.float8.recipe_name"] == "rowwise"
-    assert "quantize.linear.float8.enable_fsdp_float8_all_gather" not in f
 
 
 def test_ddp_replicates_on_the_peer(compare, tmp_path: Path) -> None:
     folder = _tune_dir(tmp_path, ["parallel.strategy=ddp", "train.micro_batch=4",
-                                  "parallel.activation_checkpointing=full"], gpus=2)
+                                  "parallel.activation_checkpointing=full",
+                                  "train.precision=fp8", "train.fp8_recipe=rowwise"], gpus=2)
     f = _flags(compare.read_tuned(folder).peer.argv(tmp_path))
     assert f["parallelism.data_parallel_replicate_degree"] == "2"
     assert f["parallelism.data_parallel_shard_degree"] == "1"
     assert f["activation_checkpoint.mode"] == "full"
     assert "parallelism.fsdp_reshard_after_forward" not in f
+    # Rowwise scales, and no float8 all-gather without FSDP.
+    assert f["quantize.linear.float8.recipe_name"] == "rowwise"
+    assert "quantize.linear.float8.enable_fsdp_float8_all_gather" not in f
 
 
 def test_what_the_peer_cannot_run_is_refused(compare, tmp_path: Path) -> None:

@@ -39,7 +39,8 @@ from hpctrain.parallel.float8 import (
     fused_gather_cast,
     import_float8,
 )
-from hpctrain.parallel.layout import ParallelLayout, check_layout
+from hpctrain.parallel.layout import ParallelLayout
+from hpctrain.plan.memory_options import MemoryOptions, resolve_model
 from rank_jobs import REPO, free_port, launch
 from run_records import assert_close, checkpoint_dir, logged
 
@@ -146,9 +147,13 @@ def test_recipe_and_layout_refusals() -> None:
     with pytest.raises(ConfigError) as e:
         convert_to_float8(_tiny_model(), Float8Training("blockwise", True), all_gather=False)
     assert "tensorwise, rowwise" in e.value.render()
-    cfg = load_config(DEMO, [*TINY, *FP8, "parallel.strategy=fsdp", "parallel.tp=2"])
     with pytest.raises(ConfigError) as e:
-        check_layout(cfg, 2)
+        load_config(DEMO, [*TINY, *FP8, "parallel.strategy=fsdp", "parallel.tp=2"])
+    assert "train.precision = fp8 with parallel.tp = 2" in e.value.render()
+    # The planner refuses what training refuses, in the same words.
+    with pytest.raises(ConfigError) as e:
+        MemoryOptions(precision="fp8", strategy="fsdp", gpus=2, tp=2).validate(
+            resolve_model("1b"))
     assert "train.precision = fp8 with parallel.tp = 2" in e.value.render()
 
 

@@ -186,7 +186,24 @@ class ParallelConfig:
     def check_precision(self, precision: str, params: int, master: str = "fp32") -> None:
         """Refuse ``mixed_precision`` and ``reduce_precision`` choices that ``train.precision``,
         ``train.master_weights`` (``master``) and a model of ``params`` parameters cannot take,
-        and bf16 master weights without bf16 training (the config and the planner both ask)."""
+        and bf16 master weights without bf16 training, and the precisions tensor or pipeline
+        parallelism cannot take (the config, the layout check and the planner all ask)."""
+        if precision == "fp8" and self.tp > 1:
+            # torchao shards float8 Linears with parallel styles of its own (Float8ColwiseParallel
+            # and friends), which parallel/tensor.py does not use yet.
+            raise ConfigError(
+                f"train.precision = fp8 with parallel.tp = {self.tp}",
+                expected="fp8 without tensor parallelism (FSDP, HSDP, DDP and pipeline "
+                "parallelism work)",
+                hint="set parallel.tp=1 (shard with parallel.strategy=fsdp instead), or "
+                "train.precision=bf16 to keep tensor parallelism",
+            )
+        if precision == "fp16" and (self.tp > 1 or self.pp > 1):
+            raise ConfigError(
+                "train.precision = fp16 with tensor or pipeline parallelism",
+                expected="bf16 or fp32 (fp16's loss scaling is not wired through TP/PP)",
+                hint="set train.precision=bf16",
+            )
         if master == "bf16" and precision != "bf16":
             raise ConfigError(
                 f"train.master_weights = bf16 with train.precision = {precision}",

@@ -2,7 +2,7 @@
 
 ``mesh_degrees`` needs only the ``parallel:`` section and the world size (it shapes the device
 mesh); ``check_layout`` adds the rules that involve the model and the batch: heads, KV heads, FFN
-width, vocabulary and sequence length divisible by ``tp`` (and no fp8 with it); layers enough for
+width, vocabulary and sequence length divisible by ``tp``; layers enough for
 the stages; the data-parallel batch divisible into pipeline micro-batches the schedule accepts.
 Each refusal says what to change.
 """
@@ -94,30 +94,15 @@ def check_layout(cfg: JobConfig, world_size: int) -> ParallelLayout:
     args = cfg.model.resolve()
     if tp > 1:
         _check_tensor_parallel(cfg, tp)
-        if tc.precision == "fp8":
-            # torchao shards float8 Linears with parallel styles of its own (Float8ColwiseParallel
-            # and friends), which parallel/tensor.py does not use yet.
-            raise ConfigError(
-                f"train.precision = fp8 with parallel.tp = {tp}",
-                expected="fp8 without tensor parallelism (FSDP, HSDP, DDP and pipeline "
-                "parallelism work)",
-                hint="set parallel.tp=1 (shard with parallel.strategy=fsdp instead), or "
-                "train.precision=bf16 to keep tensor parallelism",
-            )
-    if pp > 1 or tp > 1:
-        if tc.precision == "fp16":
-            raise ConfigError(
-                "train.precision = fp16 with tensor or pipeline parallelism",
-                expected="bf16 or fp32 (fp16's loss scaling is not wired through TP/PP)",
-                hint="set train.precision=bf16",
-            )
-        if args.tie_embeddings:
-            raise ConfigError(
-                "model.tie_embeddings = true with tensor or pipeline parallelism",
-                expected="separate input and output embeddings (they live on different "
-                "stages, or are sharded differently)",
-                hint="set model.tie_embeddings=false",
-            )
+    # fp8 and fp16 against tp and pp: ParallelConfig.check_precision, when the config loads
+    # (the planner asks it too).
+    if (pp > 1 or tp > 1) and args.tie_embeddings:
+        raise ConfigError(
+            "model.tie_embeddings = true with tensor or pipeline parallelism",
+            expected="separate input and output embeddings (they live on different "
+            "stages, or are sharded differently)",
+            hint="set model.tie_embeddings=false",
+        )
     if tc.loss_chunks and (tp > 1 or pp > 1):
         raise ConfigError(
             f"train.loss_chunks = {tc.loss_chunks} with parallel.tp = {tp}, parallel.pp = {pp}",
