@@ -200,7 +200,6 @@ def test_fused_gather_cast_keeps_an_unknown_torchao(monkeypatch: pytest.MonkeyPa
     """A torchao whose pre-all-gather method takes other arguments keeps its own, warned."""
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as weight
 
-
     def other(self, mesh, outer_size, outer_stride, module, mp_policy):
         raise AssertionError("not called")
 

@@ -187,7 +187,7 @@ class ParallelConfig:
         """Refuse ``mixed_precision`` and ``reduce_precision`` choices that ``train.precision``,
         ``train.master_weights`` (``master``) and a model of ``params`` parameters cannot take,
         and bf16 master weights without bf16 training, and the precisions tensor or pipeline
-        parallelism cannot take (the config, the layout check and the planner all ask)."""
+        parallelism cannot take (the config's load, ``parallelize`` and the planner all ask)."""
         if precision == "fp8" and self.tp > 1:
             # torchao shards float8 Linears with parallel styles of its own (Float8ColwiseParallel
             # and friends), which parallel/tensor.py does not use yet.
