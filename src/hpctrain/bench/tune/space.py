@@ -48,8 +48,8 @@ class Setting:
             out.append(f"parallel.mixed_precision={self.mixed_precision}")
         if self.async_tp != (cfg.parallel.async_tp if cfg else False):
             out.append(f"parallel.async_tp={str(self.async_tp).lower()}")
-        if self.strategy != "fsdp" and cfg is not None and cfg.parallel.fsdp_prefetch:
-            out.append("parallel.fsdp_prefetch=0")  # the config's, refused without FSDP
+        if cfg is not None and self.fsdp_prefetch(cfg) != cfg.parallel.fsdp_prefetch:
+            out.append(f"parallel.fsdp_prefetch={self.fsdp_prefetch(cfg)}")
         if self.pp > 1:
             out.append(f"parallel.pp_microbatches={self.pp_microbatches}")
         if self.strategy == "fsdp":
@@ -62,6 +62,11 @@ class Setting:
         if self.loss_chunks != (cfg.train.loss_chunks if cfg else 0):
             out.append(f"train.loss_chunks={self.loss_chunks}")
         return out
+
+    def fsdp_prefetch(self, cfg) -> int:
+        """The config's explicit FSDP prefetch where this setting shards with FSDP; 0 where it
+        does not (training refuses the option without FSDP)."""
+        return cfg.parallel.fsdp_prefetch if self.strategy == "fsdp" else 0
 
     def label(self, dp: int) -> str:
         """'FSDP ZeRO-3 dp2, mb 2 x 1, AC full, bf16'."""
@@ -231,4 +236,4 @@ def _memory_options(cfg, s: Setting, dp: int, ac: str):
                          mixed_precision=s.mixed_precision,
                          reduce_precision=pc.reduce_precision,
                          master_weights=cfg.train.master_weights,
-                         fsdp_prefetch=pc.fsdp_prefetch if s.strategy == "fsdp" else 0, **kw)
+                         fsdp_prefetch=s.fsdp_prefetch(cfg), **kw)
