@@ -26,15 +26,15 @@ from importlib.metadata import version
 
 import torch
 
+from hpctrain.models.hf_weights import expected_shapes
 from hpctrain.parallel.float8 import fused_gather_cast, import_float8
 from hpctrain.plan.memory_options import resolve_model
 
 
-def _block_shapes(size: str) -> list[tuple[int, int]]:
-    a = resolve_model(size)
-    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-    return [(q, a.dim), (kv, a.dim), (kv, a.dim), (a.dim, q),  # wq wk wv wo
-            (a.ffn_dim, a.dim), (a.dim, a.ffn_dim), (a.ffn_dim, a.dim)]  # w1 w2 w3
+def _block_shapes(size: str) -> list[tuple[int, ...]]:
+    # One block's Linear weights (attention q/k/v/o, FFN w1/w2/w3): its 2-D parameters.
+    return [shape for name, shape in expected_shapes(resolve_model(size)).items()
+            if name.startswith("layers.0.") and len(shape) == 2]
 
 
 def _time_ms(fn, repeats: int) -> float:
