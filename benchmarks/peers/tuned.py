@@ -114,6 +114,8 @@ def peer_run(config: Path, gpus: int) -> tuple[PeerRun, list[str]]:
     if par.fsdp_prefetch:
         notes.append(f"ours prefetches {par.fsdp_prefetch} FSDP block(s) explicitly; the peer "
                      "leaves it to FSDP2")
+    if par.fsdp_group_blocks > 1:
+        notes.append(f"ours gathers {par.fsdp_group_blocks} blocks per FSDP unit; the peer one")
     if train.loss_chunks:
         notes.append(f"ours chunks the loss ({train.loss_chunks}); the peer has no such option")
     return PeerRun(size=cfg.model.size, gpus=gpus, dp_shard=shard, dp_replicate=replicate,

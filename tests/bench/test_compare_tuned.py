@@ -48,9 +48,11 @@ def test_fsdp_zero2_with_accumulation_checkpointing_and_fp8(compare, tmp_path: P
         "parallel.reshard_after_forward=false", "parallel.activation_checkpointing=selective",
         "train.micro_batch=2", "train.grad_accum=2", "train.precision=fp8",
         "train.fp8_recipe=tensorwise", "parallel.fsdp_prefetch=1",
+        "parallel.fsdp_group_blocks=2",
         "parallel.reduce_precision=bf16"])
     tuned = compare.read_tuned(folder)
     assert "ours prefetches 1 FSDP block(s) explicitly" in tuned.note
+    assert "ours gathers 2 blocks per FSDP unit; the peer one" in tuned.note
     assert "ours reduces gradients in bf16, the peer in fp32" in tuned.note
     assert tuned.gpus == 4 and tuned.config == (folder / "best.yaml").resolve()
     assert tuned.note.startswith("tune's pick: the winner's label")

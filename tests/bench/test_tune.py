@@ -110,20 +110,23 @@ def test_async_tp_is_kept_for_tp_candidates_and_dropped_where_tp_is_1() -> None:
         load_config(DEMO, [*base, *c.overrides])
 
 
-def test_fsdp_prefetch_is_kept_for_fsdp_candidates_and_dropped_for_the_others() -> None:
-    """A config with parallel.fsdp_prefetch (which needs FSDP) still gets DDP candidates: they
-    turn it off, the FSDP ones keep the config's, and each loads."""
-    base = [*TINY, "parallel.strategy=fsdp", "parallel.fsdp_prefetch=2"]
+def test_fsdp_schedule_is_kept_for_fsdp_candidates_and_dropped_for_the_others() -> None:
+    """A config with parallel.fsdp_prefetch and fsdp_group_blocks (which need FSDP) still gets
+    DDP candidates: they turn both off, the FSDP ones keep the config's, and each loads."""
+    base = [*TINY, "parallel.strategy=fsdp", "parallel.fsdp_prefetch=2",
+            "parallel.fsdp_group_blocks=2"]
     cands, _, _ = candidates.build_candidates(DEMO, base, 2, device="cpu", gpu_bytes=16e9,
                                               peak_tflops=989.0, fp8=False, max_candidates=12)
     fsdp = [c for c in cands if c.setting.strategy == "fsdp"]
     other = [c for c in cands if c.setting.strategy != "fsdp"]
     assert fsdp and other
-    assert all(not any("fsdp_prefetch" in o for o in c.overrides) for c in fsdp)
-    assert all("parallel.fsdp_prefetch=0" in c.overrides for c in other)
+    assert all(not any("fsdp_" in o for o in c.overrides) for c in fsdp)
+    assert all("parallel.fsdp_prefetch=0" in c.overrides
+               and "parallel.fsdp_group_blocks=1" in c.overrides for c in other)
     for c in cands:
-        assert load_config(DEMO, [*base, *c.overrides]).parallel.fsdp_prefetch == (
-            2 if c.setting.strategy == "fsdp" else 0)
+        par = load_config(DEMO, [*base, *c.overrides]).parallel
+        sharded = c.setting.strategy == "fsdp"
+        assert (par.fsdp_prefetch, par.fsdp_group_blocks) == ((2, 2) if sharded else (0, 1))
 
 
 def _shortlist(gpu_gb: float, overrides: tuple[str, ...] = (), **kw

@@ -93,6 +93,23 @@ def test_fsdp_prefetch_holds_each_further_block_gathered() -> None:
             == estimate_memory(args, zero2).working)
 
 
+def test_fsdp_units_of_several_blocks_are_gathered_whole() -> None:
+    """Under ZeRO-3 the unit computing and the one prefetched are gathered: units of k blocks
+    hold 2k blocks (no more than the model has); ZeRO-2 holds all of them either way."""
+    args = PRESETS["1b"]
+    base = MemoryOptions(strategy="fsdp", gpus=4, micro_batch=4)
+    block = 2 * (count_params(dataclasses.replace(args, n_layers=1, vocab_size=0),
+                              include_embedding=True) - args.dim)
+    one = estimate_memory(args, base)
+    two = estimate_memory(args, dataclasses.replace(base, fsdp_group_blocks=2))
+    assert two.working - one.working == pytest.approx(2 * block)
+    whole = estimate_memory(args, dataclasses.replace(base, fsdp_group_blocks=100))
+    assert whole.working - one.working == pytest.approx((args.n_layers - 2) * block)
+    zero2 = dataclasses.replace(base, zero=2)
+    assert (estimate_memory(args, dataclasses.replace(zero2, fsdp_group_blocks=2)).working
+            == estimate_memory(args, zero2).working)
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: resolve_model("3b"), "unknown model size"),
     (lambda: gpu_memory_bytes("v100x"), "unknown GPU"),
@@ -101,6 +118,9 @@ def test_fsdp_prefetch_holds_each_further_block_gathered() -> None:
     (lambda: estimate_memory(TINY, MemoryOptions(strategy="none", gpus=2)), "none"),
     (lambda: estimate_memory(TINY, MemoryOptions(strategy="ddp", fsdp_prefetch=1)),
      "fsdp_prefetch = 1 with strategy 'ddp'"),
+    (lambda: estimate_memory(TINY, MemoryOptions(strategy="ddp", fsdp_group_blocks=2)),
+     "fsdp_group_blocks = 2 with strategy 'ddp'"),
+    (lambda: estimate_memory(TINY, MemoryOptions(fsdp_group_blocks=0)), "must be >= 1"),
 ])
 def test_bad_inputs(call, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -14,6 +14,7 @@ are given; the data-parallel shard degree is what is left of the world size::
       reduce_precision: fp32  # FSDP paths: gradients reduced and accumulated in fp32 or bf16
       async_tp: false         # TP with compile on GPUs: overlap SP's collectives with matmuls
       fsdp_prefetch: 0        # FSDP: blocks gathered explicitly ahead of use (0: FSDP2's own)
+      fsdp_group_blocks: 1    # FSDP: consecutive blocks gathered and reduced as one unit
 
 ``mixed_precision`` (bf16/fp16/fp8; nothing to choose in fp32) says how the forward computes in
 the lower precision while the optimizer keeps fp32 master weights:
@@ -63,6 +64,14 @@ the previous block's kernels and the GPU waits for it. With 1, a block's all-gat
 before the previous block's kernels, whatever the CPU's lead. Each further block held gathered
 costs its parameters in the compute dtype (the memory planner counts them). Scheduling only:
 the losses are the same bit for bit.
+
+``fsdp_group_blocks`` (strategy fsdp) makes each FSDP unit ``k`` consecutive blocks instead of
+one: one all-gather and one reduce-scatter per unit, and a k-th of FSDP's per-unit hooks on the
+CPU. Where the CPU sets the pace (1b on 4 H200s: both ranks' profiles launch-bound), 2 made the
+step 5.1% faster (benchmarks/RESULTS.md). The price: under ZeRO-3 k blocks are gathered at
+once (the memory planner counts them), and the first unit's all-gather and the last unit's
+reduce-scatter, which nothing hides, are k times larger. ``fsdp_prefetch`` then counts units.
+The same numbers, summed in the same order: the losses are the same bit for bit.
 """
 
 from __future__ import annotations
@@ -125,6 +134,8 @@ class ParallelConfig:
     async_tp: bool = False
     # FSDP: blocks whose all-gathers each block issues ahead of use (module docstring); 0: FSDP2's.
     fsdp_prefetch: int = 0
+    # FSDP: consecutive blocks per FSDP unit (module docstring); 1: each block its own unit.
+    fsdp_group_blocks: int = 1
 
     def validate(self) -> None:
         """Check the values that a type alone cannot."""
@@ -133,7 +144,7 @@ class ParallelConfig:
                 f"parallel.ac_every = {self.ac_every} must be >= 1",
                 hint="ac_every=1 is the same as activation_checkpointing=full",
             )
-        for key in ("tp", "pp", "dp_replicate"):
+        for key in ("tp", "pp", "dp_replicate", "fsdp_group_blocks"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"parallel.{key} = {getattr(self, key)} must be >= 1",
                                   hint="1 leaves that axis unused")
@@ -151,13 +162,13 @@ class ParallelConfig:
                 "parallel.dp_replicate",
             )
 
-        if self.fsdp_prefetch and self.strategy != "fsdp":
-            raise ConfigError(
-                f"parallel.fsdp_prefetch = {self.fsdp_prefetch} with strategy "
-                f"{self.strategy!r}",
-                expected="fsdp_prefetch with strategy fsdp: it schedules FSDP's all-gathers",
-                hint="drop parallel.fsdp_prefetch, or shard with parallel.strategy=fsdp",
-            )
+        for key, default in (("fsdp_prefetch", 0), ("fsdp_group_blocks", 1)):
+            if getattr(self, key) != default and self.strategy != "fsdp":
+                raise ConfigError(
+                    f"parallel.{key} = {getattr(self, key)} with strategy {self.strategy!r}",
+                    expected=f"{key} with strategy fsdp: it schedules FSDP's collectives",
+                    hint=f"drop parallel.{key}, or shard with parallel.strategy=fsdp",
+                )
         if self.async_tp and (self.tp == 1 or not self.compile):
             raise ConfigError(
                 f"parallel.async_tp = true with tp = {self.tp} and compile = "

@@ -27,31 +27,39 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: str,
                reshard_after_forward: bool, reduce_precision: str = "fp32", *,
-               last_block_gathered: bool = False, prefetch: int = 0) -> None:
-    """Shard every block of ``model``, then its root, in place (parameters may be on meta);
-    forward in ``precision``, gradients reduced and accumulated in ``reduce_precision``.
+               last_block_gathered: bool = False, prefetch: int = 0,
+               group_blocks: int = 1) -> None:
+    """Shard ``model``'s blocks, ``group_blocks`` consecutive ones per FSDP unit, then its root,
+    in place (parameters may be on meta); forward in ``precision``, gradients reduced and
+    accumulated in ``reduce_precision``.
 
     ``last_block_gathered``: where backward follows each forward at once (no pipeline), the
-    last block's backward comes first, so freeing its gathered parameters after its forward
-    would only gather them again right away (torchtitan keeps them too).
-    ``prefetch``: each block issues the all-gathers of the next ``prefetch`` blocks in forward
+    last unit's backward comes first, so freeing its gathered parameters after its forward
+    would only gather them again right away (torchtitan keeps the last block too).
+    ``prefetch``: each unit issues the all-gathers of the next ``prefetch`` units in forward
     and of the previous ones in backward (``parallel.fsdp_prefetch``; 0: FSDP2's own).
+    ``group_blocks``: ``parallel.fsdp_group_blocks`` (one collective and one set of FSDP's
+    hooks per unit: fewer of them when the CPU sets the pace).
     """
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[precision],
                               reduce_dtype=DTYPES[reduce_precision])
     shard_mesh = dp_mesh(mesh)
     blocks = [block for block in model.layers if block is not None]
-    for i, block in enumerate(blocks):
-        last = i == len(blocks) - 1
-        fully_shard(block, mesh=shard_mesh, mp_policy=mp,
+    units = [blocks[i:i + group_blocks] for i in range(0, len(blocks), group_blocks)]
+    for i, unit in enumerate(units):
+        last = i == len(units) - 1
+        # A list makes one FSDP unit of its modules (one parameter group, one state).
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=shard_mesh, mp_policy=mp,
                     reshard_after_forward=reshard_after_forward
                     and not (last and last_block_gathered))
     fully_shard(model, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     if prefetch:
-        for i, block in enumerate(blocks):
-            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
-            # Backward runs the blocks in reverse: block i is followed by i - 1, i - 2, ...
-            block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch):i][::-1])
+        # A unit is named by its first block: FSDP2 resolves any of its modules to its state.
+        heads = [unit[0] for unit in units]
+        for i, head in enumerate(heads):
+            head.set_modules_to_forward_prefetch(heads[i + 1:i + 1 + prefetch])
+            # Backward runs the units in reverse: unit i is followed by i - 1, i - 2, ...
+            head.set_modules_to_backward_prefetch(heads[max(0, i - prefetch):i][::-1])
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device

@@ -168,7 +168,7 @@ def _parallelize_part(model: nn.Module, cfg: ParallelConfig, layout: ParallelLay
     if cfg.strategy == "fsdp":
         apply_fsdp(model, mesh, compute_precision(precision), cfg.reshards_after_forward,
                    cfg.reduce_precision, last_block_gathered=layout.pp == 1,
-                   prefetch=cfg.fsdp_prefetch)
+                   prefetch=cfg.fsdp_prefetch, group_blocks=cfg.fsdp_group_blocks)
         materialize(model, device, seed)
         return model
     if fsdp_casts:

@@ -84,6 +84,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "gradients are reduced and accumulated over micro-batches in)")
     m.add_argument("--fsdp-prefetch", type=int, default=0,
                    help="parallel.fsdp_prefetch: blocks FSDP gathers ahead (0: its own, one)")
+    m.add_argument("--fsdp-group-blocks", type=int, default=1,
+                   help="parallel.fsdp_group_blocks: consecutive blocks per FSDP unit")
     m.add_argument("--fp8-recipe", default="tensorwise",
                    help="train.fp8_recipe with --precision fp8: tensorwise or rowwise")
     m.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -174,7 +176,8 @@ def _memory(args: argparse.Namespace) -> None:
                          mixed_precision=args.mixed_precision,
                          reduce_precision=args.reduce_precision,
                          master_weights=args.master_weights,
-                         fsdp_prefetch=args.fsdp_prefetch, fp8_recipe=args.fp8_recipe)
+                         fsdp_prefetch=args.fsdp_prefetch,
+                         fsdp_group_blocks=args.fsdp_group_blocks, fp8_recipe=args.fp8_recipe)
     gpu = gpu_memory_bytes(args.gpu) if args.gpu else None
     plan = estimate_memory(model, opts, gpu)
     path = opts.mixed_precision_path(model)

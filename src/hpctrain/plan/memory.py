@@ -37,7 +37,8 @@ measured peaks ``torch.cuda.max_memory_allocated`` in benchmarks/RESULTS.md, 4x 
 - working buffers: autocast's bf16 copies of the weights (saved for backward, no FSDP; in a
   pipeline, one per stage-micro-batch in flight); FSDP's gathered root module (embedding +
   output) and two gathered blocks (current + prefetched; 1 + ``parallel.fsdp_prefetch`` where
-  that asks for more than one ahead), all blocks gathered under ZeRO-2
+  that asks for more than one ahead; FSDP units of ``parallel.fsdp_group_blocks`` blocks
+  multiply both), all blocks gathered under ZeRO-2
   (``reshard_after_forward=false``: +2.2 GB on `1b`, measured 17.5 vs 15.3 GB); at the end of
   backward the root's unsharded fp32 gradients before reduce-scatter.
 - mixed precision (``parallel.mixed_precision``, resolved as the trainer resolves it:
@@ -397,9 +398,14 @@ def _estimate_rank(args: ModelArgs, opts: MemoryOptions, share: RankShare,
     if opts.fsdp_wrapped(args):
         # Without sharding (FSDP for its casts only) the parameters stay gathered: ZeRO-2.
         zero2 = opts.zero == 2 or opts.strategy != "fsdp"
-        ahead = min(max(1, opts.fsdp_prefetch), max(1, share.blocks - 1))  # blocks that exist
+        # Under ZeRO-3 the unit computing and the ones prefetched are gathered, each of
+        # fsdp_group_blocks blocks (no more than there are).
+        unit = min(opts.fsdp_group_blocks, max(1, share.blocks))
+        units = -(-share.blocks // unit)
+        ahead = min(max(1, opts.fsdp_prefetch), max(1, units - 1))  # units that exist
         block = _gathered_block(args, opts, p_block)
-        gathered = e * p_root + (share.blocks if zero2 else 1 + ahead) * block
+        gathered = e * p_root + (share.blocks if zero2 else min(
+            share.blocks, (1 + ahead) * unit)) * block
         acc = opts.accumulator_bytes(args)
         if opts.grad_accum > 1:  # every block's unsharded accumulators
             gathered += acc * p

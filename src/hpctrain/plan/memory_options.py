@@ -65,6 +65,8 @@ class MemoryOptions:
     master_weights: str = "fp32"
     # parallel.fsdp_prefetch: blocks gathered ahead of the one computing (0: FSDP2's one).
     fsdp_prefetch: int = 0
+    # parallel.fsdp_group_blocks: consecutive blocks per FSDP unit, gathered together.
+    fsdp_group_blocks: int = 1
     # train.fp8_recipe, with precision fp8: tensorwise or rowwise scales (module docstring).
     fp8_recipe: str = "tensorwise"
 
@@ -152,7 +154,8 @@ class MemoryOptions:
         # The combinations training refuses, refused with the same words.
         pc = ParallelConfig(strategy=self.strategy, mixed_precision=self.mixed_precision,
                             tp=self.tp, pp=self.pp, reduce_precision=self.reduce_precision,
-                            fsdp_prefetch=self.fsdp_prefetch)
+                            fsdp_prefetch=self.fsdp_prefetch,
+                            fsdp_group_blocks=self.fsdp_group_blocks)
         pc.validate()
         pc.check_precision(self.precision, count_params(args, include_embedding=True),
                            self.master_weights)

@@ -48,8 +48,10 @@ class Setting:
             out.append(f"parallel.mixed_precision={self.mixed_precision}")
         if self.async_tp != (cfg.parallel.async_tp if cfg else False):
             out.append(f"parallel.async_tp={str(self.async_tp).lower()}")
-        if cfg is not None and self.fsdp_prefetch(cfg) != cfg.parallel.fsdp_prefetch:
-            out.append(f"parallel.fsdp_prefetch={self.fsdp_prefetch(cfg)}")
+        if cfg is not None:
+            for key, value in self.fsdp_schedule(cfg).items():
+                if value != getattr(cfg.parallel, key):
+                    out.append(f"parallel.{key}={value}")
         if self.pp > 1:
             out.append(f"parallel.pp_microbatches={self.pp_microbatches}")
         if self.strategy == "fsdp":
@@ -63,10 +65,13 @@ class Setting:
             out.append(f"train.loss_chunks={self.loss_chunks}")
         return out
 
-    def fsdp_prefetch(self, cfg) -> int:
-        """The config's explicit FSDP prefetch where this setting shards with FSDP; 0 where it
-        does not (training refuses the option without FSDP)."""
-        return cfg.parallel.fsdp_prefetch if self.strategy == "fsdp" else 0
+    def fsdp_schedule(self, cfg) -> dict[str, int]:
+        """The config's FSDP scheduling options (``fsdp_prefetch``, ``fsdp_group_blocks``)
+        where this setting shards with FSDP; their defaults where it does not (training
+        refuses them without FSDP)."""
+        fsdp = self.strategy == "fsdp"
+        return {"fsdp_prefetch": cfg.parallel.fsdp_prefetch if fsdp else 0,
+                "fsdp_group_blocks": cfg.parallel.fsdp_group_blocks if fsdp else 1}
 
     def label(self, dp: int) -> str:
         """'FSDP ZeRO-3 dp2, mb 2 x 1, AC full, bf16'."""
@@ -236,4 +241,4 @@ def _memory_options(cfg, s: Setting, dp: int, ac: str):
                          mixed_precision=s.mixed_precision,
                          reduce_precision=pc.reduce_precision,
                          master_weights=cfg.train.master_weights,
-                         fsdp_prefetch=s.fsdp_prefetch(cfg), **kw)
+                         **s.fsdp_schedule(cfg), **kw)
