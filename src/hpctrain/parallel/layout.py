@@ -17,6 +17,7 @@ from hpctrain.parallel.config import ZERO_BUBBLE_SCHEDULES, ParallelConfig
 
 if TYPE_CHECKING:
     from hpctrain.config import JobConfig
+    from hpctrain.models.sizes import ModelArgs
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def check_layout(cfg: JobConfig, world_size: int) -> ParallelLayout:
     pp, dp_replicate, dp_shard, tp = mesh_degrees(pc, world_size)
     args = cfg.model.resolve()
     if tp > 1:
-        _check_tensor_parallel(cfg, tp)
+        check_tensor_parallel(args, cfg.data.seq_len, tp)
     # fp8 and fp16 against tp and pp: ParallelConfig.check_precision, when the config loads
     # (the planner asks it too).
     if (pp > 1 or tp > 1) and args.tie_embeddings:
@@ -103,15 +104,7 @@ def check_layout(cfg: JobConfig, world_size: int) -> ParallelLayout:
             "stages, or are sharded differently)",
             hint="set model.tie_embeddings=false",
         )
-    if tc.loss_chunks and (tp > 1 or pp > 1):
-        raise ConfigError(
-            f"train.loss_chunks = {tc.loss_chunks} with parallel.tp = {tp}, parallel.pp = {pp}",
-            expected="train.loss_chunks = 0 with tensor or pipeline parallelism: the vocabulary-"
-            "parallel loss never gathers the logits (each rank holds 1/tp of them), and a "
-            "pipeline's last stage computes the loss from its output outside the model",
-            hint="set train.loss_chunks=0 (with pipelines, more micro-batches shrink the logits "
-            "of each)",
-        )
+    check_loss_chunks(tc.loss_chunks, tp, pp)
     if pc.strategy == "ddp" and (tp > 1 or pp > 1):
         raise ConfigError(
             f"parallel.strategy = ddp with parallel.tp = {tp}, parallel.pp = {pp}",
@@ -143,15 +136,28 @@ def check_layout(cfg: JobConfig, world_size: int) -> ParallelLayout:
                           stages_per_rank)
 
 
-def _check_tensor_parallel(cfg: JobConfig, tp: int) -> None:
-    args = cfg.model.resolve()
+def check_loss_chunks(loss_chunks: int, tp: int, pp: int) -> None:
+    """Refuse the chunked loss with tensor or pipeline parallelism (training and the planner)."""
+    if loss_chunks and (tp > 1 or pp > 1):
+        raise ConfigError(
+            f"train.loss_chunks = {loss_chunks} with parallel.tp = {tp}, parallel.pp = {pp}",
+            expected="train.loss_chunks = 0 with tensor or pipeline parallelism: the vocabulary-"
+            "parallel loss never gathers the logits (each rank holds 1/tp of them), and a "
+            "pipeline's last stage computes the loss from its output outside the model",
+            hint="set train.loss_chunks=0 (with pipelines, more micro-batches shrink the logits "
+            "of each)",
+        )
+
+
+def check_tensor_parallel(args: ModelArgs, seq_len: int, tp: int) -> None:
+    """Refuse a ``tp`` that does not divide every size it splits (training and the planner)."""
     rules = (
         ("model.n_heads", args.n_heads, "the attention heads are split over tp ranks"),
         ("model.n_kv_heads", args.n_kv_heads, "the key/value heads are split over tp ranks"),
         ("model.ffn_dim", args.ffn_dim, "the FFN's hidden width is split over tp ranks"),
         ("model.vocab_size", args.vocab_size, "the output layer and the loss are split along "
          "the vocabulary"),
-        ("data.seq_len", cfg.data.seq_len, "norms and residuals are split along the sequence "
+        ("data.seq_len", seq_len, "norms and residuals are split along the sequence "
          "(sequence parallelism)"),
     )
     for key, value, why in rules:

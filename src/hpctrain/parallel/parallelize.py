@@ -120,7 +120,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout, m
                  "(symmetric memory on the %d-rank TP group)", layout.tp)
     if layout.pp == 1:
         return Parallelized(_parallelize_part(model, cfg, layout, mesh, device, precision, seed,
-                                              fp8, casts), float8_scales=gather8,
+                                              fp8, gather8, casts), float8_scales=gather8,
                             autocast=autocast)
     if loss_fn is None:
         raise ValueError("pipeline parallelism needs the loss function")
@@ -133,7 +133,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout, m
         if autocast is not None:
             autocast_forward(part, device.type, autocast)
         stages.append((s, _parallelize_part(part, cfg, layout, mesh, device, precision, seed,
-                                            fp8, casts)))
+                                            fp8, gather8, casts)))
     union = StageUnion([part for _, part in parts], args.n_layers)
     return Parallelized(union, build_pipeline(stages, layout, mesh["pp"], device, loss_fn,
                                               bounds), float8_scales=gather8, autocast=autocast)
@@ -141,9 +141,9 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout, m
 
 def _parallelize_part(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout,
                       mesh: DeviceMesh, device: torch.device, precision: str,
-                      seed: int, fp8: Float8Training | None, fsdp_casts: bool) -> nn.Module:
+                      seed: int, fp8: Float8Training | None, gather8: bool,
+                      fsdp_casts: bool) -> nn.Module:
     if fp8 is not None:
-        gather8 = float8_all_gather(fp8, cfg.strategy, layout.dp_shard)
         converted = convert_to_float8(model, fp8, all_gather=gather8)
         log.info("fp8 (%s%s): %d block Linears compute in float8%s", fp8.recipe,
                  ", emulated" if fp8.emulate else "", len(converted),

@@ -19,6 +19,7 @@ from hpctrain.parallel.config import (
     mixed_precision_path,
 )
 from hpctrain.parallel.float8 import FP8_RECIPES, Float8Training, float8_all_gather
+from hpctrain.parallel.layout import check_loss_chunks, check_tensor_parallel
 from hpctrain.parallel.selective_ac import SAVE_MM
 
 STRATEGIES = ("none", "ddp", "fsdp")
@@ -145,13 +146,11 @@ class MemoryOptions:
                 raise ConfigError(f"{name} = {value}", expected="a positive integer")
         if self.loss_chunks < 0:
             raise ConfigError(f"loss chunks = {self.loss_chunks}", expected="0 (off) or more")
-        if self.loss_chunks and (self.tp > 1 or self.pp > 1):
-            raise ConfigError(f"loss chunks = {self.loss_chunks} with tp {self.tp}, pp "
-                              f"{self.pp}", expected="no chunked loss with tensor or pipeline "
-                              "parallelism (as training refuses it)")
         if self.zero not in (2, 3):
             raise ConfigError(f"zero = {self.zero}", expected="2 or 3")
         # The combinations training refuses, refused with the same words.
+        check_loss_chunks(self.loss_chunks, self.tp, self.pp)
+        check_tensor_parallel(args, self.seq_len, self.tp)
         pc = ParallelConfig(strategy=self.strategy, mixed_precision=self.mixed_precision,
                             tp=self.tp, pp=self.pp, reduce_precision=self.reduce_precision,
                             fsdp_prefetch=self.fsdp_prefetch,
@@ -162,15 +161,6 @@ class MemoryOptions:
         if self.strategy == "none" and self.gpus > 1:
             raise ConfigError(f"strategy none with {self.gpus} GPUs",
                               expected="ddp or fsdp for more than one data-parallel GPU")
-        if args.n_heads % self.tp or args.n_kv_heads % self.tp:
-            raise ConfigError(f"tp = {self.tp} does not divide the heads "
-                              f"({args.n_heads} query, {args.n_kv_heads} kv)",
-                              expected="a tensor-parallel degree dividing both head counts")
-        if args.ffn_dim % self.tp or args.vocab_size % self.tp or self.seq_len % self.tp:
-            raise ConfigError(f"tp = {self.tp} does not divide the FFN width {args.ffn_dim}, "
-                              f"the vocabulary {args.vocab_size} and the sequence "
-                              f"{self.seq_len}", expected="a tensor-parallel degree dividing "
-                              "all three (they are split tp ways)")
         if self.pp_schedule not in PP_SCHEDULES:
             raise ConfigError(f"pipeline schedule {self.pp_schedule!r} is not known",
                               expected=f"one of {', '.join(PP_SCHEDULES)}")
