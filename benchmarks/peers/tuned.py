@@ -5,9 +5,10 @@
 
 Our side trains tune's ``best.yaml`` as written. torchtitan gets the same model, sequence, batch
 per optimizer step, layout (tp, pp and its schedule, FSDP or DDP over the rest), ZeRO stage,
-activation checkpointing, compile and precision, in its own flags. Where the peer has no FSDP
-dimension its mixed precision is off (it warns and computes in fp32), so it then runs pure bf16,
-its fastest setting there, as the fixed layouts of compare.py do. What torchtitan cannot take
+activation checkpointing, compile and precision, in its own flags. With TP or PP and no FSDP
+dimension the peer's mixed precision is off (it warns and computes in fp32), so it then runs pure
+bf16, its fastest setting there, as the fixed layouts of compare.py do; on one GPU and under DDP
+it autocasts (its AMP) with fp32 master weights, as ours does. What torchtitan cannot take
 is refused with the reason (fp32 or fp16 training, a model size it has no flavor for), and what
 it has no counterpart for (the chunked loss, explicit FSDP prefetch, bf16 gradient reduction
 beside fp32 master weights) is said in the layout's note.
@@ -59,9 +60,11 @@ def read_tuned(folder: Path) -> Tuned:
     return Tuned(best.resolve(), gpus, peer, "; ".join([f"tune's pick: {label}", *notes]))
 
 
-def peer_run(config: Path, gpus: int) -> tuple[PeerRun, list[str]]:
-    """torchtitan's run for ``config`` trained on ``gpus`` GPUs, and notes on what differs."""
-    cfg = load_config(config)
+def peer_run(config: Path, gpus: int, overrides: list[str] | None = None
+             ) -> tuple[PeerRun, list[str]]:
+    """torchtitan's run for ``config`` (with ``overrides``) trained on ``gpus`` GPUs, and notes
+    on what differs."""
+    cfg = load_config(config, overrides or [])
     par, train = cfg.parallel, cfg.train
     if cfg.model.size not in FLAVORS:
         raise ConfigError(f"model.size = {cfg.model.size}: the peer has no flavor for it",
@@ -87,11 +90,14 @@ def peer_run(config: Path, gpus: int) -> tuple[PeerRun, list[str]]:
         extra.append(f"--activation_checkpoint.selective_ac_option={option}")
     if train.master_weights == "bf16":
         dtype = "bfloat16"
-    elif shard == 1:
+    elif shard == 1 and (par.tp > 1 or par.pp > 1):
         dtype = "bfloat16"
-        notes.append("peer: pure bf16 (its mixed precision needs an FSDP dimension)")
+        notes.append("peer: pure bf16 (with TP or PP its mixed precision needs an FSDP "
+                     "dimension)")
     else:
-        dtype = "float32"  # fp32 master weights, bf16 compute through FSDP: as ours
+        # fp32 master weights, bf16 compute through FSDP's policy, or through autocast on
+        # one GPU and under DDP (torchtitan's AMP there): as ours.
+        dtype = "float32"
     per_rank = train.micro_batch * train.grad_accum  # samples per data-parallel rank and step
     local, pp_micro = train.micro_batch, 1
     if par.pp > 1:

@@ -100,6 +100,8 @@ def test_ddp_replicates_on_the_peer(compare, tmp_path: Path) -> None:
     assert f["parallelism.data_parallel_shard_degree"] == "1"
     assert f["activation_checkpoint.mode"] == "full"
     assert "parallelism.fsdp_reshard_after_forward" not in f
+    # fp32 master weights: torchtitan autocasts under DDP (its AMP), as ours does.
+    assert f["training.dtype"] == "float32"
     # Rowwise scales, and no float8 all-gather without FSDP.
     assert f["quantize.linear.float8.recipe_name"] == "rowwise"
     assert "quantize.linear.float8.enable_fsdp_float8_all_gather" not in f
