@@ -14,13 +14,17 @@ to ``--out``/compare.json. Every speed claim in the README comes from this scrip
         --tag autocast --only hpctrain          # an A/B of one setting: rows 8b-tp2-autocast
     python benchmarks/peers/compare.py --layouts 8b-pp2 --profile   # + profile-8b-pp2.md
     python benchmarks/peers/compare.py --layouts 8b-tp2 --set parallel.async_tp=true \
-        --peer-arg=--parallelism.enable_async_tensor_parallel --tag asynctp   # both sides
+        --tag asynctp            # both sides: the peer gets its async-TP flag (below)
 
     hpctrain tune configs/llama-8b-fsdp.yaml --gpus 4 --out runs/tune/8b-4gpu
     python benchmarks/peers/compare.py --tuned runs/tune/8b-4gpu --steps 30   # layout "tuned"
 
 ``--tuned`` compares the configuration ``hpctrain tune`` picked: our side trains its best.yaml,
-the peer the same layout, batch and precision in its flags (``tuned.py``).
+the peer the same layout, batch and precision in its flags (``tuned.py``). A ``--set`` that the peer
+has a counterpart for (ZeRO-2, fp8, pure bf16, async TP, batch shape, checkpointing) changes the
+peer's run as ``tuned.py`` maps a config, so an A/B of both sides stays like for like; what it
+has none for (bf16 gradient reduction, the chunked loss, FSDP prefetch or units) is said in the
+row's note. ``--peer-arg`` adds any other torchtitan flag.
 
 ``--profile`` adds, after each layout's pairs, a short run of our side with three steps profiled
 and writes ``hpctrain profile``'s table of it (GPU time by kind, idle, exposed communication).
@@ -34,14 +38,14 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from torchtitan_peer import PEER_SCHEDULES, PeerRun, run_peer  # noqa: E402
-from tuned import read_tuned  # noqa: E402
+from tuned import peer_run, read_tuned  # noqa: E402
 
 from hpctrain.bench.model import run_model_bench  # noqa: E402
 from hpctrain.errors import HpctrainError  # noqa: E402
@@ -179,8 +183,9 @@ def run_theirs(name: str, layout: Layout, steps: int, out: Path, timeout: float)
     return {"side": "torchtitan", "layout": name, **row}
 
 
-def table(rows: list[dict], device: str) -> str:
-    """Side-by-side Markdown: per layout, the median of each side's runs and their ratio."""
+def table(rows: list[dict], device: str, notes: dict[str, str]) -> str:
+    """Side-by-side Markdown: per layout, the median of each side's runs and their ratio, and
+    the layout's note (``notes``, by layout name)."""
     lines = [f"Device: {device}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}", "",
              "| layout | hpctrain tok/s/GPU | MFU | mem GB | torchtitan tok/s/GPU | MFU | "
              "mem GiB | ratio | note |", "|---|---|---|---|---|---|---|---|---|"]
@@ -192,7 +197,7 @@ def table(rows: list[dict], device: str) -> str:
         a, b = _summary(ours, "peak_mem_gb"), _summary(theirs, "peak_mem_gib")
         ratio = f"{a[0] / b[0]:.2f}x" if a[0] and b[0] else "n/a"
         lines.append(f"| {name}{tag} | {a[3]} | {a[1]} | {a[2]} | {b[3]} | {b[1]} | {b[2]} | "
-                     f"{ratio} | {LAYOUTS[name].note} |")
+                     f"{ratio} | {notes.get(name, '')} |")
     return "\n".join(lines)
 
 
@@ -231,7 +236,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("runs/peers"))
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="an override for our side of every layout (an A/B: name it --tag)")
+                   help="an override for our side of every layout, and what it changes of the "
+                   "peer's run where the peer has a counterpart (an A/B: name it --tag)")
     p.add_argument("--peer-arg", action="append", default=[], metavar="--FLAG[=VALUE]",
                    help="a torchtitan command-line argument for the peer of every layout (give "
                    "it as --peer-arg=--its.flag, so it is not read as ours)")
@@ -244,10 +250,44 @@ def parser() -> argparse.ArgumentParser:
 
 
 def chosen_layout(name: str, args: argparse.Namespace) -> Layout:
-    """Layout ``name`` with the command line's ``--set`` (ours) and ``--peer-arg`` (theirs)."""
+    """Layout ``name`` with the command line's ``--set`` (ours, and what it changes of the
+    peer's run where the peer runs) and ``--peer-arg`` (theirs, appended unless already
+    there)."""
     base = LAYOUTS[name]
+    peer, note = base.peer, base.note
+    if args.set and args.only != "hpctrain":
+        peer, notes = peer_following(base, args.set)
+        note = "; ".join(n for n in (note, *notes) if n)
+    extra = [*peer.extra, *(a for a in args.peer_arg if a not in peer.extra)]
     return replace(base, overrides=[*base.overrides, *args.set],
-                   peer=replace(base.peer, extra=[*base.peer.extra, *args.peer_arg]))
+                   peer=replace(peer, extra=extra), note=note)
+
+
+def peer_following(layout: Layout, overrides: list[str]) -> tuple[PeerRun, list[str]]:
+    """``layout``'s peer run changed as ``overrides`` change our config, and the new notes.
+
+    ``tuned.peer_run`` maps our config to torchtitan's settings; what it maps differently with
+    the overrides than without them is applied to the layout's own peer run (whose other
+    choices, such as pure bf16 without an FSDP dimension, stay), so ``--set
+    parallel.reshard_after_forward=false`` gives the peer
+    ``--parallelism.fsdp_reshard_after_forward=never``, ``--set train.precision=fp8`` its
+    float8 converters, and so on. Exits when the peer cannot follow.
+    """
+    config = REPO / layout.config
+    try:
+        before, notes_before = peer_run(config, layout.gpus, layout.overrides)
+        after, notes_after = peer_run(config, layout.gpus, [*layout.overrides, *overrides])
+    except HpctrainError as e:
+        sys.exit(f"compare: error: the peer cannot follow --set {' '.join(overrides)}: {e}\n"
+                 "  HINT: run our side alone (--only hpctrain), or give the peer's flags with "
+                 "--peer-arg")
+    changed = {f.name: getattr(after, f.name) for f in fields(PeerRun)
+               if f.name != "extra" and getattr(after, f.name) != getattr(before, f.name)}
+    dropped = [a for a in before.extra if a not in after.extra]
+    extra = [a for a in layout.peer.extra if a not in dropped]
+    extra += [a for a in after.extra if a not in before.extra and a not in extra]
+    return (replace(layout.peer, **changed, extra=extra),
+            [n for n in notes_after if n not in notes_before])
 
 
 def main() -> None:
@@ -267,8 +307,10 @@ def main() -> None:
         sys.exit("compare needs CUDA GPUs")
     out = args.out.resolve()
     rows = []
+    notes = {}
     for name in names:
         layout = chosen_layout(name, args)
+        notes[name] = layout.note
         if layout.gpus > torch.cuda.device_count():
             print(f"== {name}: needs {layout.gpus} GPUs, skipped", flush=True)
             continue
@@ -290,7 +332,7 @@ def main() -> None:
                                                                 args.timeout), flush=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.json").write_text(json.dumps(rows, indent=1))
-    print(table(rows, torch.cuda.get_device_name(0)))
+    print(table(rows, torch.cuda.get_device_name(0), notes))
     print(slow_window_lines(rows))
 
 

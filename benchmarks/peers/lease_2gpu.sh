@@ -23,7 +23,7 @@ step tune-8b python3 -m hpctrain tune configs/llama-8b-fsdp.yaml \
     --steps 20 --out "$R/tune-8b"
 step 8b-tuned $C --tuned "$R/tune-8b" --steps 30 --out "$R/8b-tuned"
 step 1b-zero2 $C --layouts 1b-fsdp2 --steps 40 --set parallel.reshard_after_forward=false \
-    --peer-arg=--parallelism.fsdp_reshard_after_forward=never --tag zero2 --out "$R/1b-zero2"
+    --tag zero2 --out "$R/1b-zero2"
 step 1b-zero2-bf16rs $C --layouts 1b-fsdp2 --only hpctrain --steps 40 \
     --set parallel.reshard_after_forward=false --set parallel.reduce_precision=bf16 \
     --tag zero2-bf16rs --out "$R/1b-zero2-bf16rs"

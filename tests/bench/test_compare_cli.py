@@ -49,3 +49,42 @@ def test_every_layout_is_a_valid_config_for_its_gpus(compare) -> None:
         par = cfg.parallel
         assert layout.gpus % (par.tp * par.pp) == 0, name
         assert cfg.model.size == layout.peer.size, name
+
+
+def _chosen(compare, layout: str, *argv: str):
+    return compare.chosen_layout(layout, compare.parser().parse_args(["--layouts", layout,
+                                                                      *argv]))
+
+
+def test_the_peer_follows_what_set_changes(compare) -> None:
+    """``--set`` changes the peer's run as tuned.peer_run maps it; a --peer-arg saying the same
+    is not given twice; with --only hpctrain the peer is left as it is."""
+    never = "--parallelism.fsdp_reshard_after_forward=never"
+    zero2 = _chosen(compare, "1b-fsdp4", "--set", "parallel.reshard_after_forward=false",
+                    f"--peer-arg={never}")
+    assert zero2.peer.extra.count(never) == 1
+    fp8 = _chosen(compare, "8b-fsdp4", "--set", "train.precision=fp8")
+    assert {"--model.converters=quantize.linear.float8",
+            "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+            "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"} <= set(
+                fp8.peer.extra)
+    one_gpu = _chosen(compare, "1b-1gpu", "--set", "train.precision=fp8")
+    assert one_gpu.peer.extra == ["--model.converters=quantize.linear.float8"]
+    pure = _chosen(compare, "1b-1gpu", "--set", "train.master_weights=bf16")
+    assert (compare.LAYOUTS["1b-1gpu"].peer.dtype, pure.peer.dtype) == ("float32", "bfloat16")
+    # The layout's own choice stays: 8b TP4's peer runs pure bf16 already.
+    tp4 = _chosen(compare, "8b-tp4", "--set", "train.master_weights=bf16")
+    assert tp4.peer == compare.LAYOUTS["8b-tp4"].peer
+    bf16rs = _chosen(compare, "1b-fsdp4", "--set", "parallel.reduce_precision=bf16")
+    assert bf16rs.peer == compare.LAYOUTS["1b-fsdp4"].peer
+    assert "ours reduces gradients in bf16, the peer in fp32" in bf16rs.note
+    ours_only = _chosen(compare, "1b-fsdp4", "--only", "hpctrain", "--set",
+                        "parallel.reshard_after_forward=false")
+    assert ours_only.peer == compare.LAYOUTS["1b-fsdp4"].peer
+
+
+def test_a_set_the_peer_cannot_follow_stops_before_any_run(compare, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        _chosen(compare, "1b-1gpu", "--set", "train.precision=fp32")
+    assert "the peer cannot follow --set train.precision=fp32" in str(e.value)
+    assert "--only hpctrain" in str(e.value)

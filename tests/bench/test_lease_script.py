@@ -18,7 +18,7 @@ from hpctrain.config import load_config
 REPO = Path(__file__).resolve().parents[2]
 PEERS = REPO / "benchmarks" / "peers"
 # script: (steps, of which compare.py runs)
-SCRIPTS = {"lease_4gpu.sh": (7, 7), "lease_2gpu.sh": (8, 7)}
+SCRIPTS = {"lease_4gpu.sh": (9, 9), "lease_2gpu.sh": (8, 7)}
 COMPARE = "python3 benchmarks/peers/compare.py"
 
 
