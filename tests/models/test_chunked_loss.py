@@ -140,5 +140,5 @@ def test_memory_plan_models_the_chunked_loss() -> None:
     plain = activation_bytes(args, MemoryOptions(micro_batch=4))
     chunked = activation_bytes(args, MemoryOptions(micro_batch=4, loss_chunks=8))
     assert plain - chunked == pytest.approx(2 * 2 * v * tokens - (8 * v * tokens / 8 + 4 * v * d))
-    with pytest.raises(ConfigError, match="loss chunks"):
+    with pytest.raises(ConfigError, match="train.loss_chunks = 8 with parallel.tp = 2"):
         estimate_memory(args, MemoryOptions(tp=2, loss_chunks=8))
