@@ -106,7 +106,10 @@ def peer_run(config: Path, gpus: int, overrides: list[str] | None = None
     elif train.grad_accum > 1:
         extra.append(f"--training.global_batch_size={per_rank * dp}")
     if train.precision == "fp8":
-        extra += ["--model.converters=quantize.linear.float8"]
+        # Its CLI default converts every Linear, the output layer too; ours keeps the output
+        # layer in bf16, as torchtitan's own float8 configs do (filter_fqns = ["output"]).
+        extra += ["--model.converters=quantize.linear.float8",
+                  "--quantize.linear.float8.filter_fqns=output"]
         if train.fp8_recipe == "tensorwise":
             if shard > 1:
                 extra += ["--quantize.linear.float8.enable_fsdp_float8_all_gather",

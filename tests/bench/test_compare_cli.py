@@ -65,11 +65,13 @@ def test_the_peer_follows_what_set_changes(compare) -> None:
     assert zero2.peer.extra.count(never) == 1
     fp8 = _chosen(compare, "8b-fsdp4", "--set", "train.precision=fp8")
     assert {"--model.converters=quantize.linear.float8",
+            "--quantize.linear.float8.filter_fqns=output",
             "--quantize.linear.float8.enable_fsdp_float8_all_gather",
             "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"} <= set(
                 fp8.peer.extra)
     one_gpu = _chosen(compare, "1b-1gpu", "--set", "train.precision=fp8")
-    assert one_gpu.peer.extra == ["--model.converters=quantize.linear.float8"]
+    assert one_gpu.peer.extra == ["--model.converters=quantize.linear.float8",
+                                  "--quantize.linear.float8.filter_fqns=output"]
     pure = _chosen(compare, "1b-1gpu", "--set", "train.master_weights=bf16")
     assert (compare.LAYOUTS["1b-1gpu"].peer.dtype, pure.peer.dtype) == ("float32", "bfloat16")
     # The layout's own choice stays: 8b TP4's peer runs pure bf16 already.

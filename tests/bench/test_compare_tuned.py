@@ -67,6 +67,8 @@ def test_fsdp_zero2_with_accumulation_checkpointing_and_fp8(compare, tmp_path: P
     assert f["activation_checkpoint.selective_ac_option"] == "op"  # ours is per-op
     assert f["training.dtype"] == "float32"  # fp32 masters, FSDP's bf16 casts: as ours
     assert f["model.converters"] == "quantize.linear.float8"
+    # The output layer stays in bf16 on both sides (ours never converts it).
+    assert f["quantize.linear.float8.filter_fqns"] == "output"
     assert "quantize.linear.float8.enable_fsdp_float8_all_gather" in f
     assert "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp" in f
 

@@ -7,7 +7,9 @@ Parameters, optimizer state, gradients and every other op stay as with bf16 (FSD
 parameters to bf16, autocast where bf16 uses autocast); only the matmuls of attention (wq, wk,
 wv, wo) and the FFN (w1, w2, w3) cast their inputs, weights and output gradients to float8 with
 dynamic scales (torchao's ``Float8Linear``). The embedding and the output layer stay in bf16, as
-in torchtitan: the output layer's logits feed the loss and are the most sensitive to rounding.
+torchtitan's float8 configs keep the output layer (``filter_fqns = ["output"]``; its command
+line's default converts it too): the output layer's logits feed the loss and are the most
+sensitive to rounding.
 
 Recipes (``train.fp8_recipe``), torchao's names:
 
