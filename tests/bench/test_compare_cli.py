@@ -85,7 +85,7 @@ def test_the_peer_follows_what_set_changes(compare) -> None:
     assert ours_only.peer == compare.LAYOUTS["1b-fsdp4"].peer
 
 
-def test_a_set_the_peer_cannot_follow_stops_before_any_run(compare, capsys) -> None:
+def test_a_set_the_peer_cannot_follow_stops_before_any_run(compare) -> None:
     with pytest.raises(SystemExit) as e:
         _chosen(compare, "1b-1gpu", "--set", "train.precision=fp32")
     assert "the peer cannot follow --set train.precision=fp32" in str(e.value)
