@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Issue 14's open measurements on one 2-GPU host, as one batch, most wanted first, each step
-# beside torchtitan where there is a peer (earlier batches: benchmarks/RESULTS.md):
+# Issue 14's measurements on one 2-GPU host, as one batch, each step beside torchtitan where
+# there is a peer (last run 2026-11-27: benchmarks/RESULTS.md, section "8b fp8 against the
+# peer with its output layer in bf16..."):
 #   1. 8b at tune's 2-GPU pick (fp8, ZeRO-2, no AC, micro-batch 4) on both sides (1.15x wanted;
-#      1.04-1.07x so far), then ours in FSDP units of two blocks (parallel.fsdp_group_blocks=2,
-#      not yet run on a GPU: the 1b prototype gained 5.1% on 4 GPUs), then ours as before
-#      again (ABBA);
+#      1.06-1.10x), then ours in FSDP units of two blocks (parallel.fsdp_group_blocks=2: no
+#      change on 2 GPUs; the 1b prototype gained 5.1% on a CPU-bound 4-GPU host), then ours as
+#      before again (ABBA);
 #   2. 1b on 1 GPU and FSDP2 as ZeRO-2 on both sides, then ours in units of two blocks;
 #   3. hpctrain tune on 8b over 2 GPUs (no AC, micro-batch 4 as given: the 2-GPU layout that
 #      holds 8b without AC on 141 GB cards), then its pick on both sides (compare.py --tuned).
