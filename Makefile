@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	# tests/bench/test_peer_flags.py parses the peer's command lines with torchtitan's own config
+	# manager, loading only its config package (none of its dependencies but tyro, in dev).
+	$(BIN)/python -m pip install -q --no-deps "torchtitan==0.2.2"
 	touch $(STAMP)
 
 # The demo's corpus, prepared into token shards once (a rerun verifies them and returns at once).
