@@ -13,14 +13,16 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint clean
 
+# torchtitan 0.2.2 goes into a folder of its own, without its dependencies: only its config
+# package is loaded, by tests/bench/test_peer_flags.py to parse the peer's command lines (tyro,
+# which it parses with, is in dev), so it stays out of the environment's packages.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
-	# tests/bench/test_peer_flags.py parses the peer's command lines with torchtitan's own config
-	# manager, loading only its config package (none of its dependencies but tyro, in dev).
-	$(BIN)/python -m pip install -q --no-deps "torchtitan==0.2.2"
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/torchtitan-site \
+		"torchtitan==0.2.2"
 	touch $(STAMP)
 
 # The demo's corpus, prepared into token shards once (a rerun verifies them and returns at once).

@@ -1,6 +1,7 @@
 """Parse torchtitan command lines with torchtitan's own config manager; print what they set.
 
-    python tests/bench/parse_peer_argv.py < argvs.json    # a JSON list of argv lists
+    PYTHONPATH=.venv/torchtitan-site python tests/bench/parse_peer_argv.py < argvs.json
+    # argvs.json: a JSON list of argv lists; `make test` installs torchtitan 0.2.2 there
 
 Prints one JSON object per argv, in order: the parsed settings that the peer harness relies on,
 or ``{"error": ...}`` with what the parser said. Run as its own process: torchtitan's package
@@ -21,8 +22,8 @@ import types
 def _load_config_manager():
     spec = importlib.util.find_spec("torchtitan")
     if spec is None or not spec.submodule_search_locations:
-        sys.exit("torchtitan is not installed (make test installs torchtitan==0.2.2 without "
-                 "its dependencies)")
+        sys.exit("torchtitan is not importable: `make test` installs torchtitan==0.2.2, "
+                 "without its dependencies, into .venv/torchtitan-site")
     package = types.ModuleType("torchtitan")
     package.__path__ = list(spec.submodule_search_locations)
     sys.modules["torchtitan"] = package

@@ -12,6 +12,7 @@ runs ``--set`` derives from the FSDP layouts go through torchtitan's parser
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,9 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
+# Where `make test` installs torchtitan 0.2.2 (without its dependencies: only its config
+# package is loaded), beside the environment's own packages rather than among them.
+PEER_SITE = Path(sys.prefix) / "torchtitan-site"
 # What --set derives from the FSDP layouts (compare.py's peer_following), as the lease scripts
 # use it: float8 training, ZeRO-2, both.
 DERIVED = {"fp8": ["train.precision=fp8"], "zero2": ["parallel.reshard_after_forward=false"],
@@ -31,6 +35,15 @@ def _torchtitan_argv(run, work: Path) -> list[str]:
     return argv[argv.index("torchtitan.train") + 1:]
 
 
+def _parse(argvs: list[list[str]]) -> subprocess.CompletedProcess:
+    """torchtitan's parse of each argv (parse_peer_argv.py: one JSON line each)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(PEER_SITE), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return subprocess.run([sys.executable, str(HERE / "parse_peer_argv.py")],
+                          input=json.dumps(argvs), capture_output=True, text=True, timeout=300,
+                          env=env)
+
+
 @pytest.fixture(scope="module")
 def parsed(compare) -> dict[str, tuple[object, dict]]:
     """Per run name: (its PeerRun, torchtitan's parsed settings), all parsed in one process."""
@@ -39,8 +52,7 @@ def parsed(compare) -> dict[str, tuple[object, dict]]:
         for tag, sets in DERIVED.items():
             runs[f"{name}+{tag}"] = compare.peer_following(compare.LAYOUTS[name], sets)[0]
     argvs = [_torchtitan_argv(run, Path("/nonexistent/work")) for run in runs.values()]
-    done = subprocess.run([sys.executable, str(HERE / "parse_peer_argv.py")],
-                          input=json.dumps(argvs), capture_output=True, text=True, timeout=300)
+    done = _parse(argvs)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert len(lines) == len(runs), done.stdout + done.stderr
@@ -100,8 +112,7 @@ def test_a_flag_torchtitan_does_not_know_is_reported(compare) -> None:
     """The check above can fail: a misspelt flag comes back as the parser's error."""
     argv = _torchtitan_argv(compare.LAYOUTS["1b-1gpu"].peer, Path("/w"))
     argv[argv.index("--training.seq_len")] = "--training.seqlen"
-    done = subprocess.run([sys.executable, str(HERE / "parse_peer_argv.py")],
-                          input=json.dumps([argv]), capture_output=True, text=True, timeout=300)
+    done = _parse([argv])
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout)
     assert "training.seqlen" in got["error"]
