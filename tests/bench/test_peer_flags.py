@@ -103,7 +103,7 @@ def test_without_an_fsdp_dimension_tp_and_pp_run_pure_bf16(parsed) -> None:
     for name, (run, got) in parsed.items():
         if (run.tp > 1 or run.pp > 1) and run.dp_shard == 1:
             assert got["dtype"] == "bfloat16", name
-        if run.dp_shard != 1:  # FSDP: fp32 masters, bf16 compute, fp32 reduction, as ours
+        if run.dp_shard != 1:  # FSDP (one GPU: AMP): fp32 masters, bf16 compute, as ours
             assert (got["dtype"], got["param_dtype"], got["reduce_dtype"]) == (
                 "float32", "bfloat16", "float32"), name
 
