@@ -30,8 +30,10 @@ DERIVED = {"fp8": ["train.precision=fp8"], "zero2": ["parallel.reshard_after_for
 FSDP_LAYOUTS = ("1b-fsdp2", "1b-fsdp4", "8b-fsdp2", "8b-fsdp4")
 
 
-def _torchtitan_argv(run, work: Path) -> list[str]:
-    argv = run.argv(work)
+def _torchtitan_argv(run) -> list[str]:
+    """torchtitan's own arguments of ``run`` (its work folder is a placeholder: parsing reads
+    no file)."""
+    argv = run.argv(Path("/nonexistent/work"))
     return argv[argv.index("torchtitan.train") + 1:]
 
 
@@ -51,7 +53,7 @@ def parsed(compare) -> dict[str, tuple[object, dict]]:
     for name in FSDP_LAYOUTS:
         for tag, sets in DERIVED.items():
             runs[f"{name}+{tag}"] = compare.peer_following(compare.LAYOUTS[name], sets)[0]
-    argvs = [_torchtitan_argv(run, Path("/nonexistent/work")) for run in runs.values()]
+    argvs = [_torchtitan_argv(run) for run in runs.values()]
     done = _parse(argvs)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
@@ -110,7 +112,7 @@ def test_without_an_fsdp_dimension_tp_and_pp_run_pure_bf16(parsed) -> None:
 
 def test_a_flag_torchtitan_does_not_know_is_reported(compare) -> None:
     """The check above can fail: a misspelt flag comes back as the parser's error."""
-    argv = _torchtitan_argv(compare.LAYOUTS["1b-1gpu"].peer, Path("/w"))
+    argv = _torchtitan_argv(compare.LAYOUTS["1b-1gpu"].peer)
     argv[argv.index("--training.seq_len")] = "--training.seqlen"
     done = _parse([argv])
     assert done.returncode == 0, done.stderr

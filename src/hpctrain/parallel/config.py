@@ -68,7 +68,8 @@ the losses are the same bit for bit.
 ``fsdp_group_blocks`` (strategy fsdp) makes each FSDP unit ``k`` consecutive blocks instead of
 one: one all-gather and one reduce-scatter per unit, and a k-th of FSDP's per-unit hooks on the
 CPU. Where the CPU sets the pace (1b on 4 H200s, whose profiles are launch-bound on our side
-and the peer's), a prototype of it with k = 2 made the step 5.1% faster (benchmarks/RESULTS.md).
+and the peer's), a prototype of it with k = 2 made the step 5.1% faster; on 2 H200s, whose CPUs
+keep ahead, k = 2 changed nothing (benchmarks/RESULTS.md).
 The price: under ZeRO-3 k blocks are gathered at once (the memory planner counts them), and the
 first unit's all-gather and the last unit's reduce-scatter, which nothing hides, are k times
 larger. ``fsdp_prefetch`` then counts units. The same gradients are reduced, in fewer
