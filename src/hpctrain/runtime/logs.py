@@ -16,6 +16,7 @@ import torch
 
 from hpctrain.runtime.env import ProcessEnv
 from hpctrain.runtime.rundir import RunDir
+from hpctrain.runtime.safe_open import make_dir, open_append
 
 LOGGER_NAME = "hpctrain"
 
@@ -36,9 +37,9 @@ def setup_rank_logging(run_dir: RunDir, env: ProcessEnv, *, console: bool) -> lo
         "%(levelname)s %(name)s: %(message)s"
     )
     log_path = run_dir.rank_log(env.rank)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(log_path.parent)
     # Append: a requeued or resumed job keeps the log of its earlier attempts above the new one.
-    file_handler = logging.FileHandler(log_path, mode="a", encoding="utf-8")
+    file_handler = _RunFileHandler(log_path)
     file_handler.setLevel(logging.DEBUG)
     handlers: list[logging.Handler] = [file_handler]
     if console:
@@ -69,3 +70,14 @@ def log_device_binding(logger: logging.Logger, env: ProcessEnv, device: torch.de
         device,
         os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
     )
+
+
+class _RunFileHandler(logging.FileHandler):
+    """A FileHandler that appends to its file in a run directory without following links."""
+
+    def __init__(self, path: os.PathLike[str]) -> None:
+        # Opened now (delay=False) so that a planted link fails the start, not a later line.
+        super().__init__(path, mode="a", encoding="utf-8")
+
+    def _open(self):  # noqa: ANN202 - logging.FileHandler's own hook
+        return open_append(self.baseFilename)

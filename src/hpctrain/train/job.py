@@ -31,7 +31,7 @@ from hpctrain.runtime.interrupted import INTERRUPTED, Interrupted
 from hpctrain.runtime.logs import log_device_binding, setup_rank_logging
 from hpctrain.runtime.provenance import collect_provenance, write_provenance
 from hpctrain.runtime.requeue import requeue
-from hpctrain.runtime.rundir import RunDir, archive_run, run_name
+from hpctrain.runtime.rundir import RunDir, archive_run, check_run_dir, run_name
 from hpctrain.runtime.runlock import (
     TOKEN_ENV,
     RunLock,
@@ -40,6 +40,7 @@ from hpctrain.runtime.runlock import (
     check_held,
     current_attempt,
 )
+from hpctrain.runtime.safe_open import write_atomic
 from hpctrain.runtime.watchdog import Watchdog, enable_flight_recorder
 from hpctrain.train.preemption import ControlChannel, Preempted, PreemptionFlag
 from hpctrain.train.trainer import Trainer, TrainResult
@@ -72,8 +73,9 @@ def claim_run_dir(cfg: JobConfig, env: ProcessEnv, *, fresh: bool = False) -> Cl
     With ``fresh`` a previous run there is first archived under a new name, never deleted.
     """
     run_dir = resolve_run_dir(cfg, env)
+    # Before anything is written there: links planted in it are refused (safe_open.py).
+    notes = check_run_dir(run_dir.root)
     attempt = current_attempt()
-    notes = []
     if fresh and attempt.attempt[0] > 0:
         # The batch script runs the same command again after a requeue: continue, or the
         # requeued job would archive its own checkpoints.
@@ -187,9 +189,9 @@ def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | 
         log_device_binding(log, env, ctx.device)
         hosts = _gather_hosts(env.world_size)
         if env.rank == 0:
-            (run_dir.config_dir / "config.yaml").write_text(dump_yaml(cfg))
+            write_atomic(run_dir.config_dir / "config.yaml", dump_yaml(cfg).encode())
             if source is not None:
-                (run_dir.config_dir / f"source{source.suffix}").write_text(source.read_text())
+                write_atomic(run_dir.config_dir / f"source{source.suffix}", source.read_bytes())
             write_provenance(run_dir, collect_provenance(sorted(set(hosts))))
         watchdog = Watchdog(cfg.watchdog, run_dir, env.rank, hosts, _store())
         ckpt = CheckpointManager(cfg.checkpoint, run_dir.checkpoints_dir, rank=env.rank,
