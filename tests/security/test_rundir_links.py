@@ -15,12 +15,15 @@ import stat
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import REPO, train
 from hpctrain.checkpoint.config import CheckpointConfig
 from hpctrain.checkpoint.store import CheckpointStore
 from hpctrain.config import load_config
+from hpctrain.observe.goodput import GoodputClock
 from hpctrain.observe.metrics import MetricsWriter
+from hpctrain.observe.profile import ProfileConfig, Profiler
 from hpctrain.runtime.env import detect_env
 from hpctrain.runtime.logs import setup_rank_logging
 from hpctrain.runtime.provenance import write_provenance
@@ -187,6 +190,37 @@ def test_exit_info_is_not_written_into_a_linked_folder(tmp_path: Path, victim: P
     plant(tmp_path / "run", "nested", victim.parent)
     with pytest.raises(UnsafeRunPath, match="nested is a symbolic link"):
         run.write_exit_info(exit_code=0, reason="x", last_checkpoint=None)
+    assert untouched(victim)
+
+
+def test_goodput_ledger_is_not_written_into_a_linked_folder(tmp_path: Path,
+                                                           victim: Path) -> None:
+    run = tmp_path / "run"
+    plant(run, "goodput", victim.parent)
+    with pytest.raises(UnsafeRunPath, match="goodput is a symbolic link"):
+        GoodputClock.open(run)
+    assert untouched(victim)
+
+
+def profile_steps_1_to_2(run: Path) -> dict:
+    profiler = Profiler(ProfileConfig(steps=[1, 2], signal=""), run, 0, torch.device("cpu"))
+    profiler.step_start(1)
+    torch.ones(4).sum()
+    return profiler.step_end(2)
+
+
+def test_profiles_are_not_written_through_links(tmp_path: Path, victim: Path) -> None:
+    run = tmp_path / "run"
+    plant(run, "profiles/step-000001-000002/rank-000.trace.json", victim)
+    event = profile_steps_1_to_2(run)
+    assert untouched(victim)
+    trace = run / event["trace"]
+    assert not trace.is_symlink() and json.loads(trace.read_text())
+    assert sorted(p.name for p in trace.parent.iterdir()) == [trace.name]  # no temp left
+    (run / "profiles").rename(run / "old")
+    plant(run, "profiles/step-000001-000002", victim.parent)
+    with pytest.raises(UnsafeRunPath, match="step-000001-000002 is a symbolic link"):
+        profile_steps_1_to_2(run)
     assert untouched(victim)
 
 

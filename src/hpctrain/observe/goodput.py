@@ -68,6 +68,7 @@ import psutil
 from hpctrain.runtime.exit_codes import HUNG
 from hpctrain.runtime.rundir import write_json_atomic
 from hpctrain.runtime.runlock import current_attempt
+from hpctrain.runtime.safe_open import make_dir
 
 log = logging.getLogger("hpctrain.goodput")
 
@@ -123,14 +124,14 @@ class GoodputClock:
         """Rank 0's clock: a new attempt ledger under ``run_dir/goodput/`` (killed attempts
         before it finished from ``exit_info.json``), started at this process's start."""
         folder = Path(run_dir) / LEDGER_DIR
-        folder.mkdir(parents=True, exist_ok=True)
+        make_dir(folder)  # a link there is refused (safe_open.py)
         start = psutil.Process().create_time()
         finish_killed(Path(run_dir), before=start)
         for _ in range(100):
             number = max((n for n, _ in _ledgers(folder)), default=0) + 1
             path = folder / f"attempt-{number:04d}.json"
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
                 break
             except FileExistsError:
                 continue
