@@ -29,6 +29,7 @@ from hpctrain.runtime.env import ProcessEnv, detect_env
 from hpctrain.runtime.exit_codes import PREEMPTED
 from hpctrain.runtime.interrupted import INTERRUPTED, Interrupted
 from hpctrain.runtime.logs import log_device_binding, setup_rank_logging
+from hpctrain.runtime.orphans import die_with_launcher
 from hpctrain.runtime.provenance import collect_provenance, write_provenance
 from hpctrain.runtime.requeue import requeue
 from hpctrain.runtime.rundir import RunDir, archive_run, check_run_dir, run_name
@@ -37,8 +38,8 @@ from hpctrain.runtime.runlock import (
     RunLock,
     RunLockedError,
     acquire,
-    check_held,
     current_attempt,
+    follow,
 )
 from hpctrain.runtime.safe_open import write_atomic
 from hpctrain.runtime.watchdog import Watchdog, enable_flight_recorder
@@ -67,10 +68,12 @@ class Claim:
     notes: list[str] = field(default_factory=list)
 
 
-def claim_run_dir(cfg: JobConfig, env: ProcessEnv, *, fresh: bool = False) -> Claim:
+def claim_run_dir(cfg: JobConfig, env: ProcessEnv, *, fresh: bool = False,
+                  ranks: bool = False) -> Claim:
     """Lock this run's directory (RunLockedError if a live run holds it).
 
     With ``fresh`` a previous run there is first archived under a new name, never deleted.
+    ``ranks``: the caller is the local launcher, whose ranks heartbeat the lock too.
     """
     run_dir = resolve_run_dir(cfg, env)
     # Before anything is written there: links planted in it are refused (safe_open.py).
@@ -90,7 +93,7 @@ def claim_run_dir(cfg: JobConfig, env: ProcessEnv, *, fresh: bool = False) -> Cl
         archived = archive_run(run_dir.root, attempt)
         if archived is not None:
             notes.append(f"previous run {run_dir.root} archived to {archived}")
-    lock = acquire(run_dir.root, attempt)
+    lock = acquire(run_dir.root, attempt, ranks=ranks)
     if cfg.checkpoint.resume == "never" and run_dir.committed_checkpoints():
         # Refused here, before this attempt appends to the old run's log or exit info.
         lock.release()
@@ -144,10 +147,11 @@ def _claim(cfg: JobConfig, env: ProcessEnv, fresh: bool
                           hint="pass --fresh to `hpctrain train` (with or without --nproc), "
                           "or choose a new run.name")
     if token:
-        # Started by `hpctrain train --nproc`: the launcher holds the lock for every restart.
+        # Started by `hpctrain train --nproc`: the launcher holds the lock for every restart;
+        # this rank dies with it and heartbeats its lock meanwhile (orphans.py, runlock.py).
+        die_with_launcher()
         run_dir = resolve_run_dir(cfg, env)
-        check_held(run_dir.root, token)
-        return run_dir, None, None, []
+        return run_dir, follow(run_dir.root, token), None, []
     if env.world_size == 1:
         claim = claim_run_dir(cfg, env, fresh=fresh)
         return claim.run_dir, claim.lock, None, claim.notes
