@@ -16,10 +16,12 @@ run directory whose entries are links or not the kind of file it writes there (`
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import json
 import math
 import os
+import secrets
 import shutil
 import socket
 import stat
@@ -30,6 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from hpctrain.errors import ConfigError
 from hpctrain.runtime.env import ProcessEnv
 from hpctrain.runtime.runlock import LOCK_NAME, TAKEOVER_SUFFIX, JobAttempt, acquire
 from hpctrain.runtime.safe_open import UnsafeRunPath, make_dir, read_bytes, refuse, write_atomic
@@ -176,13 +179,69 @@ def check_run_dir(root: Path) -> list[str]:
     root = Path(root)
     try:
         st = os.lstat(root)
-    except FileNotFoundError:
+    except OSError as e:
+        if e.errno not in (errno.ENOENT, errno.ENAMETOOLONG):  # the latter: check_can_write
+            raise
         return _writable_warnings(root.parent, parent=True)
     # A link as the run directory itself is the user's own business (e.g. into scratch space).
     if not stat.S_ISDIR(st.st_mode) and not (stat.S_ISLNK(st.st_mode) and root.is_dir()):
         raise refuse(root, "not a folder")
     _check_entries(root, root, 1)
     return _writable_warnings(root, parent=False) + _writable_warnings(root.parent, parent=True)
+
+
+def check_can_write(root: Path) -> None:
+    """Refuse (ConfigError) a run directory whose name the file system cannot hold, or that
+    (or its checkpoint folder) this process cannot write: found before the first step, not
+    at the first save after the steps were trained. Writes nothing that it leaves behind."""
+    root = Path(root)
+    existing = root
+    while not _exists(existing) and existing != existing.parent:
+        existing = existing.parent
+    try:
+        limit = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    hint = "choose another run.out_dir or run.name, or fix the folder's permissions (ls -ld)"
+    for part in root.relative_to(existing).parts if root != existing else ():
+        if len(os.fsencode(part)) > limit:
+            raise ConfigError(
+                f"the run directory name {part[:60]!r}... is {len(os.fsencode(part))} bytes",
+                expected=f"at most {limit} bytes per name on the file system of {existing}",
+                hint="choose a shorter run.name (under Slurm the job id is appended to it)")
+    if existing != root:
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"cannot create {root}: {existing} is not writable",
+                              expected="an output folder this user can write", hint=hint)
+        return
+    for folder in (root, root / "checkpoints"):
+        if folder.is_dir():
+            _probe_write(folder, hint)
+
+
+def _exists(path: Path) -> bool:
+    """Whether ``path`` exists; a name too long to look up does not (Path.exists raises)."""
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:
+            return False
+        raise
+    return True
+
+
+def _probe_write(folder: Path, hint: str) -> None:
+    """Create and remove a file in ``folder``; ConfigError (with the OS's reason) if refused."""
+    probe = folder / f".write-probe-{secrets.token_hex(6)}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    except OSError as e:
+        raise ConfigError(f"{folder} is not writable ({e.strerror})",
+                          expected="a run directory and checkpoint folder this user can write",
+                          hint=hint) from None
+    probe.unlink()
 
 
 def _check_entries(root: Path, folder: Path, depth: int) -> None:

@@ -32,7 +32,13 @@ from hpctrain.runtime.logs import log_device_binding, setup_rank_logging
 from hpctrain.runtime.orphans import die_with_launcher
 from hpctrain.runtime.provenance import collect_provenance, write_provenance
 from hpctrain.runtime.requeue import requeue
-from hpctrain.runtime.rundir import RunDir, archive_run, check_run_dir, run_name
+from hpctrain.runtime.rundir import (
+    RunDir,
+    archive_run,
+    check_can_write,
+    check_run_dir,
+    run_name,
+)
 from hpctrain.runtime.runlock import (
     TOKEN_ENV,
     RunLock,
@@ -76,8 +82,10 @@ def claim_run_dir(cfg: JobConfig, env: ProcessEnv, *, fresh: bool = False,
     ``ranks``: the caller is the local launcher, whose ranks heartbeat the lock too.
     """
     run_dir = resolve_run_dir(cfg, env)
-    # Before anything is written there: links planted in it are refused (safe_open.py).
+    # Before anything is written there: links planted in it are refused (safe_open.py), and
+    # a folder that cannot be written fails now rather than at the first save.
     notes = check_run_dir(run_dir.root)
+    check_can_write(run_dir.root)
     attempt = current_attempt()
     if fresh and attempt.attempt[0] > 0:
         # The batch script runs the same command again after a requeue: continue, or the
