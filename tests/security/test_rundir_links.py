@@ -24,6 +24,8 @@ from hpctrain.config import load_config
 from hpctrain.observe.goodput import GoodputClock
 from hpctrain.observe.metrics import MetricsWriter
 from hpctrain.observe.profile import ProfileConfig, Profiler
+from hpctrain.observe.report import write_report
+from hpctrain.observe.rundata import load_run
 from hpctrain.runtime.env import detect_env
 from hpctrain.runtime.logs import setup_rank_logging
 from hpctrain.runtime.provenance import write_provenance
@@ -200,6 +202,21 @@ def test_goodput_ledger_is_not_written_into_a_linked_folder(tmp_path: Path,
     with pytest.raises(UnsafeRunPath, match="goodput is a symbolic link"):
         GoodputClock.open(run)
     assert untouched(victim)
+
+
+def test_the_report_is_not_written_through_a_link(tmp_path: Path, victim: Path) -> None:
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests" / "observe"))
+    from synthetic_runs import write_run
+
+    run = tmp_path / "run"
+    write_run(run)
+    plant(run, ".report.html.tmp", victim)
+    plant(run, "report.html", victim)
+    out = write_report([load_run(run)], run / "report.html")
+    assert untouched(victim)
+    assert not out.is_symlink() and "<html" in out.read_text()
 
 
 def profile_steps_1_to_2(run: Path) -> dict:

@@ -26,6 +26,7 @@ from hpctrain.observe import svg
 from hpctrain.observe.rundata import GOODPUT_PARTS, RunData, flatten
 from hpctrain.observe.stragglers import RankTimes, StragglerDetector
 from hpctrain.runtime.exit_codes import HUNG, PREEMPTED
+from hpctrain.runtime.safe_open import write_atomic
 from hpctrain.runtime.watchdog import describe_collective
 
 # The charts every report has, in order: (data-plot id, title, metric key, y label).
@@ -90,9 +91,8 @@ def write_report(runs: list[RunData], out: Path) -> Path:
     """Write the report to ``out`` atomically; returns the path."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(build_report(runs, out), encoding="utf-8")
-    os.replace(tmp, out)
+    # Never through a link planted at the name or a temp name in the run directory.
+    write_atomic(out, build_report(runs, out).encode("utf-8"))
     return out
 
 

@@ -48,7 +48,7 @@ _FOLDERS = ("config", "logs", "metrics", "checkpoints", "provenance", "goodput",
 _FILES = ("exit_info.json", "goodput.json", LOCK_NAME, LOCK_NAME + TAKEOVER_SUFFIX,
           "config/*.yaml", "config/source.*", "logs/rank-*.log", "metrics/rank-*.jsonl",
           f"checkpoints/{LATEST_POINTER}", "provenance/*", "goodput/attempt-*.json",
-          "forensics/*.json", "profiles/*.pickle")
+          "forensics/*.json", "profiles/*.pickle", "report.html")
 # Deep enough for every fixed name (checkpoints/step-N/<file> is 3 levels down).
 _CHECK_DEPTH = 3
 
