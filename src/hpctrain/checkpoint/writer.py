@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import datetime
 import logging
 import os
@@ -46,11 +45,11 @@ import torch.distributed as dist
 from hpctrain.checkpoint.config import CheckpointConfig
 from hpctrain.checkpoint.manifest import CheckpointError, step_dir_name
 from hpctrain.checkpoint.staging import Attached, SharedStaging
+from hpctrain.runtime.orphans import die_with_parent
 
 log = logging.getLogger("hpctrain.checkpoint")
 
 _IGNORED = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
-_PR_SET_PDEATHSIG = 1
 # How long a writer that was asked to stop may take to exit before it is killed.
 _STOP_S = 5.0
 
@@ -222,7 +221,7 @@ def _no_gpus_for_children():
 
 def serve(conn: Connection, init: _Init) -> None:
     """The writer process's main loop (the target of the spawned process)."""
-    _die_with_parent(init.parent_pid)
+    die_with_parent(init.parent_pid, "the training process")
     for name in _IGNORED:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     # Fault injection (and DCP's logs) read the rank from the environment.
@@ -292,11 +291,4 @@ def _rng_tensors(rng: dict[str, bytes]) -> dict[str, torch.Tensor]:
     return {k: torch.frombuffer(bytearray(v), dtype=torch.uint8) for k, v in rng.items()}
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when the training process dies (Linux), however it dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
-    if os.getppid() != parent_pid:  # it died before the line above
-        os._exit(1)
 

@@ -5,8 +5,9 @@ The launcher puts its pid in ``HPCTRAIN_LAUNCHER_PID``. A rank, as it starts, as
 SIGKILL it when its parent dies (``prctl(PR_SET_PDEATHSIG)``, Linux), then checks that its parent
 is still that pid: a launcher that died before the request took effect has left the rank to
 another parent, and the rank exits at once. Where prctl is missing (macOS), a thread watches
-the parent instead. (SIGKILL rather than SIGTERM: the peers die at the same moment, so a
-checkpoint on SIGTERM would wait on them in vain; the last committed one is what a rerun uses.)
+the parent instead. A rank's checkpoint writer process dies with the rank the same way.
+(SIGKILL rather than SIGTERM: the peers die at the same moment, so a checkpoint on SIGTERM
+would wait on them in vain; the last committed one is what a rerun resumes from.)
 """
 
 from __future__ import annotations
@@ -25,15 +26,18 @@ _WATCH_S = 1.0
 def die_with_launcher() -> None:
     """As a rank of the local launcher: be killed when it dies, exit now if it already has."""
     raw = os.environ.get(LAUNCHER_PID_ENV, "")
-    if not raw.isdigit():
-        return  # not started by `hpctrain train --nproc`
-    launcher = int(raw)
+    if raw.isdigit():  # else not started by `hpctrain train --nproc`
+        die_with_parent(int(raw), "this rank's launcher")
+
+
+def die_with_parent(parent: int, who: str = "the parent process") -> None:
+    """SIGKILL this process when its parent ``parent`` dies, however it dies; exit now if it
+    is gone already (``who`` names it in that message)."""
     if not _kill_me_with_parent():
-        threading.Thread(target=_watch, args=(launcher,), name="hpctrain-launcher-watch",
+        threading.Thread(target=_watch, args=(parent,), name="hpctrain-parent-watch",
                          daemon=True).start()
-    if os.getppid() != launcher:
-        print(f"hpctrain: this rank's launcher (pid {launcher}) is gone; the rank exits",
-              file=sys.stderr, flush=True)
+    if os.getppid() != parent:
+        print(f"hpctrain: {who} (pid {parent}) is gone; exiting", file=sys.stderr, flush=True)
         os._exit(1)
 
 
@@ -48,9 +52,9 @@ def _kill_me_with_parent() -> bool:
         return False
 
 
-def _watch(launcher: int) -> None:
-    """Poll the parent; once it is no longer the launcher, kill this process."""
+def _watch(parent: int) -> None:
+    """Poll the parent; once it is no longer ``parent``, kill this process."""
     stop = threading.Event()
     while not stop.wait(_WATCH_S):
-        if os.getppid() != launcher:
+        if os.getppid() != parent:
             os.kill(os.getpid(), signal.SIGKILL)
