@@ -41,9 +41,11 @@ FIXED_FILES = [
     "checkpoints/latest", "provenance/provenance.json", "provenance/packages.txt",
     "exit_info.json", "goodput.json", "goodput/attempt-0001.json", "run.lock",
     "run.lock.takeover", "forensics/fr-rank-000.json", "profiles/oom-rank-000.pickle",
+    "report.html",
 ]
 FIXED_DIRS = ["config", "logs", "metrics", "checkpoints", "provenance", "goodput",
-              "forensics", "profiles", "logs/launcher", "checkpoints/step-00000002"]
+              "forensics", "profiles", "tensorboard", "mlruns", "logs/launcher",
+              "checkpoints/step-00000002"]
 
 
 @pytest.fixture

@@ -44,7 +44,8 @@ LATEST_POINTER = "latest"
 # directory (paths relative to it; patterns as in fnmatch). A link at any name is refused; these
 # must moreover be folders, or regular files.
 _FOLDERS = ("config", "logs", "metrics", "checkpoints", "provenance", "goodput", "profiles",
-            "forensics", "logs/launcher", "checkpoints/step-*", "profiles/step-*")
+            "forensics", "tensorboard", "mlruns", "logs/launcher", "checkpoints/step-*",
+            "profiles/step-*")
 _FILES = ("exit_info.json", "goodput.json", LOCK_NAME, LOCK_NAME + TAKEOVER_SUFFIX,
           "config/*.yaml", "config/source.*", "logs/rank-*.log", "metrics/rank-*.jsonl",
           f"checkpoints/{LATEST_POINTER}", "provenance/*", "goodput/attempt-*.json",
