@@ -6,13 +6,14 @@ of a traceback; everything else is a bug and keeps its traceback.
 Messages quote file names, config values and the content of files someone else may have
 written, so every part is passed through :func:`hpctrain.shown.shown` here, once for all error
 sites: a newline or an ANSI escape in a quoted value is shown as ``\\n`` / ``\\x1b``, never
-emitted, and a huge value is cut.
+emitted, a huge value is cut, and the password of a URI is redacted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from hpctrain.runtime.redact import redact_text
 from hpctrain.shown import shown
 
 # Each part of a message is bounded; the values quoted in it should be cut much earlier (at
@@ -21,7 +22,7 @@ PART_LIMIT = 4000
 
 
 def _safe(part: str | None) -> str | None:
-    return None if part is None else shown(part, PART_LIMIT)
+    return None if part is None else shown(redact_text(part), PART_LIMIT)
 
 
 class HpctrainError(Exception):
@@ -35,7 +36,7 @@ class HpctrainError(Exception):
         self.what = _safe(what)
         self.expected = _safe(expected)
         self.hint = _safe(hint)
-        self.lines = tuple(shown(line, PART_LIMIT) for line in lines)
+        self.lines = tuple(_safe(line) for line in lines)
         super().__init__(self.render())
 
     def render(self) -> str:

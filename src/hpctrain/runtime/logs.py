@@ -19,6 +19,7 @@ import sys
 import torch
 
 from hpctrain.runtime.env import ProcessEnv
+from hpctrain.runtime.redact import redact_text
 from hpctrain.runtime.rundir import RunDir
 from hpctrain.shown import shown
 
@@ -42,7 +43,8 @@ def _shown_arg(value: object) -> object:
 class EscapingFormatter(logging.Formatter):
     """A Formatter whose records are one line each: the format strings are ours, their
     arguments are not, so each argument is cut and the whole message has its control and
-    text-direction characters escaped (which also covers values put in with an f-string).
+    text-direction characters escaped (which also covers values put in with an f-string) and
+    the credentials of any URI in it redacted.
     A traceback (``exc_info``) is added below as usual."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
@@ -56,7 +58,7 @@ class EscapingFormatter(logging.Formatter):
             message = record.msg % args if args else str(record.msg)
         except (TypeError, ValueError):  # a bad format string: logging's own report follows
             message = record.getMessage()
-        record.message = shown(message, None)
+        record.message = shown(redact_text(message), None)
         return super().formatMessage(record)
 
 
