@@ -107,9 +107,9 @@ def run(args: argparse.Namespace) -> None:
     if interrupted:
         raise KeyboardInterrupt
     if best is None:
-        reasons = "\n".join(f"  [{i}] {c.label}: {c.reason}"
-                            for i, c in enumerate(plan.candidates, 1))
-        raise TuneFailed(f"every candidate failed:\n{reasons}",
+        raise TuneFailed("every candidate failed:",
+                         lines=[f"  [{i}] {c.label}: {c.reason}"
+                                for i, c in enumerate(plan.candidates, 1)],
                          hint=f"the runs' logs are under {out}/cNN/train/logs")
 
 
