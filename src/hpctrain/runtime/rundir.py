@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.runtime.env import ProcessEnv
+from hpctrain.runtime.exit_info import exit_info_or_none
 from hpctrain.runtime.runlock import LOCK_NAME, JobAttempt, acquire
 
 # The checkpoint manager's pointer, moved only after a checkpoint is committed.
@@ -143,13 +144,10 @@ class RunDir:
         The first failure of an attempt is the cause; the ones that follow (peers losing their
         connection to a dead or hung rank) must not overwrite its account.
         """
-        try:
-            info = json.loads(self.exit_info_path.read_text())
-        except (OSError, ValueError):
+        info = exit_info_or_none(self.exit_info_path)  # damaged: no account to keep
+        if info is None or info["exit_code"] == 0:
             return None
-        if not isinstance(info, dict) or info.get("exit_code") == 0:
-            return None
-        return info if info.get("timestamp", 0) >= since else None
+        return info if info["timestamp"] >= since else None
 
 
 def archive_run(root: Path, attempt: JobAttempt | None = None) -> Path | None:
