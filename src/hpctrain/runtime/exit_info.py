@@ -16,7 +16,7 @@ from hpctrain.records import BadRecord, Int, Real, Record, Str
 EXIT_INFO = Record({
     "exit_code": Int(-(2**31), 2**31 - 1),
     "reason": Str(1 << 16, optional=True),
-    "last_checkpoint": Str(255, nullable=True),
+    "last_checkpoint": Str(255, optional=True, nullable=True),
     "timestamp": Real(0.0),
     "time_utc": Str(64, optional=True),
     "hostname": Str(255, optional=True),

@@ -31,7 +31,7 @@ from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.checkpoint.manifest import MANIFEST, DamagedCheckpoint
 from hpctrain.config import JobConfig, to_dict
 from hpctrain.errors import ConfigError
-from hpctrain.records import MAX_COUNT, BadRecord, Int, List, Real, Record, Str, shown
+from hpctrain.records import MAX_COUNT, BadRecord, Bool, Int, List, Real, Record, Str, shown
 
 log = logging.getLogger("hpctrain.train")
 
@@ -120,7 +120,10 @@ _META = Record({
     "optim_layout": Str(choices=(OPTIM_LAYOUT,), optional=True, nullable=True),
     "saved_at": Real(0.0, optional=True),
     "scheduler": Record({"last_epoch": Int(), "base_lrs": _LRS, "_last_lr": _LRS,
-                         "_step_count": Int(optional=True)}),
+                         "_step_count": Int(optional=True), "_is_initial": Bool(optional=True),
+                         "_get_lr_called_within_step": Bool(optional=True),
+                         "lr_lambdas": List(Record({}, nullable=True), max_len=10_000,
+                                            optional=True)}),
     "loader": Record({"step": Int(), "global_batch": Int(1), "seed": Int(0, 2**64 - 1),
                       "shuffle_window": Int(1, optional=True)}),
     # Empty for a disabled scaler; which keys this run needs is checked below.
@@ -152,6 +155,12 @@ def check_meta(s: TrainState, path: Path, manifest: dict[str, Any], cfg: JobConf
         if key in scheduler and len(scheduler[key]) != groups:
             raise damaged(f"scheduler.{key} holds {len(scheduler[key])} learning rates, this "
                           f"run's optimizer has {groups} parameter groups")
+    # LambdaLR puts each saved lr_lambda's dict into the attributes of the live one: only
+    # what this run's schedule itself saves (None for plain functions) is accepted.
+    mine = s.scheduler.state_dict().get("lr_lambdas")
+    if "lr_lambdas" in scheduler and scheduler["lr_lambdas"] != mine:
+        raise damaged(f"scheduler.lr_lambdas = {shown(scheduler['lr_lambdas'])} is not what "
+                      f"this run's LR schedule saves ({shown(mine)})")
     # The schedule steps once per optimizer step, and a rollback restores both together.
     if scheduler["last_epoch"] != step:
         raise damaged(f"the LR schedule is at step {scheduler['last_epoch']}, the checkpoint "
