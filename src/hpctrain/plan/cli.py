@@ -39,18 +39,21 @@ def parse_count(text: str) -> float:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``plan`` and its sub-commands on the top-level sub-parser set."""
     p = sub.add_parser("plan", help="memory, parallel layout, budget, checkpoint interval",
-                       description=__doc__.splitlines()[0])
+                       description="Size a job before it runs: memory per GPU, the fastest "
+                       "parallel layout that fits, walltime and GPU-hours (cost, energy, CO2e), "
+                       "the checkpoint interval and the goodput it buys.")
     psub = p.add_subparsers(dest="plan_command", required=True, metavar="PLAN")
 
     def model_args(q: argparse.ArgumentParser) -> None:
         q.add_argument("--model", default=None, help="size: tiny, 125m, 1b, 8b")
-        q.add_argument("--dim", type=int)
-        q.add_argument("--layers", type=int)
-        q.add_argument("--heads", type=int)
-        q.add_argument("--kv-heads", type=int)
-        q.add_argument("--ffn-dim", type=int)
-        q.add_argument("--vocab", type=int)
-        q.add_argument("--seq-len", type=int, default=2048)
+        q.add_argument("--dim", type=int, help="model width (default: the size's)")
+        q.add_argument("--layers", type=int, help="transformer blocks (default: the size's)")
+        q.add_argument("--heads", type=int, help="attention heads (default: the size's)")
+        q.add_argument("--kv-heads", type=int,
+                       help="key/value heads, fewer for GQA (default: the size's)")
+        q.add_argument("--ffn-dim", type=int, help="feed-forward width (default: the size's)")
+        q.add_argument("--vocab", type=int, help="vocabulary size (default: the size's)")
+        q.add_argument("--seq-len", type=int, default=2048, help="tokens per sample")
         q.add_argument("--precision", default="bf16", help="bf16, fp16, fp32 or fp8")
         q.add_argument("--master-weights", default="fp32",
                        help="train.master_weights: fp32 or bf16 (with --precision bf16: pure "
@@ -92,8 +95,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     q = psub.add_parser("parallel", help="recommend dp/fsdp/tp/pp degrees for a cluster shape")
     model_args(q)
-    q.add_argument("--gpus-per-node", type=int, default=8)
-    q.add_argument("--nodes", type=int, default=1)
+    q.add_argument("--gpus-per-node", type=int, default=8, help="GPUs in each node")
+    q.add_argument("--nodes", type=int, default=1, help="nodes of the cluster shape")
     q.add_argument("--global-batch", type=int, default=None,
                    help="samples per optimizer step all layouts are compared at (default: 4 per "
                    "GPU)")
@@ -105,11 +108,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--tokens-per-s", type=float, default=None, help="per GPU")
     b.add_argument("--from-run", type=Path, default=None,
                    help="pilot run directory: tokens/s from its metrics/rank-*.jsonl")
-    b.add_argument("--gpus", type=int, required=True)
+    b.add_argument("--gpus", type=int, required=True, help="GPUs the job trains on")
     b.add_argument("--margin", type=float, default=0.15, help="safety margin (0.1-0.2)")
     b.add_argument("--from-bench", type=Path, default=None,
                    help="`bench model` results folder: its tokens/s and joules/token")
-    b.add_argument("--warn-gpu-hours", type=float, default=10_000.0)
+    b.add_argument("--warn-gpu-hours", type=float, default=10_000.0,
+                   help="warn when the budget exceeds this many GPU-hours")
     b.add_argument("--price-per-gpu-hour", type=float, default=None, help="e.g. 2.5 (dollars)")
     b.add_argument("--gpu-watts", type=float, default=None,
                    help="mean board power per GPU (e.g. 700 for an H100 SXM at TDP)")
@@ -124,7 +128,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         q.add_argument("--mttf-h", type=float, default=None, help="MTTF of the whole job, hours")
         q.add_argument("--gpu-mttf-h", type=float, default=None,
                        help="MTTF of one GPU, hours (e.g. 50000); with --gpus")
-        q.add_argument("--gpus", type=int, default=None)
+        q.add_argument("--gpus", type=int, default=None,
+                       help="GPUs in the job (with --gpu-mttf-h)")
         q.add_argument("--from-run", type=Path, default=None,
                        help="run directory: what a save (and a restart) cost it, measured "
                        "(its goodput ledgers: stall plus the slowdown beside background "
