@@ -13,7 +13,8 @@ verdict (0 healthy, 1 problems), so the job stops before training starts.
 The checks, in order:
 
 - versions: Python, torch, CUDA, NCCL and hpctrain identical on every rank;
-- gpus: each task sees a GPU of its own (when the config wants GPUs);
+- gpus: each task sees a GPU of its own (when the config wants GPUs); without GPUs, training's
+  own check_device_fits accepts the config (a GPU-sized model is refused on a CPU node);
 - affinity: the cores a task holds include some on its GPU's NUMA node; threads per node
   (tasks x OMP_NUM_THREADS) within the node's cores;
 - network: NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME name interfaces the node has, NCCL_IB_HCA
