@@ -199,3 +199,27 @@ def _bench(root: Path, done) -> None:
 
 CHECKS = {"after-demo": _after_demo, "train": _train, "watch": _watch, "resume": _resume,
           "plan": _plan, "slurm-script": _slurm_script, "k8s": _k8s, "bench": _bench}
+
+
+def test_links_between_the_pages_resolve() -> None:
+    """Every relative link of README.md and docs/ names a file (and heading) that exists."""
+    link = re.compile(r"\]\(([^)\s]+)\)")
+    pages = [README, *sorted((REPO / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in link.findall(page.read_text(encoding="utf-8")):
+            if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.relative_to(REPO)}: {target}")
+            elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+                broken.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to '-'."""
+    heads = re.findall(r"^#+ (.+)$", page.read_text(encoding="utf-8"), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
