@@ -418,6 +418,21 @@ def test_unknown_config_or_a_gpu_model_without_a_gpu_exits_2(tmp_path: Path, cap
         assert exc.value.code == 2 and "or set run.device=cpu" in capsys.readouterr().err
 
 
+def test_a_dry_run_without_a_gpu_hints_at_gpu_type(tmp_path: Path, capsys,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dry run on a login node wants the short list for the job's GPUs: --gpu TYPE, not the
+    CPU (which the refusal of a measuring run rightly suggests)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a login node
+    with pytest.raises(SystemExit) as exc:
+        main(["tune", str(LLAMA_8B), "--gpus", "4", "--dry-run", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    hint = err.split("HINT:", 1)[1]
+    assert "add --gpu TYPE" in hint and "Traceback" not in err, err
+
+
 def test_dry_run_prints_the_list_and_runs_nothing(tmp_path: Path, capsys) -> None:
     main(_tiny_argv(tmp_path / "tune", "--dry-run"))
     text = capsys.readouterr().out

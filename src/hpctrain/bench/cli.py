@@ -15,6 +15,7 @@ Results go to ``--out`` (default ``runs/bench/<name>-<timestamp>``): ``<name>.cs
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -32,7 +33,10 @@ class WrongResultError(HpctrainError):
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``bench`` and its sub-commands on the top-level sub-parser set."""
     b = sub.add_parser("bench", help="benchmark GEMM, memory, host<->device and collectives",
-                       description=__doc__.splitlines()[0])
+                       description="Benchmarks of this machine and of training: GEMM, memory "
+                       "and host-device bandwidth, collectives (nccl-tests semantics), the "
+                       "model's tokens/s and MFU, a roofline, a node health check. Results go "
+                       "to runs/bench/<name>-<time> (CSV, JSON, and a PNG with matplotlib).")
     bsub = b.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
 
     def common(p: argparse.ArgumentParser, warmup: int, iters: int) -> None:
@@ -70,7 +74,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("-d", "--datatype", default="float32",
                    help="float32, bfloat16, float16 or float64")
     c.add_argument("--no-check", action="store_true", help="skip the correctness check")
-    c.add_argument("--seed", type=count(0, 2**63 - 1), default=0)
+    c.add_argument("--seed", type=count(0, 2**63 - 1), default=0,
+                   help="seed of the random buffers")
     c.add_argument("--nproc", type=count(1, 4096), default=None,
                    help="start this many local ranks (one per GPU, or CPU processes)")
     c.add_argument("--cuda-graph", type=count(0, 100_000), nargs="?", const=10, default=0,
@@ -86,8 +91,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     md.add_argument("--size", default=None, help="model size: tiny, 125m, 1b, 8b")
     md.add_argument("--strategy", default=None, help="none, ddp or fsdp")
     md.add_argument("--nproc", type=count(1, 4096), default=1, help="local ranks (one per GPU)")
-    md.add_argument("--micro-batch", type=count(1, 1 << 20), default=None)
-    md.add_argument("--seq-len", type=count(1, 1 << 24), default=None)
+    md.add_argument("--micro-batch", type=count(1, 1 << 20), default=None,
+                    help="samples per rank per step (default: 4 on GPU, 8 on CPU)")
+    md.add_argument("--seq-len", type=count(1, 1 << 24), default=None,
+                    help="tokens per sample (default: 2048 on GPU, 256 on CPU)")
     md.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the model (default: on for GPU, off on CPU)")
     md.add_argument("--ac", default=None, choices=["none", "full", "every_k", "selective"],
@@ -169,7 +176,8 @@ def _gemm(args: argparse.Namespace) -> None:
     dtypes = args.dtypes or (list(GEMM_DTYPES) if on_gpu else ["fp32", "bf16"])
     default = ["1024", "2048", "4096", "8192"] if on_gpu else ["256", "512", "1024"]
     sizes = _sizes(args.sizes, default)
-    res = run_gemm(dtypes, sizes, device, warmup=args.warmup, iters=args.iters)
+    res = run_gemm(dtypes, sizes, device, warmup=args.warmup, iters=args.iters,
+                   echo=lambda line: print(line, file=sys.stderr, flush=True))
     out = _out_dir(args, "gemm")
 
     def draw() -> str:

@@ -28,7 +28,9 @@ FOLLOW_HELP = ("also read symbolic links that lead out of the inputs (by default
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``data`` and its subcommands on the top-level parser's ``sub``."""
     d = sub.add_parser("data", help="prepare and check token shards",
-                       description=__doc__.splitlines()[0])
+                       description="Prepare text into token shards (with a manifest and "
+                       "checksums) once, offline; merge the parts of a Slurm array; pack "
+                       "files into tar shards; train a tokenizer; verify shards.")
     dsub = d.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
 
     p = dsub.add_parser("prepare", help="tokenize text files into token shards",

@@ -592,7 +592,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Submit the stages of PIPELINE.yaml that are not complete "
                        "and verified, each after the ones it depends on (afterok); `status` "
                        "shows each stage's job and whether its outputs verify.")
-    p.add_argument("words", nargs="+", metavar="[status] PIPELINE.yaml")
+    p.add_argument("words", nargs="+", metavar="[status] PIPELINE.yaml",
+                   help="the pipeline file, after `status` to show its stages' state")
     p.add_argument("--dry-run", action="store_true", help="plan, print, submit nothing")
     p.set_defaults(handler=run)
 

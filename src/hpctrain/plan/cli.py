@@ -35,18 +35,25 @@ def _tokens(text: str) -> float:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``plan`` and its sub-commands on the top-level sub-parser set."""
     p = sub.add_parser("plan", help="memory, parallel layout, budget, checkpoint interval",
-                       description=__doc__.splitlines()[0])
+                       description="Size a job before it runs: memory per GPU, the fastest "
+                       "parallel layout that fits, walltime and GPU-hours (cost, energy, CO2e), "
+                       "the checkpoint interval and the goodput it buys.")
     psub = p.add_subparsers(dest="plan_command", required=True, metavar="PLAN")
 
     def model_args(q: argparse.ArgumentParser) -> None:
         q.add_argument("--model", default=None, help="size: tiny, 125m, 1b, 8b")
-        q.add_argument("--dim", type=count(1, 1 << 20))
-        q.add_argument("--layers", type=count(1, 100_000))
-        q.add_argument("--heads", type=count(1, 1 << 16))
-        q.add_argument("--kv-heads", type=count(1, 1 << 16))
-        q.add_argument("--ffn-dim", type=count(1, 1 << 22))
-        q.add_argument("--vocab", type=count(1, 1 << 31))
-        q.add_argument("--seq-len", type=count(1, 1 << 24), default=2048)
+        q.add_argument("--dim", type=count(1, 1 << 20), help="model width (default: the size's)")
+        q.add_argument("--layers", type=count(1, 100_000),
+                       help="transformer blocks (default: the size's)")
+        q.add_argument("--heads", type=count(1, 1 << 16),
+                       help="attention heads (default: the size's)")
+        q.add_argument("--kv-heads", type=count(1, 1 << 16),
+                       help="key/value heads, fewer for GQA (default: the size's)")
+        q.add_argument("--ffn-dim", type=count(1, 1 << 22),
+                       help="feed-forward width (default: the size's)")
+        q.add_argument("--vocab", type=count(1, 1 << 31),
+                       help="vocabulary size (default: the size's)")
+        q.add_argument("--seq-len", type=count(1, 1 << 24), default=2048, help="tokens per sample")
         q.add_argument("--precision", default="bf16", help="bf16, fp16, fp32 or fp8")
         q.add_argument("--master-weights", default="fp32",
                        help="train.master_weights: fp32 or bf16 (with --precision bf16: pure "
@@ -89,8 +96,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     q = psub.add_parser("parallel", help="recommend dp/fsdp/tp/pp degrees for a cluster shape")
     model_args(q)
-    q.add_argument("--gpus-per-node", type=count(1, 1024), default=8)
-    q.add_argument("--nodes", type=count(1, 1 << 20), default=1)
+    q.add_argument("--gpus-per-node", type=count(1, 1024), default=8, help="GPUs in each node")
+    q.add_argument("--nodes", type=count(1, 1 << 20), default=1, help="nodes of the cluster shape")
     q.add_argument("--global-batch", type=count(1, 1 << 30), default=None,
                    help="samples per optimizer step all layouts are compared at (default: 4 per "
                    "GPU)")
@@ -103,11 +110,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="per GPU")
     b.add_argument("--from-run", type=Path, default=None,
                    help="pilot run directory: tokens/s from its metrics/rank-*.jsonl")
-    b.add_argument("--gpus", type=count(1, 1 << 24), required=True)
+    b.add_argument("--gpus", type=count(1, 1 << 24), required=True, help="GPUs the job trains on")
     b.add_argument("--margin", type=real(0, 10), default=0.15, help="safety margin (0.1-0.2)")
     b.add_argument("--from-bench", type=Path, default=None,
                    help="`bench model` results folder: its tokens/s and joules/token")
-    b.add_argument("--warn-gpu-hours", type=real(0), default=10_000.0)
+    b.add_argument("--warn-gpu-hours", type=real(0), default=10_000.0,
+                   help="warn when the budget exceeds this many GPU-hours")
     b.add_argument("--price-per-gpu-hour", type=real(0, 1e6), default=None,
                    help="e.g. 2.5 (dollars)")
     b.add_argument("--gpu-watts", type=real(0, 1e6, open_min=True), default=None,
@@ -124,7 +132,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="MTTF of the whole job, hours")
         q.add_argument("--gpu-mttf-h", type=real(0, 1e12, open_min=True), default=None,
                        help="MTTF of one GPU, hours (e.g. 50000); with --gpus")
-        q.add_argument("--gpus", type=count(1, 1 << 24), default=None)
+        q.add_argument("--gpus", type=count(1, 1 << 24), default=None,
+                       help="GPUs in the job (with --gpu-mttf-h)")
         q.add_argument("--from-run", type=Path, default=None,
                        help="run directory: what a save (and a restart) cost it, measured "
                        "(its goodput ledgers: stall plus the slowdown beside background "

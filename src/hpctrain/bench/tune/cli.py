@@ -1,7 +1,7 @@
 """The ``hpctrain tune`` command: its parser, the run from plan to files, and its tables.
 
-What the command does, and the files and exit codes it promises, are in the package docstring
-(also the parser's description).
+What the command does, and the files and exit codes it promises, are in the package docstring;
+the parser's description says it in brief.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import shlex
 import time
 from pathlib import Path
 
-from hpctrain.bench import tune
 from hpctrain.bench.tune.candidates import CPU_MEM_GB, MAX_CANDIDATES, TunePlan, plan_tuning
 from hpctrain.bench.tune.measure import measure, resume_from, winner, write_results
 from hpctrain.errors import ConfigError, HpctrainError
 from hpctrain.numeric_args import count, real
+from hpctrain.runtime.config import TooLargeForCPU
 
 
 class TuneFailed(HpctrainError):
@@ -27,7 +27,11 @@ class TuneFailed(HpctrainError):
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``tune`` on the top-level sub-parser set."""
     p = sub.add_parser("tune", help="measure a short list of configurations, keep the fastest",
-                       description=tune.__doc__.splitlines()[0])
+                       description="Measure the configurations of CONFIG that the memory model "
+                       "lets fit --gpus GPUs of this node (layout, DDP or FSDP ZeRO-2/3, "
+                       "activation checkpointing, micro-batch, fp8), keep the fastest in "
+                       "best.yaml and best.overrides. The global batch stays the config's. "
+                       "--dry-run prints the short list and runs nothing.")
     p.add_argument("config", type=Path, help="YAML config, e.g. configs/llama-8b-fsdp.yaml")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config overrides applied before tuning (kept in best.overrides)")
@@ -66,9 +70,19 @@ def run(args: argparse.Namespace) -> None:
         raise ConfigError(f"--gpu {args.gpu} without --dry-run",
                           expected="--gpu only with --dry-run (measuring needs the GPUs "
                           "themselves)", hint="add --dry-run, or run on a node with the GPUs")
-    plan = plan_tuning(args.config, args.overrides, args.gpus, gpu_mem_gb=args.gpu_mem_gb,
-                       max_candidates=args.max_candidates, allow_fp8=not args.no_fp8,
-                       gpu=args.gpu)
+    try:
+        plan = plan_tuning(args.config, args.overrides, args.gpus, gpu_mem_gb=args.gpu_mem_gb,
+                           max_candidates=args.max_candidates, allow_fp8=not args.no_fp8,
+                           gpu=args.gpu)
+    except TooLargeForCPU as e:
+        if not args.dry_run:
+            raise
+        # A dry run measures nothing: what the user wants is the short list for the GPUs the
+        # job will get, which --gpu gives without one here.
+        raise ConfigError(e.what, expected=e.expected,
+                          hint="add --gpu TYPE (h100, h200, a100, ...) to make the short list "
+                          "for GPUs of that type on this machine; run.device=cpu would tune "
+                          "it for CPU ranks instead") from None
     on_gpu = plan.device == "cuda"
     steps = args.steps or (30 if on_gpu else 8)
     log_every = args.log_every or (5 if on_gpu else 2)
