@@ -276,7 +276,7 @@ def _already_complete(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, result: 
     """A rerun of a finished run: say so, with the result the run saved; record nothing."""
     goodput.discard()  # no attempt: the run's account stays that of the attempts that trained
     saved = _saved_result(run_dir)
-    loss, rate = saved.get("final_loss"), saved.get("tokens_per_s")
+    loss, rate, ranks = (saved.get(k) for k in ("final_loss", "tokens_per_s", "world_size"))
     if env.rank == 0:
         log.info("run directory: %s", run_dir.root)
         log.info("already complete: %s finished step %d of train.steps=%d before (final loss "
@@ -285,7 +285,7 @@ def _already_complete(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, result: 
                  run_dir.root.name, result.steps, cfg.train.steps,
                  f"{loss:.4f}" if isinstance(loss, int | float) else "not recorded",
                  _rate(rate if isinstance(rate, int | float) else None,
-                       saved.get("world_size", env.world_size)))
+                       ranks if isinstance(ranks, int) else env.world_size))
     return TrainResult(result.steps, loss if isinstance(loss, int | float) else float("nan"),
                        rate if isinstance(rate, int | float) else None, None,
                        already_complete=True)
