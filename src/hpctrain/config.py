@@ -57,11 +57,14 @@ class JobConfig:
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
 
     def validate(self) -> None:
-        """Check each section, then the rules that span sections."""
+        """Check each section, settle the model's vocabulary from the data (the one value a
+        section takes from another, see :meth:`settle_vocab`), then the rules that span
+        sections."""
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if hasattr(section, "validate"):
                 section.validate()
+        self.settle_vocab()
         args = self.model.resolve()
         self.parallel.check_precision(self.train.precision,
                                       count_params(args, include_embedding=True),
@@ -72,14 +75,38 @@ class JobConfig:
                 f"({args.max_seq_len})",
                 hint=f"set model.max_seq_len={self.data.seq_len} or shorten data.seq_len",
             )
-        vocab = args.vocab_size
-        if self.data.vocab_size > vocab:
+        vocab, data_vocab = args.vocab_size, self.data.vocab_size
+        if data_vocab > vocab:
+            fixed_by = (f"the pretrained model {self.model.init_from!r}" if self.model.init_from
+                        else "model.vocab_size" if self.model.vocab_size is not None
+                        else f"the {self.model.size!r} preset")
+            if self.model.init_from:
+                hint = f"prepare the data with that model's tokenizer ({vocab} ids)"
+            elif self.data.source in ("shards", "mix"):
+                hint = (f"remove model.vocab_size to follow the data's manifest ({data_vocab} "
+                        f"ids), or set model.vocab_size >= {data_vocab}")
+            else:
+                hint = f"set model.vocab_size >= {data_vocab}"
             raise ConfigError(
-                f"data vocabulary ({self.data.vocab_size} ids) is larger than model.vocab_size "
-                f"({vocab})",
-                expected="model.vocab_size >= the tokenizer's vocabulary",
-                hint=f"set model.vocab_size={self.data.vocab_size} or pick a larger model size",
+                f"data vocabulary ({data_vocab} ids) is larger than the model's ({vocab}, from "
+                f"{fixed_by})",
+                expected="a model vocabulary that holds every token id of the data",
+                hint=hint,
             )
+
+    def settle_vocab(self) -> None:
+        """Give the model the vocabulary of the data's manifest unless the config fixes one.
+
+        With ``data.source`` shards or mix and neither ``model.vocab_size`` nor
+        ``model.init_from`` set, ``model.vocab_size`` becomes the manifest's ``vocab_size`` (the
+        largest of a mixture's). The value is written into the config, so the run's
+        ``config.yaml`` and its checkpoints record the vocabulary the model was built with, and
+        a resume against data prepared with another vocabulary is refused as another model.
+        A byte-level source (stdlib) has no manifest: the preset's vocabulary stays.
+        """
+        if (self.model.vocab_size is None and not self.model.init_from
+                and self.data.source in ("shards", "mix")):
+            self.model.vocab_size = self.data.vocab_size
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:

@@ -45,7 +45,7 @@ def launch_training(cfg: JobConfig, config: Path, overrides: list[str], nproc: i
                     max_restarts: int = 0, fresh: bool = False) -> None:
     """``hpctrain train CONFIG --nproc N``: lock the run directory, run the ranks, unlock."""
     check_device_fits(cfg)  # once here, before any rank starts
-    claim = claim_run_dir(cfg, detect_env(), fresh=fresh, ranks=True)
+    claim = claim_run_dir(cfg, detect_env(), fresh=fresh, world_size=nproc, ranks=True)
     for note in claim.notes:
         print(f"hpctrain: {note}", file=sys.stderr)
     run_dir = claim.run_dir

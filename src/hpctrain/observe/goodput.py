@@ -281,6 +281,16 @@ class GoodputClock:
         write_json_atomic(run_dir / ACCOUNT, account)
         return account
 
+    def discard(self) -> None:
+        """Forget this attempt: close and remove its ledger, leave ``goodput.json`` as it is (a
+        run refused before its first step does not count in the account of the run there)."""
+        self.finished = True
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._ledger is not None:
+            self._ledger.unlink(missing_ok=True)
+
     # -- the ledger ---------------------------------------------------------------------------
 
     def _snapshot(self) -> dict[str, float]:

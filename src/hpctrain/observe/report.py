@@ -23,7 +23,7 @@ from typing import Any
 
 from hpctrain.observe import svg
 from hpctrain.observe.markup import esc
-from hpctrain.observe.rundata import GOODPUT_PARTS, RunData, flatten
+from hpctrain.observe.rundata import GOODPUT_PARTS, RunData, flatten, recorded_tokens_per_s
 from hpctrain.observe.stragglers import RankTimes, StragglerDetector
 from hpctrain.runtime.exit_codes import HUNG, PREEMPTED
 from hpctrain.runtime.safe_open import write_atomic
@@ -108,15 +108,14 @@ def _summary(runs: list[RunData]) -> str:
     for run in runs:
         train = run.train_records()
         last = train[-1] if train else {}
-        rates = [r["tokens_per_s"] for r in train[1:] if isinstance(r.get("tokens_per_s"),
-                                                                   int | float)]
+        rate = recorded_tokens_per_s(run)  # the run's own number, as `done:` and `runs` show
         goodput = (run.goodput or {}).get("goodput")
         info = run.exit_info or {}
         rows.append(
             f"<tr><td>{esc(run.name)}</td><td class='state-{run_state(run)}'>"
             f"{run_state(run)}</td><td>{esc(last.get('step', ''))}</td>"
             f"<td>{esc(svg.fmt(last['loss'])) if 'loss' in last else ''}</td>"
-            f"<td>{esc(svg.fmt(statistics.mean(rates))) if rates else ''}</td>"
+            f"<td>{esc(svg.fmt(rate)) if rate is not None else 'not recorded'}</td>"
             f"<td>{f'{100 * goodput:.1f}%' if isinstance(goodput, int | float) else 'not recorded'}"
             f"</td><td>{len(run.ranks)}</td><td>{esc(info.get('reason', ''))}</td></tr>")
     return ("<table class='summary'><tr><th>run</th><th>state</th><th>step</th><th>loss</th>"

@@ -201,6 +201,16 @@ def last_train_record(root: Path) -> dict[str, Any] | None:
     return None
 
 
+def recorded_tokens_per_s(run: RunData) -> float | None:
+    """The run's tokens/s per rank as its training recorded it when it ended (completed or
+    preempted) in ``exit_info.json``: one number, defined by ``hpctrain.train.window.
+    Throughput`` (tokens one rank trained in the logging windows after the first ÷ their wall
+    time, validation and start-up left out). None when the run recorded none."""
+    extra = (run.exit_info or {}).get("extra")
+    rate = extra.get("tokens_per_s") if isinstance(extra, dict) else None
+    return float(rate) if isinstance(rate, int | float) and not isinstance(rate, bool) else None
+
+
 def _log_events(path: Path) -> list[dict[str, Any]]:
     """Preemptions as the rank-0 log tells them (exit_info keeps only the last one)."""
     events = []
