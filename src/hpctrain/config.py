@@ -14,6 +14,8 @@ import contextlib
 import dataclasses
 import difflib
 import math
+import os
+import stat
 import types
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -92,20 +94,46 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig
     return cfg
 
 
+# Non-regular files a config path may name (``/dev/stdin`` is a pipe or a terminal).
+_SPECIAL = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+            (stat.S_ISSOCK, "a socket"), (stat.S_ISBLK, "a block device"))
+# Configs are a few kB; anything this large is another file, and would be parsed whole.
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def _read_yaml(p: Path) -> dict[str, Any]:
     """The mapping a config file holds, or ConfigError saying why it cannot be read."""
-    if p.is_dir():
+    try:
+        st = os.stat(p)  # not opened yet: opening a FIFO would block until a writer comes
+    except FileNotFoundError:
+        what = ("is a symbolic link to a file that does not exist" if os.path.islink(p)
+                else "does not exist")
+        raise ConfigError(
+            f"config file {str(p)!r} {what}",
+            expected="a YAML file such as configs/demo.yaml",
+            hint="run from the repository root or pass an absolute path",
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror}") from None
+    if stat.S_ISDIR(st.st_mode):
         raise ConfigError(
             f"config file {str(p)!r} is a directory",
             expected="a YAML file",
             hint=f"pass one of the YAML files inside it, e.g. {p / 'demo.yaml'} "
             "(the shipped ones are in configs/)",
         )
-    if not p.is_file():
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _SPECIAL if test(st.st_mode)), "a special file")
         raise ConfigError(
-            f"config file {str(p)!r} does not exist",
-            expected="a YAML file such as configs/demo.yaml",
-            hint="run from the repository root or pass an absolute path",
+            f"config file {str(p)!r} is {kind}, not a regular file",
+            expected="a YAML file (it is read again by restarts and recorded in the run)",
+            hint="write the config to a file first, e.g. `cat > my.yaml`, and pass that",
+        )
+    if st.st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"config file {str(p)!r} is {st.st_size:,} bytes",
+            expected=f"a YAML config of at most {MAX_CONFIG_BYTES:,} bytes",
+            hint="check that this is the config and not a data file",
         )
     try:
         text = p.read_text(encoding="utf-8")

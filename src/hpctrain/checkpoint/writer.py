@@ -45,6 +45,7 @@ import torch.distributed as dist
 from hpctrain.checkpoint.config import CheckpointConfig
 from hpctrain.checkpoint.manifest import CheckpointError, step_dir_name
 from hpctrain.checkpoint.staging import Attached, SharedStaging
+from hpctrain.runtime.logs import EscapingFormatter
 from hpctrain.runtime.orphans import die_with_parent
 
 log = logging.getLogger("hpctrain.checkpoint")
@@ -226,8 +227,10 @@ def serve(conn: Connection, init: _Init) -> None:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     # Fault injection (and DCP's logs) read the rank from the environment.
     os.environ["RANK"] = str(init.rank)
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s [checkpoint writer of rank "
-                        f"{init.rank}] %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(EscapingFormatter(f"%(asctime)s [checkpoint writer of rank {init.rank}] "
+                                           "%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     torch.set_num_threads(1)
     try:
         _init_group(init)

@@ -42,6 +42,7 @@ from pathlib import Path
 from hpctrain.config import JobConfig
 from hpctrain.errors import ConfigError
 from hpctrain.launch.containers import Container, default_runtime, job_binds
+from hpctrain.numeric_args import count
 from hpctrain.parallel.layout import check_layout
 from hpctrain.runtime.exit_codes import PREEMPTED
 
@@ -336,7 +337,7 @@ def add_job_options(p: argparse.ArgumentParser) -> None:
                                 ("--time", str, "01:00:00"), ("--signal-lead-s", int, 120),
                                 ("--job-name", str, "hpctrain"),
                                 ("--log-dir", str, "runs/slurm-logs")):
-        p.add_argument(flag, type=kind, default=default)
+        p.add_argument(flag, type=count(0, 65535) if kind is int else kind, default=default)
     for flag in ("--partition", "--account", "--array"):
         p.add_argument(flag, default=None)
     p.add_argument("--dependency", default=None, metavar="TYPE:JOBID",

@@ -106,7 +106,7 @@ def runs_table(folder: Path, squeue: str | None = None) -> list[dict[str, Any]]:
                      "loss": last.get("loss"), "tokens_per_s": last.get("tokens_per_s"),
                      "goodput": goodput if isinstance(goodput, int | float) else None,
                      "slurm_job": job, "slurm_state": states.get(job) if job else None,
-                     "path": str(run.root)})
+                     "path": str(run.root), "damaged": run.damaged})
     return rows
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hpctrain.runtime.redact import SECRET_WORDS, redact_argv
+from hpctrain.runtime.redact import SECRET_WORDS, redact_argv, redact_text
 from hpctrain.runtime.rundir import RunDir, write_json_atomic
 from hpctrain.runtime.safe_open import make_dir, write_atomic
 
@@ -115,4 +115,6 @@ def _allowed_env(environ: Mapping[str, str]) -> dict[str, str]:
         for name, value in environ.items()
         if name in _ENV_ALLOW or name.startswith(_ENV_ALLOW_PREFIX)
     }
-    return {name: allowed[name] for name in sorted(allowed) if not SECRET_WORDS.search(name)}
+    # A value can still hold a URI with a password (NCCL_..._URL=https://u:p@host).
+    return {name: redact_text(allowed[name]) for name in sorted(allowed)
+            if not SECRET_WORDS.search(name)}

@@ -34,6 +34,7 @@ from typing import Any
 
 from hpctrain.errors import ConfigError
 from hpctrain.runtime.env import ProcessEnv
+from hpctrain.runtime.exit_info import exit_info_or_none
 from hpctrain.runtime.runlock import LOCK_NAME, TAKEOVER_SUFFIX, JobAttempt, acquire
 from hpctrain.runtime.safe_open import UnsafeRunPath, make_dir, read_bytes, refuse, write_atomic
 
@@ -165,13 +166,10 @@ class RunDir:
         The first failure of an attempt is the cause; the ones that follow (peers losing their
         connection to a dead or hung rank) must not overwrite its account.
         """
-        try:
-            info = json.loads(read_bytes(self.exit_info_path))
-        except (OSError, ValueError, UnsafeRunPath):
+        info = exit_info_or_none(self.exit_info_path)  # damaged: no account to keep
+        if info is None or info["exit_code"] == 0:
             return None
-        if not isinstance(info, dict) or info.get("exit_code") == 0:
-            return None
-        return info if info.get("timestamp", 0) >= since else None
+        return info if info["timestamp"] >= since else None
 
 
 def real_run_root(root: Path) -> Path:
