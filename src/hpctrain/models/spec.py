@@ -34,7 +34,7 @@ Adding a family is a folder ``models/<name>/`` defining its `ModelFamily` and on
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -115,8 +115,9 @@ class ModelFamily:
     # An empty KV cache for generation: (model, batch, max_len) -> cache the forward takes as
     # ``cache=``. None: the family cannot generate.
     kv_cache: Callable[[nn.Module, int, int], Any] | None = None
-    # Parameter tensors of a whole model (the planner's per-tensor allocation slack).
-    param_tensors: Callable[[Any], int] = field(default=lambda args: 0)
+    # Parameter tensors of a whole model (the planner's count of AdamW ``step`` tensors; read
+    # only where ``plan_memory``).
+    param_tensors: Callable[[Any], int] = lambda args: 0
     # The planner's memory model (``hpctrain.plan.memory``: a pre-norm decoder of grouped-query
     # attention and a gated FFN, its shape with dim, n_heads, n_kv_heads, head_dim, ffn_dim)
     # sizes this family's activations.
