@@ -198,6 +198,15 @@ def test_the_planner_says_it_has_no_memory_model_of_the_toy(toy: ModelFamily) ->
         estimate_memory(toy.presets["small"], MemoryOptions())
 
 
+def test_the_chunked_loss_is_refused_for_a_family_without_it(toy: ModelFamily) -> None:
+    from hpctrain.config import load_config
+    from hpctrain.parallel.layout import check_layout
+
+    cfg = load_config(DEMO, [*COMMON, "train.loss_chunks=4", "parallel.strategy=none"])
+    with pytest.raises(ConfigError, match="train.loss_chunks = 4 with model.family = toy"):
+        check_layout(cfg, 1)
+
+
 def test_a_field_the_family_lacks_is_refused_by_name(toy: ModelFamily) -> None:
     with pytest.raises(ConfigError, match="model.n_heads=4 is not a field of the 'toy'"):
         ModelConfig(family="toy", size="small", n_heads=4).resolve()

@@ -106,6 +106,12 @@ def check_layout(cfg: JobConfig, world_size: int) -> ParallelLayout:
             hint="set model.tie_embeddings=false",
         )
     check_loss_chunks(tc.loss_chunks, tp, pp)
+    family = family_of_args(args)
+    if tc.loss_chunks and not family.chunked_loss:
+        raise ConfigError(
+            f"train.loss_chunks = {tc.loss_chunks} with model.family = {family.name}",
+            expected="train.loss_chunks = 0: this family's forward does not compute the loss "
+            "itself", hint="set train.loss_chunks=0")
     if pc.strategy == "ddp" and (tp > 1 or pp > 1):
         raise ConfigError(
             f"parallel.strategy = ddp with parallel.tp = {tp}, parallel.pp = {pp}",

@@ -31,7 +31,7 @@ from hpctrain.data.loader import (
     TokenLoader,
     build_dataset,
 )
-from hpctrain.errors import ConfigError, HpctrainError
+from hpctrain.errors import HpctrainError
 from hpctrain.models.registry import family_of_args
 from hpctrain.models.sdpa_backend import attention_backend
 from hpctrain.observe.goodput import GoodputClock
@@ -115,11 +115,6 @@ class Trainer:
         self.model_args = cfg.model.resolve()
         # The model's family says how to build, count and spread it (hpctrain.models.spec).
         family = family_of_args(self.model_args)
-        if tc.loss_chunks and not family.chunked_loss:
-            raise ConfigError(f"train.loss_chunks = {tc.loss_chunks} with model family "
-                              f"{family.name!r}", expected="train.loss_chunks = 0: this "
-                              "family's forward does not compute the loss itself",
-                              hint="set train.loss_chunks=0")
         mesh = dist_ctx.mesh
         self.loss_fn = build_loss_fn(self.par.tp, mesh, self.model_args.vocab_size,
                                      compile=pc.compile)
