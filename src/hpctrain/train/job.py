@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.config import JobConfig, dump_yaml
 from hpctrain.errors import ConfigError, DataError, HpctrainError, RuntimeEnvError
-from hpctrain.models.flops import count_params
+from hpctrain.models.registry import count_params
 from hpctrain.observe.goodput import GoodputClock, summary
 from hpctrain.observe.metrics import MetricsWriter
 from hpctrain.observe.profile import write_oom_snapshot
