@@ -644,3 +644,31 @@ def test_nproc_beyond_the_machine_is_refused_before_anything_starts(tmp_path: Pa
     assert e.value.code != 0
     assert "--nproc 100000 is more ranks than this machine can run" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def _aliases(levels: int = 9) -> str:
+    """A YAML flow list of ``levels`` nested aliases: 9**levels values in a few hundred bytes."""
+    text = "&a0 [x, x, x, x, x, x, x, x, x]"
+    for i in range(1, levels):
+        text = f"&a{i} [{text}, " + ", ".join([f"*a{i - 1}"] * 8) + "]"
+    return f"[{text}]"
+
+
+def test_a_config_of_nested_yaml_aliases_is_refused(tmp_path: Path) -> None:
+    from hpctrain.errors import ConfigError
+
+    config = tmp_path / "bomb.yaml"  # 9**9 values in nine lines: walking it never ended
+    config.write_text(f"run:\n  name: {_aliases()}\n")
+    with pytest.raises(ConfigError, match="expands to more than 100,000 values"):
+        load_config(config)
+    with pytest.raises(ConfigError, match="override run.name= expands"):
+        load_config(REPO / DEMO, [f"run.name={_aliases()}"])
+
+
+def test_a_pipeline_of_nested_yaml_aliases_is_refused(pipeline: Path) -> None:
+    from hpctrain.errors import ConfigError
+    from hpctrain.launch.pipeline import load_pipeline
+
+    (pipeline / "bomb.yaml").write_text(f"name: {_aliases()}\n")
+    with pytest.raises(ConfigError, match="expands to more than 100,000 values"):
+        load_pipeline(pipeline / "bomb.yaml")
