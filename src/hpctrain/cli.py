@@ -23,6 +23,7 @@ from hpctrain.launch import k8s as k8s_cli
 from hpctrain.launch import pipeline as pipeline_cli
 from hpctrain.launch import sbatch as sbatch_cli
 from hpctrain.launch import submit as submit_cli
+from hpctrain.numeric_args import count
 from hpctrain.observe import cli as observe_cli
 from hpctrain.plan import cli as plan_cli
 from hpctrain.pretrained import cli as pretrained_cli
@@ -105,9 +106,9 @@ def _parser() -> argparse.ArgumentParser:
                        description="Train a model. Overrides are dotted keys: train.steps=100.")
     t.add_argument("config", type=Path, help="YAML config, e.g. configs/demo.yaml")
     t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
-    t.add_argument("--nproc", type=int, default=None,
+    t.add_argument("--nproc", type=count(1, 1 << 20), default=None,
                    help="start this many local ranks (one per GPU, or CPU processes)")
-    t.add_argument("--max-restarts", type=int, default=0,
+    t.add_argument("--max-restarts", type=count(0, 10_000), default=0,
                    help="with --nproc: restart the group this many times after a rank dies")
     t.add_argument("--resume", default=None, metavar="auto|never|PATH",
                    help="resume from the newest valid checkpoint of this run (auto, the "

@@ -31,6 +31,7 @@ from hpctrain.observe.config import MetricsConfig
 from hpctrain.observe.profile import ProfileConfig
 from hpctrain.observe.track import TrackConfig
 from hpctrain.parallel.config import ParallelConfig
+from hpctrain.records import too_large
 from hpctrain.runtime.config import RunConfig
 from hpctrain.runtime.watchdog import WatchdogConfig
 from hpctrain.train.config import OptimConfig, TrainConfig
@@ -128,6 +129,8 @@ _SPECIAL = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character 
             (stat.S_ISSOCK, "a socket"), (stat.S_ISBLK, "a block device"))
 # Configs are a few kB; anything this large is another file, and would be parsed whole.
 MAX_CONFIG_BYTES = 1 << 20
+# Values once YAML aliases are expanded: real configs hold a few hundred.
+MAX_CONFIG_VALUES = 100_000
 
 
 def _read_yaml(p: Path) -> dict[str, Any]:
@@ -179,6 +182,11 @@ def _read_yaml(p: Path) -> dict[str, Any]:
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+    if too_large(raw, MAX_CONFIG_VALUES):
+        raise ConfigError(
+            f"config file {str(p)!r} expands to more than {MAX_CONFIG_VALUES:,} values",
+            expected="a config without YAML aliases (*name) that multiply its size",
+            hint="write the values out instead of nesting aliases")
     if not isinstance(raw, dict):
         raise ConfigError(
             f"config file {str(p)!r} holds a {type(raw).__name__}",
@@ -206,6 +214,10 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
     except yaml.YAMLError:
         node[parts[-1]] = value
+    if too_large(node[parts[-1]], MAX_CONFIG_VALUES):
+        raise ConfigError(f"override {key.strip()}= expands to more than "
+                          f"{MAX_CONFIG_VALUES:,} values",
+                          expected="a value without YAML aliases (*name) that multiply it")
 
 
 def from_dict(cls: type, raw: Any, where: str = "") -> Any:

@@ -229,3 +229,21 @@ class Map(Field):
 
     def expected(self) -> str:
         return f"an object of {self.value.expected()}"
+
+
+def too_large(data: Any, limit: int) -> bool:
+    """Whether ``data`` (parsed JSON/YAML) has more than ``limit`` values once every shared
+    node is counted each time it appears: YAML aliases make a few lines stand for billions of
+    values, which anything that walks or serialises the tree then spends."""
+    stack, seen = [data], 0
+    while stack:
+        node = stack.pop()
+        seen += 1
+        if seen > limit:
+            return True
+        if isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list | tuple):
+            stack.extend(node)
+    return False

@@ -83,7 +83,8 @@ def test_stray_entries_are_ignored_with_a_warning_and_kept(pg, no_faults, tmp_pa
     ({"step": "abc"}, "step = 'abc'"),
     ({"step": 1}, "says step 1, its folder step-00000002 says 2"),
     ({"step": True}, "step = True"),
-    ({"files": {"__0_0.distcp": {"size": "big", "xxh3": "0"}}}, "the entry of __0_0.distcp"),
+    ({"files": {"__0_0.distcp": {"size": "big", "xxh3": "0"}}},
+     "files['__0_0.distcp'].size = 'big'"),
 ])
 def test_manifest_with_bad_values_is_damage(pg, no_faults, tmp_path: Path, caplog,
                                             values: dict, why: str) -> None:

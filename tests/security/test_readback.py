@@ -585,3 +585,90 @@ def test_generate_missing_eos_hint_names_real_options(tmp_path: Path, capsys) ->
     assert named and all(f"{option} " in usage for option in named), (named, usage)
     tok = model_tokenizer(resolve_source(f"hf:{folder}"), eos_token="<|stop|>")
     assert tok.tokenizer.eos_id == 1
+
+
+# -- audit: more numbers that crashed or ran without end -------------------------------------
+
+@pytest.mark.parametrize("argv", [
+    # micro-batch suggestions searched every smaller micro-batch one by one (minutes)
+    ["plan", "memory", "--model", "1b", "--seq-len", "16777216", "--micro-batch", "1048576",
+     "--gpus", "16777216", "--gpu", "h100"],
+    # Daly's formula overflowed math.exp (OverflowError traceback)
+    ["plan", "goodput", "--save-s", "1", "--restart-s", "1", "--gpu-mttf-h", "1e-300",
+     "--gpus", "16777216"],
+    ["plan", "goodput", "--save-s", "1e9", "--restart-s", "1e9", "--mttf-h", "1e-300",
+     "--interval-min", "1e9"],
+])
+def test_extreme_but_valid_plans_answer_promptly(argv: list[str], capsys) -> None:
+    import time
+
+    start = time.monotonic()
+    main(argv)
+    assert time.monotonic() - start < 20
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out or "expected goodput 0.0%" in out, out
+
+
+def test_a_budget_longer_than_any_allocation_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit) as e:  # int(inf) in the duration: OverflowError before
+        main(["plan", "budget", "--tokens", "1e18", "--tokens-per-s", "1e-300", "--gpus", "1"])
+    assert e.value.code == 2
+    assert "longer than any allocation" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", ["[]", '{"rows": [1]}', '{"rows": [{"tokens_per_s_per_gpu":'
+                                     ' NaN}]}', '{"rows": []}', "{"])
+def test_a_damaged_bench_result_is_refused(tmp_path: Path, capsys, content: str) -> None:
+    (tmp_path / "model.json").write_text(content)
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "budget", "--tokens", "1T", "--from-bench", str(tmp_path), "--gpus", "8"])
+    assert e.value.code == 2
+    assert "model.json" in capsys.readouterr().err
+
+
+def test_a_pilot_rate_that_is_not_finite_does_not_count(tmp_path: Path, capsys) -> None:
+    (tmp_path / "metrics").mkdir()
+    rows = [{"step": 1, "tokens_per_s": 1000.0}, {"step": 2, "tokens_per_s": math.nan},
+            {"step": 3, "tokens_per_s": math.inf}, {"step": "4", "tokens_per_s": 10.0},
+            {"step": 5, "tokens_per_s": -5.0}, {"tokens_per_s": 3.0}, {"step": 6, "loss": 1}]
+    (tmp_path / "metrics" / "rank-000.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows))
+    main(["plan", "budget", "--tokens", "1T", "--from-run", str(tmp_path), "--gpus", "8"])
+    assert "1,000 tokens/s per GPU" in capsys.readouterr().out
+
+
+def test_nproc_beyond_the_machine_is_refused_before_anything_starts(tmp_path: Path,
+                                                                   capsys) -> None:
+    with pytest.raises(SystemExit) as e:  # it started ranks until the machine gave out
+        main(["train", DEMO, f"run.out_dir={tmp_path}", "--nproc", "100000"])
+    assert e.value.code != 0
+    assert "--nproc 100000 is more ranks than this machine can run" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def _aliases(levels: int = 9) -> str:
+    """A YAML flow list of ``levels`` nested aliases: 9**levels values in a few hundred bytes."""
+    text = "&a0 [x, x, x, x, x, x, x, x, x]"
+    for i in range(1, levels):
+        text = f"&a{i} [{text}, " + ", ".join([f"*a{i - 1}"] * 8) + "]"
+    return f"[{text}]"
+
+
+def test_a_config_of_nested_yaml_aliases_is_refused(tmp_path: Path) -> None:
+    from hpctrain.errors import ConfigError
+
+    config = tmp_path / "bomb.yaml"  # 9**9 values in nine lines: walking it never ended
+    config.write_text(f"run:\n  name: {_aliases()}\n")
+    with pytest.raises(ConfigError, match="expands to more than 100,000 values"):
+        load_config(config)
+    with pytest.raises(ConfigError, match="override run.name= expands"):
+        load_config(REPO / DEMO, [f"run.name={_aliases()}"])
+
+
+def test_a_pipeline_of_nested_yaml_aliases_is_refused(pipeline: Path) -> None:
+    from hpctrain.errors import ConfigError
+    from hpctrain.launch.pipeline import load_pipeline
+
+    (pipeline / "bomb.yaml").write_text(f"name: {_aliases()}\n")
+    with pytest.raises(ConfigError, match="expands to more than 100,000 values"):
+        load_pipeline(pipeline / "bomb.yaml")

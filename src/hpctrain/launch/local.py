@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import psutil
+import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -44,6 +45,7 @@ _AGENT_HANDLED = {"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"}
 def launch_training(cfg: JobConfig, config: Path, overrides: list[str], nproc: int, *,
                     max_restarts: int = 0, fresh: bool = False) -> None:
     """``hpctrain train CONFIG --nproc N``: lock the run directory, run the ranks, unlock."""
+    check_nproc(nproc)  # before the run directory is claimed
     check_device_fits(cfg)  # once here, before any rank starts
     claim = claim_run_dir(cfg, detect_env(), fresh=fresh, world_size=nproc, ranks=True)
     for note in claim.notes:
@@ -68,6 +70,21 @@ def launch_training(cfg: JobConfig, config: Path, overrides: list[str], nproc: i
         claim.lock.release()
 
 
+def check_nproc(nproc: int) -> None:
+    """Refuse ``--nproc`` below 1 or above what this machine can run: 8, two per CPU core, or
+    one per GPU (each rank is a Python process with torch imported, ~0.3 GB: thousands of
+    them are a fork bomb, not a job)."""
+    if nproc < 1:
+        raise LaunchError(f"--nproc {nproc} must be >= 1")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    most = max(8, 2 * (os.cpu_count() or 1), gpus)
+    if nproc > most:
+        raise LaunchError(f"--nproc {nproc} is more ranks than this machine can run",
+                          expected=f"at most {most} (one per GPU, or up to two per CPU core)",
+                          hint="use --nproc with the number of GPUs; spread more ranks over "
+                          "nodes with sbatch")
+
+
 def launch_local(nproc: int, worker_args: list[str], run_dir: RunDir, *, run_id: str,
                  max_restarts: int = 0, forward_signals: tuple[str, ...] = (),
                  grace_s: float = 120) -> None:
@@ -77,8 +94,7 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: RunDir, *, run_id:
     by this process, and after SIGTERM the agent waits ``grace_s`` before SIGKILL so the ranks
     can commit their checkpoint.
     """
-    if nproc < 1:
-        raise LaunchError(f"--nproc {nproc} must be >= 1")
+    check_nproc(nproc)
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(grace_s)))
     # The agent's shared rendezvous store outlives a restart with the previous attempt's keys
     # in it: restarted ranks then read dead peers' addresses and the group never forms

@@ -78,7 +78,7 @@ from hpctrain.errors import ConfigError, HpctrainError, LaunchError
 from hpctrain.launch.containers import Container, default_runtime, job_binds
 from hpctrain.launch.sbatch import SbatchParams, check_placement, resolve_python
 from hpctrain.launch.submit import submit_script
-from hpctrain.records import BadRecord, Int, Map, Record, Str, shown
+from hpctrain.records import BadRecord, Int, Map, Record, Str, shown, too_large
 from hpctrain.runtime.exit_info import read_exit_info
 from hpctrain.runtime.rundir import archive_run, write_json_atomic
 
@@ -172,6 +172,9 @@ def load_pipeline(path: Path) -> Pipeline:
         raise ConfigError(f"pipeline file {str(path)!r} does not exist") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"pipeline file {str(path)!r} cannot be read: {e}") from None
+    if too_large(raw, 100_000):  # YAML aliases nested to billions of values
+        raise ConfigError(f"pipeline file {str(path)!r} expands to more than 100,000 values",
+                          expected="a pipeline without YAML aliases that multiply its size")
     pl = from_dict(Pipeline, raw if raw is not None else {}, "pipeline")
     if not _NAME.fullmatch(pl.name):
         raise ConfigError(f"pipeline.name = {pl.name!r} is not a plain name",

@@ -22,11 +22,21 @@ Only the GPUs are counted: CPUs, memory, network and storage add to both.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 from hpctrain.errors import ConfigError
+from hpctrain.records import BadRecord, Int, List, Real, Record
+
+# What `bench model` writes (model.json) and a metrics row, as far as a budget reads them.
+_RATE = Real(1e-9)
+_STEP = Int()
+_BENCH = Record({"rows": List(Record({"tokens_per_s_per_gpu": _RATE,
+                                      "joules_per_token": Real(0.0, optional=True,
+                                                               nullable=True)}),
+                              min_len=1)})
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,10 @@ def plan_budget(tokens: float, tokens_per_s_per_gpu: float, gpus: int, *, margin
     if not 0 <= margin < 1:
         raise ConfigError(f"margin={margin}", expected="a fraction such as 0.1-0.2")
     walltime = tokens / (tokens_per_s_per_gpu * gpus) * (1 + margin)
+    if not math.isfinite(walltime) or walltime > 1e15:  # past 30 million years
+        raise ConfigError(f"{tokens:.3g} tokens at {tokens_per_s_per_gpu:.3g} tokens/s per GPU "
+                          f"on {gpus} GPUs would take longer than any allocation",
+                          expected="a tokens/s measured on the hardware (e.g. --from-run)")
     gpu_hours = walltime / 3600 * gpus
     warning = None
     if warn_gpu_hours is not None and gpu_hours > warn_gpu_hours:
@@ -115,10 +129,16 @@ def from_bench(path: Path) -> tuple[float, float | None]:
     if not p.is_file():
         raise ConfigError(f"no bench model results at {path}",
                           expected="a folder written by `hpctrain bench model` (model.json)")
-    rows = json.loads(p.read_text()).get("rows") or []
-    if not rows or not isinstance(rows[0].get("tokens_per_s_per_gpu"), int | float):
-        raise ConfigError(f"{p} holds no tokens_per_s_per_gpu", hint="rerun bench model")
-    return float(rows[0]["tokens_per_s_per_gpu"]), rows[0].get("joules_per_token")
+    try:
+        results = _BENCH.check(json.loads(p.read_bytes()), p)
+    except ValueError as e:  # not JSON
+        raise ConfigError(f"{p} is not a bench model result: {str(e)[:80]}",
+                          hint="rerun bench model") from None
+    except BadRecord as e:
+        raise ConfigError(f"{p} holds no usable tokens_per_s_per_gpu: {e.what}",
+                          expected=e.expected, hint="rerun bench model") from None
+    first = results["rows"][0]
+    return float(first["tokens_per_s_per_gpu"]), first.get("joules_per_token")
 
 
 def tokens_per_s_from_run(run_dir: Path, skip_fraction: float = 0.4) -> float:
@@ -133,7 +153,11 @@ def tokens_per_s_from_run(run_dir: Path, skip_fraction: float = 0.4) -> float:
                           hint="pass --tokens-per-s instead, or point at the pilot's run dir")
     per_rank = []
     for path in files:
-        rows = [r for r in read_metrics(path) if isinstance(r.get("tokens_per_s"), int | float)]
+        # A metrics file is read back, not trusted: a rate that is not a positive finite
+        # number, or a row without a step, does not count.
+        rows = [r for r in read_metrics(path)
+                if _RATE.problem(r.get("tokens_per_s"), "") is None
+                and _STEP.problem(r.get("step"), "") is None]
         if not rows:
             continue
         last = max(r["step"] for r in rows)

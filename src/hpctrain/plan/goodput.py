@@ -48,7 +48,11 @@ def predict_goodput(mttf_s: float, save_s: float, restart_s: float,
     if tau <= 0:
         raise ConfigError(f"checkpoint interval {tau} s", expected="a positive interval")
     m = mttf_s
-    goodput = tau / (m * math.exp(restart_s / m) * math.expm1((tau + save_s) / m))
+    x = (tau + save_s) / m
+    if x < 700:
+        goodput = tau * math.exp(-restart_s / m) / (m * math.expm1(x))
+    else:  # expm1 would overflow; goodput is ~0 and computed in the log domain
+        goodput = math.exp(math.log(tau / m) - restart_s / m - x)
     shares = {"checkpoint": save_s / (tau + save_s), "lost_work": (tau + save_s) / (2 * m),
               "restart": restart_s / m}
     total = sum(shares.values())

@@ -462,10 +462,14 @@ def _suggest(args: ModelArgs, opts: MemoryOptions, gpu_bytes: float) -> list[str
     elif opts.ac != "full" and fits(ac="full"):
         out.append("turn on activation checkpointing (parallel.activation_checkpointing=full), "
                    "~33% more compute")
-    for mb in range(opts.micro_batch - 1, 0, -1):
-        if fits(micro_batch=mb):
-            out.append(f"lower the micro-batch to {mb} (raise grad_accum to keep the batch)")
-            break
+    # Memory grows with the micro-batch: the largest that fits by bisection (a linear search
+    # from --micro-batch 1048576 down took minutes).
+    low, high = 0, opts.micro_batch  # fits(low) (or low == 0), not fits(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(micro_batch=mid) else (low, mid)
+    if low:
+        out.append(f"lower the micro-batch to {low} (raise grad_accum to keep the batch)")
     # Strategy fsdp casts through its own policy: the mixed-precision choice goes back to auto.
     sharded_fits = opts.gpus > 1 and fits(strategy="fsdp", zero=3, mixed_precision="auto")
     if opts.strategy != "fsdp" and sharded_fits:
