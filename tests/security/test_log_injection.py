@@ -14,11 +14,13 @@ import json
 import logging
 import pickle
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import DEMO, QUIET, TINY, run_cli
+from hpctrain.cli import main
 from hpctrain.data.prepare import PrepareSettings, prepare
 from hpctrain.data.shards import MANIFEST
 from hpctrain.data.tokenizer import TokenizerSpec
@@ -151,3 +153,17 @@ def test_command_line_word_in_a_usage_error(words: list[str]) -> None:
     done = run_cli(["plan", *words])
     assert done.returncode == 2, done.stderr[-3000:]
     _assert_clean(done.stderr)
+
+
+def test_run_folder_name_in_the_runs_table(tmp_path: Path, capsys) -> None:
+    """``hpctrain runs`` prints folder names: neither markup (rich) nor control characters."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "observe"))
+    try:
+        from synthetic_runs import write_run
+    finally:
+        sys.path.pop(0)
+    write_run(tmp_path / f"[red]r[blink]{EVIL}", ranks=1, steps=2)  # no "/" in a name
+    main(["runs", str(tmp_path)])
+    table = capsys.readouterr().out
+    assert "[red]r[blink]" in table  # shown, not read as markup
+    _assert_clean(table)
