@@ -81,6 +81,18 @@ def test_error_parts_are_escaped_and_log_records_are_one_line() -> None:
     assert len(EscapingFormatter("%(message)s").format(record)) < 1100  # an argument is cut
 
 
+def test_an_error_sent_between_ranks_keeps_its_parts() -> None:
+    """Pickled (DCP gathers each rank's failure), an error is not rendered into ``what`` and
+    escaped a second time."""
+    from hpctrain.checkpoint.manifest import DamagedCheckpoint
+
+    e = DamagedCheckpoint(f"bad {EVIL}", hint="move it", lines=["a", "b"])
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is DamagedCheckpoint and back.exit_code == 2
+    assert (back.what, back.hint, back.lines) == (e.what, e.hint, e.lines)
+    assert back.render() == e.render() == str(back)
+
+
 def test_refused_pickle_global_in_a_resumed_run(tmp_path: Path) -> None:
     """A checkpoint index whose refused global's name forges a log line: the resume falls back
     and says so on one line, in the log file and on stderr."""
