@@ -39,6 +39,11 @@ class HpctrainError(Exception):
         self.lines = tuple(_safe(line) for line in lines)
         super().__init__(self.render())
 
+    def __reduce__(self):
+        """Pickle (between ranks, DCP's gathered failures) with the parts, not the rendered
+        text: rebuilding through ``__init__`` would fold expected and hint into ``what``."""
+        return _rebuild, (type(self), self.args, self.__dict__.copy())
+
     def render(self) -> str:
         """Return the message as the user sees it: what, expected, hint on separate lines."""
         lines = [self.what, *self.lines]
@@ -47,6 +52,13 @@ class HpctrainError(Exception):
         if self.hint:
             lines.append(f"  HINT: {self.hint}")
         return "\n".join(lines)
+
+
+def _rebuild(cls: type[HpctrainError], args: tuple, state: dict) -> HpctrainError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
 
 
 class ConfigError(HpctrainError):

@@ -325,7 +325,7 @@ def test_restore_newest_refuses_when_all_damaged(pg, no_faults, tmp_path: Path) 
     _damage("no-manifest", tmp_path / "step-00000002")
     with pytest.raises(DamagedCheckpoint) as e:
         m.restore_newest(_load_into_fresh(m))
-    lines = e.value.what.splitlines()
+    lines = [e.value.what, *e.value.lines]  # one escaped line per damaged checkpoint
     assert "every checkpoint" in lines[0] and str(tmp_path) in lines[0]
     assert "step-00000002" in lines[1] and "manifest.json" in lines[1], lines
     assert "step-00000001" in lines[2] and "checksum" in lines[2], lines

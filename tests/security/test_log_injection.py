@@ -14,11 +14,13 @@ import json
 import logging
 import pickle
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import DEMO, QUIET, TINY, run_cli
+from hpctrain.cli import main
 from hpctrain.data.prepare import PrepareSettings, prepare
 from hpctrain.data.shards import MANIFEST
 from hpctrain.data.tokenizer import TokenizerSpec
@@ -77,6 +79,18 @@ def test_error_parts_are_escaped_and_log_records_are_one_line() -> None:
     record = logging.LogRecord("hpctrain.x", logging.INFO, __file__, 1, "%(v)s",
                                ({"v": "y" * 5000},), None)
     assert len(EscapingFormatter("%(message)s").format(record)) < 1100  # an argument is cut
+
+
+def test_an_error_sent_between_ranks_keeps_its_parts() -> None:
+    """Pickled (DCP gathers each rank's failure), an error is not rendered into ``what`` and
+    escaped a second time."""
+    from hpctrain.checkpoint.manifest import DamagedCheckpoint
+
+    e = DamagedCheckpoint(f"bad {EVIL}", hint="move it", lines=["a", "b"])
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is DamagedCheckpoint and back.exit_code == 2
+    assert (back.what, back.hint, back.lines) == (e.what, e.hint, e.lines)
+    assert back.render() == e.render() == str(back)
 
 
 def test_refused_pickle_global_in_a_resumed_run(tmp_path: Path) -> None:
@@ -151,3 +165,17 @@ def test_command_line_word_in_a_usage_error(words: list[str]) -> None:
     done = run_cli(["plan", *words])
     assert done.returncode == 2, done.stderr[-3000:]
     _assert_clean(done.stderr)
+
+
+def test_run_folder_name_in_the_runs_table(tmp_path: Path, capsys) -> None:
+    """``hpctrain runs`` prints folder names: neither markup (rich) nor control characters."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "observe"))
+    try:
+        from synthetic_runs import write_run
+    finally:
+        sys.path.pop(0)
+    write_run(tmp_path / f"[red]r[blink]{EVIL}", ranks=1, steps=2)  # no "/" in a name
+    main(["runs", str(tmp_path)])
+    table = capsys.readouterr().out
+    assert "[red]r[blink]" in table  # shown, not read as markup
+    _assert_clean(table)

@@ -89,3 +89,15 @@ def test_a_run_records_no_secret(tmp_path: Path, capsys, monkeypatch: pytest.Mon
     main(["sbatch", str(REPO / DEMO), *BASE, f"run.out_dir={out}", "-o", str(script)])
     stdout, stderr = capsys.readouterr()
     assert SECRET not in script.read_text() + stderr + stdout
+
+
+def test_credentials_in_a_container_image_are_refused(tmp_path: Path, capsys) -> None:
+    """The image is written into the job script: a registry password in it is refused."""
+    script = tmp_path / "job.sh"
+    with pytest.raises(SystemExit) as exit:
+        main(["sbatch", str(REPO / DEMO), "--container",
+              f"docker://bob:{SECRET}@registry.example/hpctrain:1", "-o", str(script)])
+    stdout, stderr = capsys.readouterr()
+    assert exit.value.code == 2 and "APPTAINER_DOCKER_PASSWORD" in stderr, stderr[-3000:]
+    assert SECRET not in stderr + stdout
+    assert not script.exists()

@@ -25,6 +25,7 @@ from typing import Literal
 
 from hpctrain.config import JobConfig
 from hpctrain.errors import ConfigError
+from hpctrain.runtime.redact import redact_uri, uri_secrets
 
 Runtime = Literal["apptainer", "pyxis"]
 # The separators of apptainer --bind and pyxis --container-mounts lists.
@@ -44,6 +45,14 @@ class Container:
         if not self.image.strip():
             raise ConfigError("--container is empty", expected="an image: a .sif file, "
                               "docker://..., or for pyxis a .sqsh file or registry#image")
+        secrets = uri_secrets(self.image)
+        if secrets:  # the image is written into the job script, which others can read
+            raise ConfigError(
+                f"--container {redact_uri(self.image)!r} holds a credential "
+                f"({', '.join(secrets)})", expected="an image reference without credentials",
+                hint="log in to the registry instead: apptainer registry login (or export "
+                "APPTAINER_DOCKER_USERNAME and APPTAINER_DOCKER_PASSWORD); for pyxis, "
+                "enroot's credentials file ($ENROOT_CONFIG_PATH/.credentials)")
         for b in self.binds:
             if not b.startswith("/") or any(c in b for c in _SEPARATORS):
                 raise ConfigError(f"bind {b!r} cannot be passed to the container",

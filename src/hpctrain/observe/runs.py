@@ -26,6 +26,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from hpctrain.errors import HpctrainError
 from hpctrain.observe.report import run_state
@@ -37,6 +38,7 @@ from hpctrain.observe.rundata import (
     recorded_tokens_per_s,
 )
 from hpctrain.observe.svg import fmt
+from hpctrain.shown import shown
 
 _SQUEUE_TIMEOUT_S = 10.0
 # "<name>-<job>" or "<name>-<array job>_<task>": the suffix hpctrain gives a run under Slurm.
@@ -143,10 +145,12 @@ def print_runs(rows: list[dict[str, Any]], console: Console | None = None) -> No
                                                                "GOODPUT") else "left")
     for r in rows:
         loss = r["loss"]
+        # Text, not markup: a run folder's name or a recorded job id is anyone's text, and
+        # rich would read "[link=...]" in it as markup.
         table.add_row(
-            r["run"], r["state"], "-" if r["step"] is None else str(r["step"]),
+            Text(shown(r["run"])), r["state"], "-" if r["step"] is None else Text(shown(r["step"])),
             fmt(loss) if isinstance(loss, int | float) else "-",
             fmt(r["tokens_per_s"]) if isinstance(r["tokens_per_s"], int | float) else "-",
             f"{100 * r['goodput']:.1f}%" if r["goodput"] is not None else "-",
-            " ".join(x for x in (r["slurm_job"], r["slurm_state"]) if x) or "-")
+            Text(shown(" ".join(str(x) for x in (r["slurm_job"], r["slurm_state"]) if x) or "-")))
     console.print(table)
