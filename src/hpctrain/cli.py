@@ -28,6 +28,7 @@ from hpctrain.plan import cli as plan_cli
 from hpctrain.pretrained import cli as pretrained_cli
 from hpctrain.runtime.interrupted import INTERRUPTED, Interrupted
 from hpctrain.runtime.runlock import TOKEN_ENV
+from hpctrain.shown import shown
 
 DESCRIPTION = """\
 Train PyTorch models from one CPU process or GPU to a Slurm cluster: fast, restartable and
@@ -52,6 +53,10 @@ class _Parser(argparse.ArgumentParser):
     """
 
     _intermixing = False
+
+    def error(self, message: str):
+        """argparse's usage error, with the words it echoes from the command line escaped."""
+        super().error(shown(message, None))
 
     def parse_known_args(self, args=None, namespace=None):
         """argparse's parse_known_args, intermixed in a leaf parser."""
@@ -193,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         print("hpctrain: interrupted (Ctrl-C)", file=sys.stderr)
         sys.exit(INTERRUPTED)
     except HpctrainError as e:
+        # render() is escaped (HpctrainError escapes its parts): no raw control character.
         print(f"hpctrain: error: {e.render()}", file=sys.stderr)
         sys.exit(e.exit_code)
 

@@ -273,14 +273,16 @@ def test_no_fp8_candidate_on_the_cpu() -> None:
 
 
 def test_failure_reason_is_one_line() -> None:
-    oom = TrainRunError("the training run exited with 1:\nTraceback ...\n"
-                        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\n"
-                        "hpctrain: error: rank 0 failed")
+    oom = TrainRunError("the training run exited with 1:", lines=[
+        "Traceback ...", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB",
+        "hpctrain: error: rank 0 failed"])
     assert measure.failure_reason(oom).startswith("out of memory: torch.OutOfMemoryError")
-    ours = TrainRunError("the training run exited with 2:\nhpctrain: error: 1 ranks cannot be "
-                         "split\n  expected: a world size\n  HINT: run on more")
+    ours = TrainRunError("the training run exited with 2:", lines=[
+        "hpctrain: error: 1 ranks cannot be split", "  expected: a world size",
+        "  HINT: run on more"])
     assert measure.failure_reason(ours) == "hpctrain: error: 1 ranks cannot be split"
-    timeout = TrainRunError("the training run exited with 124:\nstep 3\nkilled after 900 s")
+    timeout = TrainRunError("the training run exited with 124:",
+                            lines=["step 3", "killed after 900 s"])
     assert measure.failure_reason(timeout) == "killed after 900 s"
     assert "\n" not in measure.failure_reason(TrainRunError("x" * 500)) and \
         len(measure.failure_reason(TrainRunError("x" * 500))) == 200
@@ -374,7 +376,7 @@ def test_every_candidate_failing_exits_1(monkeypatch, tmp_path: Path, capsys) ->
     from hpctrain.bench import model
 
     def fake(config, overrides, **kw):
-        raise TrainRunError("the training run exited with 1:\nCUDA out of memory")
+        raise TrainRunError("the training run exited with 1:", lines=["CUDA out of memory"])
 
     monkeypatch.setattr(model, "run_model_bench", fake)
     with pytest.raises(SystemExit) as exc:

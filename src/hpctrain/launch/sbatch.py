@@ -43,6 +43,7 @@ from hpctrain.config import JobConfig
 from hpctrain.errors import ConfigError
 from hpctrain.launch.containers import Container, default_runtime, job_binds
 from hpctrain.launch.output import write_output
+from hpctrain.numeric_args import count
 from hpctrain.parallel.layout import check_layout
 from hpctrain.runtime.exit_codes import PREEMPTED
 
@@ -344,7 +345,8 @@ def add_job_options(p: argparse.ArgumentParser) -> None:
             ("--job-name", str, "hpctrain", "Slurm job name (also names the log files)"),
             ("--log-dir", str, "runs/slurm-logs", "folder of the job's logs, relative to "
              "this directory unless absolute; created now")):
-        p.add_argument(flag, type=kind, default=default, help=text)
+        p.add_argument(flag, type=count(0, 65535) if kind is int else kind, default=default,
+                       help=text)
     for flag, text in (("--partition", "Slurm partition (default: the cluster's)"),
                        ("--account", "account to charge (default: yours)"),
                        ("--array", "a job array, e.g. 0-7%%2 (default: none); each task gets "

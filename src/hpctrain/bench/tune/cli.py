@@ -14,6 +14,7 @@ from pathlib import Path
 from hpctrain.bench.tune.candidates import CPU_MEM_GB, MAX_CANDIDATES, TunePlan, plan_tuning
 from hpctrain.bench.tune.measure import measure, resume_from, winner, write_results
 from hpctrain.errors import ConfigError, HpctrainError
+from hpctrain.numeric_args import count, real
 from hpctrain.runtime.config import TooLargeForCPU
 
 
@@ -34,18 +35,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", type=Path, help="YAML config, e.g. configs/llama-8b-fsdp.yaml")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config overrides applied before tuning (kept in best.overrides)")
-    p.add_argument("--gpus", type=int, required=True,
+    p.add_argument("--gpus", type=count(1, 4096), required=True,
                    help="GPUs of this node to tune for (CPU ranks without a GPU)")
-    p.add_argument("--gpu-mem-gb", type=float, default=None,
+    p.add_argument("--gpu-mem-gb", type=real(0, 1e6, open_min=True), default=None,
                    help="memory per GPU the model sizes against (default: the GPU's; "
                    f"{CPU_MEM_GB:g} per rank on a CPU)")
-    p.add_argument("--max-candidates", type=int, default=MAX_CANDIDATES,
+    p.add_argument("--max-candidates", type=count(1, 10_000), default=MAX_CANDIDATES,
                    help="how many configurations to measure")
-    p.add_argument("--steps", type=int, default=None,
+    p.add_argument("--steps", type=count(1, 10_000_000), default=None,
                    help="steps per candidate (default 30 on a GPU, 8 on a CPU)")
-    p.add_argument("--log-every", type=int, default=None,
+    p.add_argument("--log-every", type=count(1, 10_000_000), default=None,
                    help="logging window (default 5 on a GPU, 2 on a CPU)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per candidate")
+    p.add_argument("--timeout", type=real(0, 1e7, open_min=True), default=900.0,
+                   help="seconds per candidate")
     p.add_argument("--no-fp8", action="store_true", help="never try train.precision=fp8")
     p.add_argument("--resume", action="store_true",
                    help="keep the candidates an earlier, interrupted call measured into --out "
@@ -121,9 +123,9 @@ def run(args: argparse.Namespace) -> None:
     if interrupted:
         raise KeyboardInterrupt
     if best is None:
-        reasons = "\n".join(f"  [{i}] {c.label}: {c.reason}"
-                            for i, c in enumerate(plan.candidates, 1))
-        raise TuneFailed(f"every candidate failed:\n{reasons}",
+        raise TuneFailed("every candidate failed:",
+                         lines=[f"  [{i}] {c.label}: {c.reason}"
+                                for i, c in enumerate(plan.candidates, 1)],
                          hint=f"the runs' logs are under {out}/cNN/train/logs")
 
 
