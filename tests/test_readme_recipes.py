@@ -19,6 +19,7 @@ leaves). The README's text is read at test time: what the test runs is what the 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -36,11 +37,6 @@ MARKER = re.compile(r"<!--\s*(recipe|needs|output|quickstart)\s*(?::\s*([\w-]+)\
 NEEDS = {"gpu", "slurm", "kubernetes", "hf-model"}
 FENCE = re.compile(r"^```")
 RECIPE_TIMEOUT_S = 300
-# Recipes that fail as written until another branch lands (the lead removes the entry when it
-# does; strict, so a recipe that starts passing fails here until its entry is gone).
-PENDING = {
-    "data": "the model's vocabulary follows the data's manifest (issue 33, item 1)",
-}
 
 
 @dataclass
@@ -89,7 +85,6 @@ def test_every_block_is_marked() -> None:
     assert not wrong, "\n".join(wrong)
     ids = [b.value for b in recipes()]
     assert len(ids) == len(set(ids)), f"recipe ids repeat: {ids}"
-    assert set(PENDING) <= set(ids), "PENDING names a recipe the README no longer has"
 
 
 def test_the_marker_check_finds_an_unmarked_block(tmp_path: Path) -> None:
@@ -144,9 +139,6 @@ def ran(workdir: Path) -> dict[str, subprocess.CompletedProcess]:
 
 @pytest.mark.parametrize("recipe", [b.value for b in recipes()])
 def test_recipe_runs(recipe: str, ran: dict, workdir: Path) -> None:
-    if recipe in PENDING:
-        pytest.xfail(f"pending: {PENDING[recipe]}") if ran[recipe].returncode else \
-            pytest.fail(f"recipe {recipe!r} passes now: remove it from PENDING")
     done = ran[recipe]
     assert done.returncode == 0, (f"README recipe {recipe!r} failed (exit {done.returncode})"
                                   f"\nstdout:\n{done.stdout[-3000:]}\nstderr:\n"
@@ -168,6 +160,12 @@ def _train(root: Path, done) -> None:
     for name in ("first", "pair"):
         assert (root / "runs" / name / "exit_info.json").is_file()
     assert "optim:" in done.stdout and "0.0001" in done.stdout  # the resolved config
+
+
+def _data(root: Path, done) -> None:
+    manifest = json.loads((root / "data" / "corpus" / "manifest.json").read_text())
+    assert manifest["vocab_size"] == 257  # bytes and EOS: the model follows it
+    assert (root / "runs" / "corpus" / "exit_info.json").is_file()
 
 
 def _watch(root: Path, done) -> None:
@@ -197,8 +195,9 @@ def _bench(root: Path, done) -> None:
     assert "GEMM on CPU" in done.stdout
 
 
-CHECKS = {"after-demo": _after_demo, "train": _train, "watch": _watch, "resume": _resume,
-          "plan": _plan, "slurm-script": _slurm_script, "k8s": _k8s, "bench": _bench}
+CHECKS = {"after-demo": _after_demo, "train": _train, "data": _data, "watch": _watch,
+          "resume": _resume, "plan": _plan, "slurm-script": _slurm_script, "k8s": _k8s,
+          "bench": _bench}
 
 
 def test_links_between_the_pages_resolve() -> None:
