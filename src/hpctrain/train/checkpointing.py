@@ -69,6 +69,8 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     loader: DataPosition
     scaler: torch.amp.GradScaler | None
+    # What one sample counts as in tokens_seen; None: data.seq_len (the token loader's window).
+    tokens_per_sample: int | None = None
 
 
 def config_hashes(cfg: JobConfig) -> dict[str, str]:
@@ -96,7 +98,8 @@ def meta_state(s: TrainState, cfg: JobConfig, *, step: int, world_size: int) -> 
     loader = s.loader.state_dict()
     return {
         "step": step,
-        "tokens_seen": loader["step"] * loader["global_batch"] * cfg.data.seq_len,
+        "tokens_seen": loader["step"] * loader["global_batch"]
+        * (s.tokens_per_sample or cfg.data.seq_len),
         "world_size": world_size,
         "strategy": cfg.parallel.strategy,
         "scheduler": s.scheduler.state_dict(),
