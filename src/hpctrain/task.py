@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import DistBackendError
 
 from hpctrain.errors import ConfigError, HpctrainError
 
@@ -163,8 +164,8 @@ def call_user(fn: Callable, role: str, *args: Any) -> Any:
     """``fn(*args)``; an exception becomes a TaskError naming the user's file and line."""
     try:
         return fn(*args)
-    except HpctrainError:
-        raise
+    except (HpctrainError, torch.OutOfMemoryError, DistBackendError):
+        raise  # not the user's code: ours, the device's, or a peer rank that died
     except Exception as e:
         # The whole traceback goes to this rank's log file (DEBUG), the console gets the line.
         log.debug("%s raised", role, exc_info=e)
