@@ -81,6 +81,8 @@ def config_hashes(cfg: JobConfig) -> dict[str, str]:
         return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
     training = {k: v for k, v in full.items() if k not in _RUNTIME_SECTIONS}
+    if training.get("task") is None:  # the built-in model: hashes as before the key existed
+        training.pop("task", None)
     # Extending a run (more steps) is the common reason to resume; it is not a change.
     training["train"] = {k: v for k, v in training["train"].items() if k != "steps"}
     return {"model_hash": digest(full["model"]), "config_hash": digest(training)}
