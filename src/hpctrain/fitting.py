@@ -29,7 +29,8 @@ def fit(task: Task | Callable[[], Task] | str | None = None, config: str | Path 
     returns the run's :class:`~hpctrain.train.trainer.TrainResult`."""
     from hpctrain.train.job import run_training
 
-    items = ([f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+    items = ([f"{k}={json.dumps(str(v) if isinstance(v, Path) else v)}"
+              for k, v in overrides.items()]
              if isinstance(overrides, Mapping) else list(overrides))
     defaults = []
     if config is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:

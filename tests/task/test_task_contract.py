@@ -177,3 +177,14 @@ class iter_only:  # noqa: N801 - reads like the plain generator it stands for
 
     def __iter__(self):
         return (torch.tensor([float(i)]) for i in range(100))
+
+
+def test_fit_refuses_what_is_not_a_task() -> None:
+    import hpctrain
+
+    with pytest.raises(TaskError, match="got a int"):
+        hpctrain.fit(42)
+    with pytest.raises(TaskError, match="the task factory gave a str"):
+        hpctrain.fit(lambda: "not a task")
+    with pytest.raises(ConfigError, match="was given no task"):
+        hpctrain.fit()

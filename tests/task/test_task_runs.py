@@ -1,4 +1,4 @@
-"""Users' tasks trained for real: the examples on 2 DDP ranks through the CLI, killed with
+"""Users' tasks trained for real: the examples on 2 DDP (or FSDP) ranks through the CLI, killed with
 kill -9 mid-run and rerun, resume bit-identically; a rank whose step raises ends the job with
 the user's file and line; ``hpctrain.fit`` from a script, on an iterable without a position.
 
@@ -24,11 +24,19 @@ STEPS = 6
 RUN = ["--nproc", "2", f"train.steps={STEPS}", "train.micro_batch=4", "train.precision=fp32",
        "train.deterministic=true", "metrics.log_every=1", "metrics.progress=false",
        "run.suffix=none", "checkpoint.every=3", "optim.warmup_steps=2", "optim.lr=3e-3"]
-EXAMPLES = ("mlp_parquet", "tiny_transformer", "image_classifier")
+# (example, strategy): the MLP and the classifier under DDP, the transformer under FSDP2 (per
+# block); each case is three launches, so DDP is not repeated for the transformer.
+CASES = (("mlp_parquet", "ddp"), ("tiny_transformer", "fsdp"), ("image_classifier", "ddp"))
 
 
-def _argv(example: str, out: Path, name: str) -> list[str]:
-    return ["train", f"examples/{example}.py", *RUN, f"run.out_dir={out}", f"run.name={name}"]
+def _argv(case: tuple[str, str], out: Path, name: str) -> list[str]:
+    example, strategy = case
+    return ["train", f"examples/{example}.py", *RUN, f"parallel.strategy={strategy}",
+            f"run.out_dir={out}", f"run.name={name}"]
+
+
+def _name(case: tuple[str, str]) -> str:
+    return "-".join(case)
 
 
 def _env(out: Path) -> dict[str, str]:
@@ -45,17 +53,18 @@ def _run(argv: list[str], out: Path, log: Path, timeout: float = 240) -> str:
     return done.stdout
 
 
-def _kill_and_rerun(example: str, out: Path) -> str:
+def _kill_and_rerun(case: tuple[str, str], out: Path) -> str:
     """Hang before step 5 once step 3's checkpoint is committed; kill -9 it all; rerun."""
-    argv = _argv(example, out, f"{example}-killed")
-    run = start(argv, out / f"{example}-killed.log", out / f"{example}-killed",
+    name = _name(case)
+    argv = _argv(case, out, f"{name}-killed")
+    run = start(argv, out / f"{name}-killed.log", out / f"{name}-killed",
                 env={**_env(out), "HPCTRAIN_FAULTS": "hang@step=5,seconds=600"})
     try:
         run.wait_for("step 4 and the checkpoint of step 3",
                      lambda: run.steps() >= 4 and run.latest() == "step-00000003", timeout=200)
     finally:
         kill_tree_of(run)
-    return _run(argv, out, out / f"{example}-rerun.log")
+    return _run(argv, out, out / f"{name}-rerun.log")
 
 
 @pytest.fixture(scope="module")
@@ -68,16 +77,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
                     f"{str(out / 'table.parquet')!r}))"], cwd=REPO, check=True)
     with ThreadPoolExecutor(2) as pool:
         futures = {}
-        for example in EXAMPLES:
-            futures[f"{example}-ref"] = pool.submit(
-                _run, _argv(example, out, f"{example}-ref"), out, out / f"{example}-ref.log")
-            futures[f"{example}-rerun"] = pool.submit(_kill_and_rerun, example, out)
+        for case in CASES:
+            name = _name(case)
+            futures[f"{name}-ref"] = pool.submit(
+                _run, _argv(case, out, f"{name}-ref"), out, out / f"{name}-ref.log")
+            futures[f"{name}-rerun"] = pool.submit(_kill_and_rerun, case, out)
         return {"out": out, **{k: f.result() for k, f in futures.items()}}
 
 
-@pytest.mark.parametrize("example", EXAMPLES)
-def test_example_resumes_bit_identically_after_kill_9(runs, example: str) -> None:
-    out = runs["out"]
+@pytest.mark.parametrize("case", CASES, ids=_name)
+def test_example_resumes_bit_identically_after_kill_9(runs, case: tuple[str, str]) -> None:
+    out, example = runs["out"], _name(case)
     ref = logged(out, f"{example}-ref")
     assert sorted(ref) == list(range(1, STEPS + 1))
     # The rerun resumed from step 3 and wrote steps 4-6 again after the killed run's 1-4.
@@ -93,14 +103,14 @@ def test_example_resumes_bit_identically_after_kill_9(runs, example: str) -> Non
 
 def test_metrics_report_samples_and_task_metrics(runs) -> None:
     out = runs["out"]
-    records = [r for r in _records(out / "tiny_transformer-ref") if "loss" in r]
+    records = [r for r in _records(out / "tiny_transformer-fsdp-ref") if "loss" in r]
     last = records[-1]
     assert last["samples_per_s"] > 0
     assert last["tokens_per_s"] == pytest.approx(last["samples_per_s"] * 64)
     assert 0 <= last["accuracy"] <= 1  # the step's own metric, over the window
-    val = [r for r in _records(out / "tiny_transformer-ref") if "val_loss" in r]
+    val = [r for r in _records(out / "tiny_transformer-fsdp-ref") if "val_loss" in r]
     assert val and val[-1]["val_samples"] == 256 and "val_accuracy" in val[-1]
-    layout = next(r for r in _records(out / "image_classifier-ref")
+    layout = next(r for r in _records(out / "image_classifier-ddp-ref")
                   if r.get("event") == "layout")
     assert layout["flops_per_sample"] > 0  # counted by PyTorch's flop counter
 
