@@ -148,10 +148,14 @@ def task():
 
 
 def test_one_ranks_exception_ends_the_job_naming_the_users_line(tmp_path: Path) -> None:
+    """Also the config's way in: a YAML whose task: names the file and function."""
     path = tmp_path / "rank_fails.py"
     path.write_text(RANK_FAILS)
-    argv = ["train", str(path), "--nproc", "2", "train.steps=20", "metrics.progress=false",
-            "run.suffix=none", f"run.out_dir={tmp_path}", "train.micro_batch=2"]
+    config = tmp_path / "job.yaml"
+    config.write_text(f"task: {path}:task\nrun: {{name: rank_fails, suffix: none, out_dir: "
+                      f"{tmp_path}}}\nparallel: {{strategy: ddp}}\n"
+                      "train: {steps: 20, micro_batch: 2}\nmetrics: {progress: false}\n")
+    argv = ["train", str(config), "--nproc", "2"]
     done = subprocess.run(cli_command(argv), cwd=REPO, env=cli_env(), text=True, timeout=300,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert done.returncode != 0
