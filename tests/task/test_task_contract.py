@@ -188,3 +188,31 @@ def test_fit_refuses_what_is_not_a_task() -> None:
         hpctrain.fit(lambda: "not a task")
     with pytest.raises(ConfigError, match="was given no task"):
         hpctrain.fit()
+
+
+def _task_state(width: int):
+    from hpctrain.config import load_config
+    from hpctrain.train import checkpointing
+    from hpctrain.train.optim import build_optimizer, build_scheduler
+
+    cfg = load_config(None, ["task=my_task.py", "train.steps=4"])
+    model = nn.Linear(3, width)
+    optimizer = build_optimizer(model, cfg.optim, 1e-3)
+    loader = SampleLoader(torch.zeros(8, 3), BatchLayout(2, 1, 1, 0), 0, CPU, _collate, 0)
+    state = checkpointing.TrainState(model, optimizer, build_scheduler(optimizer, cfg.optim, 4),
+                                     loader, None, tokens_per_sample=1,
+                                     model_signature=checkpointing.model_signature(model))
+    return cfg, state
+
+
+def test_resume_with_another_user_model_shape_is_refused(tmp_path: Path) -> None:
+    """The config's model section says nothing of a task's model: its parameters' shapes do."""
+    from hpctrain.train import checkpointing
+
+    cfg, saved = _task_state(4)
+    manifest = checkpointing.meta_state(saved, cfg, step=0, world_size=1)
+    _, same = _task_state(4)
+    checkpointing.check_meta(same, tmp_path, manifest, cfg)
+    _, wider = _task_state(5)
+    with pytest.raises(ConfigError, match="saved for another model shape"):
+        checkpointing.check_meta(wider, tmp_path, manifest, cfg)

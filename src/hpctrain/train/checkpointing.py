@@ -71,10 +71,20 @@ class TrainState:
     scaler: torch.amp.GradScaler | None
     # What one sample counts as in tokens_seen; None: data.seq_len (the token loader's window).
     tokens_per_sample: int | None = None
+    # A user's own model (hpctrain.task): its parameters' shapes, which the config's model
+    # section does not describe; None: the built-in model, described by that section.
+    model_signature: dict[str, list[int]] | None = None
 
 
-def config_hashes(cfg: JobConfig) -> dict[str, str]:
-    """Hashes of the model section and of everything that shapes training."""
+def model_signature(model: torch.nn.Module) -> dict[str, list[int]]:
+    """Every parameter's name and shape: what a checkpoint of a user's model must match."""
+    return {name: list(p.shape) for name, p in model.named_parameters()}
+
+
+def config_hashes(cfg: JobConfig, signature: dict[str, list[int]] | None = None
+                  ) -> dict[str, str]:
+    """Hashes of the model (its config section, or a user model's ``signature``) and of
+    everything that shapes training."""
     full = to_dict(cfg)
 
     def digest(obj: Any) -> str:
@@ -85,7 +95,8 @@ def config_hashes(cfg: JobConfig) -> dict[str, str]:
         training.pop("task", None)
     # Extending a run (more steps) is the common reason to resume; it is not a change.
     training["train"] = {k: v for k, v in training["train"].items() if k != "steps"}
-    return {"model_hash": digest(full["model"]), "config_hash": digest(training)}
+    model = full["model"] if signature is None else signature
+    return {"model_hash": digest(model), "config_hash": digest(training)}
 
 
 def tensor_state(s: TrainState, layout: str | None = OPTIM_LAYOUT) -> dict[str, Any]:
@@ -109,7 +120,7 @@ def meta_state(s: TrainState, cfg: JobConfig, *, step: int, world_size: int) -> 
         "scaler": s.scaler.state_dict() if s.scaler is not None else None,
         "saved_at": time.time(),
         "optim_layout": OPTIM_LAYOUT,
-        **config_hashes(cfg),
+        **config_hashes(cfg, s.model_signature),
     }
 
 
@@ -163,11 +174,14 @@ def check_meta(s: TrainState, path: Path, manifest: dict[str, Any], cfg: JobConf
     if s.scaler is not None and scaler and not all(
             isinstance(scaler.get(k), Real) for k in s.scaler.state_dict()):
         raise damaged(f"scaler = {scaler!r} is not a loss scaler's state")
-    if manifest["model_hash"] != config_hashes(cfg)["model_hash"]:
+    if manifest["model_hash"] != config_hashes(cfg, s.model_signature)["model_hash"]:
+        own = s.model_signature is not None
         raise ConfigError(
             f"checkpoint {path} was saved for another model shape",
-            expected="the same model section as the run that saved it",
-            hint="resume with the original config, or start a new run (run.name=...)",
+            expected="the same parameter names and shapes as the model that saved it" if own
+            else "the same model section as the run that saved it",
+            hint="resume with the original " + ("model" if own else "config")
+            + ", or start a new run (run.name=..., or --fresh)",
         )
 
 
@@ -176,7 +190,7 @@ def restore(s: TrainState, ckpt: CheckpointManager, path: Path, manifest: dict[s
     """Load ``path`` into ``s``; returns its step. ``data=False`` keeps the loader where it is
     (a rollback skips the batches since the checkpoint)."""
     check_meta(s, path, manifest, cfg)
-    if manifest["config_hash"] != config_hashes(cfg)["config_hash"]:
+    if manifest["config_hash"] != config_hashes(cfg, s.model_signature)["config_hash"]:
         log.warning("resuming %s with a changed training config (data/train/optim sections)",
                     path.name)
     layout = manifest.get("optim_layout")

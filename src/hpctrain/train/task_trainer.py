@@ -123,6 +123,7 @@ class TaskTrainer(Trainer):
             model = task.build_model()
         model.to(self.device).train()
         flops_per_sample = task.flops_per_sample or self._count_flops(model)
+        self.signature = checkpointing.model_signature(model)  # before DDP/FSDP rename or shard
         self.model = self._spread(model)
         self.pipeline = None
         self.after_update = _nothing
@@ -199,7 +200,8 @@ class TaskTrainer(Trainer):
     def _train_state(self) -> checkpointing.TrainState:
         return checkpointing.TrainState(self.model, self.optimizer, self.scheduler, self.loader,
                                         self.scaler,
-                                        tokens_per_sample=self.task.tokens_per_sample)
+                                        tokens_per_sample=self.task.tokens_per_sample,
+                                        model_signature=self.signature)
 
     def forward_backward(self, micro_batches: list) -> torch.Tensor:
         """The task's step over one step's micro-batches (gradients synchronised on the last);
