@@ -270,8 +270,9 @@ def test_seq_len_equal_to_model_max_is_fine() -> None:
 
 def test_model_vocab_smaller_than_data_vocab() -> None:
     err = _error(["model.vocab_size=100"])
-    assert err.what == "data vocabulary (256 ids) is larger than model.vocab_size (100)"
-    assert err.hint == "set model.vocab_size=256 or pick a larger model size"
+    assert err.what == ("data vocabulary (256 ids) is larger than the model's (100, from "
+                        "model.vocab_size)")
+    assert err.hint == "set model.vocab_size >= 256"
     assert load_config(None, ["model.vocab_size=256"]).model.vocab_size == 256
 
 

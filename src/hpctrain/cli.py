@@ -13,6 +13,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from hpctrain import __version__
 from hpctrain.bench import cli as bench_cli
 from hpctrain.bench.tune import cli as tune_cli
 from hpctrain.data.cli import add_parser as add_data_parser
@@ -27,6 +28,19 @@ from hpctrain.plan import cli as plan_cli
 from hpctrain.pretrained import cli as pretrained_cli
 from hpctrain.runtime.interrupted import INTERRUPTED, Interrupted
 from hpctrain.runtime.runlock import TOKEN_ENV
+from hpctrain.shown import shown
+
+DESCRIPTION = """\
+Train PyTorch models from one CPU process or GPU to a Slurm cluster: fast, restartable and
+measurable. Every command takes a YAML config and KEY=VALUE overrides in any order."""
+
+EPILOG = """\
+first steps:
+  hpctrain train configs/demo.yaml train.steps=20        train the tiny demo model on the CPU
+  hpctrain runs runs/                                    what every run did
+  hpctrain COMMAND --help                                a command's options and defaults
+
+documentation: README.md and docs/ in the hpctrain repository"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,6 +54,10 @@ class _Parser(argparse.ArgumentParser):
 
     _intermixing = False
 
+    def error(self, message: str):
+        """argparse's usage error, with the words it echoes from the command line escaped."""
+        super().error(shown(message, None))
+
     def parse_known_args(self, args=None, namespace=None):
         """argparse's parse_known_args, intermixed in a leaf parser."""
         if self._subparsers is not None or self._intermixing:
@@ -51,10 +69,37 @@ class _Parser(argparse.ArgumentParser):
         finally:
             self._intermixing = False
 
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the text already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (has_default(action) and "%(default)" not in text
+                and "default" not in text.lower()):
+            text += " (default: %(default)s)"
+        return text
+
+
+def has_default(action: argparse.Action) -> bool:
+    """True when an option has a default worth printing (not None, off, empty or hidden)."""
+    default = action.default
+    return (bool(action.option_strings) and default is not argparse.SUPPRESS
+            and default is not None and default is not False and default != []
+            and not isinstance(action, argparse._HelpAction | argparse._VersionAction))
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="hpctrain", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = _Parser(prog="hpctrain", description=DESCRIPTION, epilog=EPILOG,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"hpctrain {__version__}",
+                   help="print hpctrain's version and exit")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           title="commands")
 
     t = sub.add_parser("train", help="train a model from a YAML config or a task file",
                        description="Train a model. Overrides are dotted keys: train.steps=100.")
@@ -80,8 +125,8 @@ def _parser() -> argparse.ArgumentParser:
     k8s_cli.add_parser(sub)
 
     c = sub.add_parser("config", help="print the resolved config (defaults + file + overrides)")
-    c.add_argument("config", type=Path)
-    c.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    c.add_argument("config", type=Path, help="YAML config, e.g. configs/demo.yaml")
+    c.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     add_data_parser(sub)
     bench_cli.add_parser(sub)
     tune_cli.add_parser(sub)
@@ -160,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         print("hpctrain: interrupted (Ctrl-C)", file=sys.stderr)
         sys.exit(INTERRUPTED)
     except HpctrainError as e:
+        # render() is escaped (HpctrainError escapes its parts): no raw control character.
         print(f"hpctrain: error: {e.render()}", file=sys.stderr)
         sys.exit(e.exit_code)
 

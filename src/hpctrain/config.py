@@ -14,6 +14,8 @@ import contextlib
 import dataclasses
 import difflib
 import math
+import os
+import stat
 import types
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -58,11 +60,14 @@ class JobConfig:
     task: str | None = None
 
     def validate(self) -> None:
-        """Check each section, then the rules that span sections."""
+        """Check each section, settle the model's vocabulary from the data (the one value a
+        section takes from another, see :meth:`settle_vocab`), then the rules that span
+        sections."""
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if hasattr(section, "validate"):
                 section.validate()
+        self.settle_vocab()
         args = self.model.resolve()
         self.parallel.check_precision(self.train.precision,
                                       count_params(args, include_embedding=True),
@@ -73,14 +78,38 @@ class JobConfig:
                 f"({args.max_seq_len})",
                 hint=f"set model.max_seq_len={self.data.seq_len} or shorten data.seq_len",
             )
-        vocab = args.vocab_size
-        if self.data.vocab_size > vocab:
+        vocab, data_vocab = args.vocab_size, self.data.vocab_size
+        if data_vocab > vocab:
+            fixed_by = (f"the pretrained model {self.model.init_from!r}" if self.model.init_from
+                        else "model.vocab_size" if self.model.vocab_size is not None
+                        else f"the {self.model.size!r} preset")
+            if self.model.init_from:
+                hint = f"prepare the data with that model's tokenizer ({vocab} ids)"
+            elif self.data.source in ("shards", "mix"):
+                hint = (f"remove model.vocab_size to follow the data's manifest ({data_vocab} "
+                        f"ids), or set model.vocab_size >= {data_vocab}")
+            else:
+                hint = f"set model.vocab_size >= {data_vocab}"
             raise ConfigError(
-                f"data vocabulary ({self.data.vocab_size} ids) is larger than model.vocab_size "
-                f"({vocab})",
-                expected="model.vocab_size >= the tokenizer's vocabulary",
-                hint=f"set model.vocab_size={self.data.vocab_size} or pick a larger model size",
+                f"data vocabulary ({data_vocab} ids) is larger than the model's ({vocab}, from "
+                f"{fixed_by})",
+                expected="a model vocabulary that holds every token id of the data",
+                hint=hint,
             )
+
+    def settle_vocab(self) -> None:
+        """Give the model the vocabulary of the data's manifest unless the config fixes one.
+
+        With ``data.source`` shards or mix and neither ``model.vocab_size`` nor
+        ``model.init_from`` set, ``model.vocab_size`` becomes the manifest's ``vocab_size`` (the
+        largest of a mixture's). The value is written into the config, so the run's
+        ``config.yaml`` and its checkpoints record the vocabulary the model was built with, and
+        a resume against data prepared with another vocabulary is refused as another model.
+        A byte-level source (stdlib) has no manifest: the preset's vocabulary stays.
+        """
+        if (self.model.vocab_size is None and not self.model.init_from
+                and self.data.source in ("shards", "mix")):
+            self.model.vocab_size = self.data.vocab_size
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
@@ -95,20 +124,46 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig
     return cfg
 
 
+# Non-regular files a config path may name (``/dev/stdin`` is a pipe or a terminal).
+_SPECIAL = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+            (stat.S_ISSOCK, "a socket"), (stat.S_ISBLK, "a block device"))
+# Configs are a few kB; anything this large is another file, and would be parsed whole.
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def _read_yaml(p: Path) -> dict[str, Any]:
     """The mapping a config file holds, or ConfigError saying why it cannot be read."""
-    if p.is_dir():
+    try:
+        st = os.stat(p)  # not opened yet: opening a FIFO would block until a writer comes
+    except FileNotFoundError:
+        what = ("is a symbolic link to a file that does not exist" if os.path.islink(p)
+                else "does not exist")
+        raise ConfigError(
+            f"config file {str(p)!r} {what}",
+            expected="a YAML file such as configs/demo.yaml",
+            hint="run from the repository root or pass an absolute path",
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror}") from None
+    if stat.S_ISDIR(st.st_mode):
         raise ConfigError(
             f"config file {str(p)!r} is a directory",
             expected="a YAML file",
             hint=f"pass one of the YAML files inside it, e.g. {p / 'demo.yaml'} "
             "(the shipped ones are in configs/)",
         )
-    if not p.is_file():
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _SPECIAL if test(st.st_mode)), "a special file")
         raise ConfigError(
-            f"config file {str(p)!r} does not exist",
-            expected="a YAML file such as configs/demo.yaml",
-            hint="run from the repository root or pass an absolute path",
+            f"config file {str(p)!r} is {kind}, not a regular file",
+            expected="a YAML file (it is read again by restarts and recorded in the run)",
+            hint="write the config to a file first, e.g. `cat > my.yaml`, and pass that",
+        )
+    if st.st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"config file {str(p)!r} is {st.st_size:,} bytes",
+            expected=f"a YAML config of at most {MAX_CONFIG_BYTES:,} bytes",
+            hint="check that this is the config and not a data file",
         )
     try:
         text = p.read_text(encoding="utf-8")

@@ -40,7 +40,9 @@ def fit(task: Task | Callable[[], Task] | str | None = None, config: str | Path 
     cfg = load_config(config, [*defaults, *items])
     if isinstance(task, str):
         task = None  # the trainer loads cfg.task on each rank
-    elif task is not None and not isinstance(task, Task):
+    described = (f"{getattr(task, '__module__', '?')}:{getattr(task, '__qualname__', '?')}"
+                 if callable(task) and not isinstance(task, Task) else "hpctrain.fit(Task(...))")
+    if task is not None and not isinstance(task, Task):
         if not callable(task):
             raise TaskError(f"hpctrain.fit(task=...) got a {type(task).__name__}",
                             expected="a Task, a function returning one, or 'file.py:fn'")
@@ -52,4 +54,7 @@ def fit(task: Task | Callable[[], Task] | str | None = None, config: str | Path 
     if task is None and not cfg.task:
         raise ConfigError("hpctrain.fit() was given no task",
                           hint="pass a Task, or a config whose task: names one")
+    if task is not None:
+        # Recorded in the run's config (and its hash), and marks the run as a task's.
+        cfg.task = cfg.task or described
     return run_training(cfg, fresh=fresh, task=task)

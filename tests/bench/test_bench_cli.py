@@ -36,6 +36,23 @@ def test_gemm_and_membw_write_results(tmp_path: Path, capsys) -> None:
     assert (tmp_path / "m" / "membw.csv").read_text().startswith("size,")
 
 
+def test_gemm_on_cpu_shows_progress_and_an_estimate_first(tmp_path: Path, capsys) -> None:
+    """8192³ on a CPU takes minutes: each size says how long before it starts, then its rate."""
+    main(["bench", "gemm", "--device", "cpu", "--sizes", "64", "128", "--dtypes", "fp32",
+          "-w", "1", "-n", "2", "--out", str(tmp_path / "g")])
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("bench gemm [1/2] fp32 64³: ~") and "a CPU is slow" in err[0], err
+    assert err[1].startswith("bench gemm [1/2] fp32 64³: ") and err[1].endswith("TFLOP/s"), err
+    assert err[2].startswith("bench gemm [2/2] fp32 128³: ~"), err
+
+
+def test_the_cpu_estimate_scales_with_the_cube_of_the_size() -> None:
+    from hpctrain.bench.gemm import estimate_cpu_seconds
+
+    small, large = estimate_cpu_seconds("fp32", 256), estimate_cpu_seconds("fp32", 8192)
+    assert small > 0 and 0.2 * 32**3 < large / small < 5 * 32**3
+
+
 @pytest.mark.parametrize("argv, message", [
     (["bench", "collective", "-b", "12Q"], "not a byte size"),
     (["bench", "collective", "-b", "1M", "-e", "1K"], "below"),

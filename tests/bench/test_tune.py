@@ -273,14 +273,16 @@ def test_no_fp8_candidate_on_the_cpu() -> None:
 
 
 def test_failure_reason_is_one_line() -> None:
-    oom = TrainRunError("the training run exited with 1:\nTraceback ...\n"
-                        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\n"
-                        "hpctrain: error: rank 0 failed")
+    oom = TrainRunError("the training run exited with 1:", lines=[
+        "Traceback ...", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB",
+        "hpctrain: error: rank 0 failed"])
     assert measure.failure_reason(oom).startswith("out of memory: torch.OutOfMemoryError")
-    ours = TrainRunError("the training run exited with 2:\nhpctrain: error: 1 ranks cannot be "
-                         "split\n  expected: a world size\n  HINT: run on more")
+    ours = TrainRunError("the training run exited with 2:", lines=[
+        "hpctrain: error: 1 ranks cannot be split", "  expected: a world size",
+        "  HINT: run on more"])
     assert measure.failure_reason(ours) == "hpctrain: error: 1 ranks cannot be split"
-    timeout = TrainRunError("the training run exited with 124:\nstep 3\nkilled after 900 s")
+    timeout = TrainRunError("the training run exited with 124:",
+                            lines=["step 3", "killed after 900 s"])
     assert measure.failure_reason(timeout) == "killed after 900 s"
     assert "\n" not in measure.failure_reason(TrainRunError("x" * 500)) and \
         len(measure.failure_reason(TrainRunError("x" * 500))) == 200
@@ -374,7 +376,7 @@ def test_every_candidate_failing_exits_1(monkeypatch, tmp_path: Path, capsys) ->
     from hpctrain.bench import model
 
     def fake(config, overrides, **kw):
-        raise TrainRunError("the training run exited with 1:\nCUDA out of memory")
+        raise TrainRunError("the training run exited with 1:", lines=["CUDA out of memory"])
 
     monkeypatch.setattr(model, "run_model_bench", fake)
     with pytest.raises(SystemExit) as exc:
@@ -414,6 +416,21 @@ def test_unknown_config_or_a_gpu_model_without_a_gpu_exits_2(tmp_path: Path, cap
         with pytest.raises(SystemExit) as exc:
             main(["tune", str(LLAMA_8B), "--gpus", "2", "--out", str(tmp_path)])
         assert exc.value.code == 2 and "or set run.device=cpu" in capsys.readouterr().err
+
+
+def test_a_dry_run_without_a_gpu_hints_at_gpu_type(tmp_path: Path, capsys,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dry run on a login node wants the short list for the job's GPUs: --gpu TYPE, not the
+    CPU (which the refusal of a measuring run rightly suggests)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a login node
+    with pytest.raises(SystemExit) as exc:
+        main(["tune", str(LLAMA_8B), "--gpus", "4", "--dry-run", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    hint = err.split("HINT:", 1)[1]
+    assert "add --gpu TYPE" in hint and "Traceback" not in err, err
 
 
 def test_dry_run_prints_the_list_and_runs_nothing(tmp_path: Path, capsys) -> None:

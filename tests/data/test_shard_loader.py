@@ -252,10 +252,20 @@ def test_config_validation(prepared: Path, tmp_path: Path) -> None:
 
 
 def test_job_config_takes_vocab_from_manifest(prepared: Path) -> None:
-    from hpctrain.config import load_config
+    """The model's vocabulary follows the manifest unless the config fixes it; a fixed one
+    too small for the data is refused, naming both numbers and how to follow the data."""
+    from hpctrain.config import dump_yaml, load_config
 
     base = ["data.source=shards", f"data.path={prepared}"]
-    with pytest.raises(ConfigError, match="257"):
-        load_config(None, [*base, "model.size=tiny"])
-    cfg = load_config(None, [*base, "model.size=tiny", "model.vocab_size=257"])
-    assert cfg.data.vocab_size == 257
+    for size in ("tiny", "125m"):  # presets of 256 and 32,000 ids both follow the data's 257
+        cfg = load_config(None, [*base, f"model.size={size}"])
+        assert cfg.model.vocab_size == cfg.model.resolve().vocab_size == 257
+        assert "vocab_size: 257" in dump_yaml(cfg)  # what the run directory records
+    cfg = load_config(None, [*base, "model.size=tiny", "model.vocab_size=300"])
+    assert cfg.model.resolve().vocab_size == 300  # fixed by the config: kept
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [*base, "model.size=tiny", "model.vocab_size=256"])
+    assert "data vocabulary (257 ids) is larger than the model's (256" in info.value.what
+    assert "remove model.vocab_size" in info.value.hint
+    # Byte-level text has no manifest: the preset keeps its own vocabulary.
+    assert load_config(None, ["model.size=tiny"]).model.resolve().vocab_size == 256

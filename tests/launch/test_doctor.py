@@ -245,3 +245,21 @@ def test_a_problem_exits_1_with_its_fix(tmp_path: Path, monkeypatch, capsys) -> 
     assert line.startswith("PROBLEM ulimits: ulimit -n is 256 on ") and " -- fix: " in line
     assert "doctor found 1 problem" in err
     assert not (tmp_path / "runs").exists()  # a check writes nothing
+
+
+def test_a_config_train_refuses_here_is_a_problem(tmp_path: Path, monkeypatch, capsys) -> None:
+    """No GPU here: `train configs/llama-1b.yaml` refuses 1.1B parameters on the CPU; so must
+    doctor."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(SystemExit) as exc:
+        main(["doctor", str(REPO / "configs" / "llama-1b.yaml"), "--no-gpu-health"])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 1 and "Traceback" not in err
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("PROBLEM")]
+    assert line.startswith("PROBLEM gpus: train would refuse this config here: ")
+    assert "no GPU is visible" in line and "run.device=cpu" in line
+    # The same config with the CPU forced is what train accepts, and so does doctor.
+    main(["doctor", str(REPO / "configs" / "llama-1b.yaml"), "run.device=cpu",
+          "--no-gpu-health"])
+    assert capsys.readouterr().out.rstrip().endswith("no problems")

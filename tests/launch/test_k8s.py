@@ -53,6 +53,25 @@ def _generate(tmp: Path, capsys, *args: str) -> list[dict]:
     return [d for d in yaml.safe_load_all(out.read_text()) if d]
 
 
+def test_output_into_a_missing_folder_creates_it(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "runs" / "k8s" / "llama.yaml"
+    main(["k8s", str(REPO / "configs" / "llama-1b.yaml"), "parallel.strategy=fsdp", "--image",
+          "registry.example.com/hpctrain:0.1.0", "--runs-pvc", "hpctrain-runs", "--nodes", "4",
+          "--gpus-per-node", "8", "-o", str(out)])
+    assert f"wrote {out}" in capsys.readouterr().err
+    assert any(d["kind"] == "Job" for d in yaml.safe_load_all(out.read_text()) if d)
+
+
+def test_output_that_cannot_be_written_is_a_user_error(tmp_path: Path, capsys) -> None:
+    (tmp_path / "taken").write_text("a file, not a folder")
+    with pytest.raises(SystemExit) as exc:
+        main(["k8s", str(REPO / "configs" / "demo.yaml"), "--image", "img:1", "--runs-pvc",
+              "runs", "-o", str(tmp_path / "taken" / "job.yaml")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "cannot be written" in err and "Traceback" not in err, err
+
+
 def _validate(obj: dict) -> None:
     kubernetes_validate.validate(obj, K8S, strict=True)
 

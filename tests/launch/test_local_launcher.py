@@ -245,7 +245,8 @@ def test_the_launcher_forwards_the_profile_signal(tmp_path: Path,
     monkeypatch.setattr(local, "launch_local",
                         lambda *a, **kw: seen.update(kw))
     for signals, want in ((["profile.signal=SIGURG"], "SIGURG"), (["profile.signal="], None)):
-        cfg = load_config(None, [f"run.out_dir={tmp_path}", "run.name=fwd", *signals])
+        cfg = load_config(None, [f"run.out_dir={tmp_path}", "run.name=fwd",
+                                 "parallel.strategy=ddp", *signals])  # a layout for 2 ranks
         local.launch_training(cfg, Path("configs/demo.yaml"), [], 2)
         assert set(cfg.preempt.signals) <= set(seen["forward_signals"])
         assert (want in seen["forward_signals"]) if want else len(

@@ -56,6 +56,8 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (root / "configs").mkdir(parents=True)
     shutil.copy(REPO / "configs" / "demo.yaml", root / "configs" / "demo.yaml")
     (root / "pipeline.yaml").write_text(CHAIN)
+    (root / "corpus").mkdir()  # the prepare stage's input: checked before submitting
+    (root / "corpus" / "a.txt").write_text("some text\n")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     # sbatch: job ids 100, 101, ...; each submitted script kept as sub-<id>.sh.

@@ -201,6 +201,20 @@ def test_stdout_without_output_file(project: Path, capsys: pytest.CaptureFixture
     assert (project / "logs").is_dir()
 
 
+def test_output_into_a_missing_folder_creates_it(project: Path) -> None:
+    _sbatch("configs/demo.yaml", "-o", "runs/slurm/demo.sh")
+    assert (project / "runs" / "slurm" / "demo.sh").read_text().startswith("#!/bin/bash\n")
+
+
+def test_output_that_cannot_be_written_is_a_user_error(project: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    (project / "taken").write_text("a file, not a folder")
+    err = _fails(capsys, "configs/demo.yaml", "-o", "taken/demo.sh")
+    assert "-o 'taken/demo.sh' cannot be written" in err and "HINT" in err, err
+    err = _fails(capsys, "configs/demo.yaml", "-o", "configs")
+    assert "is a directory" in err, err
+
+
 def test_venv_picks_its_interpreter(project: Path) -> None:
     _sbatch("configs/demo.yaml", "--venv", sys.prefix, "-o", "train.sh")
     argv = _program((project / "train.sh").read_text())

@@ -6,6 +6,7 @@ saying why; under CI=true it fails instead, so CI never goes green without havin
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from synthetic_runs import write_run
 
 from hpctrain.cli import main
@@ -101,3 +103,118 @@ def test_report_loads_without_errors_shows_every_plot_and_names_the_straggler(
     ActionChains(browser).move_to_element(loss).perform()
     tip = browser.find_element(By.ID, "tip")
     assert tip.is_displayed() and "run-a: step" in tip.text
+
+
+# -- hostile run text ------------------------------------------------------------------------
+
+# Markup that, unescaped, would navigate (meta refresh), run script (img onerror, svg onload,
+# script), end the title early or break out of a quoted attribute. The file-name variant has no
+# "/" (a file name cannot hold one).
+MARKUP = ('"\'><meta http-equiv="refresh" content="0;url=about:blank#pwned"></title>'
+          '<img src=x onerror="document.title=\'pwned\'"><svg onload="document.title=\'pwned\'">'
+          '<script>document.title="pwned"</script><b class="injected">bold</b>')
+FILE_MARKUP = ("'\"><meta http-equiv=refresh content=0;url=about:blank#pwned>"
+               "<img src=x onerror=alert(1)><svg onload=alert(1)><b class=injected>b<b>")
+
+
+def _planted_run(parent: Path, text: str, file_text: str) -> Path:
+    """A run whose every string field, of every metrics event kind the training writes (train
+    records, layout, observe, checkpoint, checkpoint_stall, checkpoint_writer, checkpoint_load,
+    rollback, bad_steps, goodput, profile, straggler, straggler_recovered), of the preemption
+    log line, exit info, goodput.json, provenance and config, is ``text``; and whose file names
+    (the run folder, profile traces and snapshots, out-of-memory snapshots) hold ``file_text``."""
+    root = parent / f"run{file_text}"
+    (root / "config").mkdir(parents=True)
+    (root / "config" / "config.yaml").write_text(yaml.safe_dump(
+        {"run": {"name": text}, "optim": {"lr": text}, "data": {"path": text},
+         "metrics": {"straggler_threshold": 0.1, "straggler_windows": 2}}))
+    (root / "provenance").mkdir()
+    (root / "provenance" / "provenance.json").write_text(json.dumps(
+        {k: text for k in ("git_sha", "git_dirty", "hpctrain", "torch", "cuda", "nccl",
+                           "python", "platform")} | {"gpus": [text], "hosts": [text],
+                                                     "argv": [text, text]}))
+    trace, snapshot = f"profiles/trace-{file_text}.json", f"profiles/mem-{file_text}.pickle"
+    (root / "profiles").mkdir()
+    for name in (trace, snapshot, f"profiles/oom-rank-{file_text}.pickle"):
+        (root / name).write_bytes(b"x")
+    for rank in (0, 1):
+        def at(ts: float, **fields) -> dict:
+            return {"ts": 100.0 + ts, "rank": rank, "host": text, **fields}  # noqa: B023
+        lines = [at(0, event="layout", pp=1, dp_replicate=1, dp_shard=2, tp=1,
+                    coords={"dp_shard": rank}, tokens_per_step_per_gpu=64,
+                    mfu_peak_dtype=text),
+                 at(0, event="observe", pid=1, own_time=text, profile_signal=text),
+                 at(0.5, event="checkpoint_writer", step=0, writer=text, staged_bytes=1,
+                    prepare_s=0.1),
+                 at(0.6, event="checkpoint_load", checkpoint=text, step=0, load_s=0.1)]
+        for step in range(1, 7):
+            lines.append(at(step, step=step, loss=2.0, lr=1e-3, grad_norm=1.0,
+                            tokens_per_s=10.0, step_time_s=1.0, data_time_s=0.0, mem_gb=1.0,
+                            own_time_s=0.1 + 0.8 * rank))
+        lines += [at(2.5, event="checkpoint", step=2, bytes=10, write_s=0.1, gb_per_s=1.0,
+                     writer=text, path=text),
+                  at(2.6, event="checkpoint_stall", step=2, stall_s=0.1, wait_s=0.0,
+                     **{"async": True}),
+                  at(3.5, event="rollback", step=3, from_step=2, checkpoint=text, bad_streak=2),
+                  at(3.6, event="bad_steps", step=3, skipped=1),
+                  at(4.5, event="profile", first_step=3, last_step=4, trigger=text,
+                     trace=trace, memory_snapshot=snapshot),
+                  at(5.5, event="straggler", step=5, straggler_rank=1, straggler_host=text,
+                     slower_by=0.5, windows=2),
+                  at(5.6, event="straggler_recovered", step=6, straggler_rank=1,
+                     straggler_host=text),
+                  at(6.5, event="goodput", wall_s=10.0, goodput=0.5, note=text)]
+        (root / "metrics").mkdir(exist_ok=True)
+        (root / "metrics" / f"rank-{rank:03d}.jsonl").write_text(
+            "".join(json.dumps(x) + "\n" for x in lines))
+    (root / "logs").mkdir()
+    (root / "logs" / "rank-000.log").write_text(
+        f"2026-01-01 00:00:00,000 [rank 0/2 h] WARNING hpctrain.train: preemption ({text}): "
+        "checkpointing at step 3 and stopping\n")
+    (root / "exit_info.json").write_text(json.dumps(
+        {"exit_code": 124, "reason": text, "timestamp": 110.0,
+         "extra": {"suspect_rank": text, "suspect_host": text, "heartbeat_steps": {"0": text},
+                   "collective": {"process_group": text, "seq": 1, "op": text,
+                                  "joined": [0], "missing": [1]}}}))
+    (root / "goodput.json").write_text(json.dumps(
+        {"version": 1, "wall_s": 10.0, "parts": {"startup": 1.0}, "goodput": 0.5,
+         "attempts": [{"attempt": text, "start": 100.0, "end": 109.0, "exit_code": text,
+                       "resumed_from_step": text, "last_step": text}]}))
+    return root
+
+
+_PAGE_FACTS = """
+const all = [...document.querySelectorAll('*')];
+const tags = {};
+all.forEach(e => { tags[e.tagName] = (tags[e.tagName] || 0) + 1; });
+return {tags: tags, title: document.title, url: location.href,
+        handlers: all.filter(e => [...e.attributes].some(a => a.name.startsWith('on'))).length,
+        injected: document.querySelectorAll('.injected').length,
+        text: document.body.textContent};
+"""
+
+
+def test_run_text_never_becomes_an_element(browser, tmp_path: Path) -> None:
+    """Markup planted in every string the report reads and every file name it lists is shown
+    as text: the page holds exactly the elements of the same report of a plain run, one
+    script (ours), no image, its own two meta elements, and it never navigated."""
+    facts = {}
+    for kind, text, file_text in (("plain", "plain text", "-plain"),
+                                  ("hostile", MARKUP, FILE_MARKUP)):
+        run = _planted_run(tmp_path / kind, text, file_text)
+        out = tmp_path / kind / "report.html"
+        main(["report", str(run), "-o", str(out)])
+        browser.get(out.as_uri())
+        assert browser.execute_script("return document.documentElement.dataset.ready") == "1"
+        facts[kind] = browser.execute_script(_PAGE_FACTS)
+        assert facts[kind]["url"] == out.as_uri(), facts[kind]["url"]  # no meta refresh
+    hostile = facts["hostile"]
+    assert hostile["tags"] == facts["plain"]["tags"]
+    assert hostile["tags"]["META"] == 2 and hostile["tags"]["SCRIPT"] == 1
+    assert "IMG" not in hostile["tags"]
+    assert hostile["handlers"] == 0 and hostile["injected"] == 0
+    # The title is the run folder's name as text (a script would have replaced it).
+    assert hostile["title"] == f"hpctrain report: run{FILE_MARKUP}", hostile["title"]
+    # Shown as text, where the plain run shows its text.
+    assert hostile["text"].count('http-equiv="refresh"') >= 10
+    assert "oom-rank-'\">" in hostile["text"]

@@ -90,3 +90,42 @@ def test_cli_missing_dir_is_a_user_error(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit) as done:
         main(["runs", str(tmp_path / "nope")])
     assert done.value.code == 2 and "is not a directory" in capsys.readouterr().err
+
+
+def test_an_archived_run_names_no_job_of_its_own(tmp_path: Path) -> None:
+    """`--fresh` renames a run to <name>-archived-<%Y%m%d-%H%M%S>: the time is no Slurm job, and
+    an archived Slurm run keeps its job id but not the live run's queue state."""
+    write_run(tmp_path / "demo-archived-20261127-215300", ranks=1, steps=2)
+    write_run(tmp_path / "demo-archived-20261127-215300-2", ranks=1, steps=2)
+    write_run(tmp_path / "llama-4242-archived-20261127-215300", ranks=1, steps=2)
+    write_run(tmp_path / "llama-4242", ranks=1, steps=2)
+    fake = tmp_path / "squeue"
+    fake.write_text("#!/bin/sh\necho '{\"jobs\": [{\"job_id\": 4242, "
+                    "\"job_state\": \"RUNNING\"}]}'\n")
+    fake.chmod(0o755)
+    rows = {r["run"]: r for r in runs_table(tmp_path, squeue=str(fake))}
+    assert rows["demo-archived-20261127-215300"]["slurm_job"] is None
+    assert rows["demo-archived-20261127-215300-2"]["slurm_job"] is None
+    archived = rows["llama-4242-archived-20261127-215300"]
+    assert (archived["slurm_job"], archived["slurm_state"]) == ("4242", None)
+    assert (rows["llama-4242"]["slurm_job"], rows["llama-4242"]["slurm_state"]) == \
+        ("4242", "RUNNING")
+
+
+def test_tokens_per_s_is_the_number_the_run_recorded(tmp_path: Path) -> None:
+    """One definition: the rate the run wrote into exit_info.json when it ended (its `done:`
+    line's), not the last window's; a running run shows its last window; none recorded: none."""
+    from hpctrain.observe.report import build_report
+    from hpctrain.observe.rundata import load_run
+
+    _states(tmp_path)
+    info = json.loads((tmp_path / "done" / "exit_info.json").read_text())
+    info["extra"] = {"steps": 5, "final_loss": 3.3, "tokens_per_s": 1234.0, "world_size": 2}
+    (tmp_path / "done" / "exit_info.json").write_text(json.dumps(info))
+    rows = {r["run"]: r for r in runs_table(tmp_path, squeue="/nonexistent/squeue")}
+    assert rows["done"]["tokens_per_s"] == 1234.0  # the windows say 2010..2050
+    assert rows["live-4242"]["tokens_per_s"] == 2050.0  # its last window, while it runs
+    assert rows["bad"]["tokens_per_s"] is None
+    html = build_report([load_run(tmp_path / "done")], tmp_path / "r.html")
+    summary = html.split("</table>")[0]
+    assert "<td>1234</td>" in summary and "2035" not in summary  # not the windows' mean

@@ -20,7 +20,7 @@ def ours(logger: logging.Logger) -> list[logging.Handler]:
         h
         for h in logger.handlers
         if isinstance(h, logging.FileHandler | logging.StreamHandler)
-        and type(h).__module__ == "logging"
+        and type(h).__module__ in ("logging", "hpctrain.runtime.logs")
     ]
 
 

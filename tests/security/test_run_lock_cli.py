@@ -48,7 +48,8 @@ def test_a_second_run_in_a_live_run_directory_is_refused(tmp_path: Path) -> None
 
         attempts = {
             "single process": argv,
-            "launcher": [*argv, "--nproc", "2"],
+            # ddp: strategy none on 2 ranks is refused by the launcher's own checks first.
+            "launcher": [*argv, "--nproc", "2", "parallel.strategy=ddp"],
             "fresh": [*argv, "--fresh"],
         }
         for what, args in attempts.items():

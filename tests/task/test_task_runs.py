@@ -191,7 +191,8 @@ def task():
 
 if __name__ == "__main__":
     result = hpctrain.fit(task, overrides={"run.out_dir": sys.argv[1], "run.name": "fitted",
-                                           "train.steps": 3, "train.micro_batch": 4,
+                                           "train.steps": int(sys.argv[2]),
+                                           "train.micro_batch": 4,
                                            "metrics.progress": False, "metrics.log_every": 1})
     print("RESULT", result.steps, result.final_loss > 0)
 """
@@ -200,13 +201,20 @@ if __name__ == "__main__":
 def test_fit_from_a_script_on_an_iterable_without_position(tmp_path: Path) -> None:
     script = tmp_path / "train_it.py"
     script.write_text(textwrap.dedent(FIT_SCRIPT))
-    done = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path,
-                          env=cli_env(), text=True, timeout=300, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT)
-    assert done.returncode == 0, done.stdout[-3000:]
-    assert "RESULT 3 True" in done.stdout
-    assert done.stdout.count("cannot report its position") == 1
-    assert "the resume will not be exact" in done.stdout
+    def fit(steps: int) -> str:
+        done = subprocess.run([sys.executable, str(script), str(tmp_path), str(steps)],
+                              cwd=tmp_path, env=cli_env(), text=True, timeout=300,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        assert done.returncode == 0, done.stdout[-3000:]
+        assert f"RESULT {steps} True" in done.stdout
+        return done.stdout
+
+    first = fit(3)
+    assert first.count("cannot report its position") == 1
+    assert "the resume will not be exact" in first
+    assert sorted(logged(tmp_path, "fitted")) == [1, 2, 3]
+    # Run again with more steps: the script's run resumes from its last checkpoint.
+    assert "resumed from step-00000003" in fit(5)
     info = json.loads((tmp_path / "fitted" / "exit_info.json").read_text())
     assert info["exit_code"] == 0
-    assert sorted(logged(tmp_path, "fitted")) == [1, 2, 3]
+    assert sorted(logged(tmp_path, "fitted")) == [1, 2, 3, 4, 5]

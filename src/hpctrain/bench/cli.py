@@ -15,11 +15,13 @@ Results go to ``--out`` (default ``runs/bench/<name>-<timestamp>``): ``<name>.cs
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 from hpctrain.bench.busbw import OPS
 from hpctrain.errors import ConfigError, HpctrainError
+from hpctrain.numeric_args import count, real
 
 
 class WrongResultError(HpctrainError):
@@ -31,15 +33,19 @@ class WrongResultError(HpctrainError):
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``bench`` and its sub-commands on the top-level sub-parser set."""
     b = sub.add_parser("bench", help="benchmark GEMM, memory, host<->device and collectives",
-                       description=__doc__.splitlines()[0])
+                       description="Benchmarks of this machine and of training: GEMM, memory "
+                       "and host-device bandwidth, collectives (nccl-tests semantics), the "
+                       "model's tokens/s and MFU, a roofline, a node health check. Results go "
+                       "to runs/bench/<name>-<time> (CSV, JSON, and a PNG with matplotlib).")
     bsub = b.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
 
     def common(p: argparse.ArgumentParser, warmup: int, iters: int) -> None:
         p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
         p.add_argument("--out", type=Path, default=None,
                        help="results folder (default runs/bench/<name>-<timestamp>)")
-        p.add_argument("-w", "--warmup", type=int, default=warmup, help="warm-up repetitions")
-        p.add_argument("-n", "--iters", type=int, default=iters,
+        p.add_argument("-w", "--warmup", type=count(0, 100_000), default=warmup,
+                       help="warm-up repetitions")
+        p.add_argument("-n", "--iters", type=count(1, 1_000_000), default=iters,
                        help="timed repetitions (the median is reported)")
         p.add_argument("--no-plot", action="store_true", help="do not draw a PNG")
 
@@ -63,14 +69,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"some of: {' '.join(OPS)}")
     c.add_argument("-b", "--minbytes", default="8", help="smallest size S (e.g. 8, 64M)")
     c.add_argument("-e", "--maxbytes", default="32M", help="largest size S")
-    c.add_argument("-f", "--stepfactor", type=float, default=2.0, help="size multiplier")
+    c.add_argument("-f", "--stepfactor", type=real(1, 1e6, open_min=True), default=2.0,
+                   help="size multiplier")
     c.add_argument("-d", "--datatype", default="float32",
                    help="float32, bfloat16, float16 or float64")
     c.add_argument("--no-check", action="store_true", help="skip the correctness check")
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--nproc", type=int, default=None,
+    c.add_argument("--seed", type=count(0, 2**63 - 1), default=0,
+                   help="seed of the random buffers")
+    c.add_argument("--nproc", type=count(1, 4096), default=None,
                    help="start this many local ranks (one per GPU, or CPU processes)")
-    c.add_argument("--cuda-graph", type=int, nargs="?", const=10, default=0, metavar="N",
+    c.add_argument("--cuda-graph", type=count(0, 100_000), nargs="?", const=10, default=0,
+                   metavar="N",
                    help="capture N calls (default 10) in a CUDA graph, time its replays "
                    "(nccl-tests -G; GPUs only)")
     c.add_argument("--corrupt-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -81,24 +90,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="base training YAML (default: built-in settings for the device)")
     md.add_argument("--size", default=None, help="model size: tiny, 125m, 1b, 8b")
     md.add_argument("--strategy", default=None, help="none, ddp or fsdp")
-    md.add_argument("--nproc", type=int, default=1, help="local ranks (one per GPU)")
-    md.add_argument("--micro-batch", type=int, default=None)
-    md.add_argument("--seq-len", type=int, default=None)
+    md.add_argument("--nproc", type=count(1, 4096), default=1, help="local ranks (one per GPU)")
+    md.add_argument("--micro-batch", type=count(1, 1 << 20), default=None,
+                    help="samples per rank per step (default: 4 on GPU, 8 on CPU)")
+    md.add_argument("--seq-len", type=count(1, 1 << 24), default=None,
+                    help="tokens per sample (default: 2048 on GPU, 256 on CPU)")
     md.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the model (default: on for GPU, off on CPU)")
     md.add_argument("--ac", default=None, choices=["none", "full", "every_k", "selective"],
                     help="activation checkpointing")
-    md.add_argument("--ac-every", type=int, default=None, help="with --ac every_k")
+    md.add_argument("--ac-every", type=count(1, 100_000), default=None, help="with --ac every_k")
     md.add_argument("--precision", default=None, choices=["bf16", "fp16", "fp32", "fp8"],
                     help="training precision; fp8 (H100-class GPUs, torchao) states MFU against "
                     "the bf16 peak")
-    md.add_argument("--steps", type=int, default=None,
+    md.add_argument("--steps", type=count(1, 10_000_000), default=None,
                     help="training steps (default 40 on GPU, 12 on CPU)")
-    md.add_argument("--log-every", type=int, default=None,
+    md.add_argument("--log-every", type=count(1, 10_000_000), default=None,
                     help="steps per metrics window (default 5 on GPU, 2 on CPU)")
     md.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="more training-config overrides, e.g. model.n_layers=4")
-    md.add_argument("--timeout", type=float, default=900.0, help="seconds for the training run")
+    md.add_argument("--timeout", type=real(0, 1e7, open_min=True), default=900.0,
+                    help="seconds for the training run")
     md.add_argument("--no-power", action="store_true", help="do not sample GPU power (NVML)")
     md.add_argument("--device", default="auto", help="auto, cpu or cuda")
     md.add_argument("--out", type=Path, default=None,
@@ -112,13 +124,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     nd = bsub.add_parser("node", help="health check: every GPU vs its siblings and the datasheet")
     nd.add_argument("--device", default="auto", help="auto (all GPUs, else the CPU), cpu or cuda")
-    nd.add_argument("--tolerance", type=float, default=0.10,
+    nd.add_argument("--tolerance", type=real(0, 1), default=0.10,
                     help="flag a GPU this fraction below its siblings' median")
-    nd.add_argument("--min-peak-frac", type=float, default=0.60,
+    nd.add_argument("--min-peak-frac", type=real(0, 1), default=0.60,
                     help="flag GEMM below this fraction of the datasheet peak")
-    nd.add_argument("--min-membw-frac", type=float, default=0.70,
+    nd.add_argument("--min-membw-frac", type=real(0, 1), default=0.70,
                     help="flag copy bandwidth below this fraction of the datasheet")
-    nd.add_argument("--min-busbw", type=float, default=None,
+    nd.add_argument("--min-busbw", type=real(0, 1e6), default=None,
                     help="flag all_reduce busbw (GB/s) below this")
     nd.add_argument("--no-collective", action="store_true", help="skip the all_reduce")
     nd.add_argument("--quick", action="store_true", help="smaller sizes (a rougher check)")
@@ -164,7 +176,8 @@ def _gemm(args: argparse.Namespace) -> None:
     dtypes = args.dtypes or (list(GEMM_DTYPES) if on_gpu else ["fp32", "bf16"])
     default = ["1024", "2048", "4096", "8192"] if on_gpu else ["256", "512", "1024"]
     sizes = _sizes(args.sizes, default)
-    res = run_gemm(dtypes, sizes, device, warmup=args.warmup, iters=args.iters)
+    res = run_gemm(dtypes, sizes, device, warmup=args.warmup, iters=args.iters,
+                   echo=lambda line: print(line, file=sys.stderr, flush=True))
     out = _out_dir(args, "gemm")
 
     def draw() -> str:

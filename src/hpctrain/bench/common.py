@@ -28,6 +28,9 @@ from hpctrain.runtime.dist import pick_device
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+# Beyond any device's memory: a larger size is a typo, not a benchmark.
+MAX_SIZE = 1024**4
+MAX_SWEEP = 1000
 
 
 def parse_size(text: str | int) -> int:
@@ -43,8 +46,9 @@ def parse_size(text: str | int) -> int:
                 hint="nccl-tests style: -b 8 -e 128M -f 2",
             )
         value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if value <= 0:
-        raise ConfigError(f"size {text!r} must be positive", expected="a size >= 1 byte")
+    if not 0 < value <= MAX_SIZE:
+        raise ConfigError(f"size {str(text)[:40]!r} is out of range",
+                          expected="a size from 1 byte to 1T")
     return value
 
 
@@ -60,6 +64,9 @@ def size_sweep(begin: str | int, end: str | int, factor: float) -> list[int]:
     while s <= e:
         sizes.append(int(s))
         s = s * factor
+        if len(sizes) > MAX_SWEEP:
+            raise ConfigError(f"-b {begin} -e {end} -f {factor} is more than {MAX_SWEEP} sizes",
+                              expected="a sweep of at most a few dozen sizes", hint="-f 2")
     return sizes
 
 

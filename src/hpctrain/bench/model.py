@@ -252,7 +252,7 @@ def measure(config_path: Path, run_dir: Path, nproc: int, *, hfu_mult: float,
         if sampler is not None:
             sampler.stop()
     if code != 0:
-        raise TrainRunError(f"the training run exited with {code}:\n{tail}",
+        raise TrainRunError(f"the training run exited with {code}:", lines=tail.splitlines(),
                             hint=f"logs under {run_dir}/logs")
     result = summarise(run_dir, nproc, hfu_mult=hfu_mult, warmup_frac=warmup_frac)
     if sampler is not None and sampler.samples:

@@ -377,9 +377,9 @@ class CheckpointManager:
             dist.barrier(group=self.group)
             return path, manifest
         if damaged:
-            listing = "\n".join(f"  {p.name}: {why}" for p, why in damaged)
             raise DamagedCheckpoint(
-                f"every checkpoint in {self.root} is damaged, none can be resumed:\n{listing}",
+                f"every checkpoint in {self.root} is damaged, none can be resumed:",
+                lines=[f"  {p.name}: {why}" for p, why in damaged],
                 hint="nothing was deleted or moved; repair or move them out of the folder to "
                 "start this run from step 0, or use a new run.name",
             )

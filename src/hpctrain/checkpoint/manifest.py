@@ -16,13 +16,22 @@ from typing import Any
 import xxhash
 
 from hpctrain.errors import HpctrainError
+from hpctrain.records import BadRecord, Int, Map, Record, Str, shown
 from hpctrain.runtime.rundir import write_json_atomic
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _CHUNK = 8 << 20
 _STEP_DIR = re.compile(r"step-(\d+)")
-_XXH3 = re.compile(r"[0-9a-f]{16}")
+# What read_manifest checks before anything acts on a manifest; the trainer's own fields
+# (schedule, data position, ...) are checked by the trainer (train/checkpointing.py).
+_MANIFEST = Record({
+    "format_version": Int(FORMAT_VERSION, FORMAT_VERSION),
+    "files": Map(Str(255), Record({"size": Int(), "xxh3": Str(
+        16, pattern="[0-9a-f]{16}", what="16 hex digits (an xxh3-64 checksum)")}),
+        max_len=1_000_000),
+    "step": Int(),
+})
 
 
 class CheckpointError(HpctrainError):
@@ -85,22 +94,15 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
         raise DamagedCheckpoint(f"{path} is missing (the save never committed)") from None
     except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise DamagedCheckpoint(f"{path} is unreadable: {e}") from None
-    if not isinstance(data, dict):
-        raise DamagedCheckpoint(f"{path} holds a JSON {type(data).__name__}, not a manifest")
-    if data.get("format_version") != FORMAT_VERSION or not isinstance(data.get("files"), dict):
-        raise DamagedCheckpoint(f"{path} has format {data.get('format_version')!r}",
-                                expected=f"format_version {FORMAT_VERSION} with a file list")
-    for name, entry in data["files"].items():
+    try:
+        data = _MANIFEST.check(data, path)
+    except BadRecord as e:
+        raise DamagedCheckpoint(e.what, expected=e.expected) from None
+    for name in data["files"]:
         if not is_plain_name(name):
-            raise DamagedCheckpoint(f"{path} lists {name!r}, which is not a file of this "
+            raise DamagedCheckpoint(f"{path} lists {shown(name)}, which is not a file of this "
                                     "checkpoint (a plain file name is expected)")
-        if not (isinstance(entry, dict) and is_int(entry.get("size"))
-                and isinstance(entry.get("xxh3"), str) and _XXH3.fullmatch(entry["xxh3"])):
-            raise DamagedCheckpoint(f"{path}: the entry of {name} is {entry!r}",
-                                    expected='{"size": <bytes>, "xxh3": <16 hex digits>}')
-    step = data.get("step")
-    if not is_int(step):
-        raise DamagedCheckpoint(f"{path}: step = {step!r} is not a step count")
+    step = data["step"]
     named = step_of(ckpt_dir.name)
     if named is not None and named != step:
         raise DamagedCheckpoint(f"{path} says step {step}, its folder {ckpt_dir.name} says "

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from hpctrain.checkpoint.manifest import DamagedCheckpoint, is_int, is_plain_name
+from hpctrain.shown import shown
 
 # What a tensor's or a value's bytes may hold is torch's weights-only allow-list; these
 # patterns pull the refused global out of its (long, advice-laden) message.
@@ -101,7 +102,8 @@ class RefusedGlobal(pickle.UnpicklingError):
 
     def __init__(self, module: str, name: str):
         why = " (a dotted name)" if "." in name else ""
-        super().__init__(f"global {module}.{name} is not allowed{why}")
+        # The names are the pickle's own text: shown escaped and cut (a name can be any string).
+        super().__init__(f"global {shown(module)}.{shown(name)} is not allowed{why}")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -158,10 +160,10 @@ def refusal(e: BaseException) -> str:
     for pattern in _WEIGHTS_ONLY_REFUSALS:
         match = pattern.search(text)
         if match:
-            return f"global {_python3_name(match[1].strip())} is not allowed"
+            return f"global {shown(_python3_name(match[1].strip()))} is not allowed"
     detail = text.partition("WeightsUnpickler error:")[2] or text
     first = next((line.strip() for line in detail.splitlines() if line.strip()), "")
-    return f"cannot be loaded: {type(e).__name__}: {first}"
+    return f"cannot be loaded: {type(e).__name__}: {shown(first)}"
 
 
 def _python3_name(name: str) -> str:

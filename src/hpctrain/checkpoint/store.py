@@ -41,6 +41,7 @@ from hpctrain.checkpoint.manifest import (
     write_manifest,
 )
 from hpctrain.runtime.rundir import fsync_dir
+from hpctrain.runtime.safe_open import UnsafeRunPath, read_bytes, write_atomic
 
 log = logging.getLogger("hpctrain.checkpoint")
 
@@ -167,10 +168,8 @@ class CheckpointStore:
 
     def point_latest(self, name: str) -> None:
         """Atomically make ``latest`` name ``name`` (a committed checkpoint)."""
-        pointer = self.root / f".{LATEST}.tmp"
-        pointer.write_text(name + "\n")
-        os.replace(pointer, self.root / LATEST)
-        fsync_dir(self.root)
+        # Never through a link planted at ``latest`` or at a temp name (safe_open.py).
+        write_atomic(self.root / LATEST, f"{name}\n".encode())
 
     def _prune(self) -> None:
         """Keep the last ``keep_last``, every ``keep_every``-th step, and ``latest``.
@@ -207,10 +206,10 @@ class CheckpointStore:
     def latest_name(self) -> str | None:
         """The name ``latest`` points to, if it holds a checkpoint name."""
         try:
-            raw = (self.root / LATEST).read_bytes()
+            raw = read_bytes(self.root / LATEST)
         except FileNotFoundError:
             return None
-        except OSError as e:
+        except (OSError, UnsafeRunPath) as e:
             self.warn_once(LATEST, "ignoring %s: %s", self.root / LATEST, e)
             return None
         name = raw.decode("utf-8", "replace").strip()

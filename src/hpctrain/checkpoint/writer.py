@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import datetime
 import logging
 import os
@@ -46,11 +45,12 @@ import torch.distributed as dist
 from hpctrain.checkpoint.config import CheckpointConfig
 from hpctrain.checkpoint.manifest import CheckpointError, step_dir_name
 from hpctrain.checkpoint.staging import Attached, SharedStaging
+from hpctrain.runtime.logs import EscapingFormatter
+from hpctrain.runtime.orphans import die_with_parent
 
 log = logging.getLogger("hpctrain.checkpoint")
 
 _IGNORED = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
-_PR_SET_PDEATHSIG = 1
 # How long a writer that was asked to stop may take to exit before it is killed.
 _STOP_S = 5.0
 
@@ -222,13 +222,15 @@ def _no_gpus_for_children():
 
 def serve(conn: Connection, init: _Init) -> None:
     """The writer process's main loop (the target of the spawned process)."""
-    _die_with_parent(init.parent_pid)
+    die_with_parent(init.parent_pid, "the training process")
     for name in _IGNORED:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     # Fault injection (and DCP's logs) read the rank from the environment.
     os.environ["RANK"] = str(init.rank)
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s [checkpoint writer of rank "
-                        f"{init.rank}] %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(EscapingFormatter(f"%(asctime)s [checkpoint writer of rank {init.rank}] "
+                                           "%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     torch.set_num_threads(1)
     try:
         _init_group(init)
@@ -292,11 +294,4 @@ def _rng_tensors(rng: dict[str, bytes]) -> dict[str, torch.Tensor]:
     return {k: torch.frombuffer(bytearray(v), dtype=torch.uint8) for k, v in rng.items()}
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when the training process dies (Linux), however it dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
-    if os.getppid() != parent_pid:  # it died before the line above
-        os._exit(1)
 

@@ -68,39 +68,59 @@ def template_source(tokenizer_path: str | Path) -> str | None:
 class ChatTemplate:
     """A Jinja chat template, rendered in the sandbox with the tokenizer's special tokens."""
 
-    def __init__(self, source: str, config: dict[str, Any]):
+    def __init__(self, source: str, config: dict[str, Any], name: str = "the chat template"):
         from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        from hpctrain.data.bounded_jinja import BoundedSandbox
 
         def raise_exception(message: str) -> None:
             raise TemplateError(message)
 
         self.source = source
+        self.name = name
         # As transformers renders them: {% break %} / {% continue %} are in use on the Hub.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self._env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
+                                   extensions=["jinja2.ext.loopcontrols"])
+        self._env.globals["raise_exception"] = raise_exception
+        self._env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+
         # Hugging Face's tojson: no HTML escaping, unicode kept.
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False,
-                                                                 indent=indent)
+        def tojson(x: Any, indent: int | None = None) -> str:
+            return json.dumps(x, ensure_ascii=False, indent=indent)
+
+        self._env.filters["tojson"] = self._env.bounded(tojson)
         try:
-            self._template = env.from_string(source)
+            self._template = self._env.from_source(source)
         except TemplateError as e:
-            raise DataError(f"the chat template does not parse: {e}") from None
+            raise DataError(f"{name} does not parse: {e}") from None
+        except RecursionError:
+            raise DataError(f"{name} is nested too deeply to compile") from None
         self._special = {k: token_text(v) or "" for k, v in config.items()
                          if k.endswith("_token")}
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-        """The conversation as text."""
+        """The conversation as text; DataError naming the template when it fails or goes over
+        its time or size budget (``bounded_jinja``)."""
         from jinja2.exceptions import TemplateError
 
+        from hpctrain.data.bounded_jinja import TemplateBudgetError
+
         try:
-            return self._template.render(messages=messages,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **self._special)
+            return self._env.render(self._template, messages=messages,
+                                    add_generation_prompt=add_generation_prompt,
+                                    **self._special)
+        except TemplateBudgetError as e:
+            raise DataError(f"{self.name} was stopped: {e}",
+                            expected="a template that renders a conversation in well under "
+                            "a second and a few times its size",
+                            hint="use the model's own chat template, or --format "
+                            "prompt-response without one") from None
         except TemplateError as e:
-            raise DataError(f"the chat template refused the conversation: {e}") from None
+            raise DataError(f"{self.name} refused the conversation: {e}") from None
+        except (ArithmeticError, LookupError, TypeError, ValueError, RecursionError,
+                MemoryError) as e:  # the template's own errors: its code, not ours
+            raise DataError(f"{self.name} failed: {type(e).__name__}: "
+                            f"{str(e)[:200]}") from None
 
 
 def load_template(tokenizer: HFTokenizer | ByteTokenizer,
@@ -109,7 +129,13 @@ def load_template(tokenizer: HFTokenizer | ByteTokenizer,
     if not isinstance(tokenizer, HFTokenizer) or tokenizer_path is None:
         return None
     source = template_source(tokenizer_path)
-    return ChatTemplate(source, tokenizer.config) if source else None
+    if not source:
+        return None
+    path = Path(tokenizer_path)
+    folder = path if path.is_dir() else path.parent
+    name = (f"the chat template {folder / TEMPLATE_FILE}" if (folder / TEMPLATE_FILE).is_file()
+            else f"the chat template of {folder / 'tokenizer_config.json'}")
+    return ChatTemplate(source, tokenizer.config, name)
 
 
 def _text(value: Any, what: str, where: str) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from hpctrain.data.chat import FORMATS
 from hpctrain.errors import ConfigError
+from hpctrain.numeric_args import count, real
 
 FOLLOW_HELP = ("also read symbolic links that lead out of the inputs (by default they are "
                "skipped with a warning, so a link to /etc/shadow never ends up in shards)")
@@ -27,7 +28,9 @@ FOLLOW_HELP = ("also read symbolic links that lead out of the inputs (by default
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``data`` and its subcommands on the top-level parser's ``sub``."""
     d = sub.add_parser("data", help="prepare and check token shards",
-                       description=__doc__.splitlines()[0])
+                       description="Prepare text into token shards (with a manifest and "
+                       "checksums) once, offline; merge the parts of a Slurm array; pack "
+                       "files into tar shards; train a tokenizer; verify shards.")
     dsub = d.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
 
     p = dsub.add_parser("prepare", help="tokenize text files into token shards",
@@ -55,17 +58,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--system-field", default="system",
                    help="--format prompt-response: an optional system prompt field")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--shard-tokens", type=int, default=0, help="tokens per shard")
-    size.add_argument("--shard-mb", type=float, default=256.0,
+    size.add_argument("--shard-tokens", type=count(0, 1 << 40), default=0, help="tokens per shard")
+    size.add_argument("--shard-mb", type=real(0, 1 << 20, open_min=True), default=256.0,
                       help="shard size in MiB of tokens (default 256)")
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--workers", type=count(1, 4096), default=None,
                    help="tokenizer processes (default: the CPUs available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--follow-symlinks", action="store_true", help=FOLLOW_HELP)
-    p.add_argument("--task-count", type=int, default=None,
+    p.add_argument("--task-count", type=count(1, 1 << 20), default=None,
                    help="Slurm array mode: number of tasks; this task tokenizes its slice into "
                    "OUT/parts/, then `hpctrain data merge OUT` writes the shards")
-    p.add_argument("--task-index", type=int, default=None,
+    p.add_argument("--task-index", type=count(0, 1 << 20), default=None,
                    help="this task's index (default: $SLURM_ARRAY_TASK_ID - "
                    "$SLURM_ARRAY_TASK_MIN)")
     p.set_defaults(handler=_prepare)
@@ -83,7 +86,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "sample x), into tar shards readable by WebDataset, with a manifest.")
     k.add_argument("src", type=Path, metavar="DIR", help="directory of files to pack")
     k.add_argument("--out", type=Path, required=True, help="output directory")
-    k.add_argument("--shard-mb", type=float, default=256.0,
+    k.add_argument("--shard-mb", type=real(0, 1 << 20, open_min=True), default=256.0,
                    help="target shard size in MiB (default 256)")
     k.add_argument("--follow-symlinks", action="store_true", help=FOLLOW_HELP)
     k.set_defaults(handler=_pack)
@@ -92,7 +95,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         description="Train a byte-level BPE tokenizer (HuggingFace tokenizers) "
                         "on the same inputs prepare reads; use it with prepare --tokenizer.")
     t.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or globs")
-    t.add_argument("--vocab", type=int, required=True, help="vocabulary size (EOS included)")
+    t.add_argument("--vocab", type=count(2, 1 << 31), required=True,
+                   help="vocabulary size (EOS included)")
     t.add_argument("--out", type=Path, required=True, help="tokenizer.json to write")
     t.add_argument("--text-field", default="text", help="JSON field / Parquet column")
     t.add_argument("--eos-token", default="<|endoftext|>", help="special token ending documents")

@@ -226,17 +226,22 @@ class ValidationSampler:
     Rank ``r`` of ``W`` takes samples ``r, r + W, r + 2W, ...``; every rank runs the same number
     of micro-batches (no hang in collectives), and slots past the end repeat sample 0 with
     ``mask = False``, so summing only masked-in samples counts each sample exactly once globally.
+
+    ``max_samples`` > 0 bounds the share: that many samples spread evenly over the split (the
+    same ones on any number of ranks, so evaluations stay comparable across layouts).
     """
 
-    def __init__(self, num_samples: int, world_size: int, rank: int, micro_batch: int):
+    def __init__(self, num_samples: int, world_size: int, rank: int, micro_batch: int,
+                 max_samples: int = 0):
         if num_samples < 1:
             raise ConfigError("the validation split holds no samples",
                               hint="raise data.val_fraction or prepare more data")
-        self.num_samples = num_samples
+        self.split_samples = num_samples
+        self.num_samples = min(num_samples, max_samples) if max_samples > 0 else num_samples
         self.world_size = world_size
         self.rank = rank
         self.micro_batch = micro_batch
-        per_rank = -(-num_samples // world_size)
+        per_rank = -(-self.num_samples // world_size)
         self.num_batches = -(-per_rank // micro_batch)
 
     def __len__(self) -> int:
@@ -248,6 +253,8 @@ class ValidationSampler:
         idx = self.rank + self.world_size * np.arange(slots, dtype=np.int64)
         mask = idx < self.num_samples
         idx = np.where(mask, idx, 0)
+        # The j-th of n samples taken from a split of N: floor(j * N / n), distinct for n <= N.
+        idx = idx * self.split_samples // self.num_samples
         for b in range(self.num_batches):
             sl = slice(b * self.micro_batch, (b + 1) * self.micro_batch)
             yield idx[sl], mask[sl]

@@ -82,10 +82,16 @@ def read_tokenizer_config(folder: Path) -> dict[str, Any]:
     return raw if isinstance(raw, dict) else {}
 
 
+class NoEosToken(DataError):
+    """A tokenizer in which no end-of-sequence token could be found."""
+
+
 class HFTokenizer:
     """A HuggingFace ``tokenizers`` tokenizer.json (optional dependency ``tokenizers``)."""
 
-    def __init__(self, path: str, eos_token: str | None = None):
+    def __init__(self, path: str, eos_token: str | None = None, eos_id: int | None = None):
+        """``eos_token`` if given, else the folder's tokenizer_config.json's, else the token of
+        ``eos_id`` (the model's ``eos_token_id``), else the first of EOS_CANDIDATES it has."""
         try:
             from tokenizers import Tokenizer
         except ImportError:
@@ -111,11 +117,13 @@ class HFTokenizer:
         # The id range, not the token count: a tokenizer.json may number its tokens sparsely, and
         # the dtype and the model's embedding must hold the largest id.
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        if not eos_token and eos_id is not None:
+            eos_token = self._tok.id_to_token(eos_id)
         candidates = (eos_token,) if eos_token else EOS_CANDIDATES
         ids = [self._tok.token_to_id(t) for t in candidates]
         found = [(t, i) for t, i in zip(candidates, ids, strict=True) if i is not None]
         if not found:
-            raise DataError(
+            raise NoEosToken(
                 f"tokenizer {path!r} has no EOS token among {', '.join(candidates)}",
                 hint="name it with --eos-token TOKEN",
             )

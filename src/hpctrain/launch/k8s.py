@@ -277,7 +277,10 @@ def default_name(run_name: str) -> str:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``hpctrain k8s`` on the top-level parser's ``sub``."""
     k = sub.add_parser("k8s", help="Kubernetes manifests for a multi-node training job",
-                       description=__doc__.splitlines()[0])
+                       description="Write Kubernetes manifests for a multi-node training job: "
+                       "a ConfigMap with the config, and an Indexed Job with a headless Service "
+                       "(or a JobSet), one pod per node running torchrun. An evicted pod "
+                       "checkpoints, exits 75 and is replaced without counting as a failure.")
     k.add_argument("config", type=Path, help="YAML config (its paths as the pods see them)")
     k.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     k.add_argument("--image", required=True, help="an image with hpctrain (containers/)")
@@ -285,26 +288,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="ReadWriteMany volume claim for runs and checkpoints")
     k.add_argument("--data-pvc", default=None, metavar="CLAIM",
                    help="volume claim with the data, mounted read-only at MOUNT/data")
-    k.add_argument("--variant", choices=("indexed", "jobset"), default="indexed")
+    k.add_argument("--variant", choices=("indexed", "jobset"), default="indexed",
+                   help="an Indexed Job with a headless Service, or a JobSet")
     k.add_argument("--nodes", type=int, default=1, help="pods, one per node")
-    k.add_argument("--gpus-per-node", type=int, default=0)
+    k.add_argument("--gpus-per-node", type=int, default=0,
+                   help="GPUs per pod, one rank each (0: one CPU rank per pod)")
     k.add_argument("--cpus-per-node", default=None, help="CPU request per pod, e.g. 64")
     k.add_argument("--memory", default=None, help="memory request per pod, e.g. 512Gi")
     k.add_argument("--name", default=None, help="job name (default: run.name)")
-    k.add_argument("--namespace", default=None)
+    k.add_argument("--namespace", default=None,
+                   help="namespace of every object (default: kubectl's current one)")
     k.add_argument("--mount-dir", default="/workspace", help="where volumes are mounted")
     k.add_argument("--grace-s", type=int, default=None,
                    help="seconds between SIGTERM and SIGKILL (default: preempt.grace_s + 60)")
     k.add_argument("--max-restarts", type=int, default=3,
                    help="restarts after failures (preemptions do not count)")
     k.add_argument("--python", default="python3", help="the interpreter inside the image")
-    k.add_argument("-o", "--output", type=Path, default=None, help="write here, not stdout")
+    k.add_argument("-o", "--output", type=Path, default=None, metavar="FILE",
+                   help="write the manifests to FILE (its folder is created), not to stdout")
     k.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> None:
     """``hpctrain k8s``."""
     from hpctrain.config import load_config
+    from hpctrain.launch.output import write_output
     from hpctrain.launch.sbatch import check_placement
 
     try:
@@ -327,6 +335,6 @@ def run(args: argparse.Namespace) -> None:
     if args.output is None:
         print(text, end="")
     else:
-        args.output.write_text(text)
+        write_output(args.output, text)
         print(f"wrote {args.output}: kubectl apply -f {args.output}; the run is "
               f"{job.run_dir} on volume {job.runs_pvc}", file=sys.stderr)

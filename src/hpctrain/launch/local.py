@@ -29,6 +29,7 @@ from hpctrain.runtime import early_signals
 from hpctrain.runtime.env import detect_env
 from hpctrain.runtime.exit_codes import HUNG, PREEMPTED
 from hpctrain.runtime.interrupted import INTERRUPTED, Interrupted
+from hpctrain.runtime.orphans import LAUNCHER_PID_ENV
 from hpctrain.runtime.rundir import RunDir
 from hpctrain.runtime.runlock import TOKEN_ENV
 from hpctrain.train.job import check_device_fits, claim_run_dir
@@ -44,7 +45,7 @@ def launch_training(cfg: JobConfig, config: Path, overrides: list[str], nproc: i
                     max_restarts: int = 0, fresh: bool = False) -> None:
     """``hpctrain train CONFIG --nproc N``: lock the run directory, run the ranks, unlock."""
     check_device_fits(cfg)  # once here, before any rank starts
-    claim = claim_run_dir(cfg, detect_env(), fresh=fresh)
+    claim = claim_run_dir(cfg, detect_env(), fresh=fresh, world_size=nproc, ranks=True)
     for note in claim.notes:
         print(f"hpctrain: {note}", file=sys.stderr)
     run_dir = claim.run_dir
@@ -54,6 +55,8 @@ def launch_training(cfg: JobConfig, config: Path, overrides: list[str], nproc: i
         worker_args = ["train", str(config), *overrides, f"run.name={run_dir.root.name}",
                        "run.suffix=none"]
         os.environ[TOKEN_ENV] = claim.lock.token
+        # The ranks die with this process (runtime/orphans.py), even by kill -9.
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
         # The profile signal too: `kill -URG <launcher>` profiles the ranks as it does one rank.
         forward = (*cfg.preempt.signals, *([cfg.profile.signal] if cfg.profile.signal else []))
         launch_local(nproc, worker_args, run_dir, run_id=time.strftime("%Y%m%d-%H%M%S"),
@@ -61,6 +64,7 @@ def launch_training(cfg: JobConfig, config: Path, overrides: list[str], nproc: i
                      grace_s=cfg.preempt.grace_s)
     finally:
         os.environ.pop(TOKEN_ENV, None)
+        os.environ.pop(LAUNCHER_PID_ENV, None)
         claim.lock.release()
 
 

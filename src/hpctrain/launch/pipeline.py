@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import hashlib
 import json
 import os
@@ -77,6 +78,8 @@ from hpctrain.errors import ConfigError, HpctrainError, LaunchError
 from hpctrain.launch.containers import Container, default_runtime, job_binds
 from hpctrain.launch.sbatch import SbatchParams, check_placement, resolve_python
 from hpctrain.launch.submit import submit_script
+from hpctrain.records import BadRecord, Int, Map, Record, Str, shown
+from hpctrain.runtime.exit_info import read_exit_info
 from hpctrain.runtime.rundir import archive_run, write_json_atomic
 
 STATE_ROOT = Path("runs") / "pipelines"
@@ -223,6 +226,27 @@ def fingerprint(path: Path) -> dict:
     return {"files": count, "size": total, "listing": digest.hexdigest()}
 
 
+# The files this module writes and reads back, checked before use (records.py).
+_JOB_ID = Str(64, pattern=r"[0-9]+(?:_[0-9]+)?(?:;[A-Za-z0-9_.-]+)?", what="a Slurm job id")
+_JOBS = Map(Str(255), Record({"job_id": _JOB_ID, "script": Str(optional=True),
+                              "submitted": Str(64, optional=True)}))
+_MARKER = Record({"job_id": Str(64, pattern=r"[A-Za-z0-9_.;-]+", what="a job id"),
+                  "time": Str(64, optional=True),
+                  "outputs": Map(Str(), Record({}))})
+_PART = Record({"task_count": Int(1), "task_index": Int(), "tokens_checksum": Str(64)})
+
+
+def _read_record(path: Path, schema: Record | Map) -> dict:
+    """The JSON object at ``path`` checked against ``schema``; BadRecord when damaged."""
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise BadRecord(f"{path} is unreadable ({shown(str(e))})") from None
+    return schema.check(data, path)
+
+
 def _verify_data(out: Path) -> str:
     from hpctrain.data.shards import load_manifest
 
@@ -237,9 +261,9 @@ def _verify_parts(out: Path, tasks: int) -> str:
 
     found = set()
     for meta_path in (out / PARTS).glob("part-*.json"):
-        meta = json.loads(meta_path.read_text())
+        meta = _read_record(meta_path, _PART)
         tokens = meta_path.with_suffix(".tokens")
-        if meta.get("task_count") == tasks and file_checksum(tokens) == meta["tokens_checksum"]:
+        if meta["task_count"] == tasks and file_checksum(tokens) == meta["tokens_checksum"]:
             found.add(meta["task_index"])
     if len(found) != tasks:
         raise ValueError(f"{len(found)} of {tasks} parts in {out / PARTS} verified")
@@ -276,11 +300,16 @@ def _verify_train(stage: Stage, pl: Pipeline, workdir: Path) -> str:
 
     cfg, _ = _train_config(stage, pl)
     run = workdir / cfg.run.out_dir / cfg.run.name
-    info = json.loads((run / "exit_info.json").read_text())
-    steps = info.get("extra", {}).get("steps")
-    if info.get("exit_code") != 0 or steps != cfg.train.steps:
-        raise ValueError(f"{run} ended with exit {info.get('exit_code')} at step {steps} of "
-                         f"{cfg.train.steps}")
+    info = read_exit_info(run / "exit_info.json")
+    if info is None:
+        raise ValueError(f"{run} has not started" if not run.exists() else
+                         f"{run} has not ended (no exit_info.json yet)")
+    steps = (info.get("extra") or {}).get("steps")
+    if info["exit_code"] != 0 or steps != cfg.train.steps:
+        where = (f"at step {steps} of {cfg.train.steps}" if steps is not None
+                 else f"before its {cfg.train.steps} steps were done")
+        reason = shown((info.get("reason") or "").partition("\n")[0])
+        raise ValueError(f"{run} ended with exit {info['exit_code']} {where} ({reason})")
     last = info.get("last_checkpoint")
     if last:
         ckpt = run / "checkpoints" / last
@@ -291,7 +320,7 @@ def _verify_train(stage: Stage, pl: Pipeline, workdir: Path) -> str:
 
 
 def _verify_command(stage: Stage, state: Path) -> str:
-    marker = json.loads((state / "done" / f"{stage.name}.json").read_text())
+    marker = _read_record(state / "done" / f"{stage.name}.json", _MARKER)
     for out in stage.outputs:
         if marker["outputs"].get(out) != fingerprint(Path(out)):
             raise ValueError(f"{out} changed since job {marker['job_id']} wrote it")
@@ -313,6 +342,8 @@ def verify(stage: Stage, pl: Pipeline, workdir: Path, state: Path) -> tuple[bool
         return True, _verify_command(stage, state)
     except FileNotFoundError as e:
         return False, f"{e.filename or e} is missing"
+    except BadRecord as e:
+        return False, f"damaged: {e.what} (expected {e.expected})"
     except (HpctrainError, OSError, ValueError, KeyError) as e:
         return False, str(e).splitlines()[0]
 
@@ -389,6 +420,28 @@ def _container(pl: Pipeline, stage: Stage, workdir: Path, logs: Path) -> Contain
                      job_binds(cfg, workdir, str(logs), paths))
 
 
+def _check_inputs(pl: Pipeline, stage: Stage, workdir: Path) -> None:
+    """Refuse a prepare stage whose inputs do not exist (and no earlier stage writes them)."""
+    if stage.kind != "prepare":
+        return
+    earlier = pl.stages[:pl.stages.index(stage)]
+    made = {os.path.normpath(workdir / p) for st in earlier
+            for p in [*st.outputs, *([st.out] if st.out else [])]}
+    for item in stage.inputs:
+        path = workdir / item
+        if os.path.normpath(path) in made:
+            continue
+        found = glob.glob(str(path), recursive=True) if glob.has_magic(item) else \
+            [str(path)] if os.path.lexists(path) else []
+        if not found:
+            raise ConfigError(
+                f"stage {stage.name}: input {shown(item)} "
+                f"{'matches nothing' if glob.has_magic(item) else 'does not exist'} "
+                f"(in {workdir})", expected="files, folders or glob patterns that exist, or "
+                "the out/outputs of an earlier stage",
+                hint="fix the stage's inputs: list; nothing was submitted")
+
+
 def stage_params(pl: Pipeline, stage: Stage, workdir: Path, python: str, state: Path,
                  dependency: str | None, host_python: str) -> SbatchParams:
     """The batch script's parameters for one stage (`host_python` writes the done-marker)."""
@@ -426,12 +479,12 @@ class Runner:
 
     def recorded_jobs(self) -> dict[str, dict]:
         """Stage -> the last job submitted for it."""
-        try:
-            return json.loads(self.jobs_file.read_text())
-        except FileNotFoundError:
+        if not self.jobs_file.exists():
             return {}
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{self.jobs_file} is unreadable ({e})",
+        try:
+            return _read_record(self.jobs_file, _JOBS)
+        except BadRecord as e:
+            raise ConfigError(f"{self.jobs_file} is damaged: {e.what}", expected=e.expected,
                               hint="move it aside; the stages' outputs still say what is done"
                               ) from None
 
@@ -481,6 +534,7 @@ class Runner:
             return built
 
         for plan in todo:  # every stage checked before the first is submitted
+            _check_inputs(self.pl, plan.stage, self.workdir)
             params(plan, None)
         if dry_run:
             return
@@ -506,7 +560,10 @@ class Runner:
         """A stage submitted again is not done until its new job says so (old marker kept)."""
         marker = self.state / "done" / f"{stage.name}.json"
         if marker.is_file():
-            job = json.loads(marker.read_text()).get("job_id", "old")
+            try:
+                job = _read_record(marker, _MARKER)["job_id"]
+            except BadRecord:
+                job = "damaged"  # kept aside all the same: it no longer says the stage is done
             os.replace(marker, marker.with_name(f"{stage.name}.{job}.json"))
 
 
@@ -535,7 +592,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Submit the stages of PIPELINE.yaml that are not complete "
                        "and verified, each after the ones it depends on (afterok); `status` "
                        "shows each stage's job and whether its outputs verify.")
-    p.add_argument("words", nargs="+", metavar="[status] PIPELINE.yaml")
+    p.add_argument("words", nargs="+", metavar="[status] PIPELINE.yaml",
+                   help="the pipeline file, after `status` to show its stages' state")
     p.add_argument("--dry-run", action="store_true", help="plan, print, submit nothing")
     p.set_defaults(handler=run)
 

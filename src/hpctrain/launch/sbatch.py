@@ -42,6 +42,8 @@ from pathlib import Path
 from hpctrain.config import JobConfig
 from hpctrain.errors import ConfigError
 from hpctrain.launch.containers import Container, default_runtime, job_binds
+from hpctrain.launch.output import write_output
+from hpctrain.numeric_args import count
 from hpctrain.parallel.layout import check_layout
 from hpctrain.runtime.exit_codes import PREEMPTED
 
@@ -331,14 +333,25 @@ def add_job_options(p: argparse.ArgumentParser) -> None:
     """The config, its overrides and the job's shape and manners, as options of `p`."""
     p.add_argument("config", type=Path, help="YAML config, e.g. configs/demo.yaml")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
-    for flag, kind, default in (("--nodes", int, 1), ("--tasks-per-node", int, 1),
-                                ("--gpus-per-node", int, 0), ("--cpus-per-task", int, 1),
-                                ("--time", str, "01:00:00"), ("--signal-lead-s", int, 120),
-                                ("--job-name", str, "hpctrain"),
-                                ("--log-dir", str, "runs/slurm-logs")):
-        p.add_argument(flag, type=kind, default=default)
-    for flag in ("--partition", "--account", "--array"):
-        p.add_argument(flag, default=None)
+    for flag, kind, default, text in (
+            ("--nodes", int, 1, "nodes of the job (sbatch --nodes)"),
+            ("--tasks-per-node", int, 1, "ranks per node: one per GPU, or CPU processes"),
+            ("--gpus-per-node", int, 0, "GPUs per node (sbatch --gpus-per-node; 0: none)"),
+            ("--cpus-per-task", int, 1, "CPU cores per rank (sbatch --cpus-per-task)"),
+            ("--time", str, "01:00:00", "time limit, HH:MM:SS or D-HH:MM:SS; the ranks "
+             "checkpoint --signal-lead-s before it"),
+            ("--signal-lead-s", int, 120, "seconds before the time limit at which the ranks "
+             "get the signal to checkpoint and requeue"),
+            ("--job-name", str, "hpctrain", "Slurm job name (also names the log files)"),
+            ("--log-dir", str, "runs/slurm-logs", "folder of the job's logs, relative to "
+             "this directory unless absolute; created now")):
+        p.add_argument(flag, type=count(0, 65535) if kind is int else kind, default=default,
+                       help=text)
+    for flag, text in (("--partition", "Slurm partition (default: the cluster's)"),
+                       ("--account", "account to charge (default: yours)"),
+                       ("--array", "a job array, e.g. 0-7%%2 (default: none); each task gets "
+                        "its own run directory")):
+        p.add_argument(flag, default=None, help=text)
     p.add_argument("--dependency", default=None, metavar="TYPE:JOBID",
                    help="start after other jobs, e.g. afterok:123 (cancelled if they fail)")
     p.add_argument("--preflight", action="store_true",
@@ -407,7 +420,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "written: the job works in this directory, with this interpreter, "
                        "and its log folder is created now.")
     add_job_options(s)
-    s.add_argument("-o", "--output", type=Path, default=None, help="write here, not stdout")
+    s.add_argument("-o", "--output", type=Path, default=None, metavar="FILE",
+                   help="write the script to FILE (its folder is created), not to stdout")
     s.set_defaults(handler=run)
 
 
@@ -419,6 +433,6 @@ def run(args: argparse.Namespace) -> None:
     if args.output is None:
         print(text, end="")
     else:
-        args.output.write_text(text)
+        write_output(args.output, text)
         print(f"wrote {args.output} (logs go to {logs}/); submit it with: sbatch {args.output}",
               file=sys.stderr)

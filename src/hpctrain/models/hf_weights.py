@@ -182,10 +182,20 @@ class HFWeights:
                               hint="pip install safetensors") from None
         self.folder = Path(folder)
         self.args = args
+        files = weight_files(self.folder)
+        # Before anything is sized from config.json (a hostile one may say 10**9 layers): the
+        # files must hold as many layers as it says, and every tensor the shape it implies.
+        # (Fewer layers than the files hold: the extra tensors are named below.)
+        layers = {int(m[1]) for hf in files if (m := _HF_LAYER.fullmatch(hf))}
+        if args.n_layers > len(layers):
+            raise ConfigError(f"config.json of {str(self.folder)!r} says {args.n_layers} "
+                              f"layers, its weights hold {len(layers)}",
+                              hint="the weights and config.json do not match")
         self.shapes = expected_shapes(args)
         self._slots: dict[str, _Slot] = {}
+        self._open: dict[Path, Any] = {}
         extra = []
-        for hf, path in weight_files(self.folder).items():
+        for hf, path in files.items():
             ours = to_hpctrain_name(hf)
             if ours is None:
                 if not _DERIVED.fullmatch(hf):
@@ -205,8 +215,25 @@ class HFWeights:
             raise ConfigError(f"{str(self.folder)!r} lacks {to_hf_name(missing[0])}"
                               + (f" and {len(missing) - 1} more tensors" if len(missing) > 1
                                  else ""), hint="the download is incomplete")
-        self._open: dict[Path, Any] = {}
+        for name, slot in self._slots.items():
+            self._check_shape(name, slot)
         self.bytes_read = 0  # what this reader copied out of the files (tests check it)
+
+    def _check_shape(self, name: str, slot: _Slot) -> tuple[int, ...]:
+        """The shape of ``name`` in its file (read from the header), refused unless it is the
+        shape config.json implies."""
+        try:
+            full = tuple(self._handle(slot.path).get_slice(slot.hf_name).get_shape())
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - SafetensorError: a name the file lacks
+            raise ConfigError(f"{slot.hf_name} cannot be read from {str(slot.path)!r}: "
+                              f"{e}", hint="the index and the weights do not match") from None
+        if full != self.shapes[name]:
+            raise ConfigError(f"{slot.hf_name} in {str(slot.path)!r} has shape {list(full)}, "
+                              f"config.json implies {list(self.shapes[name])}",
+                              hint="the weights and config.json do not match")
+        return full
 
     def _handle(self, path: Path) -> Any:
         from safetensors import safe_open
@@ -222,12 +249,8 @@ class HFWeights:
     def read(self, name: str, offset: Iterable[int], size: Iterable[int]) -> torch.Tensor:
         """The box ``[offset, offset + size)`` of parameter ``name`` in hpctrain's layout."""
         slot = self._slots[name]
+        full = self._check_shape(name, slot)
         sl = self._handle(slot.path).get_slice(slot.hf_name)
-        full = tuple(sl.get_shape())
-        if full != self.shapes[name]:
-            raise ConfigError(f"{slot.hf_name} in {str(slot.path)!r} has shape {list(full)}, "
-                              f"config.json implies {list(self.shapes[name])}",
-                              hint="the weights and config.json do not match")
         offset, size = list(offset), list(size)
         heads = rotary_heads(name, self.args)
         lo, hi = offset[0], offset[0] + size[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from hpctrain.errors import HpctrainError
@@ -55,6 +56,7 @@ def run(args: argparse.Namespace) -> None:
         from hpctrain.observe.rundata import load_run
 
         runs = [load_run(path) for path in args.runs]
+        _warn_damaged(note for run in runs for note in run.damaged)
         out = args.output or default_output(args.runs)
         try:
             write_report(runs, out)
@@ -66,6 +68,7 @@ def run(args: argparse.Namespace) -> None:
     from hpctrain.observe.runs import print_runs, runs_table
 
     rows = runs_table(args.dir)
+    _warn_damaged(note for row in rows for note in row["damaged"])
     if args.json:
         for row in rows:
             print(json.dumps(row))
@@ -73,3 +76,9 @@ def run(args: argparse.Namespace) -> None:
         print_runs(rows)
     else:
         print(f"no runs under {args.dir}", file=sys.stderr)
+
+
+def _warn_damaged(notes: Iterable[str]) -> None:
+    """Say on stderr which files of the runs are damaged (they are shown as absent)."""
+    for note in notes:
+        print(f"warning: damaged, read as absent: {note}", file=sys.stderr)

@@ -65,9 +65,12 @@ from typing import Any
 
 import psutil
 
+from hpctrain.records import BadRecord, Bool, Int, List, Map, Real, Record, Str, shown
 from hpctrain.runtime.exit_codes import HUNG
+from hpctrain.runtime.exit_info import exit_info_or_none
 from hpctrain.runtime.rundir import write_json_atomic
 from hpctrain.runtime.runlock import current_attempt
+from hpctrain.runtime.safe_open import make_dir
 
 log = logging.getLogger("hpctrain.goodput")
 
@@ -84,6 +87,46 @@ _COUNTS = ("warmup_n", "clean_n", "dirty_n", "open_n", "saves", "final_saves")
 # What a restart or rollback moves into lost_work when the steps after a checkpoint are lost.
 _TRANSFER = ("warmup_s", "clean_s", "dirty_s", "open_s", "data_wait", "validation",
              "checkpoint")
+# An attempt's ledger as ``GoodputClock._state`` writes it; keys added later are optional
+# (ledgers of older versions are still read). Times are seconds, counts whole.
+_BUCKETS = Record({k: Real(0.0, optional=k in ("flush", "final_saves"))
+                   for k in _TIMES + _COUNTS})
+LEDGER = Record({
+    "version": Int(VERSION, VERSION),
+    "attempt": Int(1),
+    "allocation": Str(256, optional=True),
+    "pid": Int(0, 2**31 - 1, optional=True),
+    "start": Real(0.0),
+    "updated": Real(0.0),
+    "end": Real(0.0, optional=True),
+    "ended": Bool(optional=True),
+    "exit_code": Int(-(2**31), 2**31 - 1, optional=True, nullable=True),
+    "resumed_from_step": Int(optional=True, nullable=True),
+    "last_step": Int(optional=True),
+    "buckets": _BUCKETS,
+    "open_dirty": Bool(optional=True),
+    "rollbacks": List(Record({"from_step": Int(), "to_step": Int(), "lost_steps": Int(),
+                              "lost_s": Real(0.0), "restore_s": Real(0.0)}),
+                      max_len=100_000, optional=True),
+    "hang_s": Real(0.0, optional=True),
+    "marks": Map(Str(32), Map(Str(32), Real(0.0)), optional=True),
+})
+# ``goodput.json``, as ``compute_goodput`` writes it (read back by ``report`` and ``runs``).
+ACCOUNT_RECORD = Record({
+    "version": Int(VERSION, VERSION),
+    "wall_s": Real(0.0),
+    "parts": Record({k: Real(0.0) for k in PARTS}),
+    "goodput": Real(0.0, 1.0),
+    # Fields added after the first release: optional, so older accounts are still read.
+    "lost_steps": Int(optional=True),
+    "saves": Int(optional=True),
+    "checkpoint_cost_s": Real(optional=True, nullable=True),
+    "restart_cost_s": Real(optional=True, nullable=True),
+    "attempts": List(Record({
+        "attempt": Int(1), "start": Real(0.0), "end": Real(0.0),
+        "exit_code": Int(-(2**31), 2**31 - 1, nullable=True),
+        "resumed_from_step": Int(nullable=True), "last_step": Int()}), max_len=100_000),
+})
 # Checkpoint marks kept (a resume may fall back past damaged ones; retention keeps fewer).
 _MARKS = 16
 
@@ -123,14 +166,14 @@ class GoodputClock:
         """Rank 0's clock: a new attempt ledger under ``run_dir/goodput/`` (killed attempts
         before it finished from ``exit_info.json``), started at this process's start."""
         folder = Path(run_dir) / LEDGER_DIR
-        folder.mkdir(parents=True, exist_ok=True)
+        make_dir(folder)  # a link there is refused (safe_open.py)
         start = psutil.Process().create_time()
         finish_killed(Path(run_dir), before=start)
         for _ in range(100):
             number = max((n for n, _ in _ledgers(folder)), default=0) + 1
             path = folder / f"attempt-{number:04d}.json"
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
                 break
             except FileExistsError:
                 continue
@@ -238,6 +281,16 @@ class GoodputClock:
         write_json_atomic(run_dir / ACCOUNT, account)
         return account
 
+    def discard(self) -> None:
+        """Forget this attempt: close and remove its ledger, leave ``goodput.json`` as it is (a
+        run refused before its first step does not count in the account of the run there)."""
+        self.finished = True
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._ledger is not None:
+            self._ledger.unlink(missing_ok=True)
+
     # -- the ledger ---------------------------------------------------------------------------
 
     def _snapshot(self) -> dict[str, float]:
@@ -314,20 +367,39 @@ def _ledgers(folder: Path) -> list[tuple[int, Path]]:
 
 
 def _read(path: Path) -> dict[str, Any] | None:
+    """A ledger checked against ``LEDGER``; None (with a warning) when it is damaged."""
     try:
-        state = json.loads(path.read_text())
-    except (OSError, ValueError):
-        log.warning("goodput: %s is unreadable; that attempt is left out", path)
+        return read_ledger(path)
+    except BadRecord as e:
+        log.warning("goodput: %s; that attempt is left out", e.what)
         return None
-    return state if isinstance(state, dict) and state.get("version") == VERSION else None
+
+
+def read_ledger(path: Path) -> dict[str, Any]:
+    """The ledger at ``path``, checked; BadRecord when it is unreadable or damaged."""
+    try:
+        state = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise BadRecord(f"{path} is unreadable ({shown(str(e))})") from None
+    state = LEDGER.check(state, path)
+    if state.get("ended") and "end" not in state:
+        raise BadRecord(f"{path}: ended = true without an end time")
+    return state
+
+
+def set_aside(path: Path, why: str) -> Path:
+    """Rename a damaged ledger to ``<name>.damaged[-N]`` (kept, no longer read); returns it."""
+    for n in range(1000):
+        target = path.with_name(f"{path.name}.damaged" + (f"-{n}" if n else ""))
+        if not target.exists():
+            os.rename(path, target)
+            log.warning("goodput: %s; kept as %s, a new ledger is started", why, target.name)
+            return target
+    raise OSError(f"no free name to set {path} aside")
 
 
 def _exit_info(run_dir: Path) -> dict[str, Any] | None:
-    try:
-        info = json.loads((run_dir / "exit_info.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return info if isinstance(info, dict) else None
+    return exit_info_or_none(run_dir / "exit_info.json")
 
 
 def _close_killed(state: dict[str, Any], info: dict[str, Any] | None,
@@ -348,8 +420,12 @@ def finish_killed(run_dir: Path, before: float) -> None:
     """Close the ledgers of earlier attempts that were killed (rank 0 of a new attempt)."""
     info = _exit_info(run_dir)
     for _, path in _ledgers(run_dir / LEDGER_DIR):
-        state = _read(path)
-        if state is not None and not state.get("ended") and state["start"] < before:
+        try:
+            state = read_ledger(path)
+        except BadRecord as e:
+            set_aside(path, e.what)
+            continue
+        if not state.get("ended") and state["start"] < before:
             write_json_atomic(path, _close_killed(state, info, before))
 
 

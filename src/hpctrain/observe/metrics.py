@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from types import TracebackType
@@ -24,6 +25,7 @@ from typing import Any
 from hpctrain.runtime.env import ProcessEnv
 from hpctrain.runtime.exit_codes import PREEMPTED
 from hpctrain.runtime.rundir import RunDir, json_safe
+from hpctrain.runtime.safe_open import make_dir, open_append
 
 _log = logging.getLogger(__name__)
 
@@ -39,14 +41,13 @@ class MetricsWriter:
         self._sinks: list[Any] = []
         self._rank = env.rank
         self._host = env.hostname
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        # A crash mid-write can leave a last line without its newline; start on a fresh line so
-        # the first record of a resumed run is not glued onto the broken one.
-        needs_newline = self.path.exists() and _ends_without_newline(self.path)
+        make_dir(self.path.parent)
         # Append mode: a resumed or requeued run continues the same file. Line buffering flushes
         # each record, so a killed job loses at most the line being written.
-        self._file = self.path.open("a", encoding="utf-8", buffering=1)
-        if needs_newline:
+        self._file = open_append(self.path, buffering=1)
+        # A crash mid-write can leave a last line without its newline; start on a fresh line so
+        # the first record of a resumed run is not glued onto the broken one.
+        if _ends_without_newline(self._file.fileno()):
             self._file.write("\n")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -108,10 +109,6 @@ def _restore(value: Any) -> Any:
     return value
 
 
-def _ends_without_newline(path: Path) -> bool:
-    with path.open("rb") as file:
-        file.seek(0, 2)
-        if file.tell() == 0:
-            return False
-        file.seek(-1, 2)
-        return file.read(1) != b"\n"
+def _ends_without_newline(fd: int) -> bool:
+    size = os.fstat(fd).st_size
+    return size > 0 and os.pread(fd, 1, size - 1) != b"\n"

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import pickle
+import secrets
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +40,7 @@ from typing import Any
 import torch
 
 from hpctrain.errors import ConfigError
+from hpctrain.runtime.safe_open import make_dir, write_atomic
 
 log = logging.getLogger("hpctrain.profile")
 
@@ -87,12 +90,11 @@ def oom_snapshot_path(run_dir: Path, rank: int) -> Path:
 def write_oom_snapshot(run_dir: Path, rank: int) -> Path | None:
     """Write the CUDA memory snapshot of an OOM (once per process); None where there is none."""
     path = oom_snapshot_path(run_dir, rank)
-    if path.exists() or not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+    if os.path.lexists(path) or not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("wb") as f:
-            pickle.dump(torch.cuda.memory._snapshot(), f)
+        make_dir(path.parent)
+        write_atomic(path, pickle.dumps(torch.cuda.memory._snapshot()))
     except Exception as e:  # the OOM is the story; a failed snapshot must not replace it
         log.warning("could not write the OOM memory snapshot %s: %s", path, e)
         return None
@@ -200,14 +202,20 @@ class Profiler:
         self._active = None
         prof.__exit__(None, None, None)
         folder = self.run_dir / PROFILES_DIR / f"step-{first:06d}-{last:06d}"
-        folder.mkdir(parents=True, exist_ok=True)
+        make_dir(folder)
         trace = folder / f"rank-{self.rank:03d}.trace.json"
-        prof.export_chrome_trace(str(trace))
+        # torch opens the path itself: give it a fresh random name, then replace the final one
+        # (which a link planted there would otherwise have redirected, see safe_open.py).
+        staged = folder / f".{trace.name}.{secrets.token_hex(8)}.tmp"
+        try:
+            prof.export_chrome_trace(str(staged))
+            os.replace(staged, trace)
+        finally:
+            staged.unlink(missing_ok=True)
         memory = None
         if _cuda(self.device) and self.cfg.memory:
             memory = folder / f"rank-{self.rank:03d}.memory.pickle"
-            with memory.open("wb") as f:
-                pickle.dump(torch.cuda.memory._snapshot(), f)
+            write_atomic(memory, pickle.dumps(torch.cuda.memory._snapshot()))
             if not self.cfg.memory_history:  # keep recording for an OOM snapshot if asked
                 torch.cuda.memory._record_memory_history(None)
         log.info("profile of steps %d..%d written to %s", first, last, folder)

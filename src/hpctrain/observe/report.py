@@ -18,14 +18,15 @@ import base64
 import hashlib
 import os
 import statistics
-from html import escape
 from pathlib import Path
 from typing import Any
 
 from hpctrain.observe import svg
-from hpctrain.observe.rundata import GOODPUT_PARTS, RunData, flatten
+from hpctrain.observe.markup import esc
+from hpctrain.observe.rundata import GOODPUT_PARTS, RunData, flatten, recorded_tokens_per_s
 from hpctrain.observe.stragglers import RankTimes, StragglerDetector
 from hpctrain.runtime.exit_codes import HUNG, PREEMPTED
+from hpctrain.runtime.safe_open import write_atomic
 from hpctrain.runtime.watchdog import describe_collective
 
 # The charts every report has, in order: (data-plot id, title, metric key, y label).
@@ -61,14 +62,14 @@ def build_report(runs: list[RunData], out: Path) -> str:
     """The report's HTML text for ``runs`` (links made relative to ``out``'s folder)."""
     colours = {run.name: svg.PALETTE[i % len(svg.PALETTE)] for i, run in enumerate(runs)}
     title = "hpctrain report: " + ", ".join(run.name for run in runs)
-    body = [f"<h1>{escape(title)}</h1>", _summary(runs)]
+    body = [f"<h1>{esc(title)}</h1>", _summary(runs)]
     body.append("<h2>Training</h2><div class='grid'>")
     body.append(_figure("loss", "Loss (dashed: validation)", _loss_chart(runs, colours)))
     for plot_id, name, key, y_label in CURVES:
         body.append(_figure(plot_id, name, _curve(runs, colours, key, y_label)))
     body.append("</div>")
     for i, run in enumerate(runs):
-        body.append(f"<h2 id='run-{i}'>Run {escape(run.name)}</h2>")
+        body.append(f"<h2 id='run-{i}'>Run {esc(run.name)}</h2>")
         body.append(_stragglers(run, i))
         body.append(_goodput(run, i))
         body.append(_figure(f"timeline-{i}", "Timeline", _timeline(run)))
@@ -78,11 +79,11 @@ def build_report(runs: list[RunData], out: Path) -> str:
     if len(runs) > 1:
         body.append(_config_diff(runs))
     for run in runs:
-        body.append(f"<details><summary>Config of {escape(run.name)}</summary><pre>"
-                    f"{escape(_yaml(run.config))}</pre></details>")
+        body.append(f"<details><summary>Config of {esc(run.name)}</summary><pre>"
+                    f"{esc(_yaml(run.config))}</pre></details>")
     # Only this script may run: a run's text that slipped past escaping could not execute.
     digest = base64.b64encode(hashlib.sha256(_SCRIPT.encode()).digest()).decode()
-    return _PAGE.format(title=escape(title), style=_STYLE, body="\n".join(body), script=_SCRIPT,
+    return _PAGE.format(title=esc(title), style=_STYLE, body="\n".join(body), script=_SCRIPT,
                         script_hash=f"sha256-{digest}")
 
 
@@ -90,17 +91,16 @@ def write_report(runs: list[RunData], out: Path) -> Path:
     """Write the report to ``out`` atomically; returns the path."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(build_report(runs, out), encoding="utf-8")
-    os.replace(tmp, out)
+    # Never through a link planted at the name or a temp name in the run directory.
+    write_atomic(out, build_report(runs, out).encode("utf-8"))
     return out
 
 
 # -- sections ----------------------------------------------------------------------------------
 
 def _figure(plot_id: str, title: str, content: str) -> str:
-    return (f'<figure class="plot" data-plot="{escape(plot_id, quote=True)}">'
-            f"<figcaption>{escape(title)}</figcaption>{content}</figure>")
+    return (f'<figure class="plot" data-plot="{esc(plot_id)}">'
+            f"<figcaption>{esc(title)}</figcaption>{content}</figure>")
 
 
 def _summary(runs: list[RunData]) -> str:
@@ -108,17 +108,16 @@ def _summary(runs: list[RunData]) -> str:
     for run in runs:
         train = run.train_records()
         last = train[-1] if train else {}
-        rates = [r["tokens_per_s"] for r in train[1:] if isinstance(r.get("tokens_per_s"),
-                                                                   int | float)]
+        rate = recorded_tokens_per_s(run)  # the run's own number, as `done:` and `runs` show
         goodput = (run.goodput or {}).get("goodput")
         info = run.exit_info or {}
         rows.append(
-            f"<tr><td>{escape(run.name)}</td><td class='state-{run_state(run)}'>"
-            f"{run_state(run)}</td><td>{last.get('step', '')}</td>"
-            f"<td>{svg.fmt(last['loss']) if 'loss' in last else ''}</td>"
-            f"<td>{svg.fmt(statistics.mean(rates)) if rates else ''}</td>"
+            f"<tr><td>{esc(run.name)}</td><td class='state-{run_state(run)}'>"
+            f"{run_state(run)}</td><td>{esc(last.get('step', ''))}</td>"
+            f"<td>{esc(svg.fmt(last['loss'])) if 'loss' in last else ''}</td>"
+            f"<td>{esc(svg.fmt(rate)) if rate is not None else 'not recorded'}</td>"
             f"<td>{f'{100 * goodput:.1f}%' if isinstance(goodput, int | float) else 'not recorded'}"
-            f"</td><td>{len(run.ranks)}</td><td>{escape(str(info.get('reason', '')))}</td></tr>")
+            f"</td><td>{len(run.ranks)}</td><td>{esc(info.get('reason', ''))}</td></tr>")
     return ("<table class='summary'><tr><th>run</th><th>state</th><th>step</th><th>loss</th>"
             "<th>tokens/s per rank</th><th>goodput</th><th>ranks</th><th>exit</th></tr>"
             + "".join(rows) + "</table>")
@@ -225,16 +224,20 @@ def _stragglers(run: RunData, index: int) -> str:
                         title="per-rank step time")
     if found:
         items = "".join(
-            f"<li class='straggler-name'>rank {e['straggler_rank']} on host "
-            f"<b>{escape(str(e.get('straggler_host')))}</b>: slower than the median rank by "
-            f"{100 * e.get('slower_by', 0):.0f}% of a step for {e.get('windows', '?')} windows "
-            f"(from step {e.get('step')})</li>" for e in found)
+            f"<li class='straggler-name'>rank {esc(e['straggler_rank'])} on host "
+            f"<b>{esc(e.get('straggler_host'))}</b>: slower than the median rank by "
+            f"{esc(_percent(e.get('slower_by', 0)))} of a step for {esc(e.get('windows', '?'))} "
+            f"windows (from step {esc(e.get('step'))})</li>" for e in found)
         verdict = f"<ul class='stragglers'>{items}</ul>"
     elif len(ranks) > 1:
         verdict = "<p class='note'>No straggler: every rank within the threshold.</p>"
     else:
         verdict = "<p class='note'>One rank: no stragglers to compare.</p>"
     return _figure(f"stragglers-{index}", "Per-rank time and stragglers", chart + verdict)
+
+
+def _percent(fraction: object) -> str:
+    return f"{100 * fraction:.0f}%" if isinstance(fraction, int | float) else str(fraction)
 
 
 def _goodput(run: RunData, index: int) -> str:
@@ -299,7 +302,7 @@ def _timeline(run: RunData) -> str:
         marks["end"] = [(info["timestamp"], info["timestamp"],
                          f"exit {info.get('exit_code')}: {info.get('reason')}", colour)]
     lanes = [("attempts", attempts)] + list(marks.items())
-    legend = "".join(f"<li>{escape(lane)}: {escape(label)}</li>"
+    legend = "".join(f"<li>{esc(lane)}: {esc(label)}</li>"
                      for lane, items in lanes[1:] for _, _, label, _ in items[:20])
     return (svg.timeline(lanes, (start, end), x_label="seconds since the run started")
             + (f"<ul class='events'>{legend}</ul>" if legend else ""))
@@ -314,20 +317,20 @@ def _hang(run: RunData) -> str:
     beats = extra.get("heartbeat_steps") or {}
     hosts = run.hosts()
     by_rank = {str(r): h for r, h in hosts.items()}
-    rows = "".join(f"<tr><td>{escape(str(rank))}</td><td>{escape(by_rank.get(str(rank), '?'))}"
-                   f"</td><td>{escape(str(step))}</td></tr>"
+    rows = "".join(f"<tr><td>{esc(rank)}</td><td>{esc(by_rank.get(str(rank), '?'))}"
+                   f"</td><td>{esc(step)}</td></tr>"
                    for rank, step in sorted(beats.items(), key=lambda kv: (len(kv[0]), kv[0])))
     lines = []
     if extra.get("suspect_rank") is not None:
         lines.append(f"<p class='hang-suspect'>The heartbeats name rank "
-                     f"<b>{escape(str(extra['suspect_rank']))}</b> on host "
-                     f"<b>{escape(str(extra.get('suspect_host')))}</b> (the oldest step).</p>")
+                     f"<b>{esc(extra['suspect_rank'])}</b> on host "
+                     f"<b>{esc(extra.get('suspect_host'))}</b> (the oldest step).</p>")
     if collective is not None:
         lines.append(f"<p class='hang-collective'>Flight recorder: "
-                     f"{escape(describe_collective(collective))}.</p>")
+                     f"{esc(describe_collective(collective))}.</p>")
     elif run.flight_records:
         lines.append("<p class='note'>Flight recorder dumps present, all ranks level.</p>")
-    return (f"<section class='hang'><h3>Hang forensics</h3><p>{escape(str(info.get('reason')))}"
+    return (f"<section class='hang'><h3>Hang forensics</h3><p>{esc(info.get('reason'))}"
             f"</p>{''.join(lines)}<table><tr><th>rank</th><th>host</th><th>last step "
             f"(heartbeat)</th></tr>{rows}</table><p class='note'>Thread stacks are in "
             f"logs/rank-NNN.log, flight-recorder dumps in forensics/.</p></section>")
@@ -338,7 +341,7 @@ def _link(run: RunData, rel: str, out: Path) -> str:
     href = os.path.relpath(target.resolve(), out.resolve().parent)
     if not href.startswith("../"):
         href = f"./{href}"  # a path, never read as a scheme (javascript:, data:)
-    return f"<a href='{escape(href, quote=True)}'>{escape(rel)}</a>"
+    return f"<a href='{esc(href)}'>{esc(rel)}</a>"
 
 
 def _profiles(run: RunData, out: Path) -> str:
@@ -346,12 +349,12 @@ def _profiles(run: RunData, out: Path) -> str:
     for e in sorted(run.events("profile", rank=None),
                     key=lambda e: (e.get("first_step", 0), e.get("rank", 0))):
         memory = e.get("memory_snapshot")
-        rows.append(f"<tr><td>{e.get('first_step')}..{e.get('last_step')}</td>"
-                    f"<td>{escape(str(e.get('trigger')))}</td><td>{e.get('rank')}</td>"
+        rows.append(f"<tr><td>{esc(e.get('first_step'))}..{esc(e.get('last_step'))}</td>"
+                    f"<td>{esc(e.get('trigger'))}</td><td>{esc(e.get('rank'))}</td>"
                     f"<td>{_link(run, str(e.get('trace')), out)}</td>"
                     f"<td>{_link(run, memory, out) if memory else ''}</td></tr>")
     for oom in sorted((run.root / "profiles").glob("oom-rank-*.pickle")):
-        rows.append(f"<tr><td>out of memory</td><td>oom</td><td>{oom.stem.split('-')[-1]}</td>"
+        rows.append(f"<tr><td>out of memory</td><td>oom</td><td>{esc(oom.stem.split('-')[-1])}</td>"
                     f"<td></td><td>{_link(run, f'profiles/{oom.name}', out)}</td></tr>")
     if not rows:
         return ""
@@ -369,7 +372,7 @@ def _provenance(run: RunData) -> str:
     p = run.provenance
     if not p:
         return "<p class='note'>No provenance recorded.</p>"
-    rows = "".join(f"<tr><th>{escape(k)}</th><td>{escape(_text(p.get(k)))}</td></tr>"
+    rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(_text(p.get(k)))}</td></tr>"
                    for k in _PROVENANCE_KEYS if k in p)
     return f"<details><summary>Provenance</summary><table>{rows}</table></details>"
 
@@ -379,10 +382,10 @@ def _config_diff(runs: list[RunData]) -> str:
     keys = sorted({k for flat in flats for k in flat})
     missing = object()
     differ = [k for k in keys if len({repr(flat.get(k, missing)) for flat in flats}) > 1]
-    head = "".join(f"<th>{escape(run.name)}</th>" for run in runs)
+    head = "".join(f"<th>{esc(run.name)}</th>" for run in runs)
     rows = "".join(
-        f"<tr><th>{escape(k)}</th>"
-        + "".join(f"<td>{escape(_text(flat[k])) if k in flat else '<i>absent</i>'}</td>"
+        f"<tr><th>{esc(k)}</th>"
+        + "".join(f"<td>{esc(_text(flat[k])) if k in flat else '<i>absent</i>'}</td>"
                   for flat in flats) + "</tr>" for k in differ)
     if not differ:
         return "<section class='config-diff'><h2>Config difference</h2><p>None.</p></section>"

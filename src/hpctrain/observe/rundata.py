@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -20,7 +21,10 @@ from typing import Any
 import yaml
 
 from hpctrain.errors import HpctrainError
+from hpctrain.observe.goodput import ACCOUNT_RECORD
 from hpctrain.observe.metrics import read_metrics
+from hpctrain.records import BadRecord, shown
+from hpctrain.runtime.exit_info import read_exit_info
 from hpctrain.runtime.runlock import LOCK_NAME, JobAttempt, stale_reason
 from hpctrain.runtime.watchdog import read_flight_records, unjoined_collective
 
@@ -50,6 +54,8 @@ class RunData:
     flight_records: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     lock: dict[str, Any] | None = None
     lock_age_s: float | None = None
+    # What was wrong with each damaged file read as absent (exit info, goodput account).
+    damaged: list[str] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -112,6 +118,27 @@ def _json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def _read_account(path: Path) -> dict[str, Any] | None:
+    """``goodput.json`` checked; None when missing, BadRecord when damaged."""
+    try:
+        data = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise BadRecord(f"{path} is unreadable ({shown(str(e))})") from None
+    return ACCOUNT_RECORD.check(data, path)
+
+
+def _checked(run: RunData, path: Path,
+             read: Callable[[Path], dict[str, Any] | None]) -> dict[str, Any] | None:
+    """``read(path)``; a damaged file is noted in ``run.damaged`` and read as absent."""
+    try:
+        return read(path)
+    except BadRecord as e:
+        run.damaged.append(e.render())
+        return None
+
+
 def is_run_dir(path: Path) -> bool:
     """Whether ``path`` looks like a run directory (metrics, config or exit info in it)."""
     return path.is_dir() and any((path / p).exists()
@@ -133,8 +160,8 @@ def load_run(path: Path, *, metrics: bool = True) -> RunData:
     except (OSError, yaml.YAMLError, UnicodeDecodeError):
         pass
     run.provenance = _json(root / "provenance" / "provenance.json")
-    run.exit_info = _json(root / "exit_info.json")
-    run.goodput = _json(root / GOODPUT_FILE)
+    run.exit_info = _checked(run, root / "exit_info.json", read_exit_info)
+    run.goodput = _checked(run, root / GOODPUT_FILE, _read_account)
     if metrics:
         for file in sorted((root / "metrics").glob("rank-*.jsonl")):
             try:
@@ -172,6 +199,16 @@ def last_train_record(root: Path) -> dict[str, Any] | None:
         if isinstance(record, dict) and "loss" in record and "event" not in record:
             return record
     return None
+
+
+def recorded_tokens_per_s(run: RunData) -> float | None:
+    """The run's tokens/s per rank as its training recorded it when it ended (completed or
+    preempted) in ``exit_info.json``: one number, defined by ``hpctrain.train.window.
+    Throughput`` (tokens one rank trained in the logging windows after the first ÷ their wall
+    time, validation and start-up left out). None when the run recorded none."""
+    extra = (run.exit_info or {}).get("extra")
+    rate = extra.get("tokens_per_s") if isinstance(extra, dict) else None
+    return float(rate) if isinstance(rate, int | float) and not isinstance(rate, bool) else None
 
 
 def _log_events(path: Path) -> list[dict[str, Any]]:

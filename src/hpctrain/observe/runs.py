@@ -6,10 +6,13 @@
 
 State: ``running`` while ``run.lock`` has a fresh heartbeat, else from ``exit_info.json``:
 done (0), preempted (75), hung (124), interrupted (130), failed (anything else), unknown (no exit
-info and no live lock: killed without a word). Step, loss and tokens/s are rank 0's last
-training window (read from the end of its metrics file), goodput from ``goodput.json``. Under
-Slurm the job's state comes from ``squeue --json`` (one call for all runs; none when squeue is
-missing, slow or fails).
+info and no live lock: killed without a word). Step and loss are rank 0's last training window
+(read from the end of its metrics file); tokens/s is the number the run recorded when it ended
+(``rundata.recorded_tokens_per_s``, the same as its ``done:`` line and its report), and while it
+runs its last window's; goodput from ``goodput.json``. The Slurm job comes from the lock's
+holder or the run's name (``<name>-<job>``; an archived run, ``<name>-archived-<time>``, names
+none of its own). Under Slurm the job's state comes from ``squeue --json`` (one call for all
+runs; none when squeue is missing, slow or fails), for runs that are not archived.
 """
 
 from __future__ import annotations
@@ -26,12 +29,20 @@ from rich.table import Table
 
 from hpctrain.errors import HpctrainError
 from hpctrain.observe.report import run_state
-from hpctrain.observe.rundata import RunData, is_run_dir, last_train_record, load_run
+from hpctrain.observe.rundata import (
+    RunData,
+    is_run_dir,
+    last_train_record,
+    load_run,
+    recorded_tokens_per_s,
+)
 from hpctrain.observe.svg import fmt
 
 _SQUEUE_TIMEOUT_S = 10.0
 # "<name>-<job>" or "<name>-<array job>_<task>": the suffix hpctrain gives a run under Slurm.
 _JOB_SUFFIX = re.compile(r"-(\d+(?:_\d+)?)$")
+# What `--fresh` appends (runtime/rundir.archive_run): "-archived-<%Y%m%d-%H%M%S>[-<n>]".
+_ARCHIVED = re.compile(r"-archived-\d{8}-\d{6}(?:-\d+)?$")
 
 
 def find_runs(folder: Path) -> list[Path]:
@@ -48,13 +59,19 @@ def find_runs(folder: Path) -> list[Path]:
 
 
 def slurm_job(run: RunData) -> str | None:
-    """The Slurm job id of a run, from its lock holder or its directory name."""
+    """The Slurm job id of a run, from its lock holder or its directory name (an archived
+    run's name is that of the run it was, whose job id it keeps: ``a-12-archived-<time>``)."""
     holder = (run.lock or {}).get("job") or ""
     for part in str(holder).split("/"):
         if part.startswith("slurm:"):
             return part.removeprefix("slurm:")
-    m = _JOB_SUFFIX.search(run.name)
+    m = _JOB_SUFFIX.search(_ARCHIVED.sub("", run.name))
     return m.group(1) if m else None
+
+
+def is_archived(name: str) -> bool:
+    """Whether a run directory's name is one ``--fresh`` gave an older run."""
+    return _ARCHIVED.search(name) is not None
 
 
 def squeue_states(jobs: list[str], squeue: str | None = None) -> dict[str, str]:
@@ -96,17 +113,21 @@ def runs_table(folder: Path, squeue: str | None = None) -> list[dict[str, Any]]:
     """One row per run under ``folder``: name, state, step, loss, tokens/s, goodput, slurm."""
     runs = [load_run(path, metrics=False) for path in find_runs(folder)]
     jobs = {run.name: slurm_job(run) for run in runs}
-    states = squeue_states([j for j in jobs.values() if j], squeue)
+    # The queue knows the job as the live run's, never as an archived copy's.
+    live = {run.name: jobs[run.name] for run in runs if not is_archived(run.name)}
+    states = squeue_states([j for j in live.values() if j], squeue)
     rows = []
     for run in runs:
         last = last_train_record(run.root) or {}
         goodput = (run.goodput or {}).get("goodput")
-        job = jobs[run.name]
-        rows.append({"run": run.name, "state": run_state(run), "step": last.get("step"),
-                     "loss": last.get("loss"), "tokens_per_s": last.get("tokens_per_s"),
+        job, state = jobs[run.name], run_state(run)
+        rate = last.get("tokens_per_s") if state == "running" else recorded_tokens_per_s(run)
+        rows.append({"run": run.name, "state": state, "step": last.get("step"),
+                     "loss": last.get("loss"), "tokens_per_s": rate,
                      "goodput": goodput if isinstance(goodput, int | float) else None,
-                     "slurm_job": job, "slurm_state": states.get(job) if job else None,
-                     "path": str(run.root)})
+                     "slurm_job": job,
+                     "slurm_state": states.get(job) if run.name in live and job else None,
+                     "path": str(run.root), "damaged": run.damaged})
     return rows
 
 

@@ -1,7 +1,8 @@
 """Inline SVG charts for the HTML report: lines, a heatmap, a waterfall, a timeline.
 
 No plotting library and no network: each function returns an ``<svg>`` element as text that a
-browser draws as it is. Every text that comes from a run (names, hosts, labels) is escaped.
+browser draws as it is. Every text that comes from a run (names, hosts, labels) is escaped
+by hpctrain.observe.markup.esc.
 Line charts carry their points in ``data-series`` for the report's hover read-out.
 """
 
@@ -11,7 +12,8 @@ import json
 import math
 import statistics
 from collections.abc import Sequence
-from html import escape
+
+from hpctrain.observe.markup import esc
 
 # Colour-blind-safe (Okabe-Ito) for overlaid runs.
 PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000",
@@ -91,31 +93,31 @@ def line_chart(series: Sequence[tuple[str, Sequence[tuple[float, float]], str]],
     parts = [_frame(x_label, y_label)]
     for t in _ticks(x0, x1):
         parts.append(f'<text x="{sx(t):.1f}" y="{_H - _M["bottom"] + 16}" '
-                     f'text-anchor="middle" class="tick">{escape(fmt(t))}</text>')
+                     f'text-anchor="middle" class="tick">{esc(fmt(t))}</text>')
     for t in _ticks(y0, y1):
         y = _M["top"] + (1 - (t - y0) / (y1 - y0)) * ph
         label = fmt(10 ** t) if log_y else fmt(t)
         parts.append(f'<line x1="{_M["left"]}" x2="{_W - _M["right"]}" y1="{y:.1f}" '
                      f'y2="{y:.1f}" class="grid"/>'
                      f'<text x="{_M["left"] - 6}" y="{y + 4:.1f}" text-anchor="end" '
-                     f'class="tick">{escape(label)}</text>')
+                     f'class="tick">{esc(label)}</text>')
     data = []
     for label, pts, colour in clean:
         d = " ".join(f"{'M' if i == 0 else 'L'}{sx(x):.1f},{sy(y):.1f}"
                      for i, (x, y) in enumerate(pts))
         dash = ' stroke-dasharray="5,3"' if label in dashed else ""
         parts.append(f'<path d="{d}" fill="none" stroke="{colour}" stroke-width="1.6"{dash}>'
-                     f'<title>{escape(label)}</title></path>')
+                     f'<title>{esc(label)}</title></path>')
         if len(pts) == 1:
             x, y = pts[0]
             parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{colour}"/>')
         data.append({"label": label, "colour": colour,
                      "points": [[round(sx(x), 1), round(sy(y), 1), x, y] for x, y in pts]})
     legend = "".join(
-        f'<span class="key"><i style="background:{colour}"></i>{escape(label)}</span>'
+        f'<span class="key"><i style="background:{colour}"></i>{esc(label)}</span>'
         for label, _, colour in clean)
     svg = (f'<svg viewBox="0 0 {_W} {_H}" class="chart line" role="img" '
-           f'data-series="{escape(json.dumps(data), quote=True)}">{"".join(parts)}</svg>')
+           f'data-series="{esc(json.dumps(data))}">{"".join(parts)}</svg>')
     return svg + f'<div class="legend">{legend}</div>'
 
 
@@ -123,16 +125,16 @@ def empty_chart(message: str) -> str:
     """A chart-sized box that says why there is nothing to draw."""
     return (f'<svg viewBox="0 0 {_W} 60" class="chart empty" role="img">'
             f'<text x="{_W / 2}" y="34" text-anchor="middle" class="note">'
-            f'{escape(message)}</text></svg>')
+            f'{esc(message)}</text></svg>')
 
 
 def _frame(x_label: str, y_label: str) -> str:
     return (f'<rect x="{_M["left"]}" y="{_M["top"]}" width="{_W - _M["left"] - _M["right"]}" '
             f'height="{_H - _M["top"] - _M["bottom"]}" class="frame"/>'
             f'<text x="{(_W + _M["left"]) / 2}" y="{_H - 6}" text-anchor="middle" '
-            f'class="axis">{escape(x_label)}</text>'
+            f'class="axis">{esc(x_label)}</text>'
             f'<text transform="translate(14,{(_H - _M["bottom"]) / 2}) rotate(-90)" '
-            f'text-anchor="middle" class="axis">{escape(y_label)}</text>')
+            f'text-anchor="middle" class="axis">{esc(y_label)}</text>')
 
 
 def heatmap(rows: Sequence[str], columns: Sequence[float], values: list[list[float | None]],
@@ -159,7 +161,7 @@ def heatmap(rows: Sequence[str], columns: Sequence[float], values: list[list[flo
         if row_h >= 8:
             cls = "tick straggler" if r in marked else "tick"
             parts.append(f'<text x="{left - 6}" y="{y + row_h * 0.75:.1f}" text-anchor="end" '
-                         f'class="{cls}">{escape(rows[r])}</text>')
+                         f'class="{cls}">{esc(rows[r])}</text>')
         for c in range(n_cols):
             v, m = values[r][c], medians[c]
             if v is None or m is None:
@@ -167,8 +169,8 @@ def heatmap(rows: Sequence[str], columns: Sequence[float], values: list[list[flo
             excess = (v - m) / m if m > 0 else 0.0
             parts.append(f'<rect x="{left + c * cell_w:.2f}" y="{y:.2f}" '
                          f'width="{cell_w + 0.3:.2f}" height="{row_h:.2f}" '
-                         f'fill="{_heat(excess)}"><title>{escape(rows[r])}, '
-                         f'{escape(fmt(columns[c]))}: {v:.4f} s ({100 * excess:+.0f}% vs median)'
+                         f'fill="{_heat(excess)}"><title>{esc(rows[r])}, '
+                         f'{esc(fmt(columns[c]))}: {v:.4f} s ({100 * excess:+.0f}% vs median)'
                          f'</title></rect>')
     for r in marked:
         y = top + r * row_h
@@ -178,11 +180,11 @@ def heatmap(rows: Sequence[str], columns: Sequence[float], values: list[list[flo
         c = min(range(n_cols), key=lambda i: abs(columns[i] - t))
         parts.append(f'<text x="{left + (c + 0.5) * cell_w:.1f}" '
                      f'y="{top + n_rows * row_h + 16:.1f}" text-anchor="middle" '
-                     f'class="tick">{escape(fmt(t))}</text>')
+                     f'class="tick">{esc(fmt(t))}</text>')
     parts.append(f'<text x="{left + width / 2:.1f}" y="{height - 6:.1f}" text-anchor="middle" '
-                 f'class="axis">{escape(x_label)}</text>')
+                 f'class="axis">{esc(x_label)}</text>')
     return (f'<svg viewBox="0 0 {_W + 120} {height:.0f}" class="chart heatmap" role="img" '
-            f'aria-label="{escape(title, quote=True)}">{"".join(parts)}</svg>'
+            f'aria-label="{esc(title)}">{"".join(parts)}</svg>'
             '<div class="legend"><span class="key"><i style="background:#f7f7f7"></i>median'
             '</span><span class="key"><i style="background:#fdae61"></i>+25%</span>'
             '<span class="key"><i style="background:#d7191c"></i>+50% or more</span>'
@@ -221,15 +223,15 @@ def waterfall(total: float, parts: Sequence[tuple[str, float]], final_label: str
     out = [f'<rect x="{_M["left"]}" y="{_M["top"]}" width="{pw}" height="{ph}" class="frame"/>']
     for t in _ticks(0, total):
         out.append(f'<text x="{_M["left"] - 6}" y="{sy(t) + 4:.1f}" text-anchor="end" '
-                   f'class="tick">{escape(fmt(t))} s</text>')
+                   f'class="tick">{esc(fmt(t))} s</text>')
     for i, (label, lo, hi, colour) in enumerate(bars):
         x = _M["left"] + i * bw + bw * 0.15
         h = max(sy(lo) - sy(hi), 0.8)
         out.append(f'<rect x="{x:.1f}" y="{sy(hi):.1f}" width="{bw * 0.7:.1f}" height="{h:.1f}" '
-                   f'fill="{colour}"><title>{escape(label)}: {hi - lo:.1f} s '
+                   f'fill="{colour}"><title>{esc(label)}: {hi - lo:.1f} s '
                    f'({100 * (hi - lo) / total:.1f}%)</title></rect>'
                    f'<text x="{x + bw * 0.35:.1f}" y="{_H - _M["bottom"] - 4:.1f}" '
-                   f'text-anchor="middle" class="tick">{escape(label)}</text>'
+                   f'text-anchor="middle" class="tick">{esc(label)}</text>'
                    f'<text x="{x + bw * 0.35:.1f}" y="{sy(hi) - 3:.1f}" text-anchor="middle" '
                    f'class="tick">{100 * (hi - lo) / total:.1f}%</text>')
     return (f'<svg viewBox="0 0 {_W} {_H}" class="chart waterfall" role="img">'
@@ -254,9 +256,9 @@ def timeline(lanes: Sequence[tuple[str, Sequence[tuple[float, float, str, str]]]
     for i, (lane, items) in enumerate(lanes):
         y = top + i * lane_h
         out.append(f'<text x="{left - 6}" y="{y + lane_h * 0.65:.1f}" text-anchor="end" '
-                   f'class="tick">{escape(lane)}</text>')
+                   f'class="tick">{esc(lane)}</text>')
         for start, end, label, colour in items:
-            tip = f"<title>{escape(label)}</title>"
+            tip = f"<title>{esc(label)}</title>"
             if end > start:
                 out.append(f'<rect x="{sx(start):.1f}" y="{y + 4}" '
                            f'width="{max(sx(end) - sx(start), 1.5):.1f}" height="{lane_h - 8}" '
@@ -268,8 +270,8 @@ def timeline(lanes: Sequence[tuple[str, Sequence[tuple[float, float, str, str]]]
                            f'fill="{colour}">{tip}</path>')
     for t in _ticks(0, t1 - t0):
         out.append(f'<text x="{sx(t0 + t):.1f}" y="{top + lane_h * len(lanes) + 16}" '
-                   f'text-anchor="middle" class="tick">{escape(fmt(t))}</text>')
+                   f'text-anchor="middle" class="tick">{esc(fmt(t))}</text>')
     out.append(f'<text x="{left + width / 2:.1f}" y="{height - 6:.1f}" text-anchor="middle" '
-               f'class="axis">{escape(x_label)}</text>')
+               f'class="axis">{esc(x_label)}</text>')
     return (f'<svg viewBox="0 0 {_W + 120} {height}" class="chart timeline" role="img">'
             f'{"".join(out)}</svg>')

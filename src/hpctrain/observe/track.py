@@ -3,8 +3,9 @@
     track:
       tensorboard: true            # <run>/tensorboard/events.out.tfevents.*
       mlflow: true                 # <run>/mlruns (a file store), or:
-      mlflow_uri: http://mlflow.example:5000
-      experiment: llama-sweeps
+      mlflow_uri: http://mlflow.example:5000   # no user:password@ (refused): credentials
+      experiment: llama-sweeps                # come from MLFLOW_TRACKING_USERNAME/_PASSWORD
+                                              # or MLFLOW_TRACKING_TOKEN in the environment
 
 Every record rank 0 writes to its metrics file reaches the trackers: each number becomes a
 scalar named ``<kind>/<key>`` at the record's step (``train/loss``, ``val/val_loss``,
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.errors import ConfigError
+from hpctrain.runtime.redact import redact_uri, uri_secrets
 
 log = logging.getLogger("hpctrain.track")
 
@@ -58,13 +60,29 @@ class TrackConfig:
     experiment: str = "hpctrain"
 
     def validate(self) -> None:
-        """A non-empty experiment name; a URI only where MLflow is on."""
+        """A non-empty experiment name; a URI without credentials, only where MLflow is on."""
+        if self.mlflow_uri is not None:
+            refuse_credentials(self.mlflow_uri)
         if not self.experiment.strip():
             raise ConfigError("track.experiment is empty", expected="an experiment name")
         if self.mlflow_uri is not None and not self.mlflow:
             raise ConfigError(f"track.mlflow_uri = {self.mlflow_uri!r} but track.mlflow is off",
                               hint="set track.mlflow=true to log to it")
         check_installed(self)
+
+
+def refuse_credentials(uri: str) -> None:
+    """Refuse a tracking URI that carries a password or token: the config is written into the
+    run directory, the run lock and the job scripts, where others can read it."""
+    secrets = uri_secrets(uri)
+    if secrets:
+        raise ConfigError(
+            f"track.mlflow_uri = {redact_uri(uri)!r} holds a credential "
+            f"({', '.join(secrets)})",
+            expected="a URI without credentials, e.g. https://mlflow.example:5000",
+            hint="give them to MLflow through the environment, which hpctrain never records: "
+            "export MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or "
+            "MLFLOW_TRACKING_TOKEN for a bearer token")
 
 
 def check_installed(cfg: TrackConfig) -> None:

@@ -15,42 +15,45 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpctrain.errors import ConfigError
+from hpctrain.numeric_args import big_count, count, real
 
 if TYPE_CHECKING:
     from hpctrain.plan.memory_options import MemoryOptions
 
-_COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([kmbt]?)\s*$", re.IGNORECASE)
-_SCALE = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
-
-
-def parse_count(text: str) -> float:
-    """'300B' -> 3e11, '1T' -> 1e12, '2e9' -> 2e9 (decimal suffixes, as for token counts)."""
-    match = _COUNT.match(text)
-    if match is None:
-        raise ConfigError(f"{text!r} is not a count", expected="e.g. 300B, 1T, 2e12")
-    return float(match.group(1)) * _SCALE[match.group(2).lower()]
+def _tokens(text: str) -> float:
+    """--tokens: '300B' -> 3e11, '1T' -> 1e12, '2e9' -> 2e9 (up to 1e18)."""
+    try:
+        return big_count(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``plan`` and its sub-commands on the top-level sub-parser set."""
     p = sub.add_parser("plan", help="memory, parallel layout, budget, checkpoint interval",
-                       description=__doc__.splitlines()[0])
+                       description="Size a job before it runs: memory per GPU, the fastest "
+                       "parallel layout that fits, walltime and GPU-hours (cost, energy, CO2e), "
+                       "the checkpoint interval and the goodput it buys.")
     psub = p.add_subparsers(dest="plan_command", required=True, metavar="PLAN")
 
     def model_args(q: argparse.ArgumentParser) -> None:
         q.add_argument("--model", default=None, help="size: tiny, 125m, 1b, 8b")
-        q.add_argument("--dim", type=int)
-        q.add_argument("--layers", type=int)
-        q.add_argument("--heads", type=int)
-        q.add_argument("--kv-heads", type=int)
-        q.add_argument("--ffn-dim", type=int)
-        q.add_argument("--vocab", type=int)
-        q.add_argument("--seq-len", type=int, default=2048)
+        q.add_argument("--dim", type=count(1, 1 << 20), help="model width (default: the size's)")
+        q.add_argument("--layers", type=count(1, 100_000),
+                       help="transformer blocks (default: the size's)")
+        q.add_argument("--heads", type=count(1, 1 << 16),
+                       help="attention heads (default: the size's)")
+        q.add_argument("--kv-heads", type=count(1, 1 << 16),
+                       help="key/value heads, fewer for GQA (default: the size's)")
+        q.add_argument("--ffn-dim", type=count(1, 1 << 22),
+                       help="feed-forward width (default: the size's)")
+        q.add_argument("--vocab", type=count(1, 1 << 31),
+                       help="vocabulary size (default: the size's)")
+        q.add_argument("--seq-len", type=count(1, 1 << 24), default=2048, help="tokens per sample")
         q.add_argument("--precision", default="bf16", help="bf16, fp16, fp32 or fp8")
         q.add_argument("--master-weights", default="fp32",
                        help="train.master_weights: fp32 or bf16 (with --precision bf16: pure "
@@ -60,21 +63,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     m = psub.add_parser("memory", help="per-GPU memory for a model, strategy and batch")
     model_args(m)
     m.add_argument("--strategy", default="fsdp", help="none, ddp or fsdp")
-    m.add_argument("--gpus", type=int, default=1, help="data-parallel GPUs")
-    m.add_argument("--zero", type=int, default=3, help="FSDP: 3 (reshard) or 2")
-    m.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    m.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    m.add_argument("--gpus", type=count(1, 1 << 24), default=1, help="data-parallel GPUs")
+    m.add_argument("--zero", type=count(2, 3), default=3, help="FSDP: 3 (reshard) or 2")
+    m.add_argument("--tp", type=count(1, 1 << 16), default=1, help="tensor-parallel degree")
+    m.add_argument("--pp", type=count(1, 1 << 16), default=1, help="pipeline-parallel degree")
     m.add_argument("--pp-schedule", default="1f1b",
                    help="gpipe, 1f1b, interleaved_1f1b, interleaved_zb or zbv")
-    m.add_argument("--pp-microbatches", type=int, default=0,
+    m.add_argument("--pp-microbatches", type=count(0, 1 << 20), default=0,
                    help="micro-batches per step through the pipeline (0: pp x stages per rank)")
-    m.add_argument("--pp-stages-per-rank", type=int, default=0,
+    m.add_argument("--pp-stages-per-rank", type=count(0, 1 << 10), default=0,
                    help="stages per rank for interleaved schedules (0: 2)")
     m.add_argument("--ac", default="none",
                    help="activation checkpointing: none, selective or full")
-    m.add_argument("--micro-batch", type=int, default=1,
+    m.add_argument("--micro-batch", type=count(1, 1 << 20), default=1,
                    help="samples per micro-batch (per pipeline micro-batch with --pp)")
-    m.add_argument("--grad-accum", type=int, default=1, help="micro-batches accumulated per step")
+    m.add_argument("--grad-accum", type=count(1, 1 << 20), default=1,
+                   help="micro-batches accumulated per step")
     m.add_argument("--no-compile", action="store_true", help="eager (more activations)")
     m.add_argument("--mixed-precision", default="auto",
                    help="parallel.mixed_precision: auto (as training picks), autocast or fsdp "
@@ -82,9 +86,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--reduce-precision", default="fp32",
                    help="parallel.reduce_precision: fp32 or bf16 (FSDP's path: the dtype "
                    "gradients are reduced and accumulated over micro-batches in)")
-    m.add_argument("--fsdp-prefetch", type=int, default=0,
+    m.add_argument("--fsdp-prefetch", type=count(0, 1 << 10), default=0,
                    help="parallel.fsdp_prefetch: blocks FSDP gathers ahead (0: its own, one)")
-    m.add_argument("--fsdp-group-blocks", type=int, default=1,
+    m.add_argument("--fsdp-group-blocks", type=count(1, 1 << 16), default=1,
                    help="parallel.fsdp_group_blocks: consecutive blocks per FSDP unit")
     m.add_argument("--fp8-recipe", default="tensorwise",
                    help="train.fp8_recipe with --precision fp8: tensorwise or rowwise")
@@ -92,55 +96,60 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     q = psub.add_parser("parallel", help="recommend dp/fsdp/tp/pp degrees for a cluster shape")
     model_args(q)
-    q.add_argument("--gpus-per-node", type=int, default=8)
-    q.add_argument("--nodes", type=int, default=1)
-    q.add_argument("--global-batch", type=int, default=None,
+    q.add_argument("--gpus-per-node", type=count(1, 1024), default=8, help="GPUs in each node")
+    q.add_argument("--nodes", type=count(1, 1 << 20), default=1, help="nodes of the cluster shape")
+    q.add_argument("--global-batch", type=count(1, 1 << 30), default=None,
                    help="samples per optimizer step all layouts are compared at (default: 4 per "
                    "GPU)")
-    q.add_argument("--top", type=int, default=5, help="how many layouts to list")
+    q.add_argument("--top", type=count(1, 10_000), default=5, help="how many layouts to list")
     q.add_argument("--config", default="config.yaml", help="config file named in the command")
 
     b = psub.add_parser("budget", help="walltime and GPU-hours from tokens and tokens/s")
-    b.add_argument("--tokens", required=True, help="tokens to train, e.g. 300B or 1T")
-    b.add_argument("--tokens-per-s", type=float, default=None, help="per GPU")
+    b.add_argument("--tokens", type=_tokens, required=True, help="tokens to train, e.g. 300B or 1T")
+    b.add_argument("--tokens-per-s", type=real(0, 1e12, open_min=True), default=None,
+                   help="per GPU")
     b.add_argument("--from-run", type=Path, default=None,
                    help="pilot run directory: tokens/s from its metrics/rank-*.jsonl")
-    b.add_argument("--gpus", type=int, required=True)
-    b.add_argument("--margin", type=float, default=0.15, help="safety margin (0.1-0.2)")
+    b.add_argument("--gpus", type=count(1, 1 << 24), required=True, help="GPUs the job trains on")
+    b.add_argument("--margin", type=real(0, 10), default=0.15, help="safety margin (0.1-0.2)")
     b.add_argument("--from-bench", type=Path, default=None,
                    help="`bench model` results folder: its tokens/s and joules/token")
-    b.add_argument("--warn-gpu-hours", type=float, default=10_000.0)
-    b.add_argument("--price-per-gpu-hour", type=float, default=None, help="e.g. 2.5 (dollars)")
-    b.add_argument("--gpu-watts", type=float, default=None,
+    b.add_argument("--warn-gpu-hours", type=real(0), default=10_000.0,
+                   help="warn when the budget exceeds this many GPU-hours")
+    b.add_argument("--price-per-gpu-hour", type=real(0, 1e6), default=None,
+                   help="e.g. 2.5 (dollars)")
+    b.add_argument("--gpu-watts", type=real(0, 1e6, open_min=True), default=None,
                    help="mean board power per GPU (e.g. 700 for an H100 SXM at TDP)")
-    b.add_argument("--joules-per-token", type=float, default=None,
+    b.add_argument("--joules-per-token", type=real(0, 1e9, open_min=True), default=None,
                    help="measured energy per token (bench model), all GPUs together")
-    b.add_argument("--grid-gco2-per-kwh", type=float, default=None,
+    b.add_argument("--grid-gco2-per-kwh", type=real(0, 1e5), default=None,
                    help="grid carbon intensity, gCO2e per kWh (e.g. 400)")
-    b.add_argument("--pue", type=float, default=1.0,
+    b.add_argument("--pue", type=real(1, 10), default=1.0,
                    help="data-centre power usage effectiveness (1.0 = GPUs only)")
 
     def mttf_args(q: argparse.ArgumentParser) -> None:
-        q.add_argument("--mttf-h", type=float, default=None, help="MTTF of the whole job, hours")
-        q.add_argument("--gpu-mttf-h", type=float, default=None,
+        q.add_argument("--mttf-h", type=real(0, 1e9, open_min=True), default=None,
+                       help="MTTF of the whole job, hours")
+        q.add_argument("--gpu-mttf-h", type=real(0, 1e12, open_min=True), default=None,
                        help="MTTF of one GPU, hours (e.g. 50000); with --gpus")
-        q.add_argument("--gpus", type=int, default=None)
+        q.add_argument("--gpus", type=count(1, 1 << 24), default=None,
+                       help="GPUs in the job (with --gpu-mttf-h)")
         q.add_argument("--from-run", type=Path, default=None,
                        help="run directory: what a save (and a restart) cost it, measured "
                        "(its goodput ledgers: stall plus the slowdown beside background "
                        "writes)")
 
     i = psub.add_parser("interval", help="Young/Daly checkpoint interval")
-    i.add_argument("--save-min", type=float, default=None,
+    i.add_argument("--save-min", type=real(0, 1e7, open_min=True), default=None,
                    help="what a save costs the run, minutes (or --from-run)")
     mttf_args(i)
 
     g = psub.add_parser("goodput", help="expected goodput under failures (Daly's model)")
-    g.add_argument("--save-s", type=float, default=None,
+    g.add_argument("--save-s", type=real(0, 1e9, open_min=True), default=None,
                    help="what a save costs the run, seconds (or --from-run)")
-    g.add_argument("--restart-s", type=float, default=None,
+    g.add_argument("--restart-s", type=real(0, 1e9), default=None,
                    help="what a restart costs: gap and start-up, seconds (or --from-run)")
-    g.add_argument("--interval-min", type=float, default=None,
+    g.add_argument("--interval-min", type=real(0, 1e9, open_min=True), default=None,
                    help="training time between saves, minutes (default: Daly's optimum)")
     mttf_args(g)
 
@@ -291,7 +300,7 @@ def _budget(args: argparse.Namespace) -> None:
         source = f"bench model {args.from_bench}"
         if jpt is None and args.gpu_watts is None:
             jpt = measured_jpt
-    b = plan_budget(parse_count(args.tokens), rate, args.gpus, margin=args.margin,
+    b = plan_budget(args.tokens, rate, args.gpus, margin=args.margin,
                     warn_gpu_hours=args.warn_gpu_hours)
     print(f"{b.tokens:.3g} tokens at {rate:,.0f} tokens/s per GPU ({source}) on {b.gpus} GPUs")
     print(f"walltime {format_duration(b.walltime_s)} (incl. {b.margin:.0%} margin), "

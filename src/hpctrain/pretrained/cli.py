@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from hpctrain.errors import ConfigError
+from hpctrain.numeric_args import count, real
 
 _SOURCE_HELP = ("a run directory (its latest checkpoint, or --step), a checkpoint directory, "
                 "or hf:DIR (a Hugging Face model folder)")
@@ -43,14 +44,16 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``export hf``."""
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder")
     fmt = p.add_subparsers(dest="export_format", required=True, metavar="FORMAT")
-    h = fmt.add_parser("hf", help="config.json, safetensors shards (+ index), tokenizer files",
+    h = fmt.add_parser("hf", help="config.json, safetensors shards (+ index), and the tokenizer "
+                       "files the model knows",
                        description="Any training layout exports: tensors are read one at a "
                        "time from the DCP shards and streamed into the safetensors files.")
     h.add_argument("source", metavar="RUN", help=_SOURCE_HELP)
-    h.add_argument("--step", type=int, default=None, help="a run's checkpoint at this step")
+    h.add_argument("--step", type=count(0), default=None, help="a run's checkpoint at this step")
     h.add_argument("--out", type=Path, required=True, help="folder to create")
-    h.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16")
-    h.add_argument("--max-shard-gb", type=float, default=5.0,
+    h.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16",
+                   help="dtype of the exported weights")
+    h.add_argument("--max-shard-gb", type=real(0, 1e6, open_min=True), default=5.0,
                    help="largest safetensors file (default 5 GB, as Hugging Face writes)")
     h.set_defaults(handler=_export)
 
@@ -60,17 +63,23 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="continue a prompt with a model (greedy or sampled)",
                        description="Sample from a model with a KV cache, on the CPU or one GPU.")
     p.add_argument("source", metavar="RUN|hf:DIR", help=_SOURCE_HELP)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--step", type=int, default=None, help="a run's checkpoint at this step")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--step", type=count(0), default=None, help="a run's checkpoint at this step")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user turn in the model's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    p.add_argument("--seed", type=int, default=0, help="of the sampling")
+    p.add_argument("--max-new-tokens", type=count(1, 1 << 20), default=64,
+                   help="stop after this many new tokens (or at an end-of-reply token)")
+    p.add_argument("--temperature", type=real(0, 1e3), default=0.0, help="0 (default): greedy")
+    p.add_argument("--top-k", type=count(0, 1 << 31), default=0,
+                   help="keep the k most likely (0: all)")
+    p.add_argument("--top-p", type=real(0, 1, open_min=True), default=1.0,
+                   help="nucleus sampling threshold")
+    p.add_argument("--seed", type=count(0, 2**63 - 1), default=0, help="of the sampling")
     p.add_argument("--tokenizer", default=None,
                    help="a tokenizer.json or model folder, if the model knows none")
+    p.add_argument("--eos-token", default=None, metavar="TOKEN",
+                   help="the token that ends a reply, if neither the tokenizer nor the model "
+                   "(eos_token_id in generation_config.json / config.json) names it")
     _device_args(p)
     p.set_defaults(handler=_generate)
 
@@ -82,14 +91,18 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                        "(only responses, for fine-tuning data). A run's own data settings are "
                        "the defaults.")
     p.add_argument("source", metavar="RUN", help=_SOURCE_HELP)
-    p.add_argument("--step", type=int, default=None, help="a run's checkpoint at this step")
+    p.add_argument("--step", type=count(0), default=None, help="a run's checkpoint at this step")
     p.add_argument("--data", default=None, help="a prepared directory (default: the run's)")
-    p.add_argument("--split", choices=("val", "train", "all"), default="val")
-    p.add_argument("--val-fraction", type=float, default=None,
+    p.add_argument("--split", choices=("val", "train", "all"), default="val",
+                   help="which part of the data to evaluate")
+    p.add_argument("--val-fraction", type=real(0, 1), default=None,
                    help="held-out share of each shard's windows (default: the run's)")
-    p.add_argument("--seq-len", type=int, default=None, help="default: the run's data.seq_len")
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument("--seq-len", type=count(1, 1 << 24), default=None,
+                   help="default: the run's data.seq_len")
+    p.add_argument("--micro-batch", type=count(1, 1 << 20), default=8,
+                   help="samples per forward pass")
+    p.add_argument("--max-samples", type=count(1), default=None,
+                   help="evaluate at most this many samples (default: all)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _device_args(p)
     p.set_defaults(handler=_eval)
@@ -121,7 +134,8 @@ def _import(args: argparse.Namespace) -> None:
 
 
 def _export(args: argparse.Namespace) -> None:
-    from hpctrain.pretrained.export_hf import export_hf
+    from hpctrain.data.tokenizer import TOKENIZER_JSON
+    from hpctrain.pretrained.export_hf import export_hf, missing_tokenizer
     from hpctrain.pretrained.source import resolve_source
 
     if not args.max_shard_gb > 0:
@@ -132,6 +146,8 @@ def _export(args: argparse.Namespace) -> None:
     files = sorted(p.name for p in out.iterdir())
     print(f"{out}: {source.label} as a Hugging Face model ({args.dtype}), "
           f"{time.perf_counter() - t0:.1f}s: {', '.join(files)}")
+    if TOKENIZER_JSON not in files and "tokenizer.model" not in files:
+        print(f"note: no tokenizer files: {missing_tokenizer(source)}")
 
 
 def _device(name: str):
@@ -171,7 +187,7 @@ def _generate(args: argparse.Namespace) -> None:
         if not ok:
             raise ConfigError(f"{flag} {value} is out of range")
     source, model = _load(args)
-    tok = model_tokenizer(source, args.tokenizer)
+    tok = model_tokenizer(source, args.tokenizer, args.eos_token)
     prompt = (chat_prompt(tok.tokenizer, tok.template, args.prompt) if args.chat
               else tok.tokenizer.encode_prompt(args.prompt))
     generator = torch.Generator(device=model.tok_embeddings.weight.device)

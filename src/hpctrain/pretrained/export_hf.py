@@ -2,7 +2,9 @@
 
     DIR/config.json                        the imported model's, or a LlamaForCausalLM config
     DIR/model.safetensors                  or model-0000i-of-0000n.safetensors + the index
-    DIR/tokenizer.json ...                 the tokenizer files the run knows (see source.py)
+    DIR/tokenizer.json ...                 the tokenizer files the model knows (see source.py):
+                                           the imported folder's, or the data tokenizer's;
+                                           none for byte-level tokens (the CLI says so)
 
 Any training layout exports: DCP reads each tensor whole from however many shards the ranks
 wrote, one tensor at a time, which is cast, put back into Hugging Face's q/k row order and
@@ -40,6 +42,10 @@ from hpctrain.runtime.rundir import staged_dir, write_json_atomic
 
 TORCH_NAMES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 DEFAULT_SHARD_BYTES = 5 * 10**9  # Hugging Face's own default shard size
+# Copied beside the data tokenizer's tokenizer.json when it came from a model folder;
+# tokenizer_config.json is written, not copied (the chat template and EOS are merged in).
+_DATA_TOKENIZER_EXTRAS = ("special_tokens_map.json", "generation_config.json",
+                          "tokenizer.model")
 
 
 def export_hf(source: ModelSource, out: Path, dtype: str = "bf16",
@@ -105,7 +111,7 @@ def _copy_tokenizer(source: ModelSource, out: Path) -> dict[str, Any]:
         return {}
     tok = data_tokenizer(source.run) if source.run is not None else None
     if not tok or tok.get("kind") != "hf" or not tok.get("path"):
-        return {}  # byte-level data or none known: no tokenizer files to give
+        return {}  # byte-level data or none known: no tokenizer files (missing_tokenizer says)
     path = Path(tok["path"])
     folder = path if path.is_dir() else path.parent
     loaded = HFTokenizer(str(path), tok.get("eos_token"))
@@ -113,6 +119,10 @@ def _copy_tokenizer(source: ModelSource, out: Path) -> dict[str, Any]:
         raise ConfigError(f"the tokenizer {path} changed since the run's data was prepared",
                           hint="export it by hand, or prepare the data again")
     shutil.copyfile(folder / TOKENIZER_JSON if path.is_dir() else path, out / TOKENIZER_JSON)
+    if path.is_dir():  # a model folder: its other files belong with its tokenizer.json
+        for name in _DATA_TOKENIZER_EXTRAS:
+            if (folder / name).is_file():
+                shutil.copyfile(folder / name, out / name)
     config = dict(loaded.config)
     config.setdefault("eos_token", loaded.eos_token)
     template = template_source(path)
@@ -120,3 +130,15 @@ def _copy_tokenizer(source: ModelSource, out: Path) -> dict[str, Any]:
         config["chat_template"] = template
     write_json_atomic(out / TOKENIZER_CONFIG, config)
     return {"eos_token_id": loaded.eos_id}
+
+
+def missing_tokenizer(source: ModelSource) -> str:
+    """Why an export of ``source`` holds no tokenizer files (the model knows none)."""
+    if source.origin.assets is not None:
+        return f"the model it was imported from ({source.origin.assets}) has no tokenizer files"
+    tok = data_tokenizer(source.run) if source.run is not None else None
+    if tok is not None and tok.get("kind") == "bytes":
+        return ("the model was trained on byte-level tokens (id = UTF-8 byte, EOS 256), which "
+                "have no Hugging Face tokenizer file")
+    return ("the run's data records no tokenizer (it was not prepared with --tokenizer); add "
+            "the tokenizer files to the folder by hand")

@@ -22,7 +22,7 @@ import yaml
 
 from hpctrain.checkpoint.manifest import step_dir_name, step_of
 from hpctrain.data.chat import ChatTemplate, load_template
-from hpctrain.data.tokenizer import TOKENIZER_JSON, ByteTokenizer, HFTokenizer
+from hpctrain.data.tokenizer import TOKENIZER_JSON, ByteTokenizer, HFTokenizer, NoEosToken
 from hpctrain.errors import ConfigError
 from hpctrain.models.init_source import (
     HF_PREFIX,
@@ -134,31 +134,57 @@ class ModelTokenizer:
     stop_ids: set[int]
 
 
-def model_tokenizer(source: ModelSource, override: str | None = None) -> ModelTokenizer:
-    """The tokenizer of ``source`` (or the tokenizer.json / model folder ``override``)."""
+def model_tokenizer(source: ModelSource, override: str | None = None,
+                    eos_token: str | None = None) -> ModelTokenizer:
+    """The tokenizer of ``source`` (or the tokenizer.json / model folder ``override``); its
+    EOS is ``eos_token``, else the tokenizer's own, else the model's ``eos_token_id``."""
     gen_config: Path | None = None
-    if override is not None:
-        path = override.removeprefix(HF_PREFIX)
-        tok, where = HFTokenizer(path), path
-    elif source.origin.assets is not None and (source.origin.assets / TOKENIZER_JSON).is_file():
-        where = str(source.origin.assets)
-        tok = HFTokenizer(where)
+    if override is None and source.origin.assets is not None \
+            and (source.origin.assets / TOKENIZER_JSON).is_file():
         gen_config = source.origin.assets / "generation_config.json"
-    else:
-        recorded = data_tokenizer(source.run) if source.run is not None else None
-        if recorded is None:
-            raise ConfigError(f"{source.label} knows no tokenizer (no tokenizer.json with its "
-                              "weights, no prepared data in its run)",
-                              hint="name one with --tokenizer PATH")
-        if recorded.get("kind") == "bytes":
-            return ModelTokenizer(ByteTokenizer(), None, {ByteTokenizer.eos_id})
-        where = str(recorded.get("path"))
-        tok = HFTokenizer(where, recorded.get("eos_token"))
-    stop = {tok.eos_id}
-    if gen_config is not None and gen_config.is_file():
-        try:
-            eos = json.loads(gen_config.read_text(encoding="utf-8")).get("eos_token_id")
-        except (OSError, ValueError, AttributeError):
-            eos = None
-        stop |= {i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int)}
-    return ModelTokenizer(tok, load_template(tok, where), stop)
+    model_eos = model_eos_ids(gen_config, source.origin.hf_config)
+    first = model_eos[0] if model_eos else None
+    try:
+        if override is not None:
+            path = override.removeprefix(HF_PREFIX)
+            tok, where = HFTokenizer(path, eos_token, first), path
+        elif gen_config is not None:
+            where = str(source.origin.assets)
+            tok = HFTokenizer(where, eos_token, first)
+        else:
+            recorded = data_tokenizer(source.run) if source.run is not None else None
+            if recorded is None:
+                raise ConfigError(f"{source.label} knows no tokenizer (no tokenizer.json with "
+                                  "its weights, no prepared data in its run)",
+                                  hint="name one with --tokenizer PATH")
+            if recorded.get("kind") == "bytes":
+                return ModelTokenizer(ByteTokenizer(), None, {ByteTokenizer.eos_id})
+            where = str(recorded.get("path"))
+            tok = HFTokenizer(where, eos_token or recorded.get("eos_token"), first)
+    except NoEosToken as e:
+        raise NoEosToken(e.what, hint="the model names no eos_token_id (generation_config.json "
+                         "or config.json) that the tokenizer has; pass --eos-token TOKEN, "
+                         "or --tokenizer PATH with one that names its EOS") from None
+    return ModelTokenizer(tok, load_template(tok, where), {tok.eos_id, *model_eos})
+
+
+def model_eos_ids(gen_config: Path | None, hf_config: dict[str, Any] | None) -> list[int]:
+    """The model's own ``eos_token_id`` (an int or a list): its generation_config.json's, else
+    its config.json's; [] when neither names one."""
+    for raw in (_json_object(gen_config), hf_config or {}):
+        eos = raw.get("eos_token_id")
+        ids = [i for i in (eos if isinstance(eos, list) else [eos])
+               if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31]
+        if ids:
+            return ids
+    return []
+
+
+def _json_object(path: Path | None) -> dict[str, Any]:
+    if path is None or not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) else {}

@@ -100,12 +100,13 @@ def load_model(src: InitSource, device: torch.device | str = "cpu",
                args: ModelArgs | None = None) -> Transformer:
     """A whole model in one process with ``src``'s weights, in fp32, in eval mode."""
     args = args or source_origin(src).args
+    # Checked against the files before the model is allocated from config.json's sizes.
+    reader = HFWeights(src.path, args) if src.kind == "hf" else None
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=device)
     model.init_buffers()
-    if src.kind == "hf":
-        reader = HFWeights(src.path, args)
+    if reader is not None:
         load_weights(model, reader.read)
         reader.close()
     else:

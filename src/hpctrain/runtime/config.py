@@ -47,14 +47,18 @@ class RunConfig:
             )
 
 
+class TooLargeForCPU(ConfigError):
+    """A GPU-sized model would land on the CPU (run.device=auto, no GPU visible)."""
+
+
 def refuse_large_model_on_cpu(n_params: int, *, model: str, force: str) -> None:
-    """Raise ConfigError for a model above CPU_AUTO_MAX_PARAMS that would land on the CPU."""
+    """Raise TooLargeForCPU for a model above CPU_AUTO_MAX_PARAMS that would land on the CPU."""
     if n_params <= CPU_AUTO_MAX_PARAMS:
         return
     # fp32 weights + gradients + AdamW's two moments, before any activation.
     state_gb = n_params * 16 / 1e9
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
-    raise ConfigError(
+    raise TooLargeForCPU(
         f"{model} has {n_params / 1e9:.2f}B parameters and no GPU is visible: it would train on "
         f"the CPU, needing ~{state_gb:.0f} GB for weights, gradients and optimizer state alone",
         expected=f"a GPU, or at most {CPU_AUTO_MAX_PARAMS / 1e6:.0f}M parameters on the CPU",

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from hpctrain.runtime.redact import SECRET_WORDS, redact_argv
+from hpctrain.runtime.redact import SECRET_WORDS, redact_argv, redact_text
 from hpctrain.runtime.rundir import RunDir, write_json_atomic
+from hpctrain.runtime.safe_open import make_dir, write_atomic
 
 _ENV_ALLOW = (
     "CUDA_VISIBLE_DEVICES",
@@ -56,12 +57,11 @@ def collect_provenance(hosts: list[str]) -> dict[str, Any]:
 
 def write_provenance(run_dir: RunDir, info: dict[str, Any]) -> None:
     """Write provenance/provenance.json and provenance/packages.txt (one `name==version` a line)."""
-    run_dir.provenance_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(run_dir.provenance_dir)
     write_json_atomic(run_dir.provenance_dir / "provenance.json", info)
     packages = info.get("packages", [])
-    (run_dir.provenance_dir / "packages.txt").write_text(
-        "".join(f"{line}\n" for line in packages), encoding="utf-8"
-    )
+    write_atomic(run_dir.provenance_dir / "packages.txt",
+                 "".join(f"{line}\n" for line in packages).encode("utf-8"))
 
 
 def _git(*args: str) -> str | None:
@@ -115,4 +115,6 @@ def _allowed_env(environ: Mapping[str, str]) -> dict[str, str]:
         for name, value in environ.items()
         if name in _ENV_ALLOW or name.startswith(_ENV_ALLOW_PREFIX)
     }
-    return {name: allowed[name] for name in sorted(allowed) if not SECRET_WORDS.search(name)}
+    # A value can still hold a URI with a password (NCCL_..._URL=https://u:p@host).
+    return {name: redact_text(allowed[name]) for name in sorted(allowed)
+            if not SECRET_WORDS.search(name)}

@@ -8,17 +8,23 @@ runs/llama-123456/
   provenance/             provenance.json, packages.txt
   exit_info.json          why and how the run ended (written atomically)
   run.lock                held by the run while it runs (see runlock.py)
+
+Every file in it is opened through ``safe_open.py`` (no link is followed), and a run refuses a
+run directory whose entries are links or not the kind of file it writes there (`check_run_dir`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fnmatch
 import json
 import math
 import os
+import secrets
 import shutil
 import socket
-import tempfile
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,11 +32,27 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from hpctrain.errors import ConfigError
 from hpctrain.runtime.env import ProcessEnv
-from hpctrain.runtime.runlock import LOCK_NAME, JobAttempt, acquire
+from hpctrain.runtime.exit_info import exit_info_or_none
+from hpctrain.runtime.runlock import LOCK_NAME, TAKEOVER_SUFFIX, JobAttempt, acquire
+from hpctrain.runtime.safe_open import UnsafeRunPath, make_dir, read_bytes, refuse, write_atomic
 
 # The checkpoint manager's pointer, moved only after a checkpoint is committed.
 LATEST_POINTER = "latest"
+
+# What runtime/, observe/, checkpoint/, train/ and launch/ write at fixed names in a run
+# directory (paths relative to it; patterns as in fnmatch). A link at any name is refused; these
+# must moreover be folders, or regular files.
+_FOLDERS = ("config", "logs", "metrics", "checkpoints", "provenance", "goodput", "profiles",
+            "forensics", "tensorboard", "mlruns", "logs/launcher", "checkpoints/step-*",
+            "profiles/step-*")
+_FILES = ("exit_info.json", "goodput.json", LOCK_NAME, LOCK_NAME + TAKEOVER_SUFFIX,
+          "config/*.yaml", "config/source.*", "logs/rank-*.log", "metrics/rank-*.jsonl",
+          f"checkpoints/{LATEST_POINTER}", "provenance/*", "goodput/attempt-*.json",
+          "forensics/*.json", "profiles/*.pickle", "report.html")
+# Deep enough for every fixed name (checkpoints/step-N/<file> is 3 levels down).
+_CHECK_DEPTH = 3
 
 
 def run_name(base: str, env: ProcessEnv) -> str:
@@ -85,8 +107,9 @@ class RunDir:
     def latest_checkpoint(self) -> str | None:
         """The name of the last committed checkpoint (``checkpoints/latest``), if any."""
         try:
-            return (self.checkpoints_dir / LATEST_POINTER).read_text().strip() or None
-        except (OSError, UnicodeDecodeError):
+            raw = read_bytes(self.checkpoints_dir / LATEST_POINTER)
+            return raw.decode().strip() or None
+        except (OSError, UnicodeDecodeError, UnsafeRunPath):
             return None
 
     def committed_checkpoints(self) -> list[Path]:
@@ -104,7 +127,7 @@ class RunDir:
         return self.metrics_dir / f"rank-{rank:03d}.jsonl"
 
     def create(self) -> None:
-        """Create all folders; safe when every rank calls it at the same time."""
+        """Create all folders (a link at one is refused); safe when every rank calls it at once."""
         for folder in (
             self.config_dir,
             self.logs_dir,
@@ -113,7 +136,7 @@ class RunDir:
             self.provenance_dir,
         ):
             # exist_ok makes the race between ranks harmless: whoever loses finds it there.
-            folder.mkdir(parents=True, exist_ok=True)
+            make_dir(folder)
 
     def write_exit_info(
         self,
@@ -143,13 +166,121 @@ class RunDir:
         The first failure of an attempt is the cause; the ones that follow (peers losing their
         connection to a dead or hung rank) must not overwrite its account.
         """
-        try:
-            info = json.loads(self.exit_info_path.read_text())
-        except (OSError, ValueError):
+        info = exit_info_or_none(self.exit_info_path)  # damaged: no account to keep
+        if info is None or info["exit_code"] == 0:
             return None
-        if not isinstance(info, dict) or info.get("exit_code") == 0:
-            return None
-        return info if info.get("timestamp", 0) >= since else None
+        return info if info["timestamp"] >= since else None
+
+
+def check_run_dir(root: Path) -> list[str]:
+    """Refuse (UnsafeRunPath) a run directory holding a link, or a fixed name of another kind;
+    return warnings for one that others can write (empty when all is well or it is new)."""
+    root = Path(root)
+    try:
+        st = os.lstat(root)
+    except OSError as e:
+        if e.errno not in (errno.ENOENT, errno.ENAMETOOLONG):  # the latter: check_can_write
+            raise
+        return _writable_warnings(root.parent, parent=True)
+    # A link as the run directory itself is the user's own business (e.g. into scratch space).
+    if not stat.S_ISDIR(st.st_mode) and not (stat.S_ISLNK(st.st_mode) and root.is_dir()):
+        raise refuse(root, "not a folder")
+    _check_entries(root, root, 1)
+    return _writable_warnings(root, parent=False) + _writable_warnings(root.parent, parent=True)
+
+
+def check_can_write(root: Path) -> None:
+    """Refuse (ConfigError) a run directory whose name the file system cannot hold, or that
+    (or its checkpoint folder) this process cannot write: found before the first step, not
+    at the first save after the steps were trained. Writes nothing that it leaves behind."""
+    root = Path(root)
+    existing = root
+    while not _exists(existing) and existing != existing.parent:
+        existing = existing.parent
+    try:
+        limit = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    hint = "choose another run.out_dir or run.name, or fix the folder's permissions (ls -ld)"
+    for part in root.relative_to(existing).parts if root != existing else ():
+        if len(os.fsencode(part)) > limit:
+            raise ConfigError(
+                f"the run directory name {part[:60]!r}... is {len(os.fsencode(part))} bytes",
+                expected=f"at most {limit} bytes per name on the file system of {existing}",
+                hint="choose a shorter run.name (under Slurm the job id is appended to it)")
+    if existing != root:
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"cannot create {root}: {existing} is not writable",
+                              expected="an output folder this user can write", hint=hint)
+        return
+    for folder in (root, root / "checkpoints"):
+        if folder.is_dir():
+            _probe_write(folder, hint)
+
+
+def _exists(path: Path) -> bool:
+    """Whether ``path`` exists; a name too long to look up does not (Path.exists raises)."""
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:
+            return False
+        raise
+    return True
+
+
+def _probe_write(folder: Path, hint: str) -> None:
+    """Create and remove a file in ``folder``; ConfigError (with the OS's reason) if refused."""
+    probe = folder / f".write-probe-{secrets.token_hex(6)}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    except OSError as e:
+        raise ConfigError(f"{folder} is not writable ({e.strerror})",
+                          expected="a run directory and checkpoint folder this user can write",
+                          hint=hint) from None
+    probe.unlink()
+
+
+def _check_entries(root: Path, folder: Path, depth: int) -> None:
+    for entry in os.scandir(folder):
+        path = Path(entry.path)
+        rel = path.relative_to(root).parts
+        st = entry.stat(follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            raise refuse(path, "a symbolic link")
+        is_dir = stat.S_ISDIR(st.st_mode)
+        if not (is_dir or stat.S_ISREG(st.st_mode)):
+            raise refuse(path, "not a regular file")
+        if is_dir and _matches(rel, _FILES):
+            raise refuse(path, "a folder")
+        if not is_dir and _matches(rel, _FOLDERS):
+            raise refuse(path, "not a folder")
+        if is_dir and depth < _CHECK_DEPTH:
+            _check_entries(root, path, depth + 1)
+
+
+def _matches(parts: tuple[str, ...], patterns: tuple[str, ...]) -> bool:
+    """Whether a relative path matches one of ``patterns``, part by part (``*`` stops at /)."""
+    return any(len(p := pattern.split("/")) == len(parts)
+               and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, p, strict=True))
+               for pattern in patterns)
+
+
+def _writable_warnings(folder: Path, *, parent: bool) -> list[str]:
+    """A warning when others than its owner can write ``folder`` (a sticky parent is fine)."""
+    try:
+        mode = os.stat(folder).st_mode
+    except OSError:
+        return []
+    if not mode & (stat.S_IWGRP | stat.S_IWOTH) or (parent and mode & stat.S_ISVTX):
+        return []
+    who = "group and others" if mode & stat.S_IWOTH else "its group"
+    what = "the folder holding the run directory" if parent else "the run directory"
+    return [f"warning: {what} {folder} is writable by {who}: they can plant links and files "
+            f"in it (hpctrain refuses those it finds); `chmod go-w {folder}` unless you share "
+            "it on purpose"]
 
 
 def archive_run(root: Path, attempt: JobAttempt | None = None) -> Path | None:
@@ -196,20 +327,8 @@ def json_safe(value: Any) -> Any:
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write `obj` as JSON to `path` so readers see the old file or the new one, never half."""
-    path = Path(path)
     text = json.dumps(json_safe(obj), indent=2, allow_nan=False) + "\n"
-    # The temp file must be in the same folder: os.replace is atomic only within one filesystem.
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as tmp:
-            tmp.write(text)
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    write_atomic(Path(path), text.encode("utf-8"))
 
 
 @contextlib.contextmanager

@@ -9,12 +9,19 @@ Two runs writing one run directory interleave metrics and checkpoints, so a run 
 - a daemon thread refreshes its mtime every ``HEARTBEAT_S`` (the heartbeat);
 - a lock is stale when its holder is an earlier attempt of the same job (a requeue or a
   restart: Slurm and torchrun stop the old processes first), when it is on this host and its
-  process is gone, or when it is on another host and its heartbeat is older than ``STALE_S``;
+  process is gone (and, for the local launcher, its ranks stopped heartbeating too), or when
+  it is on another host and its heartbeat is older than ``STALE_S`` by our own clock (a
+  heartbeat from the future counts as old as far ahead as it is);
+- every field read back is checked (types, ranges, a start time not in the future): a lock
+  that fails is "invalid", held while its file changes and stale ``STALE_S`` after it stopped;
+- the file is never read or touched through a link, and a folder at its name is refused;
 - taking over a stale lock goes through a second ``O_EXCL`` file, ``run.lock.takeover``: of
   several processes that find the same stale lock, exactly one replaces it.
 
 The local launcher holds the lock across ``--max-restarts`` and hands its token to the ranks in
-``HPCTRAIN_RUN_LOCK``; a rank with that token checks that the lock is still its launcher's.
+``HPCTRAIN_RUN_LOCK``; a rank with that token checks that the lock is still its launcher's and
+heartbeats it too (`follow`): a launcher killed with -9 leaves the lock held for as long as any
+of its ranks runs.
 
     lock = acquire(Path("runs/demo"))      # RunLockedError (exit 2) when another run holds it
     try: ...
@@ -26,8 +33,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -42,6 +51,7 @@ import psutil
 
 from hpctrain.errors import HpctrainError
 from hpctrain.runtime.redact import redact_argv
+from hpctrain.runtime.safe_open import UnsafeRunPath, read_bytes, refuse
 
 log = logging.getLogger("hpctrain.runlock")
 
@@ -55,6 +65,13 @@ STALE_S = 120.0
 # A takeover takes milliseconds; its mutex is abandoned only if its owner died inside it.
 TAKEOVER_STALE_S = 30.0
 _ATTEMPTS = 50
+# The ranks of the local launcher heartbeat its lock more often: once its process is gone, the
+# lock is stale as soon as they have stopped too (they die with it, see runtime/orphans.py).
+RANK_HEARTBEAT_S = 2.0
+RANK_STALE_S = 3 * RANK_HEARTBEAT_S
+# Marks a holder whose fields failed the check, with the reason (never written to a lock).
+INVALID = "invalid"
+_PID_MAX = 2**31 - 1
 
 
 class RunLockedError(HpctrainError):
@@ -85,12 +102,14 @@ def current_attempt(environ: Mapping[str, str] | None = None) -> JobAttempt:
 
 
 class RunLock:
-    """A held lock: keeps its heartbeat going until `release`."""
+    """A held lock: keeps its heartbeat going until `release` (``owner``: removes it then)."""
 
-    def __init__(self, path: Path, info: dict[str, Any], heartbeat_s: float = HEARTBEAT_S):
+    def __init__(self, path: Path, info: dict[str, Any], heartbeat_s: float = HEARTBEAT_S, *,
+                 owner: bool = True):
         self.path = path
         self.info = info
         self.token: str = info["token"]
+        self.owner = owner
         # Why a stale lock was replaced to get this one (for the run's log), else None.
         self.took_over: str | None = None
         self._stop = threading.Event()
@@ -105,8 +124,8 @@ class RunLock:
                 log.error("run lock %s was taken by %s: two runs may now write this directory",
                           self.path, describe(holder) if holder else "nobody (removed)")
                 return
-            with contextlib.suppress(OSError):
-                os.utime(self.path)
+            with contextlib.suppress(OSError, NotImplementedError):
+                os.utime(self.path, follow_symlinks=False)
 
     def stop(self) -> None:
         """Stop the heartbeat; the lock file stays (e.g. to move the run directory with it)."""
@@ -116,19 +135,25 @@ class RunLock:
         """Stop the heartbeat and remove the lock file if it is still ours (idempotent)."""
         self.stop()
         holder = _read(self.path)
-        if holder is not None and holder.get("token") == self.token:
+        if self.owner and holder is not None and holder.get("token") == self.token:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
 
 
 def acquire(root: Path, attempt: JobAttempt | None = None, *, stale_s: float = STALE_S,
-            heartbeat_s: float = HEARTBEAT_S) -> RunLock:
-    """Take the lock of run directory ``root`` (created if missing) or raise RunLockedError."""
+            heartbeat_s: float = HEARTBEAT_S, ranks: bool = False) -> RunLock:
+    """Take the lock of run directory ``root`` (created if missing) or raise RunLockedError.
+
+    ``ranks``: the caller is the local launcher, whose ranks `follow` the lock.
+    """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     path = root / LOCK_NAME
     attempt = attempt or current_attempt()
-    info = _new_info(attempt)
+    info = _new_info(attempt, ranks)
+    # The ranks of a launcher that was just killed die with it within a heartbeat or two:
+    # a rerun right after waits for that rather than failing.
+    orphans_deadline = time.monotonic() + 2 * RANK_STALE_S
     for _ in range(_ATTEMPTS):
         if _create(path, info):
             return RunLock(path, info, heartbeat_s)
@@ -136,6 +161,9 @@ def acquire(root: Path, attempt: JobAttempt | None = None, *, stale_s: float = S
         if key is None:
             continue  # released between our create and our read: try again
         why = stale_reason(holder, age, attempt, stale_s)
+        if why is None and _ranks_only(holder) and time.monotonic() < orphans_deadline:
+            time.sleep(RANK_STALE_S / 10)  # 20 looks at most, within _ATTEMPTS
+            continue
         if why is None:
             raise _locked_error(root, path, holder, age)
         if _take_over(path, key, info):
@@ -145,6 +173,14 @@ def acquire(root: Path, attempt: JobAttempt | None = None, *, stale_s: float = S
             return lock
     holder, _, age = _inspect(path)
     raise _locked_error(root, path, holder, age)
+
+
+def follow(root: Path, token: str, heartbeat_s: float | None = None) -> RunLock:
+    """As a rank of the local launcher: check its lock (`check_held`) and heartbeat it until
+    `release`, which leaves the file to the launcher."""
+    check_held(root, token)
+    return RunLock(Path(root) / LOCK_NAME, {"token": token},
+                   RANK_HEARTBEAT_S if heartbeat_s is None else heartbeat_s, owner=False)
 
 
 def check_held(root: Path, token: str) -> None:
@@ -162,25 +198,39 @@ def check_held(root: Path, token: str) -> None:
 def stale_reason(holder: dict[str, Any] | None, age: float, attempt: JobAttempt,
                  stale_s: float = STALE_S) -> str | None:
     """Why a lock whose file was last touched ``age`` seconds ago is stale, or None if held."""
-    if holder is None:
+    if holder is None or INVALID in holder:
         # Created but never written: its creator died in between (or is writing right now).
-        return f"unreadable lock file untouched for {age:.0f} s" if age > stale_s else None
+        # An invalid one may be a live run of another version: wait for it to stop changing.
+        what = f"invalid lock file ({holder[INVALID]})" if holder else "unreadable lock file"
+        return f"{what} untouched for {age:.0f} s" if age > stale_s else None
     job = holder.get("job")
     if job is not None and job == attempt.job:
         previous = tuple(holder.get("attempt") or (0, 0))
         if attempt.attempt > previous:
             return f"it was taken by an earlier attempt {list(previous)} of job {job}"
     if holder.get("host") == socket.gethostname():
-        if not _alive(holder.get("pid"), holder.get("started")):
-            return f"process {holder.get('pid')} on this host is gone"
-        return None
+        if _alive(holder["pid"], holder["started"]) or _ranks_only(holder, age):
+            return None
+        ranks = " and its ranks stopped" if holder.get("ranks") else ""
+        return f"process {holder['pid']} on this host is gone{ranks}"
     if age > stale_s:
         return f"no heartbeat for {age:.0f} s (more than {stale_s:.0f} s)"
     return None
 
 
+def _ranks_only(holder: dict[str, Any] | None, age: float | None = None) -> bool:
+    """Whether only the ranks of a gone local launcher (on this host) keep the lock fresh."""
+    if not (holder and holder.get("ranks") and INVALID not in holder
+            and holder.get("host") == socket.gethostname()
+            and not _alive(holder["pid"], holder["started"])):
+        return False
+    return age is None or age <= RANK_STALE_S
+
+
 def describe(holder: dict[str, Any]) -> str:
     """Host, pid, start time and job of a lock's holder, for messages."""
+    if INVALID in holder:
+        return f"an invalid lock file ({holder[INVALID]})"
     started = holder.get("started")
     when = (datetime.fromtimestamp(started, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
             if isinstance(started, int | float) else "unknown time")
@@ -193,6 +243,19 @@ def describe(holder: dict[str, Any]) -> str:
 def _locked_error(root: Path, path: Path, holder: dict[str, Any] | None,
                   age: float) -> RunLockedError:
     who = describe(holder) if holder else "a run whose lock file is still being written"
+    if holder and INVALID in holder:
+        return RunLockedError(
+            f"run directory {root} holds {who}, changed {age:.0f} s ago",
+            expected="a lock file written by hpctrain",
+            hint=f"it is taken as stale once untouched for {STALE_S:.0f} s (a live run of "
+            f"another hpctrain version keeps touching it); or delete {path}")
+    if _ranks_only(holder, age):
+        return RunLockedError(
+            f"run directory {root} is in use: the launcher ({describe(holder)}) is gone but "
+            f"its ranks still heartbeat the lock ({age:.0f} s ago)",
+            expected="one run per run directory",
+            hint=f"stop those ranks (processes with {TOKEN_ENV}={holder['token']} in their "
+            "environment); the lock is stale once they are gone")
     return RunLockedError(
         f"run directory {root} is in use by another run: {who} (last heartbeat {age:.0f} s ago)",
         expected="one run per run directory",
@@ -200,12 +263,12 @@ def _locked_error(root: Path, path: Path, holder: dict[str, Any] | None,
         f"host, its lock turns stale {STALE_S:.0f} s after its last heartbeat (or delete {path})")
 
 
-def _new_info(attempt: JobAttempt) -> dict[str, Any]:
+def _new_info(attempt: JobAttempt, ranks: bool = False) -> dict[str, Any]:
     now = time.time()
     return {"host": socket.gethostname(), "pid": os.getpid(), "started": now,
             "started_utc": datetime.fromtimestamp(now, tz=timezone.utc).isoformat(),
             "job": attempt.job, "attempt": list(attempt.attempt),
-            "token": uuid.uuid4().hex,
+            "token": uuid.uuid4().hex, "ranks": ranks,
             # The file is world-readable: no secret from the command line goes into it.
             "command": " ".join(redact_argv(sys.argv))[:1000]}
 
@@ -213,7 +276,7 @@ def _new_info(attempt: JobAttempt) -> dict[str, Any]:
 def _create(path: Path, info: dict[str, Any]) -> bool:
     """Create ``path`` holding ``info`` if it does not exist; False if it does."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     except FileExistsError:
         return False
     try:
@@ -229,24 +292,70 @@ def _create(path: Path, info: dict[str, Any]) -> bool:
 
 
 def _read(path: Path) -> dict[str, Any] | None:
-    """The holder in a lock file, or None if it is missing or unreadable."""
+    """The holder in a lock file (with ``INVALID`` if a field fails its check), or None if it
+    is missing, unreadable or a link."""
     try:
-        holder = json.loads(path.read_text())
-    except (OSError, ValueError):
+        holder = json.loads(read_bytes(path))
+    except (OSError, ValueError, UnsafeRunPath):
         return None
-    return holder if isinstance(holder, dict) else None
+    if not isinstance(holder, dict):
+        return None
+    why = _invalid(holder)
+    return holder if why is None else {INVALID: why, "token": None}
+
+
+def _invalid(holder: dict[str, Any]) -> str | None:
+    """Why a holder read back from a lock file cannot be trusted, or None."""
+    def whole(v: Any, low: int, high: int) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
+
+    pid, started, attempt = holder.get("pid"), holder.get("started"), holder.get("attempt")
+    if not (isinstance(holder.get("host"), str) and 0 < len(holder["host"]) <= 255):
+        return f"host {_show(holder.get('host'))} is not a host name"
+    if not whole(pid, 1, _PID_MAX):
+        return f"pid {_show(pid)} is not a process id"
+    # Our own clock judges: a start in the future (beyond another host's clock skew) is made up.
+    if not (isinstance(started, int | float) and not isinstance(started, bool)
+            and math.isfinite(started) and 0 <= started <= time.time() + STALE_S):
+        return f"start time {_show(started)} is not a time up to now"
+    if holder.get("host") == socket.gethostname() and started > time.time() + 1:
+        return f"start time {_show(started)} is in this host's future"
+    if not (isinstance(attempt, list) and len(attempt) == 2
+            and all(whole(a, 0, _PID_MAX) for a in attempt)):
+        return f"attempt {_show(attempt)} is not two restart counts"
+    if not (holder.get("job") is None or isinstance(holder["job"], str)):
+        return f"job {_show(holder['job'])} is not a job id"
+    if not (isinstance(holder.get("token"), str) and holder["token"]):
+        return f"token {_show(holder.get('token'))} is not a token"
+    if not isinstance(holder.get("ranks", False), bool):
+        return f"ranks {_show(holder['ranks'])} is not true or false"
+    return None
+
+
+def _show(value: Any) -> str:
+    """A value from the file for a message: repr, bounded (it may be anything)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _inspect(path: Path) -> tuple[dict[str, Any] | None, tuple | None, float]:
-    """(holder, identity of this very file, seconds since its last heartbeat); key None if gone."""
+    """(holder, identity of this very file, seconds since its last heartbeat); key None if gone.
+
+    The age is the distance to our clock either way: a heartbeat in the future is no sign of
+    life (only a skew within ``STALE_S`` is forgiven). UnsafeRunPath if it is not a file.
+    """
     try:
-        st = path.stat()
+        st = os.lstat(path)
     except FileNotFoundError:
         return None, None, 0.0
+    if stat.S_ISLNK(st.st_mode):
+        raise refuse(path, "a symbolic link")
+    if not stat.S_ISREG(st.st_mode):
+        raise refuse(path, "not a regular file")
     holder = _read(path)
     token = holder.get("token") if holder else None
     # The token tells two lock files apart; inode and size do for one not (yet) written.
-    return holder, (token, st.st_ino, st.st_size), max(0.0, time.time() - st.st_mtime)
+    return holder, (token, st.st_ino, st.st_size), abs(time.time() - st.st_mtime)
 
 
 def _take_over(path: Path, stale_key: tuple, info: dict[str, Any]) -> bool:
@@ -281,7 +390,7 @@ def _alive(pid: Any, started: Any) -> bool:
         return False
     try:
         created = psutil.Process(pid).create_time()
-    except psutil.NoSuchProcess:
+    except (psutil.NoSuchProcess, OverflowError, ValueError):
         return False
     except psutil.Error:
         return True  # exists, but we may not look at it

@@ -17,7 +17,6 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from numbers import Real
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,9 +28,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hpctrain.checkpoint.manager import CheckpointManager
-from hpctrain.checkpoint.manifest import MANIFEST, DamagedCheckpoint, is_int
+from hpctrain.checkpoint.manifest import MANIFEST, DamagedCheckpoint
 from hpctrain.config import JobConfig, to_dict
 from hpctrain.errors import ConfigError
+from hpctrain.records import MAX_COUNT, BadRecord, Bool, Int, List, Real, Record, Str, shown
 
 log = logging.getLogger("hpctrain.train")
 
@@ -124,56 +124,77 @@ def meta_state(s: TrainState, cfg: JobConfig, *, step: int, world_size: int) -> 
     }
 
 
-def _numbers(value: object, n: int) -> bool:
-    return (isinstance(value, list) and len(value) == n
-            and all(isinstance(v, Real) and not isinstance(v, bool) for v in value))
+# The trainer's part of a manifest (read_manifest has checked step, files and format).
+# Learning rates and loss scales are finite and non-negative; counts fit MAX_COUNT.
+_LRS = List(Real(0.0), max_len=10_000, optional=True)
+_META = Record({
+    "world_size": Int(1, 1 << 24),
+    "tokens_seen": Int(),
+    "strategy": Str(64),
+    "model_hash": Str(64),
+    "config_hash": Str(64),
+    "optim_layout": Str(choices=(OPTIM_LAYOUT,), optional=True, nullable=True),
+    "saved_at": Real(0.0, optional=True),
+    "scheduler": Record({"last_epoch": Int(), "base_lrs": _LRS, "_last_lr": _LRS,
+                         "_step_count": Int(optional=True), "_is_initial": Bool(optional=True),
+                         "_get_lr_called_within_step": Bool(optional=True),
+                         "lr_lambdas": List(Record({}, nullable=True), max_len=10_000,
+                                            optional=True)}),
+    "loader": Record({"step": Int(), "global_batch": Int(1), "seed": Int(0, 2**64 - 1),
+                      "shuffle_window": Int(1, optional=True)}),
+    # Empty for a disabled scaler; which keys this run needs is checked below.
+    "scaler": Record({"scale": Real(0.0, optional=True),
+                      "growth_factor": Real(0.0, optional=True),
+                      "backoff_factor": Real(0.0, optional=True),
+                      "growth_interval": Int(1, optional=True),
+                      "_growth_tracker": Int(optional=True)}, nullable=True),
+})
 
 
 def check_meta(s: TrainState, path: Path, manifest: dict[str, Any], cfg: JobConfig) -> None:
-    """Refuse a manifest whose values are malformed or inconsistent (DamagedCheckpoint), or
-    that was saved for another model shape (ConfigError: the checkpoint is fine, the config
-    is not)."""
+    """Refuse a manifest whose values are malformed, out of range or inconsistent
+    (DamagedCheckpoint), or that was saved for another model shape (ConfigError: the
+    checkpoint is fine, the config is not)."""
     where = path / MANIFEST
     step = manifest["step"]  # an integer matching the folder name: read_manifest checked it
 
     def damaged(what: str) -> DamagedCheckpoint:
         return DamagedCheckpoint(f"{where}: {what}")
 
-    for key, ok, expected in (
-        ("world_size", is_int(manifest.get("world_size"), 1), "a rank count"),
-        ("tokens_seen", is_int(manifest.get("tokens_seen")), "a token count"),
-        ("strategy", isinstance(manifest.get("strategy"), str), "a strategy name"),
-        ("model_hash", isinstance(manifest.get("model_hash"), str), "a hash"),
-        ("config_hash", isinstance(manifest.get("config_hash"), str), "a hash"),
-        ("scaler", isinstance(manifest.get("scaler"), dict | None), "the loss scaler's state"),
-    ):
-        if not ok:
-            raise damaged(f"{key} = {manifest.get(key)!r} is not {expected}")
-    if manifest.get("optim_layout") not in _OPTIONS:
-        raise damaged(f"optim_layout = {manifest.get('optim_layout')!r} is not one this version "
-                      f"reads ({OPTIM_LAYOUT!r}, or none for hpctrain 0.1.0)")
-    scheduler = manifest.get("scheduler")
+    try:
+        _META.check(manifest, where)
+    except BadRecord as e:
+        raise DamagedCheckpoint(e.what, expected=e.expected) from None
+    scheduler = manifest["scheduler"]
     groups = len(s.optimizer.param_groups)
-    if not (isinstance(scheduler, dict) and is_int(scheduler.get("last_epoch"))
-            and all(_numbers(scheduler[k], groups) for k in ("base_lrs", "_last_lr")
-                    if k in scheduler)):
-        raise damaged(f"scheduler = {scheduler!r} is not the state of this run's LR schedule")
+    for key in ("base_lrs", "_last_lr"):
+        if key in scheduler and len(scheduler[key]) != groups:
+            raise damaged(f"scheduler.{key} holds {len(scheduler[key])} learning rates, this "
+                          f"run's optimizer has {groups} parameter groups")
+    # LambdaLR puts each saved lr_lambda's dict into the attributes of the live one: only
+    # what this run's schedule itself saves (None for plain functions) is accepted.
+    mine = s.scheduler.state_dict().get("lr_lambdas")
+    if "lr_lambdas" in scheduler and scheduler["lr_lambdas"] != mine:
+        raise damaged(f"scheduler.lr_lambdas = {shown(scheduler['lr_lambdas'])} is not what "
+                      f"this run's LR schedule saves ({shown(mine)})")
     # The schedule steps once per optimizer step, and a rollback restores both together.
     if scheduler["last_epoch"] != step:
         raise damaged(f"the LR schedule is at step {scheduler['last_epoch']}, the checkpoint "
                       f"at step {step}")
-    loader = manifest.get("loader")
-    if not (isinstance(loader, dict) and all(
-            is_int(loader.get(k)) for k in ("step", "global_batch", "seed"))):
-        raise damaged(f"loader = {loader!r} is not a data position")
+    loader = manifest["loader"]
     # Each step consumes one batch; a rollback skips batches, so the data may be ahead, but
     # never behind.
     if loader["step"] < step:
         raise damaged(f"the data position ({loader['step']} batches) is behind step {step}")
+    # tokens_seen is written as batches x global batch x sequence length: a data position
+    # that does not divide it was not written by a save.
+    batches, tokens = loader["step"] * loader["global_batch"], manifest["tokens_seen"]
+    if batches > MAX_COUNT or (tokens % batches if batches else tokens):
+        raise damaged(f"the data position ({loader['step']} batches of "
+                      f"{loader['global_batch']}) does not match tokens_seen = {tokens}")
     scaler = manifest["scaler"]
-    if s.scaler is not None and scaler and not all(
-            isinstance(scaler.get(k), Real) for k in s.scaler.state_dict()):
-        raise damaged(f"scaler = {scaler!r} is not a loss scaler's state")
+    if s.scaler is not None and scaler and not all(k in scaler for k in s.scaler.state_dict()):
+        raise damaged(f"scaler = {shown(scaler)} is not a loss scaler's state")
     if manifest["model_hash"] != config_hashes(cfg, s.model_signature)["model_hash"]:
         own = s.model_signature is not None
         raise ConfigError(

@@ -37,6 +37,10 @@ class TrainConfig:
     # Evaluate the held-out split (data.val_fraction > 0) every this many steps (0: only at
     # the end of training).
     val_every: int = 0
+    # Held-out samples each validation evaluates, spread evenly over the split (the same ones
+    # every time and on any number of ranks); 0 evaluates the whole split each time. Bounded by
+    # default: the whole split took 81% of a short run's wall time.
+    val_max_samples: int = 256
     # >0: the output layer and the loss run together over this many token chunks, so the
     # [tokens, vocab] logits (and their fp32 copy) never exist whole; 0: the plain loss.
     # Not with tensor parallelism (its loss never gathers the logits anyway) or pipelines.
@@ -50,6 +54,9 @@ class TrainConfig:
         if self.loss_chunks < 0:
             raise ConfigError(f"train.loss_chunks = {self.loss_chunks} must be >= 0",
                               hint="0 computes the plain loss from the whole logits")
+        if self.val_max_samples < 0:
+            raise ConfigError(f"train.val_max_samples = {self.val_max_samples} must be >= 0",
+                              hint="0 evaluates the whole held-out split")
         if self.val_every < 0:
             raise ConfigError(f"train.val_every = {self.val_every} must be >= 0",
                               hint="0 validates only at the end")

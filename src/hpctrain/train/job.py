@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.config import JobConfig, dump_yaml
-from hpctrain.errors import ConfigError, HpctrainError
+from hpctrain.errors import ConfigError, DataError, HpctrainError, RuntimeEnvError
 from hpctrain.models.flops import count_params
 from hpctrain.observe.goodput import GoodputClock, summary
 from hpctrain.observe.metrics import MetricsWriter
@@ -27,21 +27,31 @@ from hpctrain.runtime.config import refuse_large_model_on_cpu
 from hpctrain.runtime.dist import Distributed, init_distributed, shutdown
 from hpctrain.runtime.env import ProcessEnv, detect_env
 from hpctrain.runtime.exit_codes import PREEMPTED
+from hpctrain.runtime.exit_info import exit_info_or_none
 from hpctrain.runtime.interrupted import INTERRUPTED, Interrupted
 from hpctrain.runtime.logs import log_device_binding, setup_rank_logging
+from hpctrain.runtime.orphans import die_with_launcher
 from hpctrain.runtime.provenance import collect_provenance, write_provenance
 from hpctrain.runtime.requeue import requeue
-from hpctrain.runtime.rundir import RunDir, archive_run, run_name
+from hpctrain.runtime.rundir import (
+    RunDir,
+    archive_run,
+    check_can_write,
+    check_run_dir,
+    run_name,
+)
 from hpctrain.runtime.runlock import (
     TOKEN_ENV,
     RunLock,
     RunLockedError,
     acquire,
-    check_held,
     current_attempt,
+    follow,
 )
+from hpctrain.runtime.safe_open import write_atomic
 from hpctrain.runtime.watchdog import Watchdog, enable_flight_recorder
 from hpctrain.task import Task
+from hpctrain.train import preflight
 from hpctrain.train.preemption import ControlChannel, Preempted, PreemptionFlag
 from hpctrain.train.task_trainer import build_trainer
 from hpctrain.train.trainer import Trainer, TrainResult
@@ -68,14 +78,22 @@ class Claim:
     notes: list[str] = field(default_factory=list)
 
 
-def claim_run_dir(cfg: JobConfig, env: ProcessEnv, *, fresh: bool = False) -> Claim:
-    """Lock this run's directory (RunLockedError if a live run holds it).
+def claim_run_dir(cfg: JobConfig, env: ProcessEnv, *, fresh: bool = False,
+                  world_size: int | None = None, ranks: bool = False) -> Claim:
+    """Lock this run's directory (RunLockedError if a live run holds it) once every check
+    before the first step has passed (train/preflight.py): a refused run writes nothing there.
 
     With ``fresh`` a previous run there is first archived under a new name, never deleted.
+    ``world_size``: the ranks the run will have (default: this process's job).
+    ``ranks``: the caller is the local launcher, whose ranks heartbeat the lock too.
     """
+    preflight.check_config(cfg, world_size or env.world_size)  # before --fresh moves anything
     run_dir = resolve_run_dir(cfg, env)
+    # Before anything is written there: links planted in it are refused (safe_open.py), and
+    # a folder that cannot be written fails now rather than at the first save.
+    notes = check_run_dir(run_dir.root)
+    check_can_write(run_dir.root)
     attempt = current_attempt()
-    notes = []
     if fresh and attempt.attempt[0] > 0:
         # The batch script runs the same command again after a requeue: continue, or the
         # requeued job would archive its own checkpoints.
@@ -90,14 +108,13 @@ def claim_run_dir(cfg: JobConfig, env: ProcessEnv, *, fresh: bool = False) -> Cl
         archived = archive_run(run_dir.root, attempt)
         if archived is not None:
             notes.append(f"previous run {run_dir.root} archived to {archived}")
-    lock = acquire(run_dir.root, attempt)
-    if cfg.checkpoint.resume == "never" and run_dir.committed_checkpoints():
-        # Refused here, before this attempt appends to the old run's log or exit info.
+    lock = acquire(run_dir.root, attempt, ranks=ranks)
+    try:
+        # Under the lock: what the directory holds cannot change between check and start.
+        preflight.check_run_dir(cfg, run_dir)
+    except BaseException:
         lock.release()
-        raise ConfigError(
-            f"{run_dir.root} already holds checkpoints and checkpoint.resume=never",
-            hint="rerun without --resume never to continue that run, add --fresh to archive "
-            "it and start over, or choose another run.name")
+        raise
     if lock.took_over:
         notes.append(lock.took_over)
     return Claim(run_dir, lock, notes)
@@ -148,10 +165,11 @@ def _claim(cfg: JobConfig, env: ProcessEnv, fresh: bool
                           hint="pass --fresh to `hpctrain train` (with or without --nproc), "
                           "or choose a new run.name")
     if token:
-        # Started by `hpctrain train --nproc`: the launcher holds the lock for every restart.
+        # Started by `hpctrain train --nproc`: the launcher holds the lock for every restart;
+        # this rank dies with it and heartbeats its lock meanwhile (orphans.py, runlock.py).
+        die_with_launcher()
         run_dir = resolve_run_dir(cfg, env)
-        check_held(run_dir.root, token)
-        return run_dir, None, None, []
+        return run_dir, follow(run_dir.root, token), None, []
     if env.world_size == 1:
         claim = claim_run_dir(cfg, env, fresh=fresh)
         return claim.run_dir, claim.lock, None, claim.notes
@@ -186,17 +204,15 @@ def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | 
     """Everything after the lock: process group, Trainer, exit info."""
     started = time.time()
     watchdog = trainer = None
+    # An earlier attempt's account, which a refusal of this one must leave as it is.
+    earlier = run_dir.exit_info_path.exists()
+    training = False  # until the loop starts, a user error is a refusal (see _REFUSALS)
     goodput = _goodput_clock(run_dir, env)
     try:
         if ctx is None:
             ctx = init_distributed(cfg.run, env, cfg.parallel)
         log_device_binding(log, env, ctx.device)
         hosts = _gather_hosts(env.world_size)
-        if env.rank == 0:
-            (run_dir.config_dir / "config.yaml").write_text(dump_yaml(cfg))
-            if source is not None:
-                (run_dir.config_dir / f"source{source.suffix}").write_text(source.read_text())
-            write_provenance(run_dir, collect_provenance(sorted(set(hosts))))
         watchdog = Watchdog(cfg.watchdog, run_dir, env.rank, hosts, _store())
         ckpt = CheckpointManager(cfg.checkpoint, run_dir.checkpoints_dir, rank=env.rank,
                                  world_size=env.world_size, device=ctx.device,
@@ -206,6 +222,11 @@ def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | 
                                     preempt=preempt, control=ControlChannel(ctx.control_group),
                                     goodput=goodput)
             trainer.resume(cfg.checkpoint.resume)
+            # Once built and resumed: neither a refused run nor a rerun of a finished one
+            # replaces the config the run was trained with.
+            if env.rank == 0 and not trainer.complete:
+                _record_config(run_dir, cfg, source, hosts)
+            training = True
             result = trainer.train()
         if env.world_size > 1:
             dist.barrier()
@@ -226,6 +247,12 @@ def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | 
                                     extra={"rank": env.rank, "host": socket.gethostname()})
         raise Interrupted(run_dir.root, latest) from None
     except BaseException as e:
+        if isinstance(e, _REFUSALS) and not training and earlier:
+            # Refused before its first step in a directory that holds an earlier run: the
+            # rank's log and the console say why; the records stay those of the run before.
+            log.error("refused before the first step: %s", e.what)
+            goodput.discard()
+            raise
         if isinstance(e, torch.OutOfMemoryError):  # unless the OOM observer wrote it already
             write_oom_snapshot(run_dir.root, env.rank)
         reason = f"{type(e).__name__}: {e}"
@@ -242,17 +269,69 @@ def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | 
         if watchdog is not None:
             watchdog.stop()
         shutdown()
+    if result.already_complete:
+        return _already_complete(cfg, env, run_dir, result, goodput)
     if env.rank == 0:
         run_dir.write_exit_info(exit_code=0, reason="completed",
                                 last_checkpoint=trainer.last_checkpoint,
                                 extra={"steps": result.steps, "final_loss": result.final_loss,
-                                       "tokens_per_s": result.tokens_per_s})
+                                       "tokens_per_s": result.tokens_per_s,
+                                       "world_size": env.world_size})
         log.info("run directory: %s", run_dir.root)
-        log.info("done: %d steps, final loss %.4f, %.0f tokens/s per rank (%.0f in all)%s",
-                 result.steps, result.final_loss, result.tokens_per_s,
-                 result.tokens_per_s * env.world_size,
+        log.info("done: %d steps, final loss %.4f, %s%s", result.steps, result.final_loss,
+                 _rate(result.tokens_per_s, env.world_size),
                  f"; {summary(result.goodput)}" if result.goodput else "")
     return result
+
+
+def _rate(tokens_per_s: float | None, world_size: int) -> str:
+    """``1234 tokens/s per rank (2468 in all)`` (train.window.Throughput's number)."""
+    if tokens_per_s is None:
+        return "tokens/s not measured"
+    return f"{tokens_per_s:.0f} tokens/s per rank ({tokens_per_s * world_size:.0f} in all)"
+
+
+def _already_complete(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, result: TrainResult,
+                      goodput: GoodputClock) -> TrainResult:
+    """A rerun of a finished run: say so, with the result the run saved; record nothing."""
+    goodput.discard()  # no attempt: the run's account stays that of the attempts that trained
+    saved = _saved_result(run_dir)
+    loss, rate, ranks = (saved.get(k) for k in ("final_loss", "tokens_per_s", "world_size"))
+    if env.rank == 0:
+        log.info("run directory: %s", run_dir.root)
+        log.info("already complete: %s finished step %d of train.steps=%d before (final loss "
+                 "%s, %s); nothing to train. HINT: raise train.steps to train on, or add "
+                 "--fresh (archives it) or choose run.name=NAME to start a new run",
+                 run_dir.root.name, result.steps, cfg.train.steps,
+                 f"{loss:.4f}" if isinstance(loss, int | float) else "not recorded",
+                 _rate(rate if isinstance(rate, int | float) else None,
+                       ranks if isinstance(ranks, int) else env.world_size))
+    return TrainResult(result.steps, loss if isinstance(loss, int | float) else float("nan"),
+                       rate if isinstance(rate, int | float) else None, None,
+                       already_complete=True)
+
+
+def _saved_result(run_dir: RunDir) -> dict:
+    """What the run that finished here recorded in exit_info.json ({} if nothing usable)."""
+    info = exit_info_or_none(run_dir.exit_info_path)
+    if info is None or info["exit_code"] != 0:
+        return {}
+    extra = info.get("extra")
+    return extra if isinstance(extra, dict) else {}
+
+
+# The user errors that refuse a run at start-up (config, data, devices, lock); a damaged
+# checkpoint or a failure while training is the run's own end and is recorded.
+_REFUSALS = (ConfigError, DataError, RuntimeEnvError, RunLockedError)
+
+
+def _record_config(run_dir: RunDir, cfg: JobConfig, source: Path | None,
+                   hosts: list[str]) -> None:
+    """The resolved config, the config file as given, and provenance (rank 0)."""
+    write_atomic(run_dir.config_dir / "config.yaml", dump_yaml(cfg).encode())
+    if source is not None:
+        write_atomic(run_dir.config_dir / f"source{source.suffix}", source.read_bytes())
+    write_provenance(run_dir, collect_provenance(sorted(set(hosts))))
 
 
 def _goodput_clock(run_dir: RunDir, env: ProcessEnv) -> GoodputClock:
@@ -289,10 +368,12 @@ def _after_preemption(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, e: Preem
     if env.rank == 0:
         info = {"exit_code": PREEMPTED, "reason": e.what,
                 "last_checkpoint": trainer.last_checkpoint}
-        run_dir.write_exit_info(**info, extra={"requeued": False})
+        # This attempt's throughput, as a completed run records it (train.window.Throughput).
+        rate = {"tokens_per_s": trainer.throughput.tokens_per_s, "world_size": env.world_size}
+        run_dir.write_exit_info(**info, extra={"requeued": False, **rate})
         requeued, how = requeue(env, cfg.checkpoint.max_requeues)
         log.info("requeue: %s", how)
-        run_dir.write_exit_info(**info, extra={"requeued": requeued, "requeue": how})
+        run_dir.write_exit_info(**info, extra={"requeued": requeued, "requeue": how, **rate})
     if env.world_size > 1:
         dist.barrier(group=trainer.dist.control_group)
 

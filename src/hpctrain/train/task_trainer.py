@@ -43,7 +43,7 @@ from hpctrain.train.optim import build_optimizer, build_scheduler
 from hpctrain.train.preemption import ControlChannel, PreemptionFlag
 from hpctrain.train.run_checkpoints import RunCheckpoints
 from hpctrain.train.trainer import Trainer
-from hpctrain.train.window import Window
+from hpctrain.train.window import Throughput, Window
 
 log = logging.getLogger("hpctrain.train")
 
@@ -144,6 +144,7 @@ class TaskTrainer(Trainer):
         self.lr_applied = 0.0
         self._skipped_logged = 0.0
         self.step = 0
+        self.throughput = Throughput()  # this attempt's tokens/s per rank, for its summaries
         self._checked_finite = False
         self._metric_sums: dict[str, torch.Tensor] = {}
         tokens = task.tokens_per_sample

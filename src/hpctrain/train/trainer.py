@@ -54,7 +54,7 @@ from hpctrain.train.optim import build_optimizer, build_scheduler
 from hpctrain.train.preemption import ControlChannel, PreemptionFlag
 from hpctrain.train.run_checkpoints import RunCheckpoints
 from hpctrain.train.validate import evaluate
-from hpctrain.train.window import Window
+from hpctrain.train.window import Throughput, Window
 
 log = logging.getLogger("hpctrain.train")
 
@@ -65,13 +65,15 @@ class NonFiniteLossError(HpctrainError):
 
 @dataclass
 class TrainResult:
-    """What a finished run reports: the last logged global loss and the mean throughput."""
+    """What a finished run reports: the last logged global loss and its throughput."""
 
     steps: int
     final_loss: float
-    tokens_per_s: float
+    tokens_per_s: float | None  # per rank, as train.window.Throughput defines it
     mfu: float | None
     goodput: dict | None = None  # the run's account (rank 0; see observe/goodput.py)
+    # Resumed at or past train.steps: nothing was trained (the saved result is the run's).
+    already_complete: bool = False
 
 
 class Trainer:
@@ -171,6 +173,7 @@ class Trainer:
         self.lr_applied = 0.0  # the learning rate of the last update (for the metrics)
         self._skipped_logged = 0.0  # bad steps already reported (the guard counts them all)
         self.step = 0
+        self.throughput = Throughput()  # this attempt's tokens/s per rank, for its summaries
         # Per GPU: a model replica's tokens are counted once, shared by its tp x pp ranks.
         self.tokens_per_step = (self.layout.micro_batch * tc.grad_accum * cfg.data.seq_len
                                 / (self.par.tp * self.par.pp))
@@ -311,8 +314,13 @@ class Trainer:
     def train(self, progress: bool = True) -> TrainResult:
         """Run until ``train.steps``: log, checkpoint, answer preemption, guard bad steps."""
         tc, every = self.cfg.train, self.cfg.metrics.log_every
+        if self.complete:
+            # Resumed from the last step (or past it): an earlier attempt finished the run.
+            self.checkpoints.finish(self.step)
+            self.loader.close()
+            self.observe.close(self.step)
+            return TrainResult(self.step, float("nan"), None, None, already_complete=True)
         window = Window(self.device)
-        rates: list[float] = []
         last_loss = float("nan")
         last_mfu = None
         show = progress and self.cfg.metrics.progress and self.dist.rank == 0
@@ -344,13 +352,16 @@ class Trainer:
                     record = self._log(window)
                     last_loss = record["loss"]
                     last_mfu = record["mfu"]
-                    if self.step > every or tc.steps <= every:  # first window holds warm-up
-                        rates.append(record["tokens_per_s"])
+                    self.throughput.add(window.steps * self.tokens_per_step,
+                                        window.steps * record["step_time_s"])
                     bar.update(self.step, record["loss"], record["tokens_per_s"], record["mfu"])
                     window = Window(self.device)
                 if tc.val_every and self.step % tc.val_every == 0 and self.step < tc.steps:
+                    started = time.perf_counter()
                     with self.goodput.part("validation"):
                         self.validate()
+                    # Not training time: the window's tokens/s and step time leave it out.
+                    window.start += time.perf_counter() - started
                 # Last: a preemption exits from here, after this step's metrics are written.
                 self.watchdog.beat(self.step, "checkpoint/control")
                 self.checkpoints.between_steps(self.step)
@@ -359,11 +370,11 @@ class Trainer:
         self.checkpoints.finish(self.step)
         self.loader.close()
         self.observe.close(self.step)
-        mean_rate = sum(rates) / len(rates) if rates else 0.0
         account = self.goodput.finish(exit_code=0)
         if account is not None:
             self.metrics.write({"event": "goodput", **account})
-        return TrainResult(self.step, last_loss, mean_rate, last_mfu, account)
+        return TrainResult(self.step, last_loss, self.throughput.tokens_per_s, last_mfu,
+                           account)
 
     def validate(self) -> dict | None:
         """Evaluate the held-out split (if any) and log it like the training metrics."""
@@ -378,11 +389,21 @@ class Trainer:
                 self.model, self.val_dataset, micro_batch=micro_batch, rank=self.layout.rank,
                 world_size=self.layout.world_size, device=self.device, autocast=self.autocast,
                 loss_fn=self.loss_fn if self.par.tp > 1 else None, pipeline=self.pipeline,
-                holds_loss=self.holds_loss, loss_chunks=tc.loss_chunks)}
+                holds_loss=self.holds_loss, loss_chunks=tc.loss_chunks,
+                max_samples=tc.val_max_samples)}
         self.metrics.write(record)
-        log.info("validation at step %d: loss %.4f, perplexity %.2f over %d tokens",
-                 self.step, record["val_loss"], record["val_ppl"], record["val_tokens"])
+        log.info("validation at step %d: loss %.4f, perplexity %.2f over %d tokens (%d of the "
+                 "%d held-out samples, %d batches per rank%s)", self.step, record["val_loss"],
+                 record["val_ppl"], record["val_tokens"], record["val_samples"],
+                 record["val_split_samples"], record["val_batches"],
+                 "" if record["val_samples"] == record["val_split_samples"]
+                 else "; train.val_max_samples bounds it, 0 takes all")
         return record
+
+    @property
+    def complete(self) -> bool:
+        """Whether the run is at (or past) ``train.steps``: resumed from its last step."""
+        return self.step >= self.cfg.train.steps
 
     @property
     def last_checkpoint(self) -> str | None:

@@ -29,8 +29,12 @@ def evaluate(model: torch.nn.Module, dataset: TokenDataset, *, micro_batch: int,
              world_size: int, device: torch.device, autocast: torch.dtype | None,
              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
              pipeline: Pipeline | None = None, holds_loss: bool = True,
-             loss_chunks: int = 0) -> dict:
-    """Global mean loss, perplexity and token count over the whole validation split.
+             loss_chunks: int = 0, max_samples: int = 0) -> dict:
+    """Global mean loss, perplexity and token count over the validation split, or over
+    ``max_samples`` of its samples spread evenly across it (0: all of them).
+
+    The record says what was covered: ``val_samples`` evaluated of ``val_split_samples``,
+    ``val_tokens`` the target tokens counted, ``val_batches`` the micro-batches of each rank.
 
     ``rank`` and ``world_size`` are data-parallel coordinates (ranks that see different
     samples); sums are added over all ranks of the job. ``loss_fn(logits, targets)`` (summed,
@@ -39,7 +43,7 @@ def evaluate(model: torch.nn.Module, dataset: TokenDataset, *, micro_batch: int,
     With a pipeline, ``micro_batch`` must be the training step's batch per data-parallel rank,
     which the schedule cuts into its micro-batches.
     """
-    sampler = ValidationSampler(len(dataset), world_size, rank, micro_batch)
+    sampler = ValidationSampler(len(dataset), world_size, rank, micro_batch, max_samples)
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
     ctx = (torch.autocast(device.type, dtype=autocast) if autocast is not None
            else contextlib.nullcontext())
@@ -71,4 +75,5 @@ def evaluate(model: torch.nn.Module, dataset: TokenDataset, *, micro_batch: int,
     loss_sum, tokens = totals.tolist()
     loss = loss_sum / tokens
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(tokens),
-            "val_samples": len(dataset)}
+            "val_samples": sampler.num_samples, "val_split_samples": len(dataset),
+            "val_batches": len(sampler)}

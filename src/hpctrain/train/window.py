@@ -72,6 +72,39 @@ class Window:
         }
 
 
+class Throughput:
+    """A run's tokens/s per rank: the one number its summaries show (the ``done:`` line,
+    ``exit_info.json``, ``hpctrain runs``, the report).
+
+    Definition: the tokens one rank trained in this attempt's logging windows, divided by the
+    wall time of those windows. Left out: the first window (warm-up, compilation; counted only
+    when it is the only one), start-up before the first step, and validation (not inside any
+    window's time). Checkpoint stalls inside a window count: they are a cost of training, which
+    goodput itemises. The rate of all ranks together is this times the number of ranks.
+    """
+
+    def __init__(self) -> None:
+        self.windows = 0
+        self.tokens = 0.0
+        self.seconds = 0.0
+        self._first = (0.0, 0.0)
+
+    def add(self, tokens: float, seconds: float) -> None:
+        """Count one closed logging window."""
+        self.windows += 1
+        if self.windows == 1:
+            self._first = (tokens, seconds)
+        else:
+            self.tokens += tokens
+            self.seconds += seconds
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Tokens per second per rank; None before a window closed."""
+        tokens, seconds = (self.tokens, self.seconds) if self.windows > 1 else self._first
+        return tokens / seconds if seconds > 0 else None
+
+
 def memory_gb(device: torch.device) -> float:
     """Peak memory of this rank so far: allocated on its GPU, else the process's resident set."""
     if device.type == "cuda":

@@ -1,7 +1,7 @@
 """The ``hpctrain tune`` command: its parser, the run from plan to files, and its tables.
 
-What the command does, and the files and exit codes it promises, are in the package docstring
-(also the parser's description).
+What the command does, and the files and exit codes it promises, are in the package docstring;
+the parser's description says it in brief.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import shlex
 import time
 from pathlib import Path
 
-from hpctrain.bench import tune
 from hpctrain.bench.tune.candidates import CPU_MEM_GB, MAX_CANDIDATES, TunePlan, plan_tuning
 from hpctrain.bench.tune.measure import measure, resume_from, winner, write_results
 from hpctrain.errors import ConfigError, HpctrainError
+from hpctrain.numeric_args import count, real
+from hpctrain.runtime.config import TooLargeForCPU
 
 
 class TuneFailed(HpctrainError):
@@ -26,22 +27,27 @@ class TuneFailed(HpctrainError):
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``tune`` on the top-level sub-parser set."""
     p = sub.add_parser("tune", help="measure a short list of configurations, keep the fastest",
-                       description=tune.__doc__.splitlines()[0])
+                       description="Measure the configurations of CONFIG that the memory model "
+                       "lets fit --gpus GPUs of this node (layout, DDP or FSDP ZeRO-2/3, "
+                       "activation checkpointing, micro-batch, fp8), keep the fastest in "
+                       "best.yaml and best.overrides. The global batch stays the config's. "
+                       "--dry-run prints the short list and runs nothing.")
     p.add_argument("config", type=Path, help="YAML config, e.g. configs/llama-8b-fsdp.yaml")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config overrides applied before tuning (kept in best.overrides)")
-    p.add_argument("--gpus", type=int, required=True,
+    p.add_argument("--gpus", type=count(1, 4096), required=True,
                    help="GPUs of this node to tune for (CPU ranks without a GPU)")
-    p.add_argument("--gpu-mem-gb", type=float, default=None,
+    p.add_argument("--gpu-mem-gb", type=real(0, 1e6, open_min=True), default=None,
                    help="memory per GPU the model sizes against (default: the GPU's; "
                    f"{CPU_MEM_GB:g} per rank on a CPU)")
-    p.add_argument("--max-candidates", type=int, default=MAX_CANDIDATES,
+    p.add_argument("--max-candidates", type=count(1, 10_000), default=MAX_CANDIDATES,
                    help="how many configurations to measure")
-    p.add_argument("--steps", type=int, default=None,
+    p.add_argument("--steps", type=count(1, 10_000_000), default=None,
                    help="steps per candidate (default 30 on a GPU, 8 on a CPU)")
-    p.add_argument("--log-every", type=int, default=None,
+    p.add_argument("--log-every", type=count(1, 10_000_000), default=None,
                    help="logging window (default 5 on a GPU, 2 on a CPU)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per candidate")
+    p.add_argument("--timeout", type=real(0, 1e7, open_min=True), default=900.0,
+                   help="seconds per candidate")
     p.add_argument("--no-fp8", action="store_true", help="never try train.precision=fp8")
     p.add_argument("--resume", action="store_true",
                    help="keep the candidates an earlier, interrupted call measured into --out "
@@ -64,9 +70,19 @@ def run(args: argparse.Namespace) -> None:
         raise ConfigError(f"--gpu {args.gpu} without --dry-run",
                           expected="--gpu only with --dry-run (measuring needs the GPUs "
                           "themselves)", hint="add --dry-run, or run on a node with the GPUs")
-    plan = plan_tuning(args.config, args.overrides, args.gpus, gpu_mem_gb=args.gpu_mem_gb,
-                       max_candidates=args.max_candidates, allow_fp8=not args.no_fp8,
-                       gpu=args.gpu)
+    try:
+        plan = plan_tuning(args.config, args.overrides, args.gpus, gpu_mem_gb=args.gpu_mem_gb,
+                           max_candidates=args.max_candidates, allow_fp8=not args.no_fp8,
+                           gpu=args.gpu)
+    except TooLargeForCPU as e:
+        if not args.dry_run:
+            raise
+        # A dry run measures nothing: what the user wants is the short list for the GPUs the
+        # job will get, which --gpu gives without one here.
+        raise ConfigError(e.what, expected=e.expected,
+                          hint="add --gpu TYPE (h100, h200, a100, ...) to make the short list "
+                          "for GPUs of that type on this machine; run.device=cpu would tune "
+                          "it for CPU ranks instead") from None
     on_gpu = plan.device == "cuda"
     steps = args.steps or (30 if on_gpu else 8)
     log_every = args.log_every or (5 if on_gpu else 2)
@@ -107,9 +123,9 @@ def run(args: argparse.Namespace) -> None:
     if interrupted:
         raise KeyboardInterrupt
     if best is None:
-        reasons = "\n".join(f"  [{i}] {c.label}: {c.reason}"
-                            for i, c in enumerate(plan.candidates, 1))
-        raise TuneFailed(f"every candidate failed:\n{reasons}",
+        raise TuneFailed("every candidate failed:",
+                         lines=[f"  [{i}] {c.label}: {c.reason}"
+                                for i, c in enumerate(plan.candidates, 1)],
                          hint=f"the runs' logs are under {out}/cNN/train/logs")
 
 

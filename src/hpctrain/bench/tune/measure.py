@@ -19,7 +19,7 @@ from hpctrain.errors import ConfigError, HpctrainError
 
 def failure_reason(err: BaseException) -> str:
     """One line saying why a candidate failed, from the error or the run's output tail."""
-    text = err.what if isinstance(err, HpctrainError) else str(err)
+    text = "\n".join([err.what, *err.lines]) if isinstance(err, HpctrainError) else str(err)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     oom = [line for line in lines if "out of memory" in line.lower()]
     ours = [line for line in lines if line.startswith("hpctrain: error:")]

@@ -13,7 +13,8 @@ verdict (0 healthy, 1 problems), so the job stops before training starts.
 The checks, in order:
 
 - versions: Python, torch, CUDA, NCCL and hpctrain identical on every rank;
-- gpus: each task sees a GPU of its own (when the config wants GPUs);
+- gpus: each task sees a GPU of its own (when the config wants GPUs); without GPUs, training's
+  own check_device_fits accepts the config (a GPU-sized model is refused on a CPU node);
 - affinity: the cores a task holds include some on its GPU's NUMA node; threads per node
   (tasks x OMP_NUM_THREADS) within the node's cores;
 - network: NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME name interfaces the node has, NCCL_IB_HCA
@@ -181,16 +182,21 @@ def report(verdicts: list[Verdict], who: str) -> str:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``hpctrain doctor`` on the top-level parser's ``sub``."""
     d = sub.add_parser("doctor", help="preflight: check nodes, GPUs, network, disk before a job",
-                       description=__doc__.splitlines()[0])
+                       description="Check the nodes before a job burns GPU-hours: versions, "
+                       "GPUs, CPU affinity, network, an all_reduce, disk, Lustre striping, "
+                       "small files, ulimits and GPU health. Exit 1 with one line per problem "
+                       "and its fix. Run it on a login node, or as every task of a job "
+                       "(srun, or --preflight of hpctrain submit).")
     d.add_argument("config", nargs="?", type=Path, default=None,
                    help="the training config (disk, data and GPU checks use it)")
     d.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     d.add_argument("--expect-busbw", type=float, default=None, metavar="GBPS",
-                   help="all_reduce bus bandwidth below this is a problem")
+                   help="all_reduce bus bandwidth (GB/s) below this is a problem (default: "
+                   "no bound)")
     d.add_argument("--allreduce-mb", type=float, default=64.0,
-                   help="size of the all_reduce across ranks (default 64 MB)")
+                   help="size of the all_reduce across ranks in MB (default %(default)s)")
     d.add_argument("--max-small-files", type=int, default=10_000,
-                   help="files under 1 MiB allowed in the data path (default 10000)")
+                   help="files under 1 MiB allowed in the data path (default %(default)s)")
     d.add_argument("--no-gpu-health", action="store_true",
                    help="skip the per-GPU GEMM and bandwidth check")
     d.set_defaults(handler=run)

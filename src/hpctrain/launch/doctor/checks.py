@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hpctrain.config import JobConfig
+from hpctrain.errors import ConfigError
 from hpctrain.launch.doctor.facts import BIG_FILE, Facts, Storage, format_cpus
 
 MIN_NOFILE = 4096
@@ -91,6 +92,9 @@ def check_versions(x: Inputs) -> Verdict:
 def check_gpus(x: Inputs) -> Verdict:
     """Each task sees a GPU of its own when the job trains on GPUs."""
     if not x.want_gpu:
+        refused = _refused_on_cpu(x.cfg)
+        if refused is not None:
+            return Verdict("gpus", "", [refused])
         return Verdict("gpus", "CPU run: no GPU wanted")
     problems = []
     if not any(f.gpus for f in x.facts):
@@ -114,6 +118,20 @@ def check_gpus(x: Inputs) -> Verdict:
                 "gpus", f"ranks {format_cpus(ranks)} on {host} share GPU {gpu}",
                 "one task per GPU: --ntasks-per-node equal to --gpus-per-node"))
     return Verdict("gpus", f"{len(x.facts)} ranks, one GPU each", problems)
+
+
+def _refused_on_cpu(cfg: JobConfig | None) -> Problem | None:
+    """What `hpctrain train` would refuse about this config on a node without a GPU."""
+    if cfg is None:
+        return None
+    from hpctrain.train.job import check_device_fits  # the very check training runs first
+
+    try:
+        check_device_fits(cfg)
+    except ConfigError as e:
+        return Problem("gpus", f"train would refuse this config here: {e.what}",
+                       e.hint or "run on a GPU node")
+    return None
 
 
 def check_affinity(x: Inputs) -> Verdict:

@@ -1,0 +1,82 @@
+"""Every ``hpctrain`` option says what it does and its default; --version and the top-level help
+are for users.
+
+The walk covers every (sub)parser the real command builds, so an option added later without help
+text, or with a default its help does not show, fails here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+
+import pytest
+
+import hpctrain
+from hpctrain.cli import _parser, has_default
+
+
+def _walk(parser: argparse.ArgumentParser, path: str = "hpctrain"):
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _walk(sub, f"{path} {name}")
+
+
+PARSERS = list(_walk(_parser()))
+
+
+def test_the_walk_reaches_nested_commands() -> None:
+    names = {path for path, _ in PARSERS}
+    assert {"hpctrain train", "hpctrain sbatch", "hpctrain submit", "hpctrain doctor",
+            "hpctrain bench gemm", "hpctrain plan memory", "hpctrain data prepare",
+            "hpctrain export hf", "hpctrain k8s", "hpctrain tune"} <= names
+
+
+@pytest.mark.parametrize("path,parser", PARSERS, ids=[p for p, _ in PARSERS])
+def test_every_option_has_help_and_shows_its_default(path: str, parser) -> None:
+    formatter = parser._get_formatter()
+    missing, no_default = [], []
+    for action in parser._actions:
+        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+            continue
+        if action.help == argparse.SUPPRESS:  # hidden on purpose (test hooks)
+            continue
+        name = "/".join(action.option_strings) or action.dest
+        if not (action.help or "").strip():
+            missing.append(name)
+            continue
+        if has_default(action):
+            shown = formatter._expand_help(action)
+            if "default" not in shown.lower():
+                no_default.append(f"{name} (default {action.default!r}): {shown!r}")
+    assert not missing, f"{path}: options without help text: {missing}"
+    assert not no_default, f"{path}: help does not show the default: {no_default}"
+
+
+@pytest.mark.parametrize("path,parser", PARSERS, ids=[p for p, _ in PARSERS])
+def test_descriptions_are_whole_user_sentences(path: str, parser) -> None:
+    text = parser.description or ""
+    if not text:
+        return
+    # Docstrings cut at their first line ended mid-sentence ("... one line per").
+    assert text.rstrip()[-1] in ".)!?:", f"{path}: description ends mid-sentence: {text!r}"
+    # reStructuredText markup and notes for developers are not help.
+    assert "``" not in text, f"{path}: developer markup in the description: {text!r}"
+
+
+def test_version_prints_the_package_version() -> None:
+    out = subprocess.run([sys.executable, "-m", "hpctrain", "--version"], capture_output=True,
+                         text=True, check=True, timeout=120).stdout
+    assert out.strip() == f"hpctrain {hpctrain.__version__}"
+
+
+def test_top_level_help_is_for_users() -> None:
+    text = _parser().format_help()
+    assert "no logic lives here" not in text and "delegate" not in text
+    assert "--version" in text
+    assert re.search(r"train\s+train a model", text)
+    assert "hpctrain train configs/demo.yaml" in text  # a first command to type
