@@ -26,7 +26,7 @@ from importlib.metadata import version
 
 import torch
 
-from hpctrain.models.hf_weights import expected_shapes
+from hpctrain.models.llama.hf_names import expected_shapes
 from hpctrain.parallel.float8 import fused_gather_cast, import_float8
 from hpctrain.plan.memory_options import resolve_model
 

@@ -42,9 +42,9 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.models import PRESETS, ModelArgs
-from hpctrain.models.hf_config import hf_config_from_args
 from hpctrain.models.init_source import InitSource
-from hpctrain.models.sizes import RopeScaling
+from hpctrain.models.llama.hf_config import hf_config_from_args
+from hpctrain.models.llama.sizes import RopeScaling
 from hpctrain.pretrained.export_hf import export_hf
 from hpctrain.pretrained.import_hf import import_hf
 from hpctrain.pretrained.source import resolve_source

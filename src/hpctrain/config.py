@@ -26,7 +26,7 @@ from hpctrain.checkpoint.config import CheckpointConfig
 from hpctrain.data.config import DataConfig
 from hpctrain.errors import ConfigError
 from hpctrain.models.config import ModelConfig
-from hpctrain.models.flops import count_params
+from hpctrain.models.registry import count_params
 from hpctrain.observe.config import MetricsConfig
 from hpctrain.observe.profile import ProfileConfig
 from hpctrain.observe.track import TrackConfig
@@ -72,10 +72,12 @@ class JobConfig:
         self.parallel.check_precision(self.train.precision,
                                       count_params(args, include_embedding=True),
                                       self.train.master_weights)
-        if self.data.seq_len > args.max_seq_len:
+        # A family's shape may set no limit (hpctrain.models.spec).
+        max_seq_len = getattr(args, "max_seq_len", None)
+        if max_seq_len is not None and self.data.seq_len > max_seq_len:
             raise ConfigError(
                 f"data.seq_len = {self.data.seq_len} exceeds the model's max_seq_len "
-                f"({args.max_seq_len})",
+                f"({max_seq_len})",
                 hint=f"set model.max_seq_len={self.data.seq_len} or shorten data.seq_len",
             )
         vocab, data_vocab = args.vocab_size, self.data.vocab_size

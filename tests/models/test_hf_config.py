@@ -11,8 +11,8 @@ import pytest
 
 from hpctrain.errors import ConfigError
 from hpctrain.models import PRESETS, ModelConfig
-from hpctrain.models.hf_config import args_from_hf_config, hf_config_from_args
-from hpctrain.models.sizes import RopeScaling
+from hpctrain.models.llama.hf_config import args_from_hf_config, hf_config_from_args
+from hpctrain.models.llama.sizes import RopeScaling
 from hpctrain.pretrained.weights import starts_from_pretrained
 
 # As on the Hub (transformers 4 format: rope_theta and rope_scaling at the top level).

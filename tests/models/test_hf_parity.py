@@ -144,7 +144,7 @@ def test_a_model_trained_from_scratch_exports_as_a_llama(tmp_path: Path) -> None
     from hpctrain.checkpoint.manifest import describe, write_manifest
     from hpctrain.models import ModelArgs
     from hpctrain.models.init_source import args_to_json
-    from hpctrain.models.sizes import RopeScaling
+    from hpctrain.models.llama.sizes import RopeScaling
     from hpctrain.pretrained.weights import single_process
 
     args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from hpctrain.errors import ConfigError
 from hpctrain.models import PRESETS, ModelArgs, Transformer
-from hpctrain.models.llama import apply_rope, precompute_rope
+from hpctrain.models.llama.model import apply_rope, precompute_rope
 
 SMALL = ModelArgs(
     dim=64,

@@ -23,7 +23,8 @@ from torch.distributed.tensor import DTensor
 
 from conftest import free_port
 from hpctrain.models import ModelArgs, Transformer
-from hpctrain.models.hf_weights import HFWeights, expected_shapes, to_hf_name, write_safetensors
+from hpctrain.models.hf_weights import HFWeights, write_safetensors
+from hpctrain.models.llama.hf_names import expected_shapes, to_hf_name
 from hpctrain.parallel.data import apply_fsdp
 from hpctrain.parallel.materialize import canonical_name, load_weights, materialize
 from hpctrain.parallel.tensor import apply_tensor_parallel

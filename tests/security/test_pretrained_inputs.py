@@ -20,15 +20,11 @@ from hpctrain.data.chat import ChatTemplate
 from hpctrain.data.shards import load_manifest, write_shard
 from hpctrain.errors import ConfigError, DataError, HpctrainError
 from hpctrain.models import ModelArgs, Transformer
-from hpctrain.models.hf_config import hf_config_from_args
-from hpctrain.models.hf_weights import (
-    HFWeights,
-    expected_shapes,
-    to_hf_name,
-    write_safetensors,
-)
-from hpctrain.models.init_source import origin as source_origin
+from hpctrain.models.config import origin as source_origin
+from hpctrain.models.hf_weights import HFWeights, write_safetensors
 from hpctrain.models.init_source import parse_init_from
+from hpctrain.models.llama.hf_config import hf_config_from_args
+from hpctrain.models.llama.hf_names import expected_shapes, to_hf_name
 
 pytest.importorskip("safetensors")
 

@@ -124,6 +124,32 @@ def test_a_run_directory_writable_by_others_is_warned_about(tmp_path: Path) -> N
     assert not [n for n in claim.notes if "writable by" in n]
 
 
+def test_a_run_directory_that_is_a_link_of_the_users_own_is_followed(tmp_path: Path) -> None:
+    real = tmp_path / "scratch" / "run"
+    real.mkdir(parents=True)
+    (tmp_path / "run").symlink_to(real)
+    claim = claim_run_dir(tiny_cfg(tmp_path), detect_env({}))
+    try:
+        assert claim.run_dir.root == real.resolve()
+        claim.run_dir.write_exit_info(exit_code=0, reason="x", last_checkpoint=None)
+        assert (real / "exit_info.json").is_file()
+    finally:
+        claim.lock.release()
+
+
+def test_a_run_directory_that_is_another_users_link_is_refused(tmp_path: Path,
+                                                               victim: Path) -> None:
+    link = tmp_path / "run"
+    link.symlink_to(victim.parent)
+    try:
+        os.lchown(link, 65534, 65534)
+    except PermissionError:
+        pytest.skip("only root can make a link owned by another user")
+    with pytest.raises(UnsafeRunPath, match="a symbolic link made by another user"):
+        claim_run_dir(tiny_cfg(tmp_path), detect_env({}))
+    assert untouched(victim)
+
+
 # -- each writer refuses a link planted while the run goes on ----------------------------------
 
 def test_rank_log_is_not_written_through_a_link(tmp_path: Path, victim: Path) -> None:

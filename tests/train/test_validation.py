@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -115,3 +116,18 @@ def test_masked_targets_are_not_counted() -> None:
                  autocast=None)
     assert r["val_tokens"] == count < N_SAMPLES * SEQ
     assert r["val_loss"] == pytest.approx(total / count, rel=1e-6)
+
+
+def test_a_bounded_split_takes_the_same_spread_samples_on_any_layout() -> None:
+    """train.val_max_samples: 7 of the 23 samples, spread over the split, each counted once,
+    the same 7 on every number of ranks and micro-batch size (layouts stay comparable)."""
+    from hpctrain.data.loader import ValidationSampler
+
+    for world, micro in CASES:
+        taken = []
+        for rank in range(world):
+            sampler = ValidationSampler(N_SAMPLES, world, rank, micro, max_samples=7)
+            assert len(sampler) == math.ceil(math.ceil(7 / world) / micro)
+            for indices, mask in sampler:
+                taken += indices[mask].tolist()
+        assert sorted(taken) == [0, 3, 6, 9, 13, 16, 19]  # floor(j * 23 / 7)

@@ -16,8 +16,8 @@ results. The numbers are read back from the run's ``metrics/rank-*.jsonl``:
   of `hpctrain.observe.peaks`; unknown, never guessed, on a CPU or an unlisted GPU);
 - HFU counts the recomputed forward of activation checkpointing as well: ×4/3 with ``full``,
   ×(1 + fraction of recomputed blocks / 3) with ``every_k`` (a forward is 1/3 of fwd+bwd FLOPs),
-  and with ``selective`` the matmuls it recomputes over the model's FLOPs per token (wk, wo and
-  w3 of every block with ``ac_save_mm: every_other``; none with ``all``);
+  and with ``selective`` the matmuls it recomputes over the model's FLOPs per token (3 of the 7
+  matmuls of every Llama block with ``ac_save_mm: every_other``; none with ``all``);
 - energy, when a `PowerSampler` ran alongside, is the GPU energy between the end of warm-up and the
   last logged step (from the metrics' timestamps), divided by the tokens all ranks trained then.
 """
@@ -96,7 +96,7 @@ def device_defaults(on_gpu: bool) -> list[str]:
 def refuse_gpu_size_on_cpu(config: Path | None, overrides: list[str]) -> None:
     """With --device auto and no GPU, refuse a model too large for the CPU (--device cpu forces)."""
     from hpctrain.config import load_config
-    from hpctrain.models.flops import count_params
+    from hpctrain.models import count_params
     from hpctrain.runtime.config import refuse_large_model_on_cpu
 
     model = load_config(config, overrides).model

@@ -1,16 +1,35 @@
-"""Built-in Llama-style decoder, its named sizes, and its parameter/FLOP accounting."""
+"""Model families (``spec.py``: what hpctrain needs to know of one; ``registry.py``: which
+exist), one folder per family (``llama/``), and the ``model:`` config section.
+
+``ModelArgs``, ``PRESETS`` and ``Transformer`` are the default family's (Llama).
+"""
 
 from hpctrain.models.config import ModelConfig
-from hpctrain.models.flops import count_params, flops_per_token
-from hpctrain.models.llama import Transformer, TransformerBlock
-from hpctrain.models.sizes import PRESETS, ModelArgs
+from hpctrain.models.llama import PRESETS, ModelArgs, Transformer
+from hpctrain.models.registry import (
+    count_params,
+    families,
+    family_of,
+    family_of_args,
+    flops_per_token,
+    get_family,
+    register,
+)
+from hpctrain.models.spec import HFMapping, ModelFamily, TensorPlan
 
 __all__ = [
     "PRESETS",
+    "HFMapping",
     "ModelArgs",
     "ModelConfig",
+    "ModelFamily",
+    "TensorPlan",
     "Transformer",
-    "TransformerBlock",
     "count_params",
+    "families",
+    "family_of",
+    "family_of_args",
     "flops_per_token",
+    "get_family",
+    "register",
 ]

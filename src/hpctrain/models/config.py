@@ -1,12 +1,14 @@
-"""The `model:` section of a run config: a preset name plus optional per-field overrides.
+"""The `model:` section of a run config: a model family, a preset name plus optional per-field
+overrides; and what a section resolves to (`origin`, following ``init_from`` chains).
 
 Example YAML::
 
     model:
-      size: tiny
+      family: llama      # the default; a registered family (hpctrain.models.registry)
+      size: tiny         # one of the family's presets
       n_layers: 2        # override one field of the preset
 
-or pretrained weights, whose shape comes with them (`hpctrain.models.init_source`)::
+or pretrained weights, whose shape and family come with them (`hpctrain.models.init_source`)::
 
     model:
       init_from: hf:/models/Llama-3.2-1B
@@ -17,10 +19,24 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 from typing import Any, Literal
 
 from hpctrain.errors import ConfigError
-from hpctrain.models.sizes import PRESETS, ModelArgs
+from hpctrain.models.init_source import (
+    CONFIG,
+    MANIFEST,
+    RUN_CONFIG,
+    InitSource,
+    Origin,
+    hf_origin,
+    imported_origin,
+    parse_init_from,
+    read_checkpoint_manifest,
+    run_model_section,
+)
+from hpctrain.models.registry import DEFAULT, family_of_args, get_family
 
 # Override fields that must be strictly positive when given.
 _POSITIVE_FIELDS = (
@@ -36,13 +52,15 @@ _POSITIVE_FIELDS = (
 )
 
 # Fields that choose something other than a shape override.
-_NOT_SHAPE = ("size", "init_from", "attention_backend")
+_NOT_SHAPE = ("family", "size", "init_from", "attention_backend")
+_MAX_CHAIN = 8  # init_from of a run whose own init_from ... (a cycle ends here)
 
 
 @dataclass
 class ModelConfig:
-    """User-facing model choice: `size` names a preset, any non-None field overrides it."""
+    """User-facing model choice: `family` and its preset `size`, any non-None field overrides it."""
 
+    family: str = DEFAULT
     size: str = "tiny"
     dim: int | None = None
     n_layers: int | None = None
@@ -62,12 +80,23 @@ class ModelConfig:
     attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
 
     def _merged(self) -> dict[str, Any]:
-        """Return the preset's fields with this config's overrides applied (size must be valid)."""
-        merged = dataclasses.asdict(PRESETS[self.size])
+        """Return the preset's fields with this config's overrides applied (size must be valid;
+        a field the family's shape lacks is refused by name)."""
+        family = get_family(self.family)
+        preset = family.presets[self.size]
+        merged = {f.name: getattr(preset, f.name) for f in dataclasses.fields(preset)}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name not in _NOT_SHAPE and value is not None:
-                merged[field.name] = value
+            if field.name in _NOT_SHAPE or value is None:
+                continue
+            if field.name not in merged:
+                raise ConfigError(
+                    f"model.{field.name}={value!r} is not a field of the {family.name!r} "
+                    "family's shape", expected=f"overrides of {', '.join(merged)}",
+                    hint=f"remove model.{field.name}")
+            # YAML reads `rope_theta: 10000` as an int; keep the shape's float fields float.
+            merged[field.name] = (float(value) if isinstance(merged[field.name], float)
+                                  and not isinstance(value, bool) else value)
         return merged
 
     def validate(self) -> None:
@@ -75,10 +104,11 @@ class ModelConfig:
         if self.init_from:
             self._validate_pretrained()
             return
-        if self.size not in PRESETS:
+        family = get_family(self.family)
+        if self.size not in family.presets:
             raise ConfigError(
                 f"model.size={self.size!r} is not a known model size",
-                expected=f"one of {', '.join(PRESETS)}",
+                expected=f"one of {', '.join(family.presets)}",
                 hint="pick a preset and override single fields (e.g. model.n_layers) if needed",
             )
         for name in _POSITIVE_FIELDS:
@@ -89,13 +119,10 @@ class ModelConfig:
                     expected="a number > 0",
                     hint=f"remove model.{name} to use the {self.size!r} preset's value",
                 )
-        _check_shape(self._merged())
+        family.check_args(family.args_class(**self._merged()))
 
     def _validate_pretrained(self) -> None:
         """Shape fields come with pretrained weights: setting one is refused by name."""
-        from hpctrain.models.hf_config import max_seq_len_limit
-        from hpctrain.models.init_source import init_from_args, origin, parse_init_from
-
         fixed = [f.name for f in dataclasses.fields(self)
                  if f.name not in (*_NOT_SHAPE, "max_seq_len")
                  and getattr(self, f.name) is not None]
@@ -108,8 +135,10 @@ class ModelConfig:
         if self.max_seq_len is not None:
             if not self.max_seq_len > 0:
                 raise ConfigError(f"model.max_seq_len={self.max_seq_len!r} must be positive")
-            hf = origin(parse_init_from(self.init_from)).hf_config
-            window = max_seq_len_limit(hf) if hf is not None else None
+            found = origin(parse_init_from(self.init_from))
+            limit = family_of_args(found.args).hf
+            window = (limit.max_seq_len_limit(found.hf_config)
+                      if found.hf_config is not None and limit is not None else None)
             if window is not None and self.max_seq_len > window:
                 raise ConfigError(
                     f"model.max_seq_len={self.max_seq_len} exceeds the sliding attention "
@@ -117,46 +146,60 @@ class ModelConfig:
                     expected=f"at most {window}: up to the window, sliding attention is the "
                     "full causal attention hpctrain computes",
                     hint=f"set model.max_seq_len <= {window}")
-        _check_shape(dataclasses.asdict(args))
+        family_of_args(args).check_args(args)
 
-    def resolve(self) -> ModelArgs:
-        """Validate and return the concrete shape: the preset with overrides applied, or the
-        pretrained model's shape."""
+    def resolve(self) -> Any:
+        """Validate and return the concrete shape (an instance of the family's ``args_class``):
+        the preset with overrides applied, or the pretrained model's shape."""
         self.validate()
         if self.init_from:
-            from hpctrain.models.init_source import init_from_args
-
             args = init_from_args(self.init_from)
             if self.max_seq_len is not None:
                 args = dataclasses.replace(args, max_seq_len=self.max_seq_len)
             return args
-        merged = self._merged()
-        # YAML reads `rope_theta: 10000` as an int; keep ModelArgs' float fields float.
-        merged["rope_theta"] = float(merged["rope_theta"])
-        merged["norm_eps"] = float(merged["norm_eps"])
-        return ModelArgs(**merged)
+        return get_family(self.family).args_class(**self._merged())
 
 
-def _check_shape(m: dict[str, Any]) -> None:
-    """Raise `ConfigError` unless heads divide the width evenly (even head_dim) and the KV heads
-    divide the query heads."""
-    if m["dim"] % m["n_heads"] != 0:
-        raise ConfigError(
-            f"model.dim={m['dim']} is not divisible by model.n_heads={m['n_heads']}",
-            expected="dim to be a multiple of n_heads (head_dim = dim / n_heads)",
-            hint="change dim or n_heads so that dim % n_heads == 0",
-        )
-    if (m["dim"] // m["n_heads"]) % 2 != 0:
-        raise ConfigError(
-            f"head_dim = model.dim / model.n_heads = {m['dim']} / {m['n_heads']} is odd",
-            expected="an even head_dim, since RoPE rotates pairs of channels",
-            hint="change dim or n_heads so that dim / n_heads is even",
-        )
-    if m["n_heads"] % m["n_kv_heads"] != 0:
-        raise ConfigError(
-            f"model.n_heads={m['n_heads']} is not divisible by "
-            f"model.n_kv_heads={m['n_kv_heads']}",
-            expected="n_heads to be a multiple of n_kv_heads (grouped-query attention)",
-            hint="set n_kv_heads to a divisor of n_heads (n_kv_heads = n_heads disables GQA)",
-        )
+def origin_of_model_section(section: dict[str, Any], depth: int = 0) -> Origin:
+    """The `Origin` of a config's ``model`` section (a preset, or an init_from chain)."""
+    if depth > _MAX_CHAIN:
+        raise ConfigError("model.init_from leads through more than "
+                          f"{_MAX_CHAIN} runs (a cycle?)")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    if set(section) - known:
+        raise ConfigError(f"model section {section!r} has unknown keys "
+                          f"{sorted(set(section) - known)}")
+    mc = ModelConfig(**section)
+    args = mc.resolve()
+    if not mc.init_from:
+        return Origin(args)
+    inner = origin(parse_init_from(mc.init_from), depth + 1)
+    return Origin(args, inner.hf_config, inner.assets)
 
+
+def origin(src: InitSource, depth: int = 0) -> Origin:
+    """Shape, Hugging Face config and tokenizer folder of an init_from source."""
+    if src.kind == "hf":
+        return hf_origin(src.path)
+    found = imported_origin(src.path, read_checkpoint_manifest(src.path))
+    if found is not None:
+        return found
+    run_root = src.path.parent.parent  # <run>/checkpoints/step-NNNNNNNN
+    if not (run_root / RUN_CONFIG).is_file():
+        raise ConfigError(f"{str(src.path)!r} records no model shape and is not inside a run "
+                          f"directory (no {RUN_CONFIG} two levels up)",
+                          hint="name a checkpoint of a run, or the output of `hpctrain import hf`")
+    return origin_of_model_section(run_model_section(run_root), depth)
+
+
+@lru_cache(maxsize=32)
+def _cached_args(text: str, stamp: tuple[int, ...]) -> Any:
+    return origin(parse_init_from(text)).args
+
+
+def init_from_args(text: str) -> Any:
+    """The shape an init_from source implies (cached per source file version)."""
+    src = parse_init_from(text)
+    probe: Path = src.path / (CONFIG if src.kind == "hf" else MANIFEST)
+    st = probe.stat()
+    return _cached_args(text, (st.st_mtime_ns, st.st_size))

@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Collection
 
 import torch
+from torch import nn
 
 from hpctrain.errors import ConfigError
-from hpctrain.models.llama import KVCache, Transformer
+from hpctrain.models.registry import family_of
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -40,12 +41,12 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *,
+def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              stop_ids: Collection[int] = (), generator: torch.Generator | None = None
              ) -> list[int]:
     """The tokens that follow ``prompt`` (at most ``max_new_tokens``; a stop id ends the
-    continuation and is included)."""
+    continuation and is included); ``model`` is of a family with a KV cache."""
     if not prompt:
         raise ConfigError("the prompt encodes to no tokens", hint="give a non-empty --prompt")
     limit = model.args.max_seq_len
@@ -53,8 +54,12 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *,
     if len(prompt) >= limit:
         raise ConfigError(f"the prompt has {len(prompt)} tokens, the model at most {limit}",
                           hint="shorten the prompt")
-    device = model.tok_embeddings.weight.device
-    cache = KVCache.for_model(model, batch=1, max_len=total)
+    family = family_of(model)
+    if family.kv_cache is None:
+        raise ConfigError(f"model family {family.name!r} cannot generate",
+                          expected="a family with a KV cache (ModelFamily.kv_cache)")
+    device = next(model.parameters()).device
+    cache = family.kv_cache(model, 1, total)
     logits = model(torch.tensor([prompt], device=device), cache=cache)
     out: list[int] = []
     while len(prompt) + len(out) < total:

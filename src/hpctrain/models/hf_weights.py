@@ -1,23 +1,18 @@
-"""Hugging Face safetensors weights, read box by box and written tensor by tensor.
-
-Names: ``model.layers.3.self_attn.q_proj.weight`` is hpctrain's ``layers.3.attention.wq.weight``
-(`to_hpctrain_name`, `to_hf_name`). Hugging Face rotates the two halves of each head
-(``rotate_half``), hpctrain (like Meta's checkpoints) adjacent channel pairs, so the rows of
-q and k (weights and Qwen2's biases) are permuted within each head on the way in and back on
-the way out; a permutation, so the round trip is exact.
+"""Hugging Face model folders: ``config.json``, and safetensors weights read box by box and
+written tensor by tensor.
 
 `HFWeights` reads a folder (``model.safetensors``, or shards and ``model.safetensors.index.json``)
 through ``safe_open(...).get_slice``: memory-mapped, and a caller asks for a box (offset and
 size per dimension), the part of a parameter its rank holds, so no rank reads or holds the whole
-model. `write_safetensors` writes shards from a stream of tensors, one tensor in memory at a
-time, with the index when there is more than one shard.
+model. Which tensor is which, and how its rows are laid out, is the model family's Hugging Face
+mapping (``ModelFamily.hf``). `write_safetensors` writes shards from a stream of tensors, one
+tensor in memory at a time, with the index when there is more than one shard.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -27,97 +22,49 @@ from typing import Any
 import torch
 
 from hpctrain.errors import ConfigError
-from hpctrain.models.sizes import ModelArgs
+from hpctrain.models.spec import HFMapping, ModelFamily
 
+CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-_GLOBAL = {"model.embed_tokens.weight": "tok_embeddings.weight",
-           "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
-_LAYER = {
-    "self_attn.q_proj.weight": "attention.wq.weight",
-    "self_attn.q_proj.bias": "attention.wq.bias",
-    "self_attn.k_proj.weight": "attention.wk.weight",
-    "self_attn.k_proj.bias": "attention.wk.bias",
-    "self_attn.v_proj.weight": "attention.wv.weight",
-    "self_attn.v_proj.bias": "attention.wv.bias",
-    "self_attn.o_proj.weight": "attention.wo.weight",
-    "mlp.gate_proj.weight": "feed_forward.w1.weight",
-    "mlp.up_proj.weight": "feed_forward.w3.weight",
-    "mlp.down_proj.weight": "feed_forward.w2.weight",
-    "input_layernorm.weight": "attention_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-}
-_LAYER_BACK = {v: k for k, v in _LAYER.items()}
-_GLOBAL_BACK = {v: k for k, v in _GLOBAL.items()}
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_OURS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-# Derived buffers old transformers versions saved; recomputed, never read.
-_DERIVED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 # safetensors dtype names <-> torch
 DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
-def to_hpctrain_name(hf: str) -> str | None:
-    """hpctrain's name for a Hugging Face tensor name, or None if it has none."""
-    if hf in _GLOBAL:
-        return _GLOBAL[hf]
-    m = _HF_LAYER.fullmatch(hf)
-    if m and m[2] in _LAYER:
-        return f"layers.{int(m[1])}.{_LAYER[m[2]]}"
-    return None
+def read_hf_config(folder: Path) -> dict[str, Any]:
+    """The parsed ``config.json`` of a Hugging Face model folder (ConfigError if unusable)."""
+    path = Path(folder) / CONFIG
+    if not Path(folder).is_dir():
+        raise ConfigError(f"{str(folder)!r} is not a directory",
+                          expected="a Hugging Face model folder (config.json + *.safetensors)")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{str(path)!r} does not exist",
+                          expected="a Hugging Face model folder (config.json + *.safetensors)",
+                          hint="download the model with `huggingface-cli download ID "
+                          "--local-dir DIR` on a machine with internet access") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{str(path)!r} cannot be read: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{str(path)!r} holds a JSON {type(raw).__name__}, not a config")
+    return raw
 
 
-def to_hf_name(ours: str) -> str:
-    """The Hugging Face name of an hpctrain parameter name."""
-    if ours in _GLOBAL_BACK:
-        return _GLOBAL_BACK[ours]
-    m = _OURS_LAYER.fullmatch(ours)
-    if not m or m[2] not in _LAYER_BACK:
-        raise KeyError(f"{ours!r} has no Hugging Face name")
-    return f"model.layers.{int(m[1])}.{_LAYER_BACK[m[2]]}"
+def _family_of(args: Any) -> ModelFamily:
+    """The registered family of shape ``args`` (imported late: the families import this module)."""
+    from hpctrain.models.registry import family_of_args
+
+    return family_of_args(args)
 
 
-def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every parameter of ``Transformer(args)`` by hpctrain name (a tied output once, as the
-    embedding), with its full shape."""
-    d, q, kv, f = args.dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, \
-        args.ffn_dim
-    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (args.vocab_size, d),
-                                          "norm.weight": (d,)}
-    if not args.tie_embeddings:
-        shapes["output.weight"] = (args.vocab_size, d)
-    for i in range(args.n_layers):
-        p = f"layers.{i}."
-        shapes.update({p + "attention.wq.weight": (q, d), p + "attention.wk.weight": (kv, d),
-                       p + "attention.wv.weight": (kv, d), p + "attention.wo.weight": (d, q),
-                       p + "feed_forward.w1.weight": (f, d), p + "feed_forward.w3.weight": (f, d),
-                       p + "feed_forward.w2.weight": (d, f), p + "attention_norm.weight": (d,),
-                       p + "ffn_norm.weight": (d,)})
-        if args.qkv_bias:
-            shapes.update({p + "attention.wq.bias": (q,), p + "attention.wk.bias": (kv,),
-                           p + "attention.wv.bias": (kv,)})
-    return shapes
-
-
-def rotary_heads(name: str, args: ModelArgs) -> int | None:
-    """Heads whose rows are permuted between the two layouts (q and k), else None."""
-    if name.endswith(("attention.wq.weight", "attention.wq.bias")):
-        return args.n_heads
-    if name.endswith(("attention.wk.weight", "attention.wk.bias")):
-        return args.n_kv_heads
-    return None
-
-
-def from_hf_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows of ``heads`` whole heads from Hugging Face's half-split order to adjacent pairs."""
-    hd = t.shape[0] // heads
-    return t.reshape(heads, 2, hd // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
-
-
-def to_hf_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows of ``heads`` whole heads from adjacent pairs to Hugging Face's half-split order."""
-    hd = t.shape[0] // heads
-    return t.reshape(heads, hd // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+def hf_mapping(args: Any) -> HFMapping:
+    """The Hugging Face mapping of the family of shape ``args`` (ConfigError if it has none)."""
+    family = _family_of(args)
+    if family.hf is None:
+        raise ConfigError(f"model family {family.name!r} has no Hugging Face mapping",
+                          expected="a family with import/export (see hpctrain.models.registry)")
+    return family.hf
 
 
 def _plain_file(folder: Path, name: object, where: Path) -> Path:
@@ -174,7 +121,7 @@ class _Slot:
 class HFWeights:
     """The weights of a Hugging Face model folder, read in boxes by hpctrain parameter name."""
 
-    def __init__(self, folder: Path, args: ModelArgs):
+    def __init__(self, folder: Path, args: Any):
         try:
             import safetensors  # noqa: F401
         except ImportError:
@@ -182,28 +129,31 @@ class HFWeights:
                               hint="pip install safetensors") from None
         self.folder = Path(folder)
         self.args = args
+        self.hf = hf = hf_mapping(args)
         files = weight_files(self.folder)
         # Before anything is sized from config.json (a hostile one may say 10**9 layers): the
-        # files must hold as many layers as it says, and every tensor the shape it implies.
-        # (Fewer layers than the files hold: the extra tensors are named below.)
-        layers = {int(m[1]) for hf in files if (m := _HF_LAYER.fullmatch(hf))}
-        if args.n_layers > len(layers):
+        # files must hold as many blocks as it says, and every tensor the shape it implies.
+        # (Fewer blocks than the files hold: the extra tensors are named below.)
+        blocks = f"{_family_of(args).blocks}."
+        held = {ours[len(blocks):].split(".", 1)[0] for name in files
+                if (ours := hf.to_ours(name)) is not None and ours.startswith(blocks)}
+        if args.n_layers > len(held):
             raise ConfigError(f"config.json of {str(self.folder)!r} says {args.n_layers} "
-                              f"layers, its weights hold {len(layers)}",
+                              f"layers, its weights hold {len(held)}",
                               hint="the weights and config.json do not match")
-        self.shapes = expected_shapes(args)
+        self.shapes = hf.shapes(args)
         self._slots: dict[str, _Slot] = {}
         self._open: dict[Path, Any] = {}
         extra = []
-        for hf, path in files.items():
-            ours = to_hpctrain_name(hf)
+        for name, path in files.items():
+            ours = hf.to_ours(name)
             if ours is None:
-                if not _DERIVED.fullmatch(hf):
-                    extra.append(hf)
+                if not hf.derived(name):
+                    extra.append(name)
             elif ours in self.shapes:
-                self._slots[ours] = _Slot(path, hf)
-            elif not (ours == "output.weight" and args.tie_embeddings):
-                extra.append(hf)  # a tied model's lm_head copy is the embedding: not read
+                self._slots[ours] = _Slot(path, name)
+            elif not (args.tie_embeddings and ours in hf.tied):
+                extra.append(name)  # a tied model's output copy is the embedding: not read
         if extra:
             raise ConfigError(f"{str(self.folder)!r} holds tensors hpctrain's model has no "
                               f"place for: {', '.join(sorted(extra)[:5])}",
@@ -212,7 +162,7 @@ class HFWeights:
                               "has parts hpctrain does not compute")
         missing = sorted(set(self.shapes) - set(self._slots))
         if missing:
-            raise ConfigError(f"{str(self.folder)!r} lacks {to_hf_name(missing[0])}"
+            raise ConfigError(f"{str(self.folder)!r} lacks {hf.to_hf(missing[0])}"
                               + (f" and {len(missing) - 1} more tensors" if len(missing) > 1
                                  else ""), hint="the download is incomplete")
         for name, slot in self._slots.items():
@@ -252,7 +202,7 @@ class HFWeights:
         full = self._check_shape(name, slot)
         sl = self._handle(slot.path).get_slice(slot.hf_name)
         offset, size = list(offset), list(size)
-        heads = rotary_heads(name, self.args)
+        heads = self.hf.permuted_heads(name, self.args)
         lo, hi = offset[0], offset[0] + size[0]
         if heads is not None:
             # Whole heads (the permutation stays inside a head), then the asked rows of them.
@@ -267,7 +217,7 @@ class HFWeights:
                               f"{e}") from None
         self.bytes_read += t.numel() * t.element_size()
         if heads is not None:
-            t = from_hf_rows(t, (hi - lo) // hd)[offset[0] - lo: offset[0] - lo + size[0]]
+            t = self.hf.from_hf_rows(t, (hi - lo) // hd)[offset[0] - lo: offset[0] - lo + size[0]]
         return t
 
     def read_full(self, name: str) -> torch.Tensor:

@@ -8,7 +8,9 @@
 The shape comes with the weights: from ``config.json`` (`hpctrain.models.hf_config`), from the
 ``model_args`` an import records in its checkpoint manifest, or from the ``config/config.yaml``
 of the run a checkpoint belongs to. So do the original Hugging Face config and the folder
-holding the tokenizer files, which export writes back out (`origin`).
+holding the tokenizer files, which export writes back out (`Origin`). This module reads
+each kind of source; following a run's config (whose own ``init_from`` may name another
+source) is ``hpctrain.models.config.origin``'s, so this module needs nothing of the config.
 """
 
 from __future__ import annotations
@@ -16,15 +18,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
 from hpctrain.errors import ConfigError
-from hpctrain.models.hf_config import CONFIG, args_from_hf_config, read_hf_config
-from hpctrain.models.sizes import ModelArgs, RopeScaling
+from hpctrain.models.hf_weights import CONFIG, read_hf_config
+from hpctrain.models.registry import DEFAULT, family_for_hf, get_family
 
 HF_PREFIX = "hf:"
 MANIFEST = "manifest.json"  # the checkpoint manifest (hpctrain.checkpoint.manifest.MANIFEST)
@@ -32,7 +33,6 @@ RUN_CONFIG = Path("config") / "config.yaml"  # a run's resolved config, from its
 # The tokenizer (and generation) files of a Hugging Face folder that travel with its weights.
 ASSET_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                "tokenizer.model", "generation_config.json", "chat_template.jinja")
-_MAX_CHAIN = 8  # init_from of a run whose own init_from ... (a cycle ends here)
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class InitSource:
 class Origin:
     """A model's shape, and what an export needs of where it came from."""
 
-    args: ModelArgs
+    args: Any  # the shape, an instance of its family's args_class
     hf_config: dict[str, Any] | None = None  # the imported model's config.json
     assets: Path | None = None  # folder holding its tokenizer files (ASSET_FILES)
 
@@ -73,33 +73,19 @@ def parse_init_from(text: str) -> InitSource:
     return InitSource("checkpoint", path)
 
 
-def args_to_json(args: ModelArgs) -> dict[str, Any]:
-    """`ModelArgs` as plain JSON (what an import records in its manifest)."""
+def args_to_json(args: Any) -> dict[str, Any]:
+    """A shape as plain JSON (what an import records in its manifest)."""
     return dataclasses.asdict(args)
 
 
-def args_from_json(raw: object, where: str) -> ModelArgs:
-    """`ModelArgs` back from `args_to_json`'s output (read as untrusted input)."""
-    fields = {f.name: f.type for f in dataclasses.fields(ModelArgs)}
-    if not isinstance(raw, dict) or set(raw) - set(fields):
-        raise ConfigError(f"{where}: model_args = {raw!r} is not a model shape")
-    raw = dict(raw)
-    scaling = raw.get("rope_scaling")
-    try:
-        if scaling is not None:
-            raw["rope_scaling"] = RopeScaling(**scaling)
-        args = ModelArgs(**raw)
-    except TypeError as e:
-        raise ConfigError(f"{where}: model_args = {raw!r} is not a model shape: {e}") from None
-    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
-                 "max_seq_len"):
-        value = getattr(args, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{where}: model_args.{name} = {value!r} is not a positive integer")
-    return args
+def args_from_json(raw: object, where: str, family: object = DEFAULT) -> Any:
+    """A shape of ``family`` back from `args_to_json`'s output (read as untrusted input)."""
+    if not isinstance(family, str):
+        raise ConfigError(f"{where}: model_family = {family!r} is not a family name")
+    return get_family(family).args_from_json(raw, where)
 
 
-def _manifest(path: Path) -> dict[str, Any]:
+def read_checkpoint_manifest(path: Path) -> dict[str, Any]:
     try:
         raw = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -122,53 +108,21 @@ def run_model_section(run_root: Path) -> dict[str, Any]:
     return raw["model"]
 
 
-def origin_of_model_section(section: dict[str, Any], depth: int = 0) -> Origin:
-    """The `Origin` of a config's ``model`` section (a preset, or an init_from chain)."""
-    from hpctrain.models.config import ModelConfig  # which imports this module
-
-    if depth > _MAX_CHAIN:
-        raise ConfigError("model.init_from leads through more than "
-                          f"{_MAX_CHAIN} runs (a cycle?)")
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    if set(section) - known:
-        raise ConfigError(f"model section {section!r} has unknown keys "
-                          f"{sorted(set(section) - known)}")
-    mc = ModelConfig(**section)
-    args = mc.resolve()
-    if not mc.init_from:
-        return Origin(args)
-    inner = origin(parse_init_from(mc.init_from), depth + 1)
-    return Origin(args, inner.hf_config, inner.assets)
+def hf_origin(path: Path) -> Origin:
+    """Shape, config and tokenizer folder of a Hugging Face model folder."""
+    raw = read_hf_config(path)
+    where = str(path / CONFIG)
+    family = family_for_hf(raw, where)
+    return Origin(family.hf.args_from_config(raw, where), raw, path)
 
 
-def origin(src: InitSource, depth: int = 0) -> Origin:
-    """Shape, Hugging Face config and tokenizer folder of an init_from source."""
-    if src.kind == "hf":
-        raw = read_hf_config(src.path)
-        return Origin(args_from_hf_config(raw, str(src.path / CONFIG)), raw, src.path)
-    manifest = _manifest(src.path)
-    where = str(src.path / MANIFEST)
-    if "model_args" in manifest:  # written by `hpctrain import hf`
-        hf = manifest.get("hf_config")
-        if hf is not None and not isinstance(hf, dict):
-            raise ConfigError(f"{where}: hf_config is not a config")
-        return Origin(args_from_json(manifest["model_args"], where), hf, src.path)
-    run_root = src.path.parent.parent  # <run>/checkpoints/step-NNNNNNNN
-    if not (run_root / RUN_CONFIG).is_file():
-        raise ConfigError(f"{str(src.path)!r} records no model shape and is not inside a run "
-                          f"directory (no {RUN_CONFIG} two levels up)",
-                          hint="name a checkpoint of a run, or the output of `hpctrain import hf`")
-    return origin_of_model_section(run_model_section(run_root), depth)
-
-
-@lru_cache(maxsize=32)
-def _cached_args(text: str, stamp: tuple[int, ...]) -> ModelArgs:
-    return origin(parse_init_from(text)).args
-
-
-def init_from_args(text: str) -> ModelArgs:
-    """The shape an init_from source implies (cached per source file version)."""
-    src = parse_init_from(text)
-    probe = src.path / (CONFIG if src.kind == "hf" else MANIFEST)
-    st = probe.stat()
-    return _cached_args(text, (st.st_mtime_ns, st.st_size))
+def imported_origin(path: Path, manifest: dict[str, Any]) -> Origin | None:
+    """The `Origin` an import recorded in its checkpoint manifest (None: not an import)."""
+    if "model_args" not in manifest:  # written by `hpctrain import hf`
+        return None
+    where = str(path / MANIFEST)
+    hf = manifest.get("hf_config")
+    if hf is not None and not isinstance(hf, dict):
+        raise ConfigError(f"{where}: hf_config is not a config")
+    args = args_from_json(manifest["model_args"], where, manifest.get("model_family", DEFAULT))
+    return Origin(args, hf, path)

@@ -1,6 +1,7 @@
 """Data parallelism: DDP (replicas), FSDP2 (shards) and HSDP (replicas of FSDP shard groups).
 
-FSDP shards each block and then the root (embedding, final norm, output layer), over the mesh
+FSDP shards each of the model family's FSDP units (by default its blocks) and then the root
+(whatever is left: for a language model the embedding, final norm and output layer), over the mesh
 axis ``dp_shard``, or over ``(dp_replicate, dp_shard)`` for HSDP: parameters are sharded inside a
 replica group, gradients reduce-scattered inside it and all-reduced across replicas. With tensor
 parallelism the parameters are already DTensors on the ``tp`` axis and FSDP shards them further
@@ -14,6 +15,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+
+from hpctrain.models.registry import family_of
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -29,7 +32,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: str,
                reshard_after_forward: bool, reduce_precision: str = "fp32", *,
                last_block_gathered: bool = False, prefetch: int = 0,
                group_blocks: int = 1) -> None:
-    """Shard ``model``'s blocks, ``group_blocks`` consecutive ones per FSDP unit, then its root,
+    """Shard ``model``'s FSDP units (its family's; by default its blocks), ``group_blocks``
+    consecutive ones per FSDP unit, then its root,
     in place (parameters may be on meta); forward in ``precision``, gradients reduced and
     accumulated in ``reduce_precision``.
 
@@ -44,7 +48,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: str,
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[precision],
                               reduce_dtype=DTYPES[reduce_precision])
     shard_mesh = dp_mesh(mesh)
-    blocks = [block for block in model.layers if block is not None]
+    blocks = family_of(model).fsdp_modules(model)
     units = [blocks[i:i + group_blocks] for i in range(0, len(blocks), group_blocks)]
     for i, unit in enumerate(units):
         last = i == len(units) - 1

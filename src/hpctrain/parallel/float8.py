@@ -4,12 +4,12 @@
         train.fp8_recipe=tensorwise --nproc 8
 
 Parameters, optimizer state, gradients and every other op stay as with bf16 (FSDP casts the
-parameters to bf16, autocast where bf16 uses autocast); only the matmuls of attention (wq, wk,
-wv, wo) and the FFN (w1, w2, w3) cast their inputs, weights and output gradients to float8 with
-dynamic scales (torchao's ``Float8Linear``). The embedding and the output layer stay in bf16, as
-torchtitan's float8 configs keep the output layer (``filter_fqns = ["output"]``; its command
-line's default converts it too): the output layer's logits feed the loss and are the most
-sensitive to rounding.
+parameters to bf16, autocast where bf16 uses autocast); only the matmuls inside the model's
+blocks (for Llama: attention's and the FFN's) cast their inputs, weights and output gradients to
+float8 with dynamic scales (torchao's ``Float8Linear``). The embedding and the output layer stay
+in bf16, as torchtitan's float8 configs keep the output layer (its ``filter_fqns``; its command
+line's default converts it too): the output layer's logits feed the loss and are the
+most sensitive to rounding.
 
 Recipes (``train.fp8_recipe``), torchao's names:
 
@@ -24,7 +24,7 @@ Recipes (``train.fp8_recipe``), torchao's names:
 
 The conversion runs first, before tensor parallelism, activation checkpointing, compile and
 FSDP (``parallelize.py``), as torchtitan does: each later transform then wraps float8 layers.
-It keeps the parameter names (``...wq.weight``), so checkpoints move freely between fp8 and bf16
+It keeps the parameter names, so checkpoints move freely between fp8 and bf16
 runs. Float8 matmuls need a CUDA GPU of compute capability 8.9 or newer (H100, H200, L40S);
 ``train.fp8_emulate=true`` computes them in emulation on any device (tests and CPU debugging,
 slow). Needs ``pip install torchao`` (the ``fp8`` extra).
@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -42,6 +43,7 @@ import torch
 from torch import nn
 
 from hpctrain.errors import ConfigError
+from hpctrain.models.registry import family_of
 
 log = logging.getLogger("hpctrain.parallel")
 
@@ -72,9 +74,13 @@ def float8_all_gather(fp8: Float8Training | None, strategy: str, dp_shard: int) 
             and dp_shard > 1)
 
 
-def is_block_linear(module: nn.Module, fqn: str) -> bool:
-    """Whether the Linear at ``fqn`` belongs to a transformer block (attention or FFN)."""
-    return isinstance(module, nn.Linear) and fqn.split(".", 1)[0] == "layers"
+def block_linear_filter(blocks: str) -> Callable[[nn.Module, str], bool]:
+    """Whether the module at ``fqn`` is a Linear inside the blocks (the model's ModuleList
+    attribute ``blocks``)."""
+    def is_block_linear(module: nn.Module, fqn: str) -> bool:
+        return isinstance(module, nn.Linear) and fqn.split(".", 1)[0] == blocks
+
+    return is_block_linear
 
 
 def check_float8_device(device: torch.device, emulate: bool) -> None:
@@ -117,12 +123,14 @@ def import_float8() -> ModuleType:
 
 
 def convert_to_float8(model: nn.Module, fp8: Float8Training, *, all_gather: bool) -> list[str]:
-    """Swap the block Linears of ``model`` (on any device, meta included) for torchao's
-    Float8Linear in place; returns the names of the converted modules."""
+    """Swap the Linears inside the blocks of ``model`` (or of a pipeline stage of it; on any
+    device, meta included) for torchao's Float8Linear in place; returns the names of the
+    converted modules."""
     if fp8.recipe not in FP8_RECIPES:
         raise ConfigError(f"train.fp8_recipe = {fp8.recipe!r} is not a float8 recipe",
                           expected=f"one of: {', '.join(FP8_RECIPES)}")
     float8 = import_float8()
+    is_block_linear = block_linear_filter(family_of(model).blocks)
     targets = [name for name, m in model.named_modules() if is_block_linear(m, name)]
     if not fp8.emulate:
         for name in targets:

@@ -1,8 +1,9 @@
 """The degrees of every parallelism axis, and every rule they must obey, checked before training.
 
 ``mesh_degrees`` needs only the ``parallel:`` section and the world size (it shapes the device
-mesh); ``check_layout`` adds the rules that involve the model and the batch: heads, KV heads, FFN
-width, vocabulary and sequence length divisible by ``tp``; layers enough for
+mesh); ``check_layout`` adds the rules that involve the model and the batch: every size the
+model family's tensor-parallel plan splits (for Llama: heads, KV heads, FFN width, vocabulary,
+sequence length) divisible by ``tp``; layers enough for
 the stages; the data-parallel batch divisible into pipeline micro-batches the schedule accepts.
 Each refusal says what to change.
 """
@@ -10,14 +11,14 @@ Each refusal says what to change.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hpctrain.errors import ConfigError
+from hpctrain.models.registry import family_of_args
 from hpctrain.parallel.config import ZERO_BUBBLE_SCHEDULES, ParallelConfig
 
 if TYPE_CHECKING:
     from hpctrain.config import JobConfig
-    from hpctrain.models.sizes import ModelArgs
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,12 @@ def check_layout(cfg: JobConfig, world_size: int) -> ParallelLayout:
             hint="set model.tie_embeddings=false",
         )
     check_loss_chunks(tc.loss_chunks, tp, pp)
+    family = family_of_args(args)
+    if tc.loss_chunks and not family.chunked_loss:
+        raise ConfigError(
+            f"train.loss_chunks = {tc.loss_chunks} with model.family = {family.name}",
+            expected="train.loss_chunks = 0: this family's forward does not compute the loss "
+            "itself", hint="set train.loss_chunks=0")
     if pc.strategy == "ddp" and (tp > 1 or pp > 1):
         raise ConfigError(
             f"parallel.strategy = ddp with parallel.tp = {tp}, parallel.pp = {pp}",
@@ -149,18 +156,15 @@ def check_loss_chunks(loss_chunks: int, tp: int, pp: int) -> None:
         )
 
 
-def check_tensor_parallel(args: ModelArgs, seq_len: int, tp: int) -> None:
-    """Refuse a ``tp`` that does not divide every size it splits (training and the planner)."""
-    rules = (
-        ("model.n_heads", args.n_heads, "the attention heads are split over tp ranks"),
-        ("model.n_kv_heads", args.n_kv_heads, "the key/value heads are split over tp ranks"),
-        ("model.ffn_dim", args.ffn_dim, "the FFN's hidden width is split over tp ranks"),
-        ("model.vocab_size", args.vocab_size, "the output layer and the loss are split along "
-         "the vocabulary"),
-        ("data.seq_len", seq_len, "norms and residuals are split along the sequence "
-         "(sequence parallelism)"),
-    )
-    for key, value, why in rules:
+def check_tensor_parallel(args: Any, seq_len: int, tp: int) -> None:
+    """Refuse a ``tp`` that does not divide every size it splits, or a model family without
+    a tensor-parallel plan (training and the planner)."""
+    family = family_of_args(args)
+    if family.tensor_plan is None:
+        raise ConfigError(f"parallel.tp = {tp} with model.family = {family.name}",
+                          expected=f"parallel.tp = 1: the {family.name} family has no "
+                          "tensor-parallel plan", hint="set parallel.tp=1")
+    for key, value, why in family.tp_splits(args, seq_len):
         if value % tp:
             divisors = [d for d in range(2, value + 1) if value % d == 0][:4]
             raise ConfigError(

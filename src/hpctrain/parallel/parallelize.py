@@ -1,9 +1,11 @@
 """The one function that spreads a model over the mesh, applying every transform in a fixed order.
 
-Per model part (the whole model, or each pipeline stage this rank holds), as in torchtitan:
+Per model part (the whole model, or each pipeline stage this rank holds), as in torchtitan, with
+what the model's family says (``hpctrain.models.spec``: its blocks, tensor-parallel plan, FSDP
+units, stage costs):
 
 0. with ``train.precision=fp8`` the blocks' Linears become float8 Linears (``parallel/float8.py``);
-1. tensor parallelism (``parallel/tensor.py``) shards heads, FFN and vocabulary over ``tp``
+1. tensor parallelism (``parallel/tensor.py``) shards the model by its family's plan over ``tp``
    (with ``parallel.async_tp``, the compile of step 3 overlaps its collectives with the matmuls);
 2. activation checkpointing wraps each block (whole, or op by op: ``parallel/selective_ac.py``);
 3. each block is compiled (so the compiled graph includes the recomputation and the TP
@@ -32,7 +34,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 
-from hpctrain.models.flops import count_params
+from hpctrain.models.registry import family_of
+from hpctrain.models.spec import ModelFamily
 from hpctrain.parallel.config import ParallelConfig
 from hpctrain.parallel.data import DTYPES, apply_ddp, apply_fsdp
 from hpctrain.parallel.float8 import (
@@ -53,7 +56,7 @@ from hpctrain.parallel.pipeline import (
     split_model,
 )
 from hpctrain.parallel.selective_ac import selective_checkpoint
-from hpctrain.parallel.stages import balance_stages, module_costs
+from hpctrain.parallel.stages import balance_stages
 from hpctrain.parallel.tensor import apply_tensor_parallel, enable_async_tp
 
 log = logging.getLogger("hpctrain.parallel")
@@ -101,7 +104,9 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout, m
     else:
         fp8 = None
     gather8 = float8_all_gather(fp8, cfg.strategy, layout.dp_shard)
-    params = count_params(model.args, include_embedding=True)
+    family = family_of(model)
+    args = model.args
+    params = family.count_params(args, include_embedding=True)
     # As the config's load does, for callers that skip it.
     cfg.check_precision(precision, params, master_weights)
     log.info("mixed precision: %s",
@@ -119,27 +124,27 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout, m
         log.info("async TP: the compiled blocks fuse their TP collectives into the matmuls "
                  "(symmetric memory on the %d-rank TP group)", layout.tp)
     if layout.pp == 1:
-        return Parallelized(_parallelize_part(model, cfg, layout, mesh, device, precision, seed,
-                                              fp8, gather8, casts), float8_scales=gather8,
-                            autocast=autocast)
+        return Parallelized(_parallelize_part(model, family, cfg, layout, mesh, device,
+                                              precision, seed, fp8, gather8, casts),
+                            float8_scales=gather8, autocast=autocast)
     if loss_fn is None:
         raise ValueError("pipeline parallelism needs the loss function")
-    args = model.args
     bounds = balance_stages(args.n_layers, layout.num_stages,
-                            module_costs(args, seq_len, microbatch_tokens))
+                            family.stage_costs(args, seq_len, microbatch_tokens))
     parts = split_model(model, layout, mesh.get_local_rank("pp"), bounds)
     stages = []
     for s, part in parts:
         if autocast is not None:
             autocast_forward(part, device.type, autocast)
-        stages.append((s, _parallelize_part(part, cfg, layout, mesh, device, precision, seed,
-                                            fp8, gather8, casts)))
-    union = StageUnion([part for _, part in parts], args.n_layers)
+        stages.append((s, _parallelize_part(part, family, cfg, layout, mesh, device, precision,
+                                            seed, fp8, gather8, casts)))
+    union = StageUnion([part for _, part in parts], args.n_layers, family)
     return Parallelized(union, build_pipeline(stages, layout, mesh["pp"], device, loss_fn,
                                               bounds), float8_scales=gather8, autocast=autocast)
 
 
-def _parallelize_part(model: nn.Module, cfg: ParallelConfig, layout: ParallelLayout,
+def _parallelize_part(model: nn.Module, family: ModelFamily, cfg: ParallelConfig,
+                      layout: ParallelLayout,
                       mesh: DeviceMesh, device: torch.device, precision: str,
                       seed: int, fp8: Float8Training | None, gather8: bool,
                       fsdp_casts: bool) -> nn.Module:
@@ -150,7 +155,7 @@ def _parallelize_part(model: nn.Module, cfg: ParallelConfig, layout: ParallelLay
                  "; FSDP gathers their weights in float8" if gather8 else "")
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
-    blocks: nn.ModuleList = model.layers
+    blocks = family.block_list(model)
     for i, block in enumerate(list(blocks)):
         if block is None:  # held by another pipeline stage
             continue

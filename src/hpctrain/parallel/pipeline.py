@@ -1,11 +1,11 @@
 """Pipeline parallelism on ``torch.distributed.pipelining``: stages, schedule, loss, bubble.
 
 The model is cut into ``pp x stages_per_rank`` stages of consecutive blocks; the first stage also
-holds the embedding, the last the final norm and the output layer. Each stage is the model class
-itself with the parts it does not hold set to None, so parameter names stay canonical
-(``layers.7.attention.wq.weight`` on whichever stage holds block 7) and checkpoints reshard to any
-other layout. Stages are balanced by modelled cost, the embedding and the output layer included
-(``parallel/stages.py``).
+holds the modules before the blocks (its family's ``first``: the embedding), the last those after
+them (``last``: the final norm and the output layer). Each stage is the model class itself with
+the parts it does not hold set to None, so parameter names stay canonical (block 7's parameters
+keep their names on whichever stage holds block 7) and checkpoints reshard to any other layout.
+Stages are balanced by modelled cost, the first and last parts included (``parallel/stages.py``).
 
 Each optimizer step's batch per data-parallel rank flows through the schedule as micro-batches;
 the loss is computed on the last stage, each micro-batch's summed token loss divided by the
@@ -33,6 +33,8 @@ from torch.distributed.pipelining import (
 )
 
 from hpctrain.errors import ConfigError
+from hpctrain.models.registry import family_of
+from hpctrain.models.spec import ModelFamily
 from hpctrain.parallel.layout import ParallelLayout
 from hpctrain.parallel.stages import bubble_estimate, stage_indices
 
@@ -48,18 +50,21 @@ SCHEDULES = {
 def split_model(model: nn.Module, layout: ParallelLayout, pp_rank: int,
                 bounds: tuple[int, ...]) -> list[tuple[int, nn.Module]]:
     """This rank's stages of ``model`` (on meta): (stage index, a pruned copy of the model)."""
-    n_layers = len(model.layers)
+    family = family_of(model)
+    n_blocks = len(family.block_list(model))
     parts = []
     for s in stage_indices(pp_rank, layout.pp, layout.stages_per_rank, layout.schedule):
         part = copy.deepcopy(model)
-        for i in range(n_layers):
+        blocks = family.block_list(part)
+        for i in range(n_blocks):
             if not bounds[s] <= i < bounds[s + 1]:
-                part.layers[i] = None
+                blocks[i] = None
         if s != 0:
-            part.tok_embeddings = None
+            for name in family.first:
+                setattr(part, name, None)
         if s != layout.num_stages - 1:
-            part.norm = None
-            part.output = None
+            for name in family.last:
+                setattr(part, name, None)
         parts.append((s, part))
     return parts
 
@@ -68,17 +73,21 @@ class StageUnion(nn.Module):
     """This rank's stages seen as one model under canonical names, for the optimizer and
     checkpoints; it is never run (the schedule runs the stages)."""
 
-    def __init__(self, parts: list[nn.Module], n_layers: int):
+    def __init__(self, parts: list[nn.Module], n_layers: int,
+                 family: ModelFamily | None = None):
         super().__init__()
-        self.tok_embeddings = self.norm = self.output = None
-        self.layers = nn.ModuleList([None] * n_layers)
+        family = family or family_of(parts[0])
+        for name in (*family.first, *family.last):
+            setattr(self, name, None)
+        blocks = nn.ModuleList([None] * n_layers)
+        setattr(self, family.blocks, blocks)
         for part in parts:
-            for name in ("tok_embeddings", "norm", "output"):
+            for name in (*family.first, *family.last):
                 if getattr(part, name) is not None:
                     setattr(self, name, getattr(part, name))
-            for i, block in enumerate(part.layers):
+            for i, block in enumerate(family.block_list(part)):
                 if block is not None:
-                    self.layers[i] = block
+                    blocks[i] = block
 
     def forward(self, *args, **kwargs):
         """Not runnable: pipeline stages run through `Pipeline`."""

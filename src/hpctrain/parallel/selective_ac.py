@@ -9,12 +9,12 @@ decides op by op, as torchtitan's "op" selective AC does:
 - saved: the attention kernel's outputs (SDPA: the costliest op to redo), reduce-scatters of
   tensor parallelism (a collective), and the outputs of matmuls — every one
   (``ac_save_mm: all``: nothing but pointwise ops is recomputed) or every other one in the order
-  the block runs them (``every_other``, the default: per block wq, wv, w1 and w2 are kept, wk, wo
-  and w3 recomputed);
-- recomputed: norms, RoPE, SiLU and products, residual adds, the skipped matmuls.
+  the block runs them (``every_other``, the default: in a Llama block 4 of its 7 matmuls are kept);
+- recomputed: the pointwise work (norms, RoPE, activations, residual adds), the skipped matmuls.
 
 The matmuls are counted separately in the forward and in the recomputation, so both agree on
-which ones were kept. The recomputed matmul FLOPs are ``recomputed_flops_per_token`` (HFU).
+which ones were kept. The recomputed matmul FLOPs are ``recomputed_flops_per_token`` (HFU), as
+the model family counts them (``ModelFamily.recomputed_flops``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from hpctrain.models.sizes import ModelArgs
+from hpctrain.models.registry import family_of_args
 
 SAVE_MM = ("every_other", "all")
 
@@ -72,10 +72,7 @@ def selective_checkpoint(block: nn.Module, save_mm: str = "every_other") -> nn.M
     return checkpoint_wrapper(block, context_fn=context_fn, preserve_rng_state=False)
 
 
-def recomputed_flops_per_token(args: ModelArgs, save_mm: str) -> float:
-    """Matmul FLOPs per token that one block recomputes in backward (pointwise work not
-    counted): wk, wo and w3 with ``every_other``, none with ``all``."""
-    if save_mm == "all":
-        return 0.0
-    kv_dim = args.n_kv_heads * args.head_dim
-    return 2.0 * args.dim * (kv_dim + args.dim + args.ffn_dim)
+def recomputed_flops_per_token(args: Any, save_mm: str) -> float:
+    """Matmul FLOPs per token that one block of the model of shape ``args`` recomputes in
+    backward (pointwise work not counted); none with ``all``."""
+    return family_of_args(args).recomputed_flops(args, save_mm)

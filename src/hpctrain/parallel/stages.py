@@ -1,11 +1,10 @@
 """Where pipeline stages cut the model and what they cost: plain arithmetic, shared by the
 pipeline (``parallel/pipeline.py``) and the planner (``hpctrain plan``).
 
-Stages are balanced by a cost model (``module_costs``): a block costs its training FLOPs per
-token; the head (final norm, output layer, loss) its matmul FLOPs plus the memory-bound loss over
-the ``[tokens, vocab]`` logits; the embedding its memory-bound lookup and dense gradient. Memory
-traffic is converted to FLOP-equivalents at ``FLOPS_PER_BYTE`` (an H100/H200's dense bf16 peak
-over its HBM bandwidth). With the 1b shape the head weighs about two blocks, with 8b about three.
+Stages are balanced by the model family's cost model (``ModelFamily.stage_costs``, through
+``module_costs``): per token, what the parts before the blocks, one block, and the parts after
+them cost, in FLOP-equivalents (memory traffic converted at ``models/costs.py``'s
+``FLOPS_PER_BYTE``).
 
 The zero-bubble schedules' order of actions (``zero_bubble_actions``) is PyTorch's own
 (``ScheduleZBVZeroBubble`` and ``ScheduleInterleavedZeroBubble`` in
@@ -19,29 +18,16 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
+from typing import Any
 
-from hpctrain.models.flops import count_params
-from hpctrain.models.sizes import ModelArgs
-
-# Dense bf16 peak over HBM bandwidth of an H100 SXM (989 TFLOP/s / 3.35 TB/s): what one byte of
-# memory traffic costs in FLOPs of time on a GPU of that balance.
-FLOPS_PER_BYTE = 300.0
-# Bytes moved per logit by the loss in fp32: the upcast, max, exp and sum forward; softmax minus
-# one-hot and the downcast backward (about six fp32 passes).
-LOSS_BYTES_PER_LOGIT = 24.0
+from hpctrain.models.registry import family_of_args
 
 
-def module_costs(args: ModelArgs, seq_len: int, microbatch_tokens: int
+def module_costs(args: Any, seq_len: int, microbatch_tokens: int
                  ) -> tuple[float, float, float]:
-    """Modelled training cost per token, in FLOP-equivalents, of (embedding, one block, head)."""
-    per_layer = (count_params(args, include_embedding=False) - args.dim
-                 - (0 if args.tie_embeddings else args.vocab_size * args.dim)) / args.n_layers
-    block = 6 * per_layer + 12 * args.n_heads * args.head_dim * seq_len
-    head = 6 * args.vocab_size * args.dim + LOSS_BYTES_PER_LOGIT * args.vocab_size * FLOPS_PER_BYTE
-    # Forward reads one bf16 row per token; backward zeroes and accumulates a dense fp32
-    # [vocab, dim] gradient once per micro-batch, shared by its tokens.
-    embedding_bytes = 2 * args.dim + 8 * args.vocab_size * args.dim / max(1, microbatch_tokens)
-    return embedding_bytes * FLOPS_PER_BYTE, block, head
+    """Modelled training cost per token, in FLOP-equivalents, of (the parts before the blocks,
+    one block, the parts after them) of the model of shape ``args``."""
+    return family_of_args(args).stage_costs(args, seq_len, microbatch_tokens)
 
 
 @functools.lru_cache(maxsize=1024)  # the planner sizes many layouts of one model

@@ -1,14 +1,12 @@
 """Tensor parallelism with sequence parallelism (Megatron-style), on PyTorch's DTensor.
 
-Each block: the norms run on a slice of the sequence (``SequenceParallel``); before attention and
-the FFN the sequence is all-gathered, q/k/v and w1/w3 are split by output columns (heads and FFN
-width), wo and w2 by input rows, and their partial sums are reduce-scattered back to sequence
-slices. So the residual stream between blocks is ``[B, T / tp, dim]`` per rank and no activation is
-ever replicated whole. The embedding is split along the vocabulary (a masked lookup, then a
-reduce-scatter onto sequence slices) and so is the output layer, whose logits stay sharded:
-``vocab_parallel_cross_entropy`` computes the loss from the shards (Megatron's
-vocabulary-parallel cross entropy: one all-reduce of a max and one of two sums per token), so the
-``[tokens, vocab]`` logits are never gathered.
+The model family says how its modules split (``ModelFamily.tensor_plan``: Llama's in
+``models/llama/tp_plan.py``): for a language model the residual stream between blocks is
+``[B, T / tp, dim]`` per rank, each block gathers the sequence before its column-split matmuls
+and reduce-scatters the partial sums of its row-split ones, and the output layer's logits stay
+split along the vocabulary: ``vocab_parallel_cross_entropy`` computes the loss from the shards
+(Megatron's vocabulary-parallel cross entropy: one all-reduce of a max and one of two sums per
+token), so the ``[tokens, vocab]`` logits are never gathered.
 
 With ``parallel.async_tp`` (``enable_async_tp``) inductor rewrites, inside each compiled block,
 every all-gather that feeds a matmul and every matmul that feeds a reduce-scatter into one fused
@@ -25,57 +23,31 @@ import torch._inductor.config
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 
 from hpctrain.data.loader import IGNORE_INDEX
 from hpctrain.errors import ConfigError
+from hpctrain.models.registry import family_of
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Shard ``model`` (a whole Transformer or a pipeline stage of one) over ``tp_mesh``."""
-    root: dict[str, nn.Module] = {}
-    if model.tok_embeddings is not None:
-        root["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
-                                                 output_layouts=Shard(1))
-    if model.norm is not None:
-        root["norm"] = SequenceParallel()
-    if model.output is not None:
-        # Local logits [B, T, vocab / tp]: the loss works on the shards.
-        root["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
-                                         use_local_output=True)
+    """Shard ``model`` (a whole model or a pipeline stage of one) over ``tp_mesh`` by its
+    family's tensor-parallel plan."""
+    family = family_of(model)
+    if family.tensor_plan is None:
+        raise ConfigError(f"parallel.tp = {tp_mesh.size()} with model family {family.name!r}",
+                          expected="a family with a tensor-parallel plan",
+                          hint="set parallel.tp=1 (FSDP and pipelines need no plan)")
+    root = {name: style for name, style in family.tensor_plan().root.items()
+            if getattr(model, name.split(".", 1)[0]) is not None}  # a stage may lack it
     if root:
         parallelize_module(model, tp_mesh, root)
-    for block in model.layers:
+    for block in family.block_list(model):
         if block is None:  # a block of another pipeline stage
             continue
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            # The RoPE table (second argument) is a plain tensor every rank holds whole. The
-            # gathered input stays a DTensor (use_local_output off): the partial gradients that
-            # wq, wk and wv (w1 and w3) send back to it are summed locally and reduce-scattered
-            # once onto sequence slices. A local tensor here would make each projection
-            # all-reduce its own: 5 all-reduces per block in backward instead of 2
-            # reduce-scatters (81 ms of an 846 ms 8b TP2 step on H200, all of it exposed).
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                            desired_input_layouts=(Replicate(), None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                               desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        })
+        # A fresh plan per block: a ParallelStyle is applied to one module.
+        parallelize_module(block, tp_mesh, dict(family.tensor_plan().block))
 
 
 def enable_async_tp(tp_mesh: DeviceMesh, device: torch.device) -> None:

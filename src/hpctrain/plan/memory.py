@@ -1,5 +1,10 @@
 """Per-GPU memory of training a Llama-style decoder: states, working buffers and activations.
 
+The activation model below is that of a pre-norm decoder block with grouped-query attention and
+a gated (SwiGLU) FFN: the model families whose spec says so (``ModelFamily.plan_memory``; Llama).
+The block's seven matmuls are, in the order it runs them: the query, key, value and attention
+output projections, the FFN's gate, up and down projections.
+
     hpctrain plan memory --model 1b --strategy fsdp --gpus 4 --micro-batch 4 --seq-len 2048
 
 Exact terms (tested against real modules and a real AdamW on CPU):
@@ -20,9 +25,10 @@ measured peaks ``torch.cuda.max_memory_allocated`` in benchmarks/RESULTS.md, 4x 
   (4 B each under autocast, whose residual stream stays fp32; else the compute dtype: FSDP's
   casts, like bf16 master weights, make the embedding output, hence the residual stream, bf16),
   plus in the compute dtype: two norm outputs (2·dim), q and the attention output (2·dim), k and v
-  (2·kv_dim), w1·x, w3·x and their SwiGLU product (3·ffn_dim), and SDPA's fp32 log-sum-exp per
-  head. Eager mode (no torch.compile) also keeps fp32 RoPE/norm intermediates and the SiLU
-  output: + (6·dim + 2·kv_dim + ffn_dim) elements, fitted on `1b` eager (35.0 GB measured).
+  (2·kv_dim), the FFN's gate and up outputs and their SwiGLU product (3·ffn_dim), and SDPA's
+  fp32 log-sum-exp per head. Eager mode (no torch.compile) also keeps fp32 RoPE/norm
+  intermediates and the SiLU output: + (6·dim + 2·kv_dim + ffn_dim) elements, fitted on `1b`
+  eager (35.0 GB measured).
 - logits: 2 (compiled loss) or 4 (eager fp32 loss) compute-dtype copies of vocab per token.
   With the chunked loss (``train.loss_chunks`` = c, ``hpctrain.models.chunked_loss``) one chunk
   of tokens/c holds its logits in the compute dtype, in fp32 and as a gradient (2e + 4 B per
@@ -30,8 +36,9 @@ measured peaks ``torch.cuda.max_memory_allocated`` in benchmarks/RESULTS.md, 4x 
 - full activation checkpointing keeps only each block's input, plus one block's activations
   while it is recomputed.
 - selective (per-op) checkpointing (``parallel/selective_ac.py``) keeps each block's input, the
-  attention output and log-sum-exp, and the matmul outputs it saves: every other one (those of
-  wq, wv, w1 and w2) or all seven (``ac_save_mm``); with TP the outputs of wo and w2 are whole
+  attention output and log-sum-exp, and the matmul outputs it saves: every other one (query,
+  value, gate, down) or all seven (``ac_save_mm``); with TP the outputs of the attention output
+  and down projections are whole
   partial sums and their reduce-scatters are kept too. Plus one block's activations while it
   is recomputed. Not yet checked against a measured peak.
 - working buffers: autocast's bf16 copies of the weights (saved for backward, no FSDP; in a
@@ -64,7 +71,8 @@ not yet allocated since the optimizer sets them to None) and the end of backward
 Tensor parallelism (``tp``, with sequence parallelism, as ``hpctrain.parallel.tensor`` builds it):
 matrices, embedding and output layer are split tp ways, norm weights are whole on every rank.
 Activations split along the sequence (the residual stream the norms keep) or the heads and FFN
-width (q, k, v, attention output, w1·x, w3·x, their product, the log-sum-exp) are divided by tp;
+width (q, k, v, attention output, the gate and up outputs, their product, the log-sum-exp) are
+divided by tp;
 the two all-gathered norm outputs each projection saves for backward are whole. The loss, at its
 peak, holds the rank's logits, their fp32 copy and the fp32 softmax it keeps for backward
 ((e + 8) B per logit / tp). Checked on 2 H200s (125m, micro-batch 16 x 1024, bf16, PyTorch
@@ -132,7 +140,7 @@ import math
 from dataclasses import dataclass
 
 from hpctrain.errors import ConfigError
-from hpctrain.models import ModelArgs, count_params
+from hpctrain.models import ModelArgs, count_params, family_of_args
 from hpctrain.parallel.config import ZERO_BUBBLE_SCHEDULES
 from hpctrain.parallel.stages import (
     balance_stages,
@@ -147,8 +155,8 @@ from hpctrain.plan.memory_options import MemoryOptions, MemoryPlan
 
 
 def n_param_tensors(args: ModelArgs) -> int:
-    """Number of parameter tensors (each has one AdamW ``step``)."""
-    return 9 * args.n_layers + 2 + (0 if args.tie_embeddings else 1)
+    """Number of parameter tensors (each has one AdamW ``step``), as the model family counts."""
+    return family_of_args(args).param_tensors(args)
 
 
 @dataclass(frozen=True)
@@ -301,8 +309,9 @@ def _weight_pass_layer(args: ModelArgs, opts: MemoryOptions, e: int, r: int) -> 
 
     PyTorch's I (``stage_backward_input``) runs autograd with ``retain_graph=True`` and captures
     the gradient flowing into every node where a weight meets the activations, for W to finish:
-    the seven matmuls' outputs (compute dtype; wq, wk, wv, w1, w3 split over tp, the row-parallel
-    wo's and w2's whole partial sums) and the two norms' outputs (the residual stream's dtype).
+    the seven matmuls' outputs (compute dtype; the query, key, value, gate and up projections'
+    split over tp, the row-parallel attention output and down projections' whole partial sums)
+    and the two norms' outputs (the residual stream's dtype).
     The retained graph also keeps every activation saved in the forward until W.
     """
     d, kv, f, tp = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim, opts.tp
@@ -313,12 +322,12 @@ def _selective_layer(args: ModelArgs, opts: MemoryOptions, e: int, r: int) -> fl
     """Bytes per token one block keeps under selective checkpointing (module docstring)."""
     d, kv, f, tp = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim, opts.tp
     if opts.ac_save_mm == "every_other":
-        split, whole = d + kv + f, d  # wq, wv, w1 split over tp; w2's output
+        split, whole = d + kv + f, d  # query, value, gate split over tp; down's output
     else:
-        split, whole = d + 2 * kv + 2 * f, 2 * d  # wq, wk, wv, w1, w3; wo's and w2's outputs
+        split, whole = d + 2 * kv + 2 * f, 2 * d  # q, k, v, gate, up; attn out's and down's
     saved = r * d / tp + e * (d + split) / tp + 4 * args.n_heads / tp + e * whole
     if tp > 1:
-        saved += e * 2 * d / tp  # the reduce-scatters of wo and w2
+        saved += e * 2 * d / tp  # the reduce-scatters of the attention output and down
     return saved
 
 
@@ -328,6 +337,12 @@ def estimate_memory(args: ModelArgs, opts: MemoryOptions, gpu_bytes: float | Non
 
     With pipeline parallelism every pipeline rank is sized and the largest peak is returned.
     """
+    family = family_of_args(args)
+    if not family.plan_memory:
+        raise ConfigError(f"plan memory has no memory model of the {family.name!r} family",
+                          expected="a family whose spec says plan_memory (a pre-norm decoder "
+                          "with grouped-query attention and a gated FFN, like llama)",
+                          hint="measure a few steps instead (hpctrain bench model, tune)")
     opts.validate(args)
     plans = [_estimate_rank(args, opts, share, gpu_bytes) for share in rank_shares(args, opts)]
     rank = max(range(len(plans)), key=lambda i: plans[i].peak)

@@ -9,7 +9,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from hpctrain.errors import ConfigError
-from hpctrain.models import PRESETS, ModelArgs, count_params
+from hpctrain.models import ModelArgs, count_params, get_family
+from hpctrain.models.registry import DEFAULT
 from hpctrain.parallel.config import (
     MIXED_PRECISION,
     MULTI_STAGE_SCHEDULES,
@@ -194,21 +195,24 @@ class MemoryPlan:
         return self.peak * 1.10 <= self.gpu_bytes
 
 
-def resolve_model(size: str | None, **overrides: int | None) -> ModelArgs:
-    """A preset (``tiny``, ``125m``, ``1b``, ``8b``) with optional shape overrides."""
+def resolve_model(size: str | None, family: str = DEFAULT, **overrides: int | None) -> ModelArgs:
+    """A preset of ``family`` (Llama's: ``tiny``, ``125m``, ``1b``, ``8b``) with optional shape
+    overrides."""
+    spec = get_family(family)
+    presets, args_class = spec.presets, spec.args_class
     if size is None and not all(overrides.get(k) for k in
                                 ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size")):
         raise ConfigError("no model given", expected="--model SIZE or the full shape",
-                          hint=f"sizes: {', '.join(PRESETS)}; or --dim --layers --heads "
+                          hint=f"sizes: {', '.join(presets)}; or --dim --layers --heads "
                           "--ffn-dim --vocab")
-    if size is not None and size not in PRESETS:
-        raise ConfigError(f"unknown model size {size!r}", expected=f"one of {', '.join(PRESETS)}",
+    if size is not None and size not in presets:
+        raise ConfigError(f"unknown model size {size!r}", expected=f"one of {', '.join(presets)}",
                           hint="or give the shape: --dim --layers --heads --ffn-dim --vocab")
     fields = {k: v for k, v in overrides.items() if v is not None}
     if size is None:
         fields.setdefault("n_kv_heads", fields["n_heads"])
-        return ModelArgs(**fields)
-    return dataclasses.replace(PRESETS[size], **fields)
+        return args_class(**fields)
+    return dataclasses.replace(presets[size], **fields)
 
 
 def gpu_memory_bytes(gpu: str) -> float:

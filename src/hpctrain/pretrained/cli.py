@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _import(args: argparse.Namespace) -> None:
-    from hpctrain.models.hf_config import read_hf_config
+    from hpctrain.models.hf_weights import read_hf_config
     from hpctrain.pretrained.import_hf import import_hf
 
     dtype = args.dtype
@@ -190,7 +190,7 @@ def _generate(args: argparse.Namespace) -> None:
     tok = model_tokenizer(source, args.tokenizer, args.eos_token)
     prompt = (chat_prompt(tok.tokenizer, tok.template, args.prompt) if args.chat
               else tok.tokenizer.encode_prompt(args.prompt))
-    generator = torch.Generator(device=model.tok_embeddings.weight.device)
+    generator = torch.Generator(device=next(model.parameters()).device)
     generator.manual_seed(args.seed)
     ids = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, stop_ids=tok.stop_ids,

@@ -25,15 +25,7 @@ from hpctrain.checkpoint.safe_io import load_index
 from hpctrain.data.chat import template_source
 from hpctrain.data.tokenizer import TOKENIZER_CONFIG, TOKENIZER_JSON, HFTokenizer
 from hpctrain.errors import ConfigError
-from hpctrain.models.hf_config import CONFIG, hf_config_from_args
-from hpctrain.models.hf_weights import (
-    HFWeights,
-    expected_shapes,
-    rotary_heads,
-    to_hf_name,
-    to_hf_rows,
-    write_safetensors,
-)
+from hpctrain.models.hf_weights import CONFIG, HFWeights, hf_mapping, write_safetensors
 from hpctrain.models.init_source import ASSET_FILES
 from hpctrain.parallel.data import DTYPES
 from hpctrain.pretrained.source import ModelSource, data_tokenizer
@@ -56,22 +48,23 @@ def export_hf(source: ModelSource, out: Path, dtype: str = "bf16",
         raise ConfigError(f"--out {str(out)!r} already exists",
                           hint="name a new directory (nothing is overwritten)")
     args = source.origin.args
+    hf = hf_mapping(args)
     fetch = _full_tensor_reader(source)
-    entries = [(to_hf_name(name), DTYPES[dtype], shape)
-               for name, shape in expected_shapes(args).items()]
-    names = {to_hf_name(name): name for name in expected_shapes(args)}
+    shapes = hf.shapes(args)
+    entries = [(hf.to_hf(name), DTYPES[dtype], shape) for name, shape in shapes.items()]
+    names = {hf.to_hf(name): name for name in shapes}
 
     def hf_tensor(hf_name: str) -> torch.Tensor:
         name = names[hf_name]
         t = fetch(name)
-        heads = rotary_heads(name, args)
-        return to_hf_rows(t, heads) if heads is not None else t
+        heads = hf.permuted_heads(name, args)
+        return hf.to_hf_rows(t, heads) if heads is not None else t
 
     with staged_dir(out) as tmp:
         write_safetensors(tmp, entries, hf_tensor, max_shard_bytes)
         token_ids = _copy_tokenizer(source, tmp)
-        write_json_atomic(tmp / CONFIG, hf_config_from_args(args, source.origin.hf_config,
-                                                            TORCH_NAMES[dtype], token_ids))
+        write_json_atomic(tmp / CONFIG, hf.config_from_args(args, source.origin.hf_config,
+                                                           TORCH_NAMES[dtype], token_ids))
     return out
 
 
@@ -84,7 +77,7 @@ def _full_tensor_reader(source: ModelSource):
     path = source.weights.path
     manifest = verify_checkpoint(path)
     index = load_index(path / ".metadata", manifest["files"]).state_dict_metadata
-    shapes = expected_shapes(args)
+    shapes = hf_mapping(args).shapes(args)
 
     def fetch(name: str) -> torch.Tensor:
         meta = index.get(f"model.{name}")

@@ -21,17 +21,15 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from hpctrain.checkpoint.manifest import describe, write_manifest
 from hpctrain.errors import ConfigError
-from hpctrain.models import Transformer
-from hpctrain.models.hf_config import CONFIG, args_from_hf_config, read_hf_config
-from hpctrain.models.hf_weights import HFWeights
+from hpctrain.models.hf_weights import CONFIG, HFWeights, read_hf_config
 from hpctrain.models.init_source import ASSET_FILES, args_to_json
+from hpctrain.models.registry import family_for_hf
 from hpctrain.parallel.data import DTYPES
 from hpctrain.parallel.materialize import load_weights
 from hpctrain.pretrained.weights import single_process
@@ -45,10 +43,10 @@ def import_hf(folder: Path, out: Path, dtype: str = "bf16") -> Path:
         raise ConfigError(f"--out {str(out)!r} already exists",
                           hint="name a new directory (nothing is overwritten)")
     raw = read_hf_config(folder)
-    args = args_from_hf_config(raw, str(folder / CONFIG))
+    family = family_for_hf(raw, str(folder / CONFIG))
+    args = family.hf.args_from_config(raw, str(folder / CONFIG))
     reader = HFWeights(folder, args)
-    with torch.device("meta"):
-        model = Transformer(args)
+    model = family.build(args)
     model.to_empty(device="cpu")
     model.init_buffers()  # ties a tied output to the embedding again
     model.to(DTYPES[dtype])
@@ -64,6 +62,6 @@ def import_hf(folder: Path, out: Path, dtype: str = "bf16") -> Path:
         files = {p.name: describe(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         write_manifest(tmp, files, {
             "step": 0, "source": "hf", "hf_folder": str(folder.resolve()), "dtype": dtype,
-            "model_args": args_to_json(args), "hf_config": raw, "assets": assets,
-            "saved_at": time.time()})
+            "model_family": family.name, "model_args": args_to_json(args), "hf_config": raw,
+            "assets": assets, "saved_at": time.time()})
     return out

@@ -24,14 +24,13 @@ from hpctrain.checkpoint.manifest import step_dir_name, step_of
 from hpctrain.data.chat import ChatTemplate, load_template
 from hpctrain.data.tokenizer import TOKENIZER_JSON, ByteTokenizer, HFTokenizer, NoEosToken
 from hpctrain.errors import ConfigError
+from hpctrain.models.config import origin, origin_of_model_section
 from hpctrain.models.init_source import (
     HF_PREFIX,
     MANIFEST,
     RUN_CONFIG,
     InitSource,
     Origin,
-    origin,
-    origin_of_model_section,
     parse_init_from,
     run_model_section,
 )

@@ -26,10 +26,10 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from hpctrain.checkpoint.manifest import DamagedCheckpoint, read_manifest, verify_files
 from hpctrain.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
-from hpctrain.models import ModelArgs, Transformer
+from hpctrain.models.config import origin as source_origin
 from hpctrain.models.hf_weights import HFWeights
 from hpctrain.models.init_source import InitSource, parse_init_from
-from hpctrain.models.init_source import origin as source_origin
+from hpctrain.models.registry import family_of_args
 from hpctrain.parallel.materialize import load_weights
 
 log = logging.getLogger("hpctrain.pretrained")
@@ -74,7 +74,7 @@ def read_model_state(path: Path, state: dict[str, torch.Tensor], files: dict[str
             hint="is it a checkpoint of a model of this shape?") from None
 
 
-def load_pretrained(model: torch.nn.Module, init_from: str, args: ModelArgs,
+def load_pretrained(model: torch.nn.Module, init_from: str, args: Any,
                     verify: Callable[[Path], dict[str, Any]],
                     group: dist.ProcessGroup | None) -> None:
     """Fill the (sharded, materialised) ``model`` from ``init_from``; collective over ``group``
@@ -97,13 +97,13 @@ def load_pretrained(model: torch.nn.Module, init_from: str, args: ModelArgs,
 
 
 def load_model(src: InitSource, device: torch.device | str = "cpu",
-               args: ModelArgs | None = None) -> Transformer:
-    """A whole model in one process with ``src``'s weights, in fp32, in eval mode."""
+               args: Any = None) -> torch.nn.Module:
+    """A whole model in one process with ``src``'s weights, in fp32, in eval mode (``args``:
+    its shape, if known already)."""
     args = args or source_origin(src).args
     # Checked against the files before the model is allocated from config.json's sizes.
     reader = HFWeights(src.path, args) if src.kind == "hf" else None
-    with torch.device("meta"):
-        model = Transformer(args)
+    model = family_of_args(args).build(args)
     model.to_empty(device=device)
     model.init_buffers()
     if reader is not None:

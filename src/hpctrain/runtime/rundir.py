@@ -172,6 +172,21 @@ class RunDir:
         return info if info["timestamp"] >= since else None
 
 
+def real_run_root(root: Path) -> Path:
+    """The run directory to write: ``root``, or where it points if it is a link of the user's
+    own (into scratch space, say); a link made by another user is refused (UnsafeRunPath)."""
+    root = Path(root)
+    try:
+        st = os.lstat(root)
+    except OSError:
+        return root  # missing (created later) or a name too long (check_can_write says so)
+    if not stat.S_ISLNK(st.st_mode):
+        return root
+    if st.st_uid != os.geteuid():
+        raise refuse(root, f"a symbolic link made by another user (uid {st.st_uid})")
+    return Path(os.path.realpath(root))
+
+
 def check_run_dir(root: Path) -> list[str]:
     """Refuse (UnsafeRunPath) a run directory holding a link, or a fixed name of another kind;
     return warnings for one that others can write (empty when all is well or it is new)."""
@@ -182,8 +197,9 @@ def check_run_dir(root: Path) -> list[str]:
         if e.errno not in (errno.ENOENT, errno.ENAMETOOLONG):  # the latter: check_can_write
             raise
         return _writable_warnings(root.parent, parent=True)
-    # A link as the run directory itself is the user's own business (e.g. into scratch space).
-    if not stat.S_ISDIR(st.st_mode) and not (stat.S_ISLNK(st.st_mode) and root.is_dir()):
+    if stat.S_ISLNK(st.st_mode):
+        raise refuse(root, "a symbolic link (resolve it first: real_run_root)")
+    if not stat.S_ISDIR(st.st_mode):
         raise refuse(root, "not a folder")
     _check_entries(root, root, 1)
     return _writable_warnings(root, parent=False) + _writable_warnings(root.parent, parent=True)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.config import JobConfig, dump_yaml
 from hpctrain.errors import ConfigError, DataError, HpctrainError, RuntimeEnvError
-from hpctrain.models.flops import count_params
+from hpctrain.models.registry import count_params
 from hpctrain.observe.goodput import GoodputClock, summary
 from hpctrain.observe.metrics import MetricsWriter
 from hpctrain.observe.profile import write_oom_snapshot
@@ -38,6 +38,7 @@ from hpctrain.runtime.rundir import (
     archive_run,
     check_can_write,
     check_run_dir,
+    real_run_root,
     run_name,
 )
 from hpctrain.runtime.runlock import (
@@ -66,7 +67,8 @@ def resolve_run_dir(cfg: JobConfig, env: ProcessEnv) -> RunDir:
     resumes from the run's last checkpoint; ``--fresh`` archives the old run first.
     """
     name = run_name(cfg.run.name, env) if cfg.run.suffix == "auto" else cfg.run.name
-    return RunDir(Path(cfg.run.out_dir) / name)
+    # Every writer refuses links inside it, so a link of the user's own is followed here once.
+    return RunDir(real_run_root(Path(cfg.run.out_dir) / name))
 
 
 @dataclass

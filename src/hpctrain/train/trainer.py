@@ -32,7 +32,7 @@ from hpctrain.data.loader import (
     build_dataset,
 )
 from hpctrain.errors import HpctrainError
-from hpctrain.models import Transformer, count_params, flops_per_token
+from hpctrain.models.registry import family_of_args
 from hpctrain.models.sdpa_backend import attention_backend
 from hpctrain.observe.goodput import GoodputClock
 from hpctrain.observe.live import RunObserver
@@ -115,11 +115,12 @@ class Trainer:
                         "parallel groups span nodes, and their per-block collectives cross "
                         "the network", self.par.tp, local)
         self.model_args = cfg.model.resolve()
+        # The model's family says how to build, count and spread it (hpctrain.models.spec).
+        family = family_of_args(self.model_args)
         mesh = dist_ctx.mesh
         self.loss_fn = build_loss_fn(self.par.tp, mesh, self.model_args.vocab_size,
                                      compile=pc.compile)
-        with torch.device("meta"):
-            model = Transformer(self.model_args)
+        model = family.build(self.model_args)
         local_batch = tc.micro_batch * tc.grad_accum
         parallel = parallelize(model, pc, self.par, mesh, self.device, tc.precision,
                                cfg.run.seed, loss_fn=self.loss_fn, seq_len=cfg.data.seq_len,
@@ -177,10 +178,10 @@ class Trainer:
         # Per GPU: a model replica's tokens are counted once, shared by its tp x pp ranks.
         self.tokens_per_step = (self.layout.micro_batch * tc.grad_accum * cfg.data.seq_len
                                 / (self.par.tp * self.par.pp))
-        self.flops_per_token = flops_per_token(self.model_args, cfg.data.seq_len)
+        self.flops_per_token = family.flops_per_token(self.model_args, cfg.data.seq_len)
         # fp8's MFU counts against the bf16 peak: the fp8 datasheet rate applies to its GEMMs only.
         self.peak = cfg.metrics.peak_tflops or self._device_peak(mfu_peak_dtype(tc.precision))
-        n_params = count_params(self.model_args, include_embedding=True)
+        n_params = family.count_params(self.model_args, include_embedding=True)
         log.info(
             "model %s: %.1fM params, strategy %s, layout %s, global batch %d samples = %d "
             "tokens, peak lr %.3g, device peak %s",

@@ -182,7 +182,7 @@ def stripe_count(folder: Path) -> int | str:
 def gather_storage(cfg: JobConfig, world_size: int, mounts: Path = Path("/proc/mounts")
                    ) -> Storage:
     """Rank 0: free space where checkpoints go, data-path file sizes, filesystem layout."""
-    from hpctrain.models.flops import count_params
+    from hpctrain.models.registry import count_params
 
     ckpt = Path(cfg.run.out_dir).absolute()
     params = count_params(cfg.model.resolve(), include_embedding=True)

@@ -8,7 +8,10 @@ property, so the FSDP/TP wrapping of the output layer is the same for every size
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+from hpctrain.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -96,3 +99,48 @@ PRESETS: dict[str, ModelArgs] = {
         max_seq_len=8192,
     ),
 }
+
+
+def check_args(args: ModelArgs) -> None:
+    """Raise `ConfigError` unless heads divide the width evenly (even head_dim) and the KV heads
+    divide the query heads."""
+    if args.dim % args.n_heads != 0:
+        raise ConfigError(
+            f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}",
+            expected="dim to be a multiple of n_heads (head_dim = dim / n_heads)",
+            hint="change dim or n_heads so that dim % n_heads == 0",
+        )
+    if (args.dim // args.n_heads) % 2 != 0:
+        raise ConfigError(
+            f"head_dim = model.dim / model.n_heads = {args.dim} / {args.n_heads} is odd",
+            expected="an even head_dim, since RoPE rotates pairs of channels",
+            hint="change dim or n_heads so that dim / n_heads is even",
+        )
+    if args.n_heads % args.n_kv_heads != 0:
+        raise ConfigError(
+            f"model.n_heads={args.n_heads} is not divisible by "
+            f"model.n_kv_heads={args.n_kv_heads}",
+            expected="n_heads to be a multiple of n_kv_heads (grouped-query attention)",
+            hint="set n_kv_heads to a divisor of n_heads (n_kv_heads = n_heads disables GQA)",
+        )
+
+
+def args_from_json(raw: object, where: str) -> ModelArgs:
+    """`ModelArgs` back from its ``dataclasses.asdict`` form (read as untrusted input)."""
+    fields = {f.name for f in dataclasses.fields(ModelArgs)}
+    if not isinstance(raw, dict) or set(raw) - fields:
+        raise ConfigError(f"{where}: model_args = {raw!r} is not a model shape")
+    raw = dict(raw)
+    scaling = raw.get("rope_scaling")
+    try:
+        if scaling is not None:
+            raw["rope_scaling"] = RopeScaling(**scaling)
+        args = ModelArgs(**raw)
+    except TypeError as e:
+        raise ConfigError(f"{where}: model_args = {raw!r} is not a model shape: {e}") from None
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
+                 "max_seq_len"):
+        value = getattr(args, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{where}: model_args.{name} = {value!r} is not a positive integer")
+    return args

@@ -12,20 +12,18 @@ network that computes something else.
 A sliding attention window (Mistral v0.1, Qwen2 with ``use_sliding_window``) equals full causal
 attention on sequences no longer than the window: ``max_seq_len`` is capped at the window.
 
-    args = args_from_hf_config(read_hf_config(Path("Llama-3.2-1B")))
+    args = args_from_hf_config(read_hf_config(Path("Llama-3.2-1B")))  # hf_weights.read_hf_config
 """
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Any
 
 from hpctrain.errors import ConfigError
-from hpctrain.models.sizes import ModelArgs, RopeScaling
+from hpctrain.models.hf_weights import CONFIG
+from hpctrain.models.llama.sizes import ModelArgs, RopeScaling
 
-CONFIG = "config.json"
 # architecture -> model_type
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Qwen2ForCausalLM": "qwen2"}
@@ -52,26 +50,6 @@ _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "h
               "original_max_position_embeddings", "partial_rotary_factor"}
 _HINT = ("hpctrain imports Llama 2/3, Mistral and Qwen2 decoders as their Hugging Face configs "
          "describe them; convert the model with its own tools, or train it with them")
-
-
-def read_hf_config(folder: Path) -> dict[str, Any]:
-    """The parsed ``config.json`` of a Hugging Face model folder (ConfigError if unusable)."""
-    path = Path(folder) / CONFIG
-    if not Path(folder).is_dir():
-        raise ConfigError(f"{str(folder)!r} is not a directory",
-                          expected="a Hugging Face model folder (config.json + *.safetensors)")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{str(path)!r} does not exist",
-                          expected="a Hugging Face model folder (config.json + *.safetensors)",
-                          hint="download the model with `huggingface-cli download ID "
-                          "--local-dir DIR` on a machine with internet access") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{str(path)!r} cannot be read: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{str(path)!r} holds a JSON {type(raw).__name__}, not a config")
-    return raw
 
 
 def _refuse(where: str, key: str, value: Any, expected: str) -> ConfigError:

@@ -29,7 +29,7 @@ from torch import nn
 
 from hpctrain.errors import ConfigError
 from hpctrain.models.chunked_loss import chunked_linear_cross_entropy
-from hpctrain.models.sizes import ModelArgs, RopeScaling
+from hpctrain.models.llama.sizes import ModelArgs, RopeScaling
 
 INIT_STD = 0.02
 

@@ -1,4 +1,5 @@
-"""Parameter counts and training FLOPs per token of a `Transformer`, from its shape alone.
+"""Parameter counts, training FLOPs per token and modelled costs of a `Transformer`, from its
+shape alone.
 
 FLOPs per token follow PaLM (Chowdhery et al. 2022, appendix B), as torchtitan does::
 
@@ -25,7 +26,8 @@ Worked example, preset `1b` (TinyLlama shape) at T = 2048::
 
 from __future__ import annotations
 
-from hpctrain.models.sizes import ModelArgs
+from hpctrain.models.costs import embedding_cost, lm_head_cost
+from hpctrain.models.llama.sizes import ModelArgs
 
 
 def count_params(args: ModelArgs, *, include_embedding: bool) -> int:
@@ -52,3 +54,31 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     n = count_params(args, include_embedding=False)
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
     return float(6 * n + attention)
+
+
+def stage_costs(args: ModelArgs, seq_len: int, microbatch_tokens: int
+                ) -> tuple[float, float, float]:
+    """Modelled training cost per token, in FLOP-equivalents, of (embedding, one block, head):
+    a block its training FLOPs, the head (final norm, output layer, loss) its matmul plus the
+    memory-bound loss, the embedding its lookup and dense gradient (``models/costs.py``). With
+    the 1b shape the head weighs about two blocks, with 8b about three."""
+    per_layer = (count_params(args, include_embedding=False) - args.dim
+                 - (0 if args.tie_embeddings else args.vocab_size * args.dim)) / args.n_layers
+    block = 6 * per_layer + 12 * args.n_heads * args.head_dim * seq_len
+    return (embedding_cost(args.vocab_size, args.dim, microbatch_tokens), block,
+            lm_head_cost(args.vocab_size, args.dim))
+
+
+def recomputed_flops(args: ModelArgs, save_mm: str) -> float:
+    """Matmul FLOPs per token that one block recomputes in backward under selective AC
+    (pointwise work not counted): wk, wo and w3 with ``every_other`` (the block runs wq, wk,
+    wv, wo, w1, w3, w2 and every other one is kept), none with ``all``."""
+    if save_mm == "all":
+        return 0.0
+    kv_dim = args.n_kv_heads * args.head_dim
+    return 2.0 * args.dim * (kv_dim + args.dim + args.ffn_dim)
+
+
+def param_tensors(args: ModelArgs) -> int:
+    """Parameter tensors of `Transformer(args)` (a tied output layer shares the embedding's)."""
+    return 9 * args.n_layers + 2 + (0 if args.tie_embeddings else 1)

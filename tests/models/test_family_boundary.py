@@ -1,0 +1,56 @@
+"""The model-family boundary: outside its own folder (``models/llama/``), no file of hpctrain
+names Llama's layers. Parallelism, planning, training and the pretrained tools reach the model
+through its family's spec (``hpctrain.models.spec``), so a new family needs no change there."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import hpctrain
+
+SRC = Path(hpctrain.__file__).parent
+FAMILY_DIR = SRC / "models" / "llama"
+
+# Llama's module names as code reaches them (attribute access, plan keys, state-dict names), its
+# block classes, and its Hugging Face tensor names; prose words ("attention", "output") alone
+# are not layer names.
+LAYER_NAMES = re.compile("|".join((
+    r"\btok_embeddings\b", r"\battention_norm\b", r"\bffn_norm\b", r"\bfeed_forward\b",
+    r"\bTransformerBlock\b", r"\bFeedForward\b", r"\bTransformer\(",
+    r"\bw[qvo123]\b", r"\.wk\b",
+    r"(?<!args)\.layers\b", r"[\"']layers[.\"']", r"\blayers\.\{",
+    r"\.attention\.", r"[\"']attention\.", r"\.output\.weight\b", r"[\"']output[.\"']",
+    r"[\"']norm[\"']",
+    r"\bembed_tokens\b", r"\b[qkvo]_proj\b", r"\b(gate|up|down)_proj\b", r"\blm_head\b",
+    r"\bself_attn\b", r"\binput_layernorm\b", r"\bpost_attention_layernorm\b",
+)))
+
+
+def layer_names_outside(src: Path, family_dir: Path) -> list[str]:
+    """``file:line: match`` for every Llama layer name in ``src`` outside ``family_dir``."""
+    hits = []
+    for path in sorted(src.rglob("*.py")):
+        if family_dir in path.parents:
+            continue
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            for m in LAYER_NAMES.finditer(line):
+                hits.append(f"{path.relative_to(src)}:{n}: {m.group(0)}")
+    return hits
+
+
+def test_no_file_outside_the_family_folder_names_its_layers() -> None:
+    assert layer_names_outside(SRC, FAMILY_DIR) == []
+
+
+def test_the_check_sees_layer_names(tmp_path: Path) -> None:
+    """The pattern catches the ways code named the layers before the spec existed."""
+    (tmp_path / "a.py").write_text(
+        'for block in model.layers:\n    plan = {"attention.wq": 1, "feed_forward.w1": 2}\n'
+        "emb = model.tok_embeddings\nnames = {'lm_head.weight': 'output.weight'}\n")
+    (tmp_path / "fam").mkdir()
+    (tmp_path / "fam" / "b.py").write_text("x = model.tok_embeddings\n")
+    hits = layer_names_outside(tmp_path, tmp_path / "fam")
+    assert [h.split(": ", 1)[1] for h in hits] == [
+        ".layers", '"attention.', "wq", "feed_forward", "w1", "tok_embeddings", "lm_head",
+        "'output."]
