@@ -159,7 +159,8 @@ def test_one_ranks_exception_ends_the_job_naming_the_users_line(tmp_path: Path) 
     done = subprocess.run(cli_command(argv), cwd=REPO, env=cli_env(), text=True, timeout=300,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert done.returncode != 0
-    assert "rank 1 exited with code 2" in done.stdout
+    # Which rank the launcher blames first is a race (rank 0 fails too, its peer gone).
+    assert "training failed: rank" in done.stdout, done.stdout[-2000:]
     log = (tmp_path / "rank_fails" / "logs" / "rank-001.log").read_text()
     assert "rank 1 gives up at its third step" in log
     assert f"{path}:15 (in step)" in log
