@@ -123,7 +123,7 @@ def test_unknown_nested_section() -> None:
     err = _error(["trian.steps=3"])
     assert err.what == "unknown config key 'trian'"
     assert err.expected == ("one of: run, model, data, train, optim, parallel, metrics, "
-                            "checkpoint, preempt, watchdog, guard, track, profile")
+                            "checkpoint, preempt, watchdog, guard, track, profile, task")
     assert err.hint == "did you mean 'train'?"
 
 
@@ -251,7 +251,7 @@ def test_round_trip_with_overrides() -> None:
     # Section order follows JobConfig, so the written file reads top to bottom like the code.
     assert list(yaml.safe_load(text)) == ["run", "model", "data", "train", "optim", "parallel",
                                           "metrics", "checkpoint", "preempt", "watchdog",
-                                          "guard", "track", "profile"]
+                                          "guard", "track", "profile", "task"]
 
 
 # -- cross-section and section checks ----------------------------------------------------------

@@ -102,9 +102,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
                            title="commands")
 
-    t = sub.add_parser("train", help="train a model from a YAML config",
+    t = sub.add_parser("train", help="train a model from a YAML config or a task file",
                        description="Train a model. Overrides are dotted keys: train.steps=100.")
-    t.add_argument("config", type=Path, help="YAML config, e.g. configs/demo.yaml")
+    t.add_argument("config", type=Path, help="YAML config, e.g. configs/demo.yaml, or a task "
+                   "file defining task() (your own model, data and loss: hpctrain.task)")
     t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     t.add_argument("--nproc", type=count(1, 1 << 20), default=None,
                    help="start this many local ranks (one per GPU, or CPU processes)")
@@ -144,7 +145,13 @@ def _train(args: argparse.Namespace) -> None:
 
     if args.resume is not None:
         args.overrides = [*args.overrides, f"checkpoint.resume={args.resume}"]
-    cfg = load_config(args.config, args.overrides)
+    if args.config.suffix == ".py":  # a task file: the run's config is defaults + overrides
+        from hpctrain.task import file_overrides
+
+        world = int(os.environ.get("WORLD_SIZE", args.nproc or 1))
+        cfg = load_config(None, file_overrides(args.config, world, args.overrides))
+    else:
+        cfg = load_config(args.config, args.overrides)
     if args.nproc is None:
         from hpctrain.train.job import run_training
 

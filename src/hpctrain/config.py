@@ -56,6 +56,9 @@ class JobConfig:
     guard: GuardConfig = dataclasses.field(default_factory=GuardConfig)
     track: TrackConfig = dataclasses.field(default_factory=TrackConfig)
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
+    # A user's own model, data and loss (hpctrain/task.py): ``my_task.py[:fn]`` or
+    # ``package.module[:fn]``; unset: the built-in model of the ``model`` section.
+    task: str | None = None
 
     def validate(self) -> None:
         """Check each section, settle the model's vocabulary from the data (the one value a

@@ -69,19 +69,34 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     loader: DataPosition
     scaler: torch.amp.GradScaler | None
+    # What one sample counts as in tokens_seen; None: data.seq_len (the token loader's window).
+    tokens_per_sample: int | None = None
+    # A user's own model (hpctrain.task): its parameters' shapes, which the config's model
+    # section does not describe; None: the built-in model, described by that section.
+    model_signature: dict[str, list[int]] | None = None
 
 
-def config_hashes(cfg: JobConfig) -> dict[str, str]:
-    """Hashes of the model section and of everything that shapes training."""
+def model_signature(model: torch.nn.Module) -> dict[str, list[int]]:
+    """Every parameter's name and shape: what a checkpoint of a user's model must match."""
+    return {name: list(p.shape) for name, p in model.named_parameters()}
+
+
+def config_hashes(cfg: JobConfig, signature: dict[str, list[int]] | None = None
+                  ) -> dict[str, str]:
+    """Hashes of the model (its config section, or a user model's ``signature``) and of
+    everything that shapes training."""
     full = to_dict(cfg)
 
     def digest(obj: Any) -> str:
         return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
     training = {k: v for k, v in full.items() if k not in _RUNTIME_SECTIONS}
+    if training.get("task") is None:  # the built-in model: hashes as before the key existed
+        training.pop("task", None)
     # Extending a run (more steps) is the common reason to resume; it is not a change.
     training["train"] = {k: v for k, v in training["train"].items() if k != "steps"}
-    return {"model_hash": digest(full["model"]), "config_hash": digest(training)}
+    model = full["model"] if signature is None else signature
+    return {"model_hash": digest(model), "config_hash": digest(training)}
 
 
 def tensor_state(s: TrainState, layout: str | None = OPTIM_LAYOUT) -> dict[str, Any]:
@@ -96,7 +111,8 @@ def meta_state(s: TrainState, cfg: JobConfig, *, step: int, world_size: int) -> 
     loader = s.loader.state_dict()
     return {
         "step": step,
-        "tokens_seen": loader["step"] * loader["global_batch"] * cfg.data.seq_len,
+        "tokens_seen": loader["step"] * loader["global_batch"]
+        * (s.tokens_per_sample or cfg.data.seq_len),
         "world_size": world_size,
         "strategy": cfg.parallel.strategy,
         "scheduler": s.scheduler.state_dict(),
@@ -104,7 +120,7 @@ def meta_state(s: TrainState, cfg: JobConfig, *, step: int, world_size: int) -> 
         "scaler": s.scaler.state_dict() if s.scaler is not None else None,
         "saved_at": time.time(),
         "optim_layout": OPTIM_LAYOUT,
-        **config_hashes(cfg),
+        **config_hashes(cfg, s.model_signature),
     }
 
 
@@ -179,11 +195,14 @@ def check_meta(s: TrainState, path: Path, manifest: dict[str, Any], cfg: JobConf
     scaler = manifest["scaler"]
     if s.scaler is not None and scaler and not all(k in scaler for k in s.scaler.state_dict()):
         raise damaged(f"scaler = {shown(scaler)} is not a loss scaler's state")
-    if manifest["model_hash"] != config_hashes(cfg)["model_hash"]:
+    if manifest["model_hash"] != config_hashes(cfg, s.model_signature)["model_hash"]:
+        own = s.model_signature is not None
         raise ConfigError(
             f"checkpoint {path} was saved for another model shape",
-            expected="the same model section as the run that saved it",
-            hint="resume with the original config, or start a new run (run.name=...)",
+            expected="the same parameter names and shapes as the model that saved it" if own
+            else "the same model section as the run that saved it",
+            hint="resume with the original " + ("model" if own else "config")
+            + ", or start a new run (run.name=..., or --fresh)",
         )
 
 
@@ -192,7 +211,7 @@ def restore(s: TrainState, ckpt: CheckpointManager, path: Path, manifest: dict[s
     """Load ``path`` into ``s``; returns its step. ``data=False`` keeps the loader where it is
     (a rollback skips the batches since the checkpoint)."""
     check_meta(s, path, manifest, cfg)
-    if manifest["config_hash"] != config_hashes(cfg)["config_hash"]:
+    if manifest["config_hash"] != config_hashes(cfg, s.model_signature)["config_hash"]:
         log.warning("resuming %s with a changed training config (data/train/optim sections)",
                     path.name)
     layout = manifest.get("optim_layout")

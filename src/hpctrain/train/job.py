@@ -51,8 +51,10 @@ from hpctrain.runtime.runlock import (
 )
 from hpctrain.runtime.safe_open import write_atomic
 from hpctrain.runtime.watchdog import Watchdog, enable_flight_recorder
+from hpctrain.task import Task
 from hpctrain.train import preflight
 from hpctrain.train.preemption import ControlChannel, Preempted, PreemptionFlag
+from hpctrain.train.task_trainer import build_trainer
 from hpctrain.train.trainer import Trainer, TrainResult
 
 log = logging.getLogger("hpctrain.job")
@@ -130,10 +132,14 @@ def check_device_fits(cfg: JobConfig) -> None:
     refuse_large_model_on_cpu(n_params, model=named, force="run.device=cpu")
 
 
-def run_training(cfg: JobConfig, source: Path | None = None, *, fresh: bool = False
-                 ) -> TrainResult:
-    """Train as this rank under the run's lock; a refused run writes nothing into its directory."""
-    check_device_fits(cfg)  # before anything is allocated
+def run_training(cfg: JobConfig, source: Path | None = None, *, fresh: bool = False,
+                 task: Task | None = None) -> TrainResult:
+    """Train as this rank under the run's lock; a refused run writes nothing into its directory.
+
+    ``task`` (or ``cfg.task``, a spec to load) trains a user's own model instead of the built-in
+    one (`hpctrain.task`)."""
+    if task is None and not cfg.task:
+        check_device_fits(cfg)  # before anything is allocated
     env = detect_env()
     # Installed first: a signal that arrives during start-up is answered at the first step.
     preempt = PreemptionFlag(cfg.preempt)
@@ -145,7 +151,7 @@ def run_training(cfg: JobConfig, source: Path | None = None, *, fresh: bool = Fa
         setup_rank_logging(run_dir, env, console=env.rank == 0)
         for note in notes:
             log.info("%s", note)
-        return _train(cfg, env, run_dir, ctx, preempt, source)
+        return _train(cfg, env, run_dir, ctx, preempt, source, task)
     finally:
         preempt.restore()
         if lock is not None:
@@ -196,7 +202,7 @@ def _claim(cfg: JobConfig, env: ProcessEnv, fresh: bool
 
 
 def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | None,
-           preempt: PreemptionFlag, source: Path | None) -> TrainResult:
+           preempt: PreemptionFlag, source: Path | None, task: Task | None) -> TrainResult:
     """Everything after the lock: process group, Trainer, exit info."""
     started = time.time()
     watchdog = trainer = None
@@ -214,8 +220,9 @@ def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | 
                                  world_size=env.world_size, device=ctx.device,
                                  group=ctx.checkpoint_group, timeout_s=cfg.run.timeout_s)
         with MetricsWriter(run_dir, env) as metrics:
-            trainer = Trainer(cfg, ctx, metrics, ckpt=ckpt, watchdog=watchdog, preempt=preempt,
-                              control=ControlChannel(ctx.control_group), goodput=goodput)
+            trainer = build_trainer(cfg, task, ctx, metrics, ckpt=ckpt, watchdog=watchdog,
+                                    preempt=preempt, control=ControlChannel(ctx.control_group),
+                                    goodput=goodput)
             trainer.resume(cfg.checkpoint.resume)
             # Once built and resumed: neither a refused run nor a rerun of a finished one
             # replaces the config the run was trained with.

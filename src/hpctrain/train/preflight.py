@@ -68,7 +68,10 @@ def check_run_dir(cfg: JobConfig, run_dir: RunDir) -> None:
         except DamagedCheckpoint:
             continue  # the load says why, and falls back or refuses
         saved = manifest.get("model_hash")
-        if isinstance(saved, str) and saved != config_hashes(cfg)["model_hash"]:
+        # A task's checkpoint is keyed by its model's parameters (train/checkpointing.py),
+        # which exist only once the model is built: its load checks them.
+        if (not cfg.task and isinstance(saved, str)
+                and saved != config_hashes(cfg)["model_hash"]):
             raise _another_model(cfg, run_dir, path, resumed=how == "auto")
         return
 

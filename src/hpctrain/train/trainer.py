@@ -448,6 +448,11 @@ class Trainer:
 
     # -- helpers -----------------------------------------------------------------------------
 
+    def _extend_record(self, record: dict, w: Window) -> None:
+        """Add what this trainer measures beyond the window's line: the pipeline's bubble."""
+        if self.pipeline is not None:
+            record["pp_bubble"] = self.pipeline.bubble
+
     def _grad_sync(self, last: bool):
         model = self.model
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -483,8 +488,7 @@ class Trainer:
                           tokens_per_step=self.tokens_per_step,
                           flops_per_token=self.flops_per_token, peak=self.peak,
                           device=self.device)
-        if self.pipeline is not None:
-            record["pp_bubble"] = self.pipeline.bubble
+        self._extend_record(record, w)
         self.observe.window(record)  # own time, straggler exchange (one message per window)
         self.metrics.write(record)
         if streak >= self.cfg.guard.max_consecutive:

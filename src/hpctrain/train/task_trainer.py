@@ -1,0 +1,297 @@
+"""The Trainer over a user's own task (`hpctrain.task`): their model, samples and loss.
+
+Only what differs from the built-in model is here: the model comes from the task's factory and is
+spread by DDP or FSDP2 (per the task's units), batches come from `hpctrain.data.samples`, and
+``forward_backward`` runs the task's step. The loop, checkpoints with exact resume, preemption,
+the bad-step guard, metrics and goodput are the Trainer's own, unchanged.
+
+The random generators are seeded from (run.seed, step, rank) before each step, so dropout and
+other random ops in user code draw the same numbers after a resume as in an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.flop_counter import FlopCounterMode
+
+from hpctrain import faults
+from hpctrain.checkpoint.manager import CheckpointManager
+from hpctrain.config import JobConfig
+from hpctrain.data.loader import ValidationSampler
+from hpctrain.data.order import BatchLayout
+from hpctrain.data.samples import build_sample_loader, is_map_style, to_device
+from hpctrain.errors import ConfigError
+from hpctrain.observe.goodput import GoodputClock
+from hpctrain.observe.live import RunObserver
+from hpctrain.observe.metrics import MetricsWriter
+from hpctrain.observe.peaks import mfu_peak_dtype
+from hpctrain.parallel.data import DTYPES, apply_ddp, dp_mesh
+from hpctrain.parallel.layout import ParallelLayout, mesh_degrees
+from hpctrain.runtime.dist import Distributed
+from hpctrain.runtime.watchdog import Watchdog
+from hpctrain.task import Task, TaskError, check_finite, load_task
+from hpctrain.train import checkpointing
+from hpctrain.train.guard import BadStepGuard
+from hpctrain.train.optim import build_optimizer, build_scheduler
+from hpctrain.train.preemption import ControlChannel, PreemptionFlag
+from hpctrain.train.run_checkpoints import RunCheckpoints
+from hpctrain.train.trainer import Trainer
+from hpctrain.train.window import Throughput, Window
+
+log = logging.getLogger("hpctrain.train")
+
+
+def build_trainer(cfg: JobConfig, task: Task | None, dist_ctx: Distributed,
+                  metrics: MetricsWriter, **kwargs) -> Trainer:
+    """A TaskTrainer for a user's task (given, or named by ``cfg.task``), else the Trainer of the
+    built-in model."""
+    if task is None and cfg.task:
+        task = load_task(cfg.task)
+    if task is None:
+        return Trainer(cfg, dist_ctx, metrics, **kwargs)
+    return TaskTrainer(cfg, dist_ctx, metrics, task=task, **kwargs)
+
+
+def check_task_config(cfg: JobConfig, world_size: int) -> ParallelLayout:
+    """The layout a task trains in (data parallelism only), or a ConfigError naming the key."""
+    pc, tc = cfg.parallel, cfg.train
+    refused = [(pc.tp > 1, f"parallel.tp = {pc.tp}", "parallel.tp=1"),
+               (pc.pp > 1, f"parallel.pp = {pc.pp}", "parallel.pp=1"),
+               (tc.precision == "fp8", "train.precision = fp8", "train.precision=bf16"),
+               (tc.master_weights != "fp32", f"train.master_weights = {tc.master_weights}",
+                "train.master_weights=fp32"),
+               (pc.activation_checkpointing != "none",
+                f"parallel.activation_checkpointing = {pc.activation_checkpointing}",
+                "parallel.activation_checkpointing=none (or checkpoint inside your model "
+                "with torch.utils.checkpoint)"),
+               (tc.loss_chunks > 0, f"train.loss_chunks = {tc.loss_chunks}",
+                "train.loss_chunks=0")]
+    for bad, what, fix in refused:
+        if bad:
+            raise ConfigError(f"{what} with a task of your own",
+                              expected="data parallelism (ddp or fsdp) and bf16/fp16/fp32: "
+                              "the other transforms need a model-family spec",
+                              hint=f"set {fix}")
+    _, dp_replicate, dp_shard, _ = mesh_degrees(pc, world_size)
+    return ParallelLayout(1, dp_replicate, dp_shard, 1)
+
+
+class TaskTrainer(Trainer):
+    """Trains a :class:`~hpctrain.task.Task` with the Trainer's loop, checkpoints and metrics.
+
+    ``Trainer.__init__`` builds the built-in model; this one builds the same attributes from the
+    task instead (what the inherited loop, checkpointing and logging read).
+    """
+
+    def __init__(self, cfg: JobConfig, dist_ctx: Distributed, metrics: MetricsWriter, *,
+                 task: Task, ckpt: CheckpointManager, watchdog: Watchdog,
+                 preempt: PreemptionFlag, control: ControlChannel,
+                 goodput: GoodputClock | None = None):
+        self.cfg, self.task = cfg, task
+        self.dist, self.device, self.metrics, self.ckpt = (dist_ctx, dist_ctx.device, metrics,
+                                                           ckpt)
+        self.goodput = goodput or GoodputClock()
+        self.watchdog = watchdog
+        self.checkpoints = RunCheckpoints(cfg, ckpt, dist_ctx, metrics=metrics,
+                                          goodput=self.goodput, watchdog=watchdog,
+                                          preempt=preempt, control=control,
+                                          state=self._train_state, loaded=self._loaded)
+        tc, pc = cfg.train, cfg.parallel
+        if tc.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.benchmark = False
+        self.par = check_task_config(cfg, dist_ctx.world_size)
+        dp_rank, dp_size = dist_ctx.dp
+        self.layout = BatchLayout(tc.micro_batch, tc.grad_accum, dp_size, dp_rank)
+        self.loader = build_sample_loader(task.data, self.layout, cfg.run.seed, self.device,
+                                          task.collate, cfg.data.prefetch)
+        self.val_dataset = task.eval_data
+
+        # One GPU and DDP compute bf16/fp16 through autocast; FSDP casts the parameters itself.
+        self.autocast = (DTYPES[tc.precision] if tc.precision != "fp32"
+                         and pc.strategy != "fsdp" else None)
+        torch.manual_seed(cfg.run.seed)  # every rank builds the same initial weights
+        with self.device:
+            model = task.build_model()
+        model.to(self.device).train()
+        flops_per_sample = task.flops_per_sample or self._count_flops(model)
+        self.signature = checkpointing.model_signature(model)  # before DDP/FSDP rename or shard
+        self.model = self._spread(model)
+        self.pipeline = None
+        self.after_update = _nothing
+        self.attention = contextlib.nullcontext
+        self.pp_group = None
+        self.holds_loss = True
+        self.scaler = None
+        if tc.precision == "fp16":
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            scaler_cls = ShardedGradScaler if pc.strategy == "fsdp" else torch.amp.GradScaler
+            self.scaler = scaler_cls(self.device.type)
+
+        peak_lr = cfg.optim.effective_lr(self.layout.global_batch)
+        self.optimizer = build_optimizer(self.model, cfg.optim, peak_lr)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, tc.steps)
+        self.guard = BadStepGuard(cfg.guard, self.device)
+        self.lr_applied = 0.0
+        self._skipped_logged = 0.0
+        self.step = 0
+        self.throughput = Throughput()  # this attempt's tokens/s per rank, for its summaries
+        self._checked_finite = False
+        self._metric_sums: dict[str, torch.Tensor] = {}
+        tokens = task.tokens_per_sample
+        self.tokens_per_step = self.layout.micro_batch * tc.grad_accum * tokens
+        self.flops_per_token = flops_per_sample / tokens
+        self.peak = cfg.metrics.peak_tflops or self._device_peak(mfu_peak_dtype(tc.precision))
+        n_params = sum(p.numel() for p in model.parameters())
+        log.info("task %s: %.2fM params, strategy %s, global batch %d samples, %.3g FLOPs per "
+                 "sample, peak lr %.3g", cfg.task or type(model).__name__, n_params / 1e6,
+                 pc.strategy, self.layout.global_batch, flops_per_sample, peak_lr)
+        self.metrics.write(self._layout_record())
+        self.observe = RunObserver(
+            cfg, dist_ctx.rank, dist_ctx.world_size, self.device, metrics, self.model,
+            watchdog.hosts, watchdog=watchdog, group=dist_ctx.control_group,
+            forward_is_local=pc.strategy != "fsdp")
+
+    def _spread(self, model: nn.Module) -> nn.Module:
+        """DDP, FSDP2 over the task's units then the root, or the model as it is."""
+        pc, tc = self.cfg.parallel, self.cfg.train
+        mesh = self.dist.mesh
+        if pc.compile:
+            model.compile()
+        if pc.strategy == "ddp":
+            return apply_ddp(model, mesh, self.device)
+        if pc.strategy == "fsdp":
+            mp = MixedPrecisionPolicy(param_dtype=DTYPES[tc.precision],
+                                      reduce_dtype=DTYPES[pc.reduce_precision])
+            reshard = pc.reshard_after_forward is not False
+            units = (list(self.task.shard_units(model)) if self.task.shard_units else
+                     [m for m in model.children() if any(True for _ in m.parameters())])
+            for unit in units:
+                fully_shard(unit, mesh=dp_mesh(mesh), mp_policy=mp, reshard_after_forward=reshard)
+            fully_shard(model, mesh=dp_mesh(mesh), mp_policy=mp, reshard_after_forward=reshard)
+        return model
+
+    def _count_flops(self, model: nn.Module) -> float:
+        """Forward and backward FLOPs per sample, counted on the first micro-batch."""
+        batch = self.loader.peek(self.layout.micro_batch)
+        buffers = [b.detach().clone() for b in model.buffers()]  # e.g. BatchNorm's statistics
+        with FlopCounterMode(display=False) as counter, self._autocast():
+            loss, _ = self.task.run_step(model, batch)
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for b, saved in zip(model.buffers(), buffers, strict=True):
+                b.copy_(saved)
+        return counter.get_total_flops() / self.layout.micro_batch
+
+    def _layout_record(self) -> dict:
+        return {**super()._layout_record(), "task": self.cfg.task,
+                "flops_per_sample": self.flops_per_token * self.task.tokens_per_sample,
+                "tokens_per_sample": self.task.tokens_per_sample}
+
+    def _train_state(self) -> checkpointing.TrainState:
+        return checkpointing.TrainState(self.model, self.optimizer, self.scheduler, self.loader,
+                                        self.scaler,
+                                        tokens_per_sample=self.task.tokens_per_sample,
+                                        model_signature=self.signature)
+
+    def forward_backward(self, micro_batches: list) -> torch.Tensor:
+        """The task's step over one step's micro-batches (gradients synchronised on the last);
+        returns this rank's share of the step's global mean loss."""
+        n, dp = len(micro_batches), self.layout.world_size
+        torch.manual_seed((self.cfg.run.seed * 1_000_003 + self.step) * 65_537 + self.dist.rank)
+        total = torch.zeros((), device=self.device, dtype=torch.float32)
+        poison = faults.active("nan", self.step + 1)
+        for i, batch in enumerate(micro_batches):
+            with self._grad_sync(last=i == n - 1), self._autocast():
+                loss, metrics = self.task.run_step(self.model, batch)
+            if not self._checked_finite:
+                check_finite(loss, self.task.step or self.task.loss)
+                self._checked_finite = True
+            if poison:
+                loss = loss * float("nan")
+            share = loss.float() / n  # DDP and FSDP average the gradients over the ranks
+            if self.scaler is not None:
+                self.scaler.scale(share).backward()
+            else:
+                share.backward()
+            total += share.detach()
+            self._add_metrics(metrics, n)
+        return total / dp
+
+    def _add_metrics(self, metrics: dict, n: int) -> None:
+        """Sum the step's own metrics on the device (read with the window's line)."""
+        for name, value in metrics.items():
+            if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                raise TaskError(f"the step's metric {name!r} is a {type(value).__name__}",
+                                expected="a scalar tensor")
+            value = value.detach().float().reshape(()) / n
+            self._metric_sums[name] = self._metric_sums.get(name, 0) + value
+
+    def _extend_record(self, record: dict, w: Window) -> None:
+        """Samples/s, and the task's metrics as means over the window (this rank's)."""
+        record["samples_per_s"] = record["tokens_per_s"] / self.task.tokens_per_sample
+        if self._metric_sums:
+            names = list(self._metric_sums)
+            values = torch.stack([self._metric_sums[k] for k in names]).tolist()
+            record.update({k: v / w.steps for k, v in zip(names, values, strict=True)})
+            self._metric_sums = {}
+
+    def validate(self) -> dict | None:
+        """The task's loss (and metrics) over ``eval_data``: exact global means over samples."""
+        data = self.val_dataset
+        if data is None:
+            return None
+        if not is_map_style(data):
+            raise ConfigError("Task(eval_data=...) is not map-style",
+                              expected="__len__ and __getitem__ (each rank reads its share)")
+        self.watchdog.beat(self.step, "validation")
+        sampler = ValidationSampler(len(data), self.layout.world_size, self.layout.rank,
+                                    self.cfg.train.micro_batch)
+        collate = self.task.collate or torch.utils.data.default_collate
+        # DDP's forward would add its buffer and bucket bookkeeping; FSDP needs its own forward
+        # (all ranks run the same number of batches).
+        model = self.model.module if isinstance(self.model, nn.parallel.DistributedDataParallel) \
+            else self.model
+        sums: dict[str, torch.Tensor] = {}
+        count = torch.zeros((), device=self.device, dtype=torch.float64)
+        model.eval()
+        try:
+            with torch.no_grad():
+                for indices, mask in sampler:
+                    real = indices[mask] if mask.any() else indices[:1]
+                    weight = float(mask.sum())
+                    batch = to_device(collate([data[int(i)] for i in real]), self.device)
+                    with self._autocast():
+                        loss, metrics = self.task.run_step(model, batch)
+                    for name, value in {"val_loss": loss, **{f"val_{k}": v for k, v in
+                                                             metrics.items()}}.items():
+                        sums[name] = sums.get(name, 0) + value.detach().double() * weight
+                    count += weight
+        finally:
+            model.train()
+        names = list(sums)
+        totals = torch.stack([*(sums[k] for k in names), count])
+        if self.dist.world_size > 1:
+            dist.all_reduce(totals)
+        values = totals.tolist()
+        record = {"step": self.step, **{k: v / values[-1] for k, v in zip(names, values[:-1],
+                                                                          strict=False)},
+                  "val_samples": int(values[-1])}
+        self.metrics.write(record)
+        log.info("validation at step %d: loss %.4f over %d samples", self.step,
+                 record["val_loss"], record["val_samples"])
+        return record
+
+
+def _nothing() -> None:
+    """No weights-derived state to refresh after an update (no float8 here)."""

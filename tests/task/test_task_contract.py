@@ -1,0 +1,218 @@
+"""The task contract in one process: loading a task, checking what user code returns, naming the
+user's file and line when it fails, and the sample loaders' order and position."""
+
+from __future__ import annotations
+
+import logging
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hpctrain.data.order import BatchLayout
+from hpctrain.data.samples import SampleLoader, StreamLoader
+from hpctrain.errors import ConfigError
+from hpctrain.task import Task, TaskError, check_finite, load_task
+
+CPU = torch.device("cpu")
+
+
+def _write(tmp_path: Path, body: str, name: str = "user_task.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+TASK_FILE = """\
+import torch
+from torch import nn
+from hpctrain.task import Task
+
+def bad_step(model, batch):
+    x, y = batch
+    raise ValueError("boom in the user's step")
+
+def task():
+    x = torch.randn(8, 3)
+    return Task(model=lambda: nn.Linear(3, 1), data=torch.utils.data.TensorDataset(x, x[:, :1]),
+                step=bad_step)
+
+def make():
+    return 42
+"""
+
+
+def test_load_task_by_file_and_function(tmp_path: Path) -> None:
+    path = _write(tmp_path, TASK_FILE)
+    assert isinstance(load_task(str(path)), Task)  # task() is the default
+    with pytest.raises(TaskError, match="task .*:make' gave a int"):
+        load_task(f"{path}:make")
+    with pytest.raises(ConfigError, match="defines no nothing_here"):
+        load_task(f"{path}:nothing_here")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_task(str(tmp_path / "missing.py"))
+    with pytest.raises(ConfigError, match="cannot be found"):
+        load_task("no_such_package_here.tasks:make")
+
+
+def test_exception_in_step_names_user_file_and_line(tmp_path: Path) -> None:
+    path = _write(tmp_path, TASK_FILE)
+    task = load_task(str(path))
+    model = task.build_model()
+    with pytest.raises(TaskError) as e:
+        task.run_step(model, (torch.randn(2, 3), torch.randn(2, 1)))
+    assert "the step function raised ValueError: boom in the user's step" in e.value.what
+    assert f"{path.resolve()}:7 (in bad_step)" in e.value.expected
+
+
+def test_import_error_names_user_line(tmp_path: Path) -> None:
+    path = _write(tmp_path, "import torch\n\nx = 1 / 0\n", "broken_task.py")
+    with pytest.raises(TaskError, match="ZeroDivisionError") as e:
+        load_task(str(path))
+    assert f"{path.resolve()}:3" in e.value.expected
+
+
+@pytest.mark.parametrize(("returned", "message"), [
+    (lambda loss: loss.item(), "returned a float as the loss"),
+    (lambda loss: loss.reshape(1).expand(3), r"returned a tensor of shape \(3,\)"),
+    (lambda loss: loss.detach(), "does not require grad"),
+    (lambda loss: (loss, [1]), "returned metrics as a list"),
+    (lambda loss: "loss", "returned a str as the loss"),
+])
+def test_wrong_return_is_refused_naming_the_step(returned, message) -> None:
+    def step(model, batch):
+        return returned(model(batch).pow(2).mean())
+
+    task = Task(model=lambda: nn.Linear(3, 1), data=torch.zeros(4, 3), step=step)
+    with pytest.raises(TaskError, match=message) as e:
+        task.run_step(task.build_model(), torch.randn(2, 3))
+    assert "test_task_contract.py:" in e.value.what  # where the step is defined
+
+
+def test_loss_needs_input_target_pairs_and_finite_values() -> None:
+    task = Task(model=lambda: nn.Linear(3, 1), data=torch.zeros(4, 3),
+                loss=nn.functional.mse_loss)
+    with pytest.raises(TaskError, match="batches of \\(inputs, targets\\)"):
+        task.run_step(task.build_model(), torch.randn(2, 3))
+    with pytest.raises(TaskError, match="returned a loss of nan"):
+        check_finite(torch.tensor(float("nan")), nn.functional.mse_loss)
+    with pytest.raises(TaskError, match="exactly one of loss= and step="):
+        Task(model=lambda: nn.Linear(3, 1), data=torch.zeros(4, 3))
+
+
+def _read(loader, steps: int) -> list[list[float]]:
+    """The values of each step's micro-batches (a TensorDataset's come as a 1-list)."""
+    def values(batch):
+        return (batch if isinstance(batch, torch.Tensor) else batch[0]).flatten().tolist()
+
+    return [[v for b in loader.next_step() for v in values(b)] for _ in range(steps)]
+
+
+def test_sample_loader_splits_ranks_evenly_and_resumes_exactly() -> None:
+    data = torch.utils.data.TensorDataset(torch.arange(22.0))  # 22 = 2 global batches + 6
+    loaders = [SampleLoader(data, BatchLayout(2, 2, 2, r), 5, CPU, _collate, prefetch=0)
+               for r in range(2)]
+    epoch = [_read(loader, 2) for loader in loaders]
+    seen = sorted(v for rank in epoch for step in rank for v in step)
+    assert len(seen) == len(set(seen)) == 16  # disjoint, equal counts, remainder dropped
+    whole = SampleLoader(data, BatchLayout(2, 2, 2, 1), 5, CPU, _collate, prefetch=2)
+    expected = _read(whole, 5)
+    whole.close()
+    first = SampleLoader(data, BatchLayout(2, 2, 2, 1), 5, CPU, _collate, prefetch=2)
+    _read(first, 3)
+    state = first.state_dict()  # the position training reached, not the prefetcher's
+    first.close()
+    resumed = SampleLoader(data, BatchLayout(2, 2, 2, 1), 5, CPU, _collate, prefetch=2)
+    resumed.load_state_dict(state)
+    assert state["step"] == 3 and _read(resumed, 2) == expected[3:]
+    resumed.close()
+
+
+def _collate(items):
+    return torch.utils.data.default_collate(items)
+
+
+class Counter:
+    """An iterable of 0, 1, 2, ... that can report and restore its position."""
+
+    def __init__(self):
+        self.next = 0
+
+    def __iter__(self):
+        while self.next < 1000:
+            self.next += 1
+            yield torch.tensor([float(self.next - 1)])
+
+    def state_dict(self):
+        return {"next": self.next}
+
+    def load_state_dict(self, state):
+        self.next = state["next"]
+
+
+def test_stream_loader_resumes_from_the_streams_position(caplog) -> None:
+    with caplog.at_level(logging.WARNING, "hpctrain.data"):
+        loader = StreamLoader(Counter(), BatchLayout(2, 1, 2, 1), 0, CPU, _collate)
+    assert "cannot report its position" not in caplog.text
+    assert _read(loader, 2) == [[2.0, 3.0], [6.0, 7.0]]  # rank 1's slots of each global batch
+    again = StreamLoader(Counter(), BatchLayout(2, 1, 2, 1), 0, CPU, _collate)
+    again.load_state_dict(loader.state_dict())
+    assert _read(again, 1) == [[10.0, 11.0]]
+
+
+def test_stream_without_position_is_accepted_with_one_warning(caplog) -> None:
+    with caplog.at_level(logging.WARNING, "hpctrain.data"):
+        loader = StreamLoader(iter_only(), BatchLayout(2, 1, 1, 0), 0, CPU, _collate)
+        assert _read(loader, 2) == [[0.0, 1.0], [2.0, 3.0]]
+    warnings = [r for r in caplog.records if "cannot report its position" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "the resume will not be exact" in warnings[0].getMessage()
+    assert "state_dict()" in warnings[0].getMessage()
+
+
+class iter_only:  # noqa: N801 - reads like the plain generator it stands for
+    """An iterable with no position to report."""
+
+    def __iter__(self):
+        return (torch.tensor([float(i)]) for i in range(100))
+
+
+def test_fit_refuses_what_is_not_a_task() -> None:
+    import hpctrain
+
+    with pytest.raises(TaskError, match="got a int"):
+        hpctrain.fit(42)
+    with pytest.raises(TaskError, match="the task factory gave a str"):
+        hpctrain.fit(lambda: "not a task")
+    with pytest.raises(ConfigError, match="was given no task"):
+        hpctrain.fit()
+
+
+def _task_state(width: int):
+    from hpctrain.config import load_config
+    from hpctrain.train import checkpointing
+    from hpctrain.train.optim import build_optimizer, build_scheduler
+
+    cfg = load_config(None, ["task=my_task.py", "train.steps=4"])
+    model = nn.Linear(3, width)
+    optimizer = build_optimizer(model, cfg.optim, 1e-3)
+    loader = SampleLoader(torch.zeros(8, 3), BatchLayout(2, 1, 1, 0), 0, CPU, _collate, 0)
+    state = checkpointing.TrainState(model, optimizer, build_scheduler(optimizer, cfg.optim, 4),
+                                     loader, None, tokens_per_sample=1,
+                                     model_signature=checkpointing.model_signature(model))
+    return cfg, state
+
+
+def test_resume_with_another_user_model_shape_is_refused(tmp_path: Path) -> None:
+    """The config's model section says nothing of a task's model: its parameters' shapes do."""
+    from hpctrain.train import checkpointing
+
+    cfg, saved = _task_state(4)
+    manifest = checkpointing.meta_state(saved, cfg, step=0, world_size=1)
+    _, same = _task_state(4)
+    checkpointing.check_meta(same, tmp_path, manifest, cfg)
+    _, wider = _task_state(5)
+    with pytest.raises(ConfigError, match="saved for another model shape"):
+        checkpointing.check_meta(wider, tmp_path, manifest, cfg)
