@@ -3,6 +3,8 @@
 Each fenced block carries a marker on the line above it:
 
     <!-- recipe: ID -->     run here, as written, by bash, in README order (test_recipe_runs)
+    <!-- file: NAME -->     a file the reader saves (e.g. a task): written as NAME, in README
+                            order, before the recipes after it run
     <!-- needs: WHAT -->    needs a GPU, a Slurm cluster, Kubernetes or a Hugging Face model
                             folder (NEEDS); the code behind it is tested elsewhere
     <!-- output -->         not commands: what a command prints
@@ -33,7 +35,7 @@ import pytest
 from conftest import REPO, cli_env, kill_group
 
 README = REPO / "README.md"
-MARKER = re.compile(r"<!--\s*(recipe|needs|output|quickstart)\s*(?::\s*([\w-]+)\s*)?-->")
+MARKER = re.compile(r"<!--\s*(recipe|file|needs|output|quickstart)\s*(?::\s*([\w.-]+)\s*)?-->")
 NEEDS = {"gpu", "slurm", "kubernetes", "hf-model"}
 FENCE = re.compile(r"^```")
 RECIPE_TIMEOUT_S = 300
@@ -80,8 +82,10 @@ def test_every_block_is_marked() -> None:
                          "marker above this block")
         elif b.kind == "needs" and b.value not in NEEDS:
             wrong.append(f"README.md:{b.line}: needs {b.value!r}, expected one of {NEEDS}")
-        elif b.kind == "recipe" and not b.value:
-            wrong.append(f"README.md:{b.line}: a recipe needs an id")
+        elif b.kind in ("recipe", "file") and not b.value:
+            wrong.append(f"README.md:{b.line}: a {b.kind} needs a name")
+        elif b.kind == "file" and Path(b.value).name != b.value:
+            wrong.append(f"README.md:{b.line}: a file's name is a plain name, not a path")
     assert not wrong, "\n".join(wrong)
     ids = [b.value for b in recipes()]
     assert len(ids) == len(set(ids)), f"recipe ids repeat: {ids}"
@@ -133,8 +137,15 @@ def _bash(cwd: Path, text: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def ran(workdir: Path) -> dict[str, subprocess.CompletedProcess]:
-    """Every recipe, run in README order in the one working folder."""
-    return {b.value: _bash(workdir, b.text) for b in recipes()}
+    """Every recipe, run in README order in the one working folder (the files the README
+    shows saved first where they come)."""
+    done = {}
+    for b in blocks(README):
+        if b.kind == "file":
+            (workdir / b.value).write_text(b.text)
+        elif b.kind == "recipe":
+            done[b.value] = _bash(workdir, b.text)
+    return done
 
 
 @pytest.mark.parametrize("recipe", [b.value for b in recipes()])
@@ -195,9 +206,14 @@ def _bench(root: Path, done) -> None:
     assert "GEMM on CPU" in done.stdout
 
 
+def _own_model(root: Path, done) -> None:
+    info = json.loads((root / "runs" / "my_task" / "exit_info.json").read_text())
+    assert info["exit_code"] == 0 and "my_task" in done.stdout
+
+
 CHECKS = {"after-demo": _after_demo, "train": _train, "data": _data, "watch": _watch,
           "resume": _resume, "plan": _plan, "slurm-script": _slurm_script, "k8s": _k8s,
-          "bench": _bench}
+          "bench": _bench, "own-model": _own_model}
 
 
 def test_links_between_the_pages_resolve() -> None:
