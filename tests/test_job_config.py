@@ -54,7 +54,7 @@ def test_demo_values() -> None:
     assert cfg.run.name == "demo"
     assert cfg.run.device == "cpu"
     assert cfg.model.size == "tiny"
-    assert cfg.train.steps == 300
+    assert cfg.train.steps == 60
     assert cfg.optim.lr == pytest.approx(2.0e-3)
     assert isinstance(cfg.optim.lr, float)
     assert cfg.parallel.strategy == "ddp"
