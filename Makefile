@@ -5,21 +5,31 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# When this make started: `make test` and `make demo` end by saying how long they took in all.
+MAKE_START := $(shell date +%s)
 # torch is pinned here, not in pyproject: 2.13.0 is the CPU build on this kind of machine; a range
 # would pull a multi-GB CUDA build from PyPI. On a GPU machine install torch first, then `pip
 # install -e .`.
 TORCH ?= torch==2.13.0
+# Two stamps in one .venv: what the demo needs (torch and hpctrain's own dependencies), then the
+# extras only the tests need (transformers, mlflow, selenium, torchao, torchtitan, ...), so that
+# `make demo` installs the first alone and a later `make test` adds the second.
+BASE_STAMP := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint clean
 
-# torchtitan 0.2.2 goes into a folder of its own, without its dependencies: only its config
-# package is loaded, by tests/bench/test_peer_flags.py to parse the peer's command lines (tyro,
-# which it parses with, is in dev), so it stays out of the environment's packages.
-$(STAMP): pyproject.toml Makefile
+$(BASE_STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e .
+	touch $(BASE_STAMP)
+
+# torchtitan 0.2.2 goes into a folder of its own, without its dependencies: only its config
+# package is loaded, by tests/bench/test_peer_flags.py to parse the peer's command lines (tyro,
+# which it parses with, is in dev), so it stays out of the environment's packages.
+$(STAMP): $(BASE_STAMP)
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/torchtitan-site \
 		"torchtitan==0.2.2"
@@ -29,10 +39,11 @@ $(STAMP): pyproject.toml Makefile
 # The byte-level tokenizer adds EOS (id 256), hence the vocabulary of 257.
 DEMO_DATA := runs/data/stdlib
 
-demo: $(STAMP)
+demo: $(BASE_STAMP)
 	$(BIN)/hpctrain data prepare --stdlib --out $(DEMO_DATA) --shard-mb 16 --no-progress
 	$(BIN)/hpctrain train configs/demo.yaml data.source=shards data.path=$(DEMO_DATA) \
 		model.vocab_size=257 --nproc 2
+	@echo "make demo: $$(($$(date +%s) - $(MAKE_START))) s in all"
 
 # Installs Slurm and munge first (scripts/install-slurm.sh: Debian packages with apt-get, as root;
 # a no-op when installed). tests/slurm then start their own clusters, one node and two nodes on
@@ -43,12 +54,17 @@ demo: $(STAMP)
 # browser test of `hpctrain report` drives headless.
 # Two pytest-xdist workers: many tests wait on child processes (ranks, Slurm, signals) rather than
 # compute, so two keep 2 cores busy; tests/conftest.py keeps each file (and all of tests/slurm) on
-# one worker. The 25 slowest tests are listed at the end, to keep the suite's time in view.
+# one worker. The 25 slowest tests are listed at the end, then the time pytest took and the
+# time of the whole `make test` (installs included), to keep the suite's time in view.
 test: $(STAMP)
 	bash scripts/install-slurm.sh
 	bash scripts/install-browser.sh
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25
+	@start=$$(date +%s); \
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25; rc=$$?; \
+	end=$$(date +%s); \
+	echo "make test: pytest took $$((end - start)) s; make test in all $$((end - $(MAKE_START))) s"; \
+	exit $$rc
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -73,7 +73,7 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 # The order xdist hands the groups out in: longest first, so that none is left running alone at
 # the end. The Slurm tests (about 6 minutes on 2 cores, mostly waiting on the scheduler) and the
-# layouts launch (about 4, both cores busy) start at once, one per worker, and overlap well;
+# layouts launch (about 2, both cores busy) start at once, one per worker, and overlap well;
 # then the groups of many CLI runs, by CPU time measured on 2 cores (CPU-seconds, shown for
 # when a group grows); every other group after them, in collection order.
 LONGEST_GROUPS = (

@@ -17,8 +17,10 @@ from hpctrain.observe.metrics import read_metrics
 from lifecycle import kill_tree_of, start, train_argv
 
 # The hold must outlast the SIGTERM's way to the ranks (through the launcher) on a loaded
-# machine, or a later step is saved; with 4 s the launcher case failed once under two workers.
-FAULTS = {"HPCTRAIN_FAULTS": "hang@step=5,seconds=10"}
+# machine, or a later step is saved (with 4 s the launcher case failed once under two workers).
+# A held run wakes at the signal, so the hold can be far longer than the run is held.
+HOLD_S = 300
+FAULTS = {"HPCTRAIN_FAULTS": f"hang@step=5,seconds={HOLD_S}"}
 # run.suffix=auto is the default (conftest's QUIET sets none; this puts it back).
 COMMON = ["run.suffix=auto", "train.steps=12", "preempt.check_every=1", "preempt.grace_s=30"]
 
@@ -37,7 +39,8 @@ def test_rerunning_the_same_command_resumes(tmp_path: Path, layout: list[str]) -
     try:
         first.wait_for("4 steps", lambda: first.steps() >= 4)
         first.proc.send_signal(signal.SIGTERM)
-        assert first.finish() == 75, first.output()[-3000:]
+        # Answered at once: checkpointed and gone long before the hold would have ended.
+        assert first.finish(timeout=HOLD_S / 3) == 75, first.output()[-3000:]
     finally:
         kill_tree_of(first)
     assert first.latest() == "step-00000005"

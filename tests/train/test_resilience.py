@@ -297,7 +297,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory,
     f["preempt"] = submit(_preempt_and_rerun, out)
     f["kill9"] = submit(_kill_rank_and_restart, out)
     f["watchdog"] = submit(_run, out, "watchdog", *TWO_DDP, "watchdog.timeout=5", nproc=2,
-                           faults="hang@step=4,rank=1,seconds=600", timeout=90)
+                           faults="hang@step=4,rank=1,seconds=600")
     for mode in ("true", "false"):
         f[f"io_error_async_{mode}"] = submit(
             _run, out, f"io_error_{mode}", *ONE, "checkpoint.every=3",

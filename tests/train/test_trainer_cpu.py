@@ -122,6 +122,45 @@ def test_run_directory_layout(ddp_run: Future[RunResult]) -> None:
     assert "final loss" in console, console
 
 
+# What a user sees on the console is hpctrain's own lines: warnings of the libraries under it
+# (a deprecated DDP argument, a pytree registration, an optional package's kernels that do not
+# load on this machine) are noise that teaches users to skim past real warnings.
+WARNING_SIGNS = re.compile(r"Warning\b|warnings\.warn|deprecated|Failed to load", re.IGNORECASE)
+
+
+def _warnings_in(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if WARNING_SIGNS.search(line)]
+
+
+def _byte_tokenizer(folder) -> str:
+    """A tokenizer.json of the 256 bytes and an EOS (a run on data.source=stdlib names none)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    path = folder / "tokenizer.json"
+    tok.save(str(path))
+    return str(path)
+
+
+def test_ddp_run_export_and_generate_print_no_warnings(ddp_run: Future[RunResult],
+                                                       tmp_path) -> None:
+    """A 2-rank DDP run, ``export hf`` and ``generate`` of its checkpoint: no library warnings."""
+    run = ddp_run.result().ok()
+    assert _warnings_in(run.stderr) == [], run.stderr[-4000:]
+    exported = run_cli(["export", "hf", str(run.run_dir), "--out", str(tmp_path / "hf"),
+                        "--dtype", "fp32"])
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert _warnings_in(exported.stderr) == [], exported.stderr[-4000:]
+    sampled = run_cli(["generate", str(run.run_dir), "--prompt", "def ", "--max-new-tokens",
+                       "4", "--device", "cpu", "--tokenizer", _byte_tokenizer(tmp_path)])
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    assert _warnings_in(sampled.stderr) == [], sampled.stderr[-4000:]
+
+
 def test_config_subcommand_prints_the_resolved_config() -> None:
     """`hpctrain config` shows the resolved config a run saves (defaults + file + overrides)."""
     overrides = [*TINY, *QUIET, "train.steps=3"]

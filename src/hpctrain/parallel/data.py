@@ -10,6 +10,8 @@ parallelism the parameters are already DTensors on the ``tp`` axis and FSDP shar
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -19,6 +21,13 @@ from torch.nn.parallel import DistributedDataParallel
 from hpctrain.models.registry import family_of
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# No buffer sync before each forward. PyTorch 2.13 renamed the argument (``broadcast_buffers`` is
+# deprecated there and warned about on every rank); older PyTorch knows only the old name.
+_NO_FORWARD_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False})
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -77,5 +86,5 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device
         gradient_as_bucket_view=True,
         # The only buffer (the RoPE table) is derived, identical on every rank: broadcasting
         # it before every forward would be a collective per step for nothing.
-        broadcast_buffers=False,
+        **_NO_FORWARD_BUFFER_SYNC,
     )

@@ -337,7 +337,7 @@ class Trainer:
                     # act inside the hang (not between the last step and this one) can see it.
                     log.warning("HPCTRAIN_FAULTS: hanging %.0f s before step %d", seconds,
                                 self.step + 1)
-                    time.sleep(seconds)
+                    self._hang(seconds)
                 self.watchdog.beat(self.step, "data")
                 t0 = time.perf_counter()
                 with self.goodput.part("data_wait"):
@@ -376,6 +376,18 @@ class Trainer:
             self.metrics.write({"event": "goodput", **account})
         return TrainResult(self.step, last_loss, self.throughput.tokens_per_s, last_mfu,
                            account)
+
+    def _hang(self, seconds: float) -> None:
+        """The ``hang`` fault: sleep, unless a preemption signal arrives meanwhile.
+
+        A held run answers a signal as a busy one does, at this step (the fault's purpose is
+        to hold the run at a known step while a test acts), without sitting out the rest."""
+        deadline = time.monotonic() + seconds
+        while self.checkpoints.preempt.requested is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(left, 0.05))
 
     def validate(self) -> dict | None:
         """Evaluate the held-out split (if any) and log it like the training metrics."""
