@@ -44,9 +44,10 @@ LATEST_POINTER = "latest"
 # What runtime/, observe/, checkpoint/, train/ and launch/ write at fixed names in a run
 # directory (paths relative to it; patterns as in fnmatch). A link at any name is refused; these
 # must moreover be folders, or regular files.
+# Not checkpoints/step-*: a stray file there is damage, which resume reports, skips and leaves
+# (train/test_resume_fallback.py); only links are refused there, as everywhere.
 _FOLDERS = ("config", "logs", "metrics", "checkpoints", "provenance", "goodput", "profiles",
-            "forensics", "tensorboard", "mlruns", "logs/launcher", "checkpoints/step-*",
-            "profiles/step-*")
+            "forensics", "tensorboard", "mlruns", "logs/launcher", "profiles/step-*")
 _FILES = ("exit_info.json", "goodput.json", LOCK_NAME, LOCK_NAME + TAKEOVER_SUFFIX,
           "config/*.yaml", "config/source.*", "logs/rank-*.log", "metrics/rank-*.jsonl",
           f"checkpoints/{LATEST_POINTER}", "provenance/*", "goodput/attempt-*.json",
