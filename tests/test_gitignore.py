@@ -1,5 +1,6 @@
-"""What the README's commands write is ignored by git, so running them leaves the checkout clean
-(provenance.json records ``git_dirty``); source folders of the same names are not ignored.
+"""What the commands of the README and docs/ write is ignored by git, so running them leaves the
+checkout clean (provenance.json records ``git_dirty``); source folders of the same names are not
+ignored.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ _OUTPUT = re.compile(r"(?:--out|-o|>)\s+([\w./-]+)")
 
 
 def readme_outputs() -> set[str]:
-    """Paths the README's ```bash blocks write to (a folder gets a file inside it)."""
-    blocks = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    """Paths the ```bash blocks of the README and docs/ write to (a folder gets a file inside
+    it): the recipes moved from the README into docs/ are run in a checkout too."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    blocks = [b for page in pages for b in re.findall(r"```bash\n(.*?)```", page.read_text(),
+                                                      re.S)]
     # Comments left out: "# x.jpg + x.json -> sample" is not a redirection.
     code = "\n".join(re.sub(r"(^|\s)#.*", "", line) for b in blocks for line in b.splitlines())
     found = set()

@@ -60,7 +60,8 @@ def test_the_cpu_estimate_scales_with_the_cube_of_the_size() -> None:
     (["bench", "gemm", "--device", "cpu", "--dtypes", "int4"], "unknown GEMM dtype"),
     (["bench", "h2d", "--device", "cpu"], "CUDA device"),
     (["bench", "collective", "--device", "cpu", "--cuda-graph"], "uses the CPU (gloo)"),
-    (["bench", "collective", "--device", "cpu", "--cuda-graph", "-3"], "calls per graph"),
+    (["bench", "collective", "--device", "cpu", "--cuda-graph", "-3"],
+     "--cuda-graph: -3 is out of range"),
 ])
 def test_user_errors_exit_2(argv: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as exc:

@@ -389,7 +389,7 @@ def test_every_candidate_failing_exits_1(monkeypatch, tmp_path: Path, capsys) ->
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--gpus", "0"], "--gpus 0"),
+    (["--gpus", "0"], "--gpus: 0 is out of range"),
     (["--gpus", "64", "run.device=cuda"], "GPU"),
     (["--gpus", "3", "parallel.tp=2"], "multiple of 2 GPUs"),
     (["--gpus", "1", "--steps", "4", "--log-every", "3"], "steps >= 2 x log_every"),

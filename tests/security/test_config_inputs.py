@@ -19,8 +19,10 @@ def _float_keys() -> list[str]:
     """Every float (or optional float) field of the job config, as a dotted key."""
     keys = []
     for section in dataclasses.fields(JobConfig):
-        for f in dataclasses.fields(section.type if isinstance(section.type, type)
-                                    else type(getattr(JobConfig(), section.name))):
+        value = getattr(JobConfig(), section.name)
+        if not dataclasses.is_dataclass(value):  # a top-level key (task:), not a section
+            continue
+        for f in dataclasses.fields(type(value)):
             if "float" in str(f.type):
                 keys.append(f"{section.name}.{f.name}")
     return keys
