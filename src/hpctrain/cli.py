@@ -17,7 +17,7 @@ from hpctrain import __version__
 from hpctrain.bench import cli as bench_cli
 from hpctrain.bench.tune import cli as tune_cli
 from hpctrain.data.cli import add_parser as add_data_parser
-from hpctrain.errors import HpctrainError
+from hpctrain.errors import ConfigError, HpctrainError
 from hpctrain.launch import doctor as doctor_cli
 from hpctrain.launch import k8s as k8s_cli
 from hpctrain.launch import pipeline as pipeline_cli
@@ -148,7 +148,7 @@ def _train(args: argparse.Namespace) -> None:
     if args.config.suffix == ".py":  # a task file: the run's config is defaults + overrides
         from hpctrain.task import file_overrides
 
-        world = int(os.environ.get("WORLD_SIZE", args.nproc or 1))
+        world = _world_size(args.nproc)
         cfg = load_config(None, file_overrides(args.config, world, args.overrides))
     else:
         cfg = load_config(args.config, args.overrides)
@@ -162,6 +162,18 @@ def _train(args: argparse.Namespace) -> None:
 
     launch_training(cfg, args.config, args.overrides, args.nproc,
                     max_restarts=args.max_restarts, fresh=args.fresh)
+
+
+def _world_size(nproc: int | None) -> int:
+    """The ranks a task file's run will have: torchrun's/srun's WORLD_SIZE, else --nproc."""
+    value = os.environ.get("WORLD_SIZE")
+    if value is None:
+        return nproc or 1
+    try:
+        return count(1, 1 << 20)(value)
+    except argparse.ArgumentTypeError as e:
+        raise ConfigError(f"WORLD_SIZE={shown(value)} in the environment: {e}",
+                          hint="unset it, or start the ranks with torchrun or srun") from None
 
 
 def _config(args: argparse.Namespace) -> None:

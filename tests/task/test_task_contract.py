@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hpctrain.data.order import BatchLayout
-from hpctrain.data.samples import SampleLoader, StreamLoader
+from hpctrain.data.samples import SampleLoader, StreamLoader, build_sample_loader
 from hpctrain.errors import ConfigError
 from hpctrain.task import Task, TaskError, check_finite, load_task
 
@@ -177,6 +177,14 @@ class iter_only:  # noqa: N801 - reads like the plain generator it stands for
 
     def __iter__(self):
         return (torch.tensor([float(i)]) for i in range(100))
+
+
+def test_a_one_shot_generator_is_refused() -> None:
+    """Read once, it would lose the batch the FLOP count peeks at and end after one pass."""
+    numbers = (torch.tensor([float(i)]) for i in range(100))
+    with pytest.raises(ConfigError, match="one-shot generator"):
+        build_sample_loader(numbers, BatchLayout(2, 1, 1, 0), 0, CPU, _collate, 0)
+    build_sample_loader(iter_only(), BatchLayout(2, 1, 1, 0), 0, CPU, _collate, 0)
 
 
 def test_fit_refuses_what_is_not_a_task() -> None:

@@ -41,7 +41,7 @@ from hpctrain.checkpoint.manifest import (
     write_manifest,
 )
 from hpctrain.runtime.rundir import fsync_dir
-from hpctrain.runtime.safe_open import UnsafeRunPath, read_bytes, write_atomic
+from hpctrain.runtime.safe_open import UnsafeRunPath, current_umask, read_bytes, write_atomic
 
 log = logging.getLogger("hpctrain.checkpoint")
 
@@ -75,8 +75,11 @@ class CheckpointStore:
         name = step_dir_name(step)
         tmp = self.root / f".tmp-{name}"
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
-            tmp.mkdir(parents=True)
+            _clear(tmp)  # leftovers of a save that crashed (or a link planted there)
+            # Owner-only while the ranks write into it: nobody else can plant a link at a shard
+            # or rng file name in the meantime (checkpoints/ may be group-writable). It gets the
+            # umask's mode back when committed.
+            tmp.mkdir(mode=0o700, parents=True)
         dist.barrier(group=group)
         error, full, mine = None, False, {}
         try:
@@ -109,7 +112,7 @@ class CheckpointStore:
                     errors.append(f"commit: {type(e).__name__}: {e}")
                     full = full or is_disk_full(e)
             if errors:
-                shutil.rmtree(tmp, ignore_errors=True)
+                _clear(tmp)
         outcome = [(errors, full)]
         dist.broadcast_object_list(outcome, src=0, group=group)
         errors, full = outcome[0]
@@ -152,6 +155,7 @@ class CheckpointStore:
     def _commit(self, tmp: Path, name: str, files: dict, meta: dict) -> None:
         """Manifest, rename into place, move ``latest``, then prune: in this order."""
         write_manifest(tmp, files, {**meta, "name": name})
+        os.chmod(tmp, 0o777 & ~current_umask())  # readable by whom the umask says, like its files
         fsync_dir(tmp)
         final = self.root / name
         if final.exists():  # the same step saved again after a rollback
@@ -313,3 +317,12 @@ def _save_durable(obj: Any, path: Path) -> None:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _clear(path: Path) -> None:
+    """Remove the folder ``path`` if there; a link planted in its place is removed, not followed."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+

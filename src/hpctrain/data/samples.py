@@ -41,6 +41,14 @@ def build_sample_loader(dataset: Any, layout: BatchLayout, seed: int, device: to
     if is_map_style(dataset):
         return SampleLoader(dataset, layout, seed, device, collate, prefetch)
     if hasattr(dataset, "__iter__"):
+        if iter(dataset) is dataset:
+            # A generator or iterator can be read once: the FLOP count's peek would eat its
+            # first batch and a second pass would find it empty.
+            raise ConfigError(f"Task(data=...) is a one-shot {type(dataset).__name__} (an "
+                              "iterator: iter() of it returns itself)",
+                              expected="a map-style dataset, or an iterable whose iter() "
+                              "starts a new pass each time (e.g. an IterableDataset)",
+                              hint="wrap the generator in a class whose __iter__ creates it")
         return StreamLoader(dataset, layout, seed, device, collate)
     raise ConfigError(f"Task(data=...) is a {type(dataset).__name__}",
                       expected="a map-style dataset (__len__ and __getitem__) or an iterable "

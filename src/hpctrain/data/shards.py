@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import struct
 from dataclasses import dataclass
 from functools import lru_cache
@@ -82,16 +83,23 @@ def file_checksum(path: Path, chunk: int = 8 << 20) -> str:
 
 def atomic_write(path: Path, data_parts: list[bytes | memoryview | np.ndarray]) -> str:
     """Write ``path`` via a temporary name, fsync, rename; return the SHA-256 checksum."""
-    tmp = path.with_name(path.name + ".tmp")
+    # A random name created exclusively: a link planted in a shared data folder at a temp name
+    # is never written through (O_EXCL fails on any existing name); mode 0o666 less the umask.
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
     h = hashlib.sha256()
-    with open(tmp, "wb") as f:
-        for part in data_parts:
-            buf = memoryview(part).cast("B") if isinstance(part, np.ndarray) else part
-            h.update(buf)
-            f.write(buf)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for part in data_parts:
+                buf = memoryview(part).cast("B") if isinstance(part, np.ndarray) else part
+                h.update(buf)
+                f.write(buf)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return "sha256:" + h.hexdigest()
 
 

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from hpctrain.errors import ConfigError
+from hpctrain.runtime.safe_open import current_umask
 
 
 def write_output(path: Path, text: str, *, flag: str = "-o") -> Path:
@@ -28,7 +29,7 @@ def write_output(path: Path, text: str, *, flag: str = "-o") -> Path:
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
-            os.chmod(tmp, 0o666 & ~_umask())
+            os.chmod(tmp, 0o666 & ~current_umask())
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -40,9 +41,3 @@ def write_output(path: Path, text: str, *, flag: str = "-o") -> Path:
                           f"{flag} to print to stdout") from None
     return path
 
-
-def _umask() -> int:
-    # os.umask can only be read by setting it; put the old value straight back.
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

@@ -70,7 +70,7 @@ from hpctrain.runtime.exit_codes import HUNG
 from hpctrain.runtime.exit_info import exit_info_or_none
 from hpctrain.runtime.rundir import write_json_atomic
 from hpctrain.runtime.runlock import current_attempt
-from hpctrain.runtime.safe_open import make_dir
+from hpctrain.runtime.safe_open import UnsafeRunPath, make_dir, read_bytes
 
 log = logging.getLogger("hpctrain.goodput")
 
@@ -378,7 +378,9 @@ def _read(path: Path) -> dict[str, Any] | None:
 def read_ledger(path: Path) -> dict[str, Any]:
     """The ledger at ``path``, checked; BadRecord when it is unreadable or damaged."""
     try:
-        state = json.loads(path.read_bytes())
+        state = json.loads(read_bytes(path))  # never through a link planted in the run dir
+    except UnsafeRunPath as e:
+        raise BadRecord(e.what) from None
     except (OSError, ValueError) as e:
         raise BadRecord(f"{path} is unreadable ({shown(str(e))})") from None
     state = LEDGER.check(state, path)

@@ -13,6 +13,7 @@ are closed with the run's outcome: FINISHED, KILLED (preempted, Ctrl-C) or FAILE
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -25,7 +26,7 @@ from typing import Any
 from hpctrain.runtime.env import ProcessEnv
 from hpctrain.runtime.exit_codes import PREEMPTED
 from hpctrain.runtime.rundir import RunDir, json_safe
-from hpctrain.runtime.safe_open import make_dir, open_append
+from hpctrain.runtime.safe_open import make_dir, open_append, open_read
 
 _log = logging.getLogger(__name__)
 
@@ -89,7 +90,8 @@ class MetricsWriter:
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """Return the records of one metrics file; top-level "nan"/"inf"/"-inf" become floats."""
     records: list[dict[str, Any]] = []
-    with Path(path).open(encoding="utf-8") as file:
+    # Never through a link or FIFO planted in a shared run directory (`runs` would hang).
+    with io.TextIOWrapper(open_read(path), encoding="utf-8") as file:
         for number, line in enumerate(file, start=1):
             if not line.strip():
                 continue

@@ -9,9 +9,9 @@ leaves its part empty; nothing here raises for a damaged run except a folder tha
 
 from __future__ import annotations
 
+import io
 import json
 import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -25,7 +25,8 @@ from hpctrain.observe.goodput import ACCOUNT_RECORD
 from hpctrain.observe.metrics import read_metrics
 from hpctrain.records import BadRecord, shown
 from hpctrain.runtime.exit_info import read_exit_info
-from hpctrain.runtime.runlock import LOCK_NAME, JobAttempt, stale_reason
+from hpctrain.runtime.runlock import LOCK_NAME, JobAttempt, inspect_lock, stale_reason
+from hpctrain.runtime.safe_open import UnsafeRunPath, open_read, read_bytes
 from hpctrain.runtime.watchdog import read_flight_records, unjoined_collective
 
 GOODPUT_FILE = "goodput.json"
@@ -110,10 +111,13 @@ class RunData:
         return stale_reason(self.lock or None, self.lock_age_s, JobAttempt(None, (0, 0))) is None
 
 
+# Every file of a run directory is read through safe_open: a link or FIFO planted in a shared
+# folder is read as unreadable, never followed or waited on.
+
 def _json(path: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
+        data = json.loads(read_bytes(path))
+    except (OSError, ValueError, UnsafeRunPath):
         return None
     return data if isinstance(data, dict) else None
 
@@ -121,9 +125,11 @@ def _json(path: Path) -> dict[str, Any] | None:
 def _read_account(path: Path) -> dict[str, Any] | None:
     """``goodput.json`` checked; None when missing, BadRecord when damaged."""
     try:
-        data = json.loads(path.read_bytes())
+        data = json.loads(read_bytes(path))
     except FileNotFoundError:
         return None
+    except UnsafeRunPath as e:
+        raise BadRecord(e.what) from None
     except (OSError, ValueError) as e:
         raise BadRecord(f"{path} is unreadable ({shown(str(e))})") from None
     return ACCOUNT_RECORD.check(data, path)
@@ -155,9 +161,9 @@ def load_run(path: Path, *, metrics: bool = True) -> RunData:
                            hint="pass runs/<name>; `hpctrain runs runs/` lists them")
     run = RunData(root=root)
     try:
-        config = yaml.safe_load((root / "config" / "config.yaml").read_text(encoding="utf-8"))
+        config = yaml.safe_load(read_bytes(root / "config" / "config.yaml").decode("utf-8"))
         run.config = config if isinstance(config, dict) else None
-    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+    except (OSError, yaml.YAMLError, UnicodeDecodeError, UnsafeRunPath):
         pass
     run.provenance = _json(root / "provenance" / "provenance.json")
     run.exit_info = _checked(run, root / "exit_info.json", read_exit_info)
@@ -167,16 +173,17 @@ def load_run(path: Path, *, metrics: bool = True) -> RunData:
             try:
                 rank = int(file.stem.split("-")[1])
                 run.ranks[rank] = read_metrics(file)
-            except (ValueError, IndexError, OSError, UnicodeDecodeError):
+            except (ValueError, IndexError, OSError, UnicodeDecodeError, UnsafeRunPath):
                 continue
         run.log_events = _log_events(root / "logs" / "rank-000.log")
         run.flight_records = read_flight_records(root)
-    lock = root / LOCK_NAME
     try:
-        run.lock_age_s = max(0.0, time.time() - lock.stat().st_mtime)
-        run.lock = _json(lock) or {}
-    except OSError:
-        pass
+        # The lock as `acquire` reads it: every field checked, the age by our own clock.
+        holder, key, age = inspect_lock(root / LOCK_NAME)
+    except (OSError, UnsafeRunPath):
+        key = None  # a folder or link there: no run holds it (acquire refuses it)
+    if key is not None:
+        run.lock_age_s, run.lock = age, holder or {}
     return run
 
 
@@ -184,12 +191,12 @@ def last_train_record(root: Path) -> dict[str, Any] | None:
     """Rank 0's newest training record, read from the end of its file (files grow large)."""
     path = Path(root) / "metrics" / "rank-000.jsonl"
     try:
-        with path.open("rb") as f:
+        with open_read(path) as f:
             f.seek(0, 2)
             size = f.tell()
             f.seek(max(0, size - 256 * 1024))
             tail = f.read().decode("utf-8", errors="replace").splitlines()
-    except OSError:
+    except (OSError, UnsafeRunPath):
         return None
     for line in reversed(tail):
         try:
@@ -215,7 +222,7 @@ def _log_events(path: Path) -> list[dict[str, Any]]:
     """Preemptions as the rank-0 log tells them (exit_info keeps only the last one)."""
     events = []
     try:
-        with path.open(encoding="utf-8", errors="replace") as f:
+        with io.TextIOWrapper(open_read(path), encoding="utf-8", errors="replace") as f:
             for line in f:
                 if "preemption (" not in line:
                     continue
@@ -226,7 +233,7 @@ def _log_events(path: Path) -> list[dict[str, Any]]:
                 ts = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
                 events.append({"event": "preemption", "ts": ts + int(m.group(2)) / 1000,
                                "signal": p.group(1), "step": int(p.group(2))})
-    except OSError:
+    except (OSError, UnsafeRunPath):
         pass
     return events
 

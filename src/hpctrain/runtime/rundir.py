@@ -261,10 +261,19 @@ def _probe_write(folder: Path, hint: str) -> None:
 
 
 def _check_entries(root: Path, folder: Path, depth: int) -> None:
-    for entry in os.scandir(folder):
+    # A live run may rename or remove entries while we look (a save committing): what is gone
+    # is skipped, so a second start gets the lock's "in use" refusal, not a traceback.
+    try:
+        entries = list(os.scandir(folder))
+    except FileNotFoundError:
+        return
+    for entry in entries:
         path = Path(entry.path)
         rel = path.relative_to(root).parts
-        st = entry.stat(follow_symlinks=False)
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
         if stat.S_ISLNK(st.st_mode):
             raise refuse(path, "a symbolic link")
         is_dir = stat.S_ISDIR(st.st_mode)

@@ -157,7 +157,7 @@ def acquire(root: Path, attempt: JobAttempt | None = None, *, stale_s: float = S
     for _ in range(_ATTEMPTS):
         if _create(path, info):
             return RunLock(path, info, heartbeat_s)
-        holder, key, age = _inspect(path)
+        holder, key, age = inspect_lock(path)
         if key is None:
             continue  # released between our create and our read: try again
         why = stale_reason(holder, age, attempt, stale_s)
@@ -171,7 +171,7 @@ def acquire(root: Path, attempt: JobAttempt | None = None, *, stale_s: float = S
             lock.took_over = (f"took over the stale lock of {root}: {why} "
                               f"({describe(holder) if holder else 'unreadable lock file'})")
             return lock
-    holder, _, age = _inspect(path)
+    holder, _, age = inspect_lock(path)
     raise _locked_error(root, path, holder, age)
 
 
@@ -186,7 +186,7 @@ def follow(root: Path, token: str, heartbeat_s: float | None = None) -> RunLock:
 def check_held(root: Path, token: str) -> None:
     """Raise RunLockedError unless ``root``'s lock carries ``token`` (the launcher's)."""
     path = Path(root) / LOCK_NAME
-    holder, _, age = _inspect(path)
+    holder, _, age = inspect_lock(path)
     if holder is None or holder.get("token") != token:
         raise RunLockedError(
             f"this rank's launcher does not hold the lock of {root}",
@@ -338,8 +338,9 @@ def _show(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _inspect(path: Path) -> tuple[dict[str, Any] | None, tuple | None, float]:
+def inspect_lock(path: Path) -> tuple[dict[str, Any] | None, tuple | None, float]:
     """(holder, identity of this very file, seconds since its last heartbeat); key None if gone.
+    Every reader of a lock (acquire, `runs`, `report`) judges it through this.
 
     The age is the distance to our clock either way: a heartbeat in the future is no sign of
     life (only a skew within ``STALE_S`` is forgiven). UnsafeRunPath if it is not a file.
@@ -362,7 +363,7 @@ def _take_over(path: Path, stale_key: tuple, info: dict[str, Any]) -> bool:
     """Replace the stale lock identified by ``stale_key`` with ours; False if we lost a race."""
     mutex = path.with_name(path.name + TAKEOVER_SUFFIX)
     if not _create(mutex, info):
-        holder, key, age = _inspect(mutex)
+        holder, key, age = inspect_lock(mutex)
         if key is not None and stale_reason(holder, age, JobAttempt(None, (0, 0)),
                                             TAKEOVER_STALE_S):
             # Its owner died inside a takeover. (Two processes that both find it abandoned
@@ -372,7 +373,7 @@ def _take_over(path: Path, stale_key: tuple, info: dict[str, Any]) -> bool:
         time.sleep(0.05)
         return False
     try:
-        _, key, _ = _inspect(path)
+        _, key, _ = inspect_lock(path)
         if key != stale_key:
             return False  # someone else replaced it meanwhile: judge the new holder afresh
         with contextlib.suppress(FileNotFoundError):

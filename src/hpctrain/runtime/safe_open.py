@@ -27,7 +27,7 @@ import os
 import secrets
 import stat
 from pathlib import Path
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 from hpctrain.errors import HpctrainError
 
@@ -101,15 +101,21 @@ def open_append(path: Path, *, buffering: int = -1) -> TextIO:
     return os.fdopen(fd, "a", encoding="utf-8", buffering=buffering)
 
 
-def read_bytes(path: Path) -> bytes:
-    """The content of the regular file ``path``, never read through a link (UnsafeRunPath)."""
+def open_read(path: Path) -> BinaryIO:
+    """Open the regular file ``path`` to read, never through a link and never blocking on a
+    FIFO planted in its place (UnsafeRunPath)."""
     path = Path(path)
     folder = open_dir(path.parent)
     try:
         fd = _open(path, os.O_RDONLY, dir_fd=folder, write=False)
     finally:
         os.close(folder)
-    with os.fdopen(fd, "rb") as f:
+    return os.fdopen(fd, "rb")
+
+
+def read_bytes(path: Path) -> bytes:
+    """The content of the regular file ``path``, never read through a link (UnsafeRunPath)."""
+    with open_read(path) as f:
         return f.read()
 
 
@@ -142,3 +148,10 @@ def write_atomic(path: Path, data: bytes) -> None:
             os.fsync(folder)
     finally:
         os.close(folder)
+
+
+def current_umask() -> int:
+    """This process's umask (os.umask can only be read by setting it: put back at once)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask

@@ -51,7 +51,7 @@ from hpctrain.runtime.runlock import (
 )
 from hpctrain.runtime.safe_open import write_atomic
 from hpctrain.runtime.watchdog import Watchdog, enable_flight_recorder
-from hpctrain.task import Task
+from hpctrain.task import Task, TaskError
 from hpctrain.train import preflight
 from hpctrain.train.preemption import ControlChannel, Preempted, PreemptionFlag
 from hpctrain.train.task_trainer import build_trainer
@@ -324,7 +324,7 @@ def _saved_result(run_dir: RunDir) -> dict:
 
 # The user errors that refuse a run at start-up (config, data, devices, lock); a damaged
 # checkpoint or a failure while training is the run's own end and is recorded.
-_REFUSALS = (ConfigError, DataError, RuntimeEnvError, RunLockedError)
+_REFUSALS = (ConfigError, DataError, RuntimeEnvError, RunLockedError, TaskError)
 
 
 def _record_config(run_dir: RunDir, cfg: JobConfig, source: Path | None,

@@ -36,7 +36,7 @@ from hpctrain.parallel.data import DTYPES, apply_ddp, dp_mesh
 from hpctrain.parallel.layout import ParallelLayout, mesh_degrees
 from hpctrain.runtime.dist import Distributed
 from hpctrain.runtime.watchdog import Watchdog
-from hpctrain.task import Task, TaskError, check_finite, load_task
+from hpctrain.task import Task, TaskError, call_user, check_finite, load_task
 from hpctrain.train import checkpointing
 from hpctrain.train.guard import BadStepGuard
 from hpctrain.train.optim import build_optimizer, build_scheduler
@@ -145,7 +145,6 @@ class TaskTrainer(Trainer):
         self._skipped_logged = 0.0
         self.step = 0
         self.throughput = Throughput()  # this attempt's tokens/s per rank, for its summaries
-        self._checked_finite = False
         self._metric_sums: dict[str, torch.Tensor] = {}
         tokens = task.tokens_per_sample
         self.tokens_per_step = self.layout.micro_batch * tc.grad_accum * tokens
@@ -198,6 +197,18 @@ class TaskTrainer(Trainer):
                 "flops_per_sample": self.flops_per_token * self.task.tokens_per_sample,
                 "tokens_per_sample": self.task.tokens_per_sample}
 
+    def _first_loss_finite(self, loss: torch.Tensor) -> None:
+        """Refuse a NaN first loss on every rank together: one rank raising alone would leave
+        the others waiting in the gradients' all-reduce (later steps: the bad-step guard)."""
+        bad = (~torch.isfinite(loss.detach().float())).to(torch.int32).reshape(())
+        if self.dist.world_size > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item():
+            check_finite(loss, self.task.step or self.task.loss)  # names the user's code here
+            raise TaskError("another rank's loss at the first step is not finite",
+                            expected="a finite loss on every rank",
+                            hint="that rank's log (logs/) names the code that returned it")
+
     def _train_state(self) -> checkpointing.TrainState:
         return checkpointing.TrainState(self.model, self.optimizer, self.scheduler, self.loader,
                                         self.scaler,
@@ -214,9 +225,8 @@ class TaskTrainer(Trainer):
         for i, batch in enumerate(micro_batches):
             with self._grad_sync(last=i == n - 1), self._autocast():
                 loss, metrics = self.task.run_step(self.model, batch)
-            if not self._checked_finite:
-                check_finite(loss, self.task.step or self.task.loss)
-                self._checked_finite = True
+            if self.step == 0 and i == 0:
+                self._first_loss_finite(loss)
             if poison:
                 loss = loss * float("nan")
             share = loss.float() / n  # DDP and FSDP average the gradients over the ranks
@@ -255,8 +265,10 @@ class TaskTrainer(Trainer):
             raise ConfigError("Task(eval_data=...) is not map-style",
                               expected="__len__ and __getitem__ (each rank reads its share)")
         self.watchdog.beat(self.step, "validation")
-        sampler = ValidationSampler(len(data), self.layout.world_size, self.layout.rank,
-                                    self.cfg.train.micro_batch)
+        sampler = ValidationSampler(call_user(len, "len(Task.eval_data)", data),
+                                    self.layout.world_size, self.layout.rank,
+                                    self.cfg.train.micro_batch,
+                                    max_samples=self.cfg.train.val_max_samples)
         collate = self.task.collate or torch.utils.data.default_collate
         # DDP's forward would add its buffer and bucket bookkeeping; FSDP needs its own forward
         # (all ranks run the same number of batches).
@@ -270,7 +282,9 @@ class TaskTrainer(Trainer):
                 for indices, mask in sampler:
                     real = indices[mask] if mask.any() else indices[:1]
                     weight = float(mask.sum())
-                    batch = to_device(collate([data[int(i)] for i in real]), self.device)
+                    items = [call_user(data.__getitem__, "Task.eval_data[i]", int(i))
+                             for i in real]
+                    batch = to_device(call_user(collate, "Task.collate", items), self.device)
                     with self._autocast():
                         loss, metrics = self.task.run_step(model, batch)
                     for name, value in {"val_loss": loss, **{f"val_{k}": v for k, v in
