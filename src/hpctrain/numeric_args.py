@@ -15,15 +15,13 @@ import math
 import re
 from collections.abc import Callable
 
+from hpctrain.shown import quoted
+
 # Far above any real value of an option here, far below where float arithmetic overflows.
 HUGE = 1e18
 MAX_INT = 2**40
 _COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?(?:e\+?\d+)?)\s*([kmbt]?)\s*$", re.IGNORECASE)
 _SCALE = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
-
-
-def _shown(text: str) -> str:
-    return repr(text if len(text) <= 40 else text[:40] + "...")
 
 
 def real(minimum: float = 0.0, maximum: float = HUGE, *,
@@ -35,11 +33,11 @@ def real(minimum: float = 0.0, maximum: float = HUGE, *,
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{_shown(text)} is not a number") from None
+            raise argparse.ArgumentTypeError(f"{quoted(text, 40)} is not a number") from None
         if not (math.isfinite(value) and (value > minimum if open_min else value >= minimum)
                 and value <= maximum):
             raise argparse.ArgumentTypeError(
-                f"{_shown(text)} is out of range: expected a finite number {low} and "
+                f"{quoted(text, 40)} is out of range: expected a finite number {low} and "
                 f"<= {maximum:g}")
         return value
 
@@ -54,7 +52,7 @@ def count(minimum: int = 0, maximum: int = MAX_INT) -> Callable[[str], int]:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{_shown(text)} is not an integer") from None
+            raise argparse.ArgumentTypeError(f"{quoted(text, 40)} is not an integer") from None
         if not minimum <= value <= maximum:
             raise argparse.ArgumentTypeError(
                 f"{value} is out of range: expected an integer from {minimum} to {maximum}")
@@ -69,9 +67,9 @@ def big_count(text: str, maximum: float = HUGE) -> float:
     ValueError for anything else, zero, or more than ``maximum``."""
     match = _COUNT.match(text)
     if match is None:
-        raise ValueError(f"{_shown(text)} is not a count (e.g. 300B, 1T, 2e12)")
+        raise ValueError(f"{quoted(text, 40)} is not a count (e.g. 300B, 1T, 2e12)")
     value = float(match.group(1)) * _SCALE[match.group(2).lower()]
     if not (math.isfinite(value) and 0 < value <= maximum):
-        raise ValueError(f"{_shown(text)} is out of range: expected more than 0 and at most "
+        raise ValueError(f"{quoted(text, 40)} is out of range: expected more than 0 and at most "
                          f"{maximum:g}")
     return value

@@ -23,22 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.errors import HpctrainError
+from hpctrain.shown import quoted
 
 # The largest count a record may hold: integers above 2**53 do not survive a round trip through
 # a float (JavaScript, many JSON tools) and no run reaches them; 10**30 is damage, not progress.
 MAX_COUNT = 2**53
-_SHOWN = 80  # characters of a bad value shown in a message
 _MISSING = object()  # the "value" of a required key that is absent
 
 
 class BadRecord(HpctrainError):
     """A file we wrote holds a value of the wrong type or out of range (damaged or edited)."""
-
-
-def shown(value: object) -> str:
-    """``repr(value)`` cut to a bounded length: control characters escaped, never emitted."""
-    text = repr(value)
-    return text if len(text) <= _SHOWN else text[:_SHOWN] + "...(cut)"
 
 
 class Field:
@@ -59,7 +53,7 @@ class Field:
         if bad is None:
             return data
         name, value, expected = bad
-        value_text = "(missing)" if value is _MISSING else shown(value)
+        value_text = "(missing)" if value is _MISSING else quoted(value)
         raise BadRecord(f"{where}: {name or '(the whole file)'} = {value_text}",
                         expected=expected)
 

@@ -39,3 +39,10 @@ def shown(value: object, limit: int | None = LIMIT) -> str:
     if limit is not None and len(text) > limit:
         text = f"{text[:limit]}... ({len(text)} characters)"
     return _UNSAFE.sub(_escape, text)
+
+
+def quoted(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit``: for a value read back from a file, whose quotes show
+    where it ends (repr escapes control, separator and text-direction characters itself)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -16,8 +16,9 @@ from typing import Any
 import xxhash
 
 from hpctrain.errors import HpctrainError
-from hpctrain.records import BadRecord, Int, Map, Record, Str, shown
+from hpctrain.records import BadRecord, Int, Map, Record, Str
 from hpctrain.runtime.rundir import write_json_atomic
+from hpctrain.shown import quoted
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -100,7 +101,7 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
         raise DamagedCheckpoint(e.what, expected=e.expected) from None
     for name in data["files"]:
         if not is_plain_name(name):
-            raise DamagedCheckpoint(f"{path} lists {shown(name)}, which is not a file of this "
+            raise DamagedCheckpoint(f"{path} lists {quoted(name)}, which is not a file of this "
                                     "checkpoint (a plain file name is expected)")
     step = data["step"]
     named = step_of(ckpt_dir.name)

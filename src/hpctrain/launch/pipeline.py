@@ -78,9 +78,10 @@ from hpctrain.errors import ConfigError, HpctrainError, LaunchError
 from hpctrain.launch.containers import Container, default_runtime, job_binds
 from hpctrain.launch.sbatch import SbatchParams, check_placement, resolve_python
 from hpctrain.launch.submit import submit_script
-from hpctrain.records import BadRecord, Int, Map, Record, Str, shown, too_large
+from hpctrain.records import BadRecord, Int, Map, Record, Str, too_large
 from hpctrain.runtime.exit_info import read_exit_info
 from hpctrain.runtime.rundir import archive_run, write_json_atomic
+from hpctrain.shown import quoted
 
 STATE_ROOT = Path("runs") / "pipelines"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -246,7 +247,7 @@ def _read_record(path: Path, schema: Record | Map) -> dict:
     except (OSError, ValueError) as e:
         if isinstance(e, FileNotFoundError):
             raise
-        raise BadRecord(f"{path} is unreadable ({shown(str(e))})") from None
+        raise BadRecord(f"{path} is unreadable ({quoted(str(e))})") from None
     return schema.check(data, path)
 
 
@@ -311,7 +312,7 @@ def _verify_train(stage: Stage, pl: Pipeline, workdir: Path) -> str:
     if info["exit_code"] != 0 or steps != cfg.train.steps:
         where = (f"at step {steps} of {cfg.train.steps}" if steps is not None
                  else f"before its {cfg.train.steps} steps were done")
-        reason = shown((info.get("reason") or "").partition("\n")[0])
+        reason = quoted((info.get("reason") or "").partition("\n")[0])
         raise ValueError(f"{run} ended with exit {info['exit_code']} {where} ({reason})")
     last = info.get("last_checkpoint")
     if last:
@@ -438,7 +439,7 @@ def _check_inputs(pl: Pipeline, stage: Stage, workdir: Path) -> None:
             [str(path)] if os.path.lexists(path) else []
         if not found:
             raise ConfigError(
-                f"stage {stage.name}: input {shown(item)} "
+                f"stage {stage.name}: input {quoted(item)} "
                 f"{'matches nothing' if glob.has_magic(item) else 'does not exist'} "
                 f"(in {workdir})", expected="files, folders or glob patterns that exist, or "
                 "the out/outputs of an earlier stage",

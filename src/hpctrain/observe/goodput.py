@@ -65,12 +65,13 @@ from typing import Any
 
 import psutil
 
-from hpctrain.records import BadRecord, Bool, Int, List, Map, Real, Record, Str, shown
+from hpctrain.records import BadRecord, Bool, Int, List, Map, Real, Record, Str
 from hpctrain.runtime.exit_codes import HUNG
 from hpctrain.runtime.exit_info import exit_info_or_none
 from hpctrain.runtime.rundir import write_json_atomic
 from hpctrain.runtime.runlock import current_attempt
 from hpctrain.runtime.safe_open import UnsafeRunPath, make_dir, read_bytes
+from hpctrain.shown import quoted
 
 log = logging.getLogger("hpctrain.goodput")
 
@@ -382,7 +383,7 @@ def read_ledger(path: Path) -> dict[str, Any]:
     except UnsafeRunPath as e:
         raise BadRecord(e.what) from None
     except (OSError, ValueError) as e:
-        raise BadRecord(f"{path} is unreadable ({shown(str(e))})") from None
+        raise BadRecord(f"{path} is unreadable ({quoted(str(e))})") from None
     state = LEDGER.check(state, path)
     if state.get("ended") and "end" not in state:
         raise BadRecord(f"{path}: ended = true without an end time")

@@ -23,11 +23,12 @@ import yaml
 from hpctrain.errors import HpctrainError
 from hpctrain.observe.goodput import ACCOUNT_RECORD
 from hpctrain.observe.metrics import read_metrics
-from hpctrain.records import BadRecord, shown
+from hpctrain.records import BadRecord
 from hpctrain.runtime.exit_info import read_exit_info
 from hpctrain.runtime.runlock import LOCK_NAME, JobAttempt, inspect_lock, stale_reason
 from hpctrain.runtime.safe_open import UnsafeRunPath, open_read, read_bytes
 from hpctrain.runtime.watchdog import read_flight_records, unjoined_collective
+from hpctrain.shown import quoted
 
 GOODPUT_FILE = "goodput.json"
 GOODPUT_PARTS = ("startup", "checkpoint", "data_wait", "validation", "lost_work",
@@ -131,7 +132,7 @@ def _read_account(path: Path) -> dict[str, Any] | None:
     except UnsafeRunPath as e:
         raise BadRecord(e.what) from None
     except (OSError, ValueError) as e:
-        raise BadRecord(f"{path} is unreadable ({shown(str(e))})") from None
+        raise BadRecord(f"{path} is unreadable ({quoted(str(e))})") from None
     return ACCOUNT_RECORD.check(data, path)
 
 

@@ -52,6 +52,7 @@ import psutil
 from hpctrain.errors import HpctrainError
 from hpctrain.runtime.redact import redact_argv
 from hpctrain.runtime.safe_open import UnsafeRunPath, read_bytes, refuse
+from hpctrain.shown import quoted
 
 log = logging.getLogger("hpctrain.runlock")
 
@@ -311,31 +312,25 @@ def _invalid(holder: dict[str, Any]) -> str | None:
 
     pid, started, attempt = holder.get("pid"), holder.get("started"), holder.get("attempt")
     if not (isinstance(holder.get("host"), str) and 0 < len(holder["host"]) <= 255):
-        return f"host {_show(holder.get('host'))} is not a host name"
+        return f"host {quoted(holder.get('host'), 40)} is not a host name"
     if not whole(pid, 1, _PID_MAX):
-        return f"pid {_show(pid)} is not a process id"
+        return f"pid {quoted(pid, 40)} is not a process id"
     # Our own clock judges: a start in the future (beyond another host's clock skew) is made up.
     if not (isinstance(started, int | float) and not isinstance(started, bool)
             and math.isfinite(started) and 0 <= started <= time.time() + STALE_S):
-        return f"start time {_show(started)} is not a time up to now"
+        return f"start time {quoted(started, 40)} is not a time up to now"
     if holder.get("host") == socket.gethostname() and started > time.time() + 1:
-        return f"start time {_show(started)} is in this host's future"
+        return f"start time {quoted(started, 40)} is in this host's future"
     if not (isinstance(attempt, list) and len(attempt) == 2
             and all(whole(a, 0, _PID_MAX) for a in attempt)):
-        return f"attempt {_show(attempt)} is not two restart counts"
+        return f"attempt {quoted(attempt, 40)} is not two restart counts"
     if not (holder.get("job") is None or isinstance(holder["job"], str)):
-        return f"job {_show(holder['job'])} is not a job id"
+        return f"job {quoted(holder['job'], 40)} is not a job id"
     if not (isinstance(holder.get("token"), str) and holder["token"]):
-        return f"token {_show(holder.get('token'))} is not a token"
+        return f"token {quoted(holder.get('token'), 40)} is not a token"
     if not isinstance(holder.get("ranks", False), bool):
-        return f"ranks {_show(holder['ranks'])} is not true or false"
+        return f"ranks {quoted(holder['ranks'], 40)} is not true or false"
     return None
-
-
-def _show(value: Any) -> str:
-    """A value from the file for a message: repr, bounded (it may be anything)."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def inspect_lock(path: Path) -> tuple[dict[str, Any] | None, tuple | None, float]:

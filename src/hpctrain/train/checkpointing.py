@@ -31,7 +31,8 @@ from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.checkpoint.manifest import MANIFEST, DamagedCheckpoint
 from hpctrain.config import JobConfig, to_dict
 from hpctrain.errors import ConfigError
-from hpctrain.records import MAX_COUNT, BadRecord, Bool, Int, List, Real, Record, Str, shown
+from hpctrain.records import MAX_COUNT, BadRecord, Bool, Int, List, Real, Record, Str
+from hpctrain.shown import quoted
 
 log = logging.getLogger("hpctrain.train")
 
@@ -175,8 +176,8 @@ def check_meta(s: TrainState, path: Path, manifest: dict[str, Any], cfg: JobConf
     # what this run's schedule itself saves (None for plain functions) is accepted.
     mine = s.scheduler.state_dict().get("lr_lambdas")
     if "lr_lambdas" in scheduler and scheduler["lr_lambdas"] != mine:
-        raise damaged(f"scheduler.lr_lambdas = {shown(scheduler['lr_lambdas'])} is not what "
-                      f"this run's LR schedule saves ({shown(mine)})")
+        raise damaged(f"scheduler.lr_lambdas = {quoted(scheduler['lr_lambdas'])} is not what "
+                      f"this run's LR schedule saves ({quoted(mine)})")
     # The schedule steps once per optimizer step, and a rollback restores both together.
     if scheduler["last_epoch"] != step:
         raise damaged(f"the LR schedule is at step {scheduler['last_epoch']}, the checkpoint "
@@ -194,7 +195,7 @@ def check_meta(s: TrainState, path: Path, manifest: dict[str, Any], cfg: JobConf
                       f"{loader['global_batch']}) does not match tokens_seen = {tokens}")
     scaler = manifest["scaler"]
     if s.scaler is not None and scaler and not all(k in scaler for k in s.scaler.state_dict()):
-        raise damaged(f"scaler = {shown(scaler)} is not a loss scaler's state")
+        raise damaged(f"scaler = {quoted(scaler)} is not a loss scaler's state")
     if manifest["model_hash"] != config_hashes(cfg, s.model_signature)["model_hash"]:
         own = s.model_signature is not None
         raise ConfigError(
