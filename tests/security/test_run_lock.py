@@ -147,7 +147,7 @@ def test_takeover_of_a_lock_already_replaced_is_refused(tmp_path: Path) -> None:
     """B judged the old lock stale, but A replaced it first: B must not remove A's lock."""
     root = tmp_path / "run"
     path = write_lock(root, host=socket.gethostname(), pid=dead_pid())
-    _, stale_key, _ = runlock._inspect(path)
+    _, stale_key, _ = runlock.inspect_lock(path)
     a = acquire(root, LOCAL)  # A takes over
     b_info = runlock._new_info(LOCAL)
     assert runlock._take_over(path, stale_key, b_info) is False
