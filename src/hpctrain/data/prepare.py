@@ -446,7 +446,8 @@ class _map:
     """Ordered results of `tokenize_file` over ``jobs``: inline for 1 worker, else a pool."""
 
     def __init__(self, workers: int, settings: PrepareSettings, jobs: list):
-        self.workers, self.settings, self.jobs = workers, settings, jobs
+        # No more workers than files: one file is tokenized inline, without a pool to start.
+        self.workers, self.settings, self.jobs = min(workers, len(jobs)), settings, jobs
         self.pool = None
 
     def __enter__(self):
