@@ -8,11 +8,13 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from image_trees import CLASSES, PER_CLASS, tiny_jpeg
 
 from hpctrain.cli import main
 from hpctrain.data.images import ImageShards
 from hpctrain.data.images.pack import PackSettings, pack_images, verify_images
+from hpctrain.data.staging import clear_cache
 from hpctrain.errors import ConfigError, DataError
 
 SMALL = PackSettings(shard_bytes=6000, val_fraction=0.25)  # ~3 tiny JPEGs per shard
@@ -150,3 +152,17 @@ def test_cli_pack_and_verify(image_tree, tmp_path, capsys) -> None:
         main(["data", "verify", str(out)])
     assert e.value.code != 0
     assert "checksum mismatch" in capsys.readouterr().err
+
+
+def test_staged_split_reads_the_same_samples(packed, tmp_path) -> None:
+    local = tmp_path / "local"
+    clear_cache()
+    try:
+        staged = ImageShards(packed, "val", stage_to=str(local), local_rank=0)
+        shared = ImageShards(packed, "val")
+        assert staged.root.is_relative_to(local) and staged.root.name.startswith("val-")
+        assert len(staged) == len(shared) > 0
+        assert all(torch.equal(staged[i][0], shared[i][0]) and staged[i][1] == shared[i][1]
+                   for i in range(len(shared)))
+    finally:
+        clear_cache()

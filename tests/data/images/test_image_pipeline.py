@@ -21,6 +21,7 @@ from hpctrain.data.images import (
     decode_batch,
 )
 from hpctrain.data.images.pack import PackSettings, pack_images
+from hpctrain.data.images.throughput import loader_throughput
 from hpctrain.data.order import BatchLayout
 from hpctrain.data.samples import SampleLoader
 from hpctrain.errors import DataError
@@ -60,6 +61,9 @@ def test_cpu_decode_skips_and_names_corrupt_images(caplog) -> None:
     assert out.images[1].shape == (3, 10, 20)  # PNG with alpha, through Pillow, as RGB
     assert (stats.decoded, stats.bad) == (2, 2)
     assert "'k1'" in caplog.text and "'k2'" in caplog.text and "shard-000007.tar" in caplog.text
+    threaded = decode_batch(batch, "cpu", threads=2)  # Pillow on a thread pool: same result
+    assert threaded.kept == out.kept
+    assert all(torch.equal(a, b) for a, b in zip(threaded.images, out.images, strict=True))
 
 
 def test_a_shard_of_only_bad_images_is_an_error() -> None:
@@ -139,3 +143,8 @@ def test_loader_order_equal_counts_and_exact_resume(shards) -> None:
     assert all(len(b) == 2 for r in keys for b in keys[r])
     flat = [k for r in keys for b in keys[r] for k in b]
     assert len(flat) == len(set(flat)) == 16
+
+
+def test_loader_throughput_reports_images_per_second(shards) -> None:
+    r = loader_throughput(shards.root.parent, batch=4, steps=2, warmup=1, size=16)
+    assert r["images"] == 8 and r["images_per_s"] > 0 and r["skipped_images"] == 0

@@ -85,8 +85,10 @@ class ImagePipeline:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  resize: int | None = None, scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = True,
-                 mean: tuple[float, ...] = IMAGENET_MEAN, std: tuple[float, ...] = IMAGENET_STD):
-        """``resize``: evaluation's shorter side before the centre crop (default size / 0.875)."""
+                 mean: tuple[float, ...] = IMAGENET_MEAN, std: tuple[float, ...] = IMAGENET_STD,
+                 threads: int = 1, cpu_fraction: float = 0.0):
+        """``resize``: evaluation's shorter side before the centre crop (default size / 0.875);
+        ``threads``, ``cpu_fraction``: Pillow threads and their share on CUDA (`decode_batch`)."""
         if size < 1:
             raise ValueError(f"size {size} must be >= 1")
         self.size = size
@@ -99,6 +101,7 @@ class ImagePipeline:
         self.scale, self.ratio, self.flip = scale, ratio, flip
         self._mean = torch.tensor(mean, device=self.device).view(1, 3, 1, 1) * 255
         self._std = torch.tensor(std, device=self.device).view(1, 3, 1, 1) * 255
+        self.threads, self.cpu_fraction = threads, cpu_fraction
         self.stats = DecodeStats()
 
     def __call__(self, images: EncodedImages | list[torch.Tensor], labels: torch.Tensor,
@@ -108,7 +111,8 @@ class ImagePipeline:
             raise ValueError("training augmentation needs an explicit torch.Generator "
                              "(augment_generator(seed, step, rank)), so a resume is exact")
         out = decode_batch(images, self.device, min_side=None if self.train else self.resize,
-                           stats=self.stats)
+                           stats=self.stats, threads=self.threads,
+                           cpu_fraction=self.cpu_fraction)
         labels = labels.to(self.device, non_blocking=True)[
             torch.tensor(out.kept, dtype=torch.long, device=self.device)]
         S = self.size

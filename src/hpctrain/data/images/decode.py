@@ -7,9 +7,11 @@ On CUDA the JPEGs of a batch go to ``torchvision.io.decode_jpeg(list, device="cu
 call (batched nvJPEG); if that call fails, each image is tried alone, then with Pillow (CMYK
 JPEGs, which nvJPEG may refuse), so one bad image costs a retry, not the batch. Other formats
 (PNG, ...) are decoded by Pillow and copied over. torchvision is imported only on that path: the
-CPU path needs Pillow alone. ``min_side`` lets Pillow decode a JPEG at 1/2, 1/4 or 1/8 scale
-(``Image.draft``) when its shorter side stays >= ``min_side``: evaluation's resize to 256 of a
-500x375 photo needs no full-size decode.
+CPU path needs Pillow alone. Pillow decodes on ``threads`` threads (it releases the GIL), and
+on CUDA ``cpu_fraction`` of the JPEGs can go to them while nvJPEG decodes the rest.
+``min_side`` lets Pillow decode a JPEG at 1/2, 1/4 or 1/8 scale (``Image.draft``) when its
+shorter side stays >= ``min_side``: evaluation's resize to 256 of a 500x375 photo needs no
+full-size decode.
 
 A corrupt or truncated image is skipped and counted (`DecodeStats`), with a warning naming its
 shard and key. A shard whose samples are all bad (every one this process decoded from it, and at
@@ -21,6 +23,7 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -118,23 +121,51 @@ def _cpu_or_none(data: torch.Tensor, min_side: int | None) -> tuple[torch.Tensor
         return None, f"{type(e).__name__}: {e}"
 
 
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """A process-wide pool of Pillow decoding threads (Pillow decodes without the GIL)."""
+    if threads not in _pools:
+        _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="hpctrain-decode")
+    return _pools[threads]
+
+
 def decode_batch(images: EncodedImages | Sequence[torch.Tensor], device: str | torch.device,
-                 *, min_side: int | None = None, stats: DecodeStats | None = None) -> Decoded:
-    """Decode a batch of encoded images to uint8 (3, H, W) tensors on ``device``."""
+                 *, min_side: int | None = None, stats: DecodeStats | None = None,
+                 threads: int = 1, cpu_fraction: float = 0.0) -> Decoded:
+    """Decode a batch of encoded images to uint8 (3, H, W) tensors on ``device``.
+
+    ``threads``: Pillow decoding threads; ``cpu_fraction`` (CUDA): the share of the JPEGs that
+    Pillow decodes on the host while nvJPEG decodes the rest, to split the work between the two.
+    """
     batch = images if isinstance(images, EncodedImages) else EncodedImages(list(images))
     device = torch.device(device)
     stats = stats if stats is not None else DecodeStats()
-    out: list[torch.Tensor | None] = [None] * len(batch)
-    why = [""] * len(batch)
+    n = len(batch)
+    out: list[torch.Tensor | None] = [None] * n
+    why = [""] * n
+    on_gpu: list[int] = []
     if device.type == "cuda":
         jpegs = [i for i, d in enumerate(batch.data) if is_jpeg(d[:3].numpy().tobytes())]
-        if jpegs:
-            for i, img in zip(jpegs, _nvjpeg([batch.data[i] for i in jpegs], device),
-                              strict=True):
-                out[i] = img
-    for i, d in enumerate(batch.data):
+        on_gpu = jpegs[:len(jpegs) - round(len(jpegs) * cpu_fraction)]
+    gpu = set(on_gpu)
+    host = [i for i in range(n) if i not in gpu]
+    # Host decodes start first, so they overlap the nvJPEG call below.
+    if threads > 1 and len(host) > 1:
+        pending = [_pool(threads).submit(_cpu_or_none, batch.data[i], min_side) for i in host]
+    else:
+        pending = None
+    if on_gpu:
+        for i, img in zip(on_gpu, _nvjpeg([batch.data[i] for i in on_gpu], device), strict=True):
+            out[i] = img
+    for k, i in enumerate(host):
+        img, why[i] = (pending[k].result() if pending is not None
+                       else _cpu_or_none(batch.data[i], min_side))
+        out[i] = None if img is None else img.to(device, non_blocking=True)
+    for i in on_gpu:  # refused by nvJPEG alone (CMYK, ...): Pillow's turn
         if out[i] is None:
-            img, why[i] = _cpu_or_none(d, min_side)
+            img, why[i] = _cpu_or_none(batch.data[i], min_side)
             out[i] = None if img is None else img.to(device, non_blocking=True)
     kept = []
     for i, img in enumerate(out):
