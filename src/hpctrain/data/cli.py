@@ -119,11 +119,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(500x375, quality 90, ~90 kB) for throughput measurements.")
     y.add_argument("--out", type=Path, required=True, help="output directory")
     y.add_argument("--count", type=count(1, 1 << 32), required=True, help="number of images")
-    y.add_argument("--classes", type=count(1, 1 << 20), default=10, help="class folders")
-    y.add_argument("--width", type=count(8, 1 << 15), default=500)
-    y.add_argument("--height", type=count(8, 1 << 15), default=375)
-    y.add_argument("--quality", type=count(1, 100), default=90, help="JPEG quality")
-    y.add_argument("--seed", type=count(0, 1 << 62), default=0)
+    y.add_argument("--classes", type=count(1, 1 << 20), default=10,
+                   help="class folders (default 10)")
+    y.add_argument("--width", type=count(8, 1 << 15), default=500,
+                   help="image width (default 500)")
+    y.add_argument("--height", type=count(8, 1 << 15), default=375,
+                   help="image height (default 375)")
+    y.add_argument("--quality", type=count(1, 100), default=90, help="JPEG quality (default 90)")
+    y.add_argument("--seed", type=count(0, 1 << 62), default=0,
+                   help="image i depends on (seed, i) only (default 0)")
     y.add_argument("--workers", type=count(1, 4096), default=None,
                    help="processes (default: the CPUs available)")
     y.set_defaults(handler=_synth_images)
