@@ -110,6 +110,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "train/ and val/ folders or a split column give the splits instead)")
     i.add_argument("--seed", type=count(0, 1 << 62), default=0,
                    help="the shuffle of samples into shards and the val pick (default 0)")
+    i.add_argument("--readers", type=count(1, 1024), default=8,
+                   help="threads reading input files ahead (default 8; the output does not "
+                   "depend on it)")
     i.add_argument("--no-progress", action="store_true", help="no progress bar")
     i.add_argument("--follow-symlinks", action="store_true", help=FOLLOW_HELP)
     i.set_defaults(handler=_pack_images)
@@ -246,7 +249,8 @@ def _pack_images(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     settings = PackSettings(max(1, int(args.shard_mb * (1 << 20))), args.val_fraction, args.seed,
                             args.follow_symlinks)
-    path = pack_images(args.src, args.out, settings, progress=not args.no_progress)
+    path = pack_images(args.src, args.out, settings, progress=not args.no_progress,
+                       readers=args.readers)
     raw = verify_images(path.parent)
     splits = ", ".join(f"{name} {s['samples']:,} images in {s['shards']} shards "
                        f"({s['bytes'] / 1e6:,.1f} MB)" for name, s in raw["splits"].items())

@@ -74,7 +74,7 @@ def test_repack_is_byte_identical_and_resume_keeps_finished_shards(packed, image
     src, _ = image_tree
     out = tmp_path / "again"
     with pytest.raises(KeyboardInterrupt):
-        pack_images(src, out, SMALL, stop_after_shards=2)
+        pack_images(src, out, SMALL, stop_after_shards=2, readers=1)  # the rest: 8 readers
     assert (out / "pack.partial.json").is_file() and not (out / "manifest.json").exists()
     first = (out / "train" / "shard-000000.tar").stat()
     pack_images(src, out, SMALL)  # the same command again: resumes
@@ -130,6 +130,14 @@ def test_table_of_paths_and_labels(tmp_path) -> None:
     assert sorted((s.key, s[1]) for s in (ds[i] for i in range(len(ds)))) == [
         ("imgs/x0_v2", 1), ("imgs/x1_v2", 0), ("imgs/x2_v2", 1), ("imgs/x3_v2", 0),
         ("imgs/x4_v2", 1)]
+
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"path": [f"imgs/x{i}.v2.jpg" for i in range(4)],
+                                "label": [3, 1, 3, 20]}), data / "labels.parquet")
+    raw = json.loads(pack_images(data / "labels.parquet", tmp_path / "outpq").read_text())
+    assert raw["classes"] == ["1", "3", "20"] and raw["splits"]["train"]["samples"] == 4
 
     (data / "bad.csv").write_text("path,label\nimgs/../../outside.jpg,1\n")
     with pytest.raises(DataError, match="leaves the table's folder"):

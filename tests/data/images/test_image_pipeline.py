@@ -55,15 +55,15 @@ def test_cpu_decode_skips_and_names_corrupt_images(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="hpctrain.data"):
         out = decode_batch(batch, "cpu", stats=stats)
     assert out.kept == [0, 3]
-    assert out.images[0].dtype == torch.uint8 and out.images[0].shape == (3, 32, 32)
+    assert out[0].dtype == torch.uint8 and out[0].shape == (3, 32, 32)
     want = torch.from_numpy(__import__("numpy").array(Image.open(io.BytesIO(good)).convert("RGB")))
-    assert torch.equal(out.images[0], want.permute(2, 0, 1))
-    assert out.images[1].shape == (3, 10, 20)  # PNG with alpha, through Pillow, as RGB
+    assert torch.equal(out[0], want.permute(2, 0, 1))
+    assert out[1].shape == (3, 10, 20)  # PNG with alpha, through Pillow, as RGB
     assert (stats.decoded, stats.bad) == (2, 2)
     assert "'k1'" in caplog.text and "'k2'" in caplog.text and "shard-000007.tar" in caplog.text
     threaded = decode_batch(batch, "cpu", threads=2)  # Pillow on a thread pool: same result
     assert threaded.kept == out.kept
-    assert all(torch.equal(a, b) for a, b in zip(threaded.images, out.images, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(threaded, out, strict=True))
 
 
 def test_a_shard_of_only_bad_images_is_an_error() -> None:
@@ -76,8 +76,8 @@ def test_a_shard_of_only_bad_images_is_an_error() -> None:
 
 def test_reduced_size_decode_keeps_the_shorter_side() -> None:
     big = tiny_jpeg(3, size=(256, 192))
-    full = decode_batch([_bytes(big)], "cpu").images[0]
-    small = decode_batch([_bytes(big)], "cpu", min_side=40).images[0]
+    full = decode_batch([_bytes(big)], "cpu")[0]
+    small = decode_batch([_bytes(big)], "cpu", min_side=40)[0]
     assert full.shape == (3, 192, 256)
     assert small.shape[1] >= 40 and small.shape[1] < 192 // 2  # decoded at 1/4 scale
 
@@ -111,7 +111,7 @@ def test_pipeline_train_and_eval(shards) -> None:
     x, y = ev(images, labels)
     assert x.shape == (6, 3, 24, 24) and x.dtype == torch.float32
     # Resize 32 -> 28 then the centre 24: the same as torch's own resize and slice.
-    img = decode_batch(images.data[:1], "cpu").images[0][None].float()
+    img = decode_batch(images.data[:1], "cpu")[0][None].float()
     ref = torch.nn.functional.interpolate(img, size=(28, 28), mode="bilinear", antialias=True,
                                           align_corners=False)[..., 2:26, 2:26]
     mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255

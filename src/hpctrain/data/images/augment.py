@@ -116,13 +116,13 @@ class ImagePipeline:
         labels = labels.to(self.device, non_blocking=True)[
             torch.tensor(out.kept, dtype=torch.long, device=self.device)]
         S = self.size
-        if not out.images:
+        if not out:
             return (torch.empty((0, 3, S, S), device=self.device, dtype=self.dtype)
                     .contiguous(memory_format=torch.channels_last), labels)
         if self.train:
-            x = self._train_crops(out.images, generator)
+            x = self._train_crops(out, generator)
         else:
-            x = torch.stack([self._centre(img) for img in out.images])
+            x = torch.stack([self._centre(img) for img in out])
         x = (x - self._mean) / self._std
         return x.to(self.dtype).contiguous(memory_format=torch.channels_last), labels
 

@@ -1,6 +1,6 @@
 """Encoded images to uint8 CHW tensors: nvJPEG in batches on CUDA, Pillow on the CPU.
 
-    out = decode_batch(images, "cuda")          # out.images: list of uint8 (3, H, W) on cuda
+    out = decode_batch(images, "cuda")          # a list of uint8 (3, H, W) tensors on cuda
     labels = labels[out.kept]                   # a corrupt image shrinks the batch
 
 On CUDA the JPEGs of a batch go to ``torchvision.io.decode_jpeg(list, device="cuda")`` in one
@@ -25,7 +25,6 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -40,11 +39,12 @@ log = logging.getLogger("hpctrain.data")
 ALL_BAD_EVIDENCE = 16
 
 
-class Decoded(NamedTuple):
-    """The decoded images and, for each, its position in the input batch."""
+class Decoded(list):
+    """The decoded images (uint8 (3, H, W) tensors); ``kept``: each one's index in the batch."""
 
-    images: list[torch.Tensor]
-    kept: list[int]
+    def __init__(self, images: list[torch.Tensor], kept: list[int]):
+        super().__init__(images)
+        self.kept = kept
 
 
 @dataclass

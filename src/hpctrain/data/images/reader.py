@@ -104,7 +104,7 @@ class ImageShards:
         self.split = raw.get("split", split)
         self.shard_sample_counts: np.ndarray = self._tar.shard_sample_counts
         self.window_shards = window_shards
-        self._starts = self._tar._starts
+        self._starts = np.concatenate([[0], np.cumsum(self.shard_sample_counts)])
 
     def __len__(self) -> int:
         return len(self._tar)
