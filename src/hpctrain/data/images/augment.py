@@ -73,7 +73,14 @@ def crop_boxes(sizes: list[tuple[int, int]], generator: torch.Generator,
 
 
 def _resize(img: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """uint8 or float (3, h, w) -> float32 (3, H, W), bilinear with antialiasing."""
+    """uint8 (3, h, w) -> (3, H, W), bilinear with antialiasing: uint8 on the CPU, float32 on
+    CUDA (callers stack, then convert the batch once)."""
+    if img.device.type == "cpu":
+        # PyTorch's uint8 kernel on the CPU is ~20x faster than float32 (one 224 crop: 0.6 ms
+        # vs 14 ms); it rounds to whole levels, as torchvision's tensor transforms do. CUDA has
+        # no uint8 antialiased kernel.
+        return F.interpolate(img[None], size=size, mode="bilinear", antialias=True,
+                             align_corners=False)[0]
     return F.interpolate(img[None].float(), size=size, mode="bilinear", antialias=True,
                          align_corners=False)[0]
 
@@ -123,7 +130,7 @@ class ImagePipeline:
             x = self._train_crops(out, generator)
         else:
             x = torch.stack([self._centre(img) for img in out])
-        x = (x - self._mean) / self._std
+        x = (x.float() - self._mean) / self._std
         return x.to(self.dtype).contiguous(memory_format=torch.channels_last), labels
 
     def _train_crops(self, images: list[torch.Tensor], g: torch.Generator) -> torch.Tensor:
