@@ -11,6 +11,7 @@ from image_trees import tiny_jpeg
 from PIL import Image
 
 from hpctrain.data.images import (
+    DecodeAhead,
     DecodeStats,
     EncodedImages,
     ImagePipeline,
@@ -149,3 +150,23 @@ def test_loader_order_equal_counts_and_exact_resume(shards) -> None:
 def test_loader_throughput_reports_images_per_second(shards) -> None:
     r = loader_throughput(shards.root.parent, batch=4, steps=2, warmup=1, size=16)
     assert r["images"] == 8 and r["images_per_s"] > 0 and r["skipped_images"] == 0
+
+
+def test_decode_ahead_in_the_loader_thread_resumes_bit_identically(shards) -> None:
+    pipe = ImagePipeline(16, train=True, dtype=torch.bfloat16)
+
+    def loader(step: int) -> SampleLoader:
+        ld = SampleLoader(shards, BatchLayout(3, 1, 1, 0), seed=5, device=torch.device("cpu"),
+                          collate=DecodeAhead(pipe, seed=5), prefetch=2)
+        ld.load_state_dict({**ld.state_dict(), "step": step})
+        return ld
+
+    first = loader(0)
+    batches = [pipe(*first.next_step()[0]) for _ in range(3)]  # PreparedImages pass through
+    first.close()
+    assert all(x.shape == (3, 3, 16, 16) and x.dtype == torch.bfloat16 for x, _ in batches)
+    resumed = loader(2)
+    x, y = pipe(*resumed.next_step()[0])
+    resumed.close()
+    assert torch.equal(x, batches[2][0]) and torch.equal(y, batches[2][1])
+    assert not torch.equal(batches[0][0], batches[1][0])

@@ -7,9 +7,17 @@ augmented in batches on the device.
     x, y = pipe(*collate_images([ds[i] for i in range(256)]), augment_generator(seed, step, rank))
 """
 
+from hpctrain.data.images.ahead import DecodeAhead, batch_generator
 from hpctrain.data.images.augment import ImagePipeline, augment_generator, crop_boxes
 from hpctrain.data.images.decode import Decoded, DecodeStats, decode_batch
-from hpctrain.data.images.reader import EncodedImages, ImageSample, ImageShards, collate_images
+from hpctrain.data.images.reader import (
+    EncodedImages,
+    ImageSample,
+    ImageShards,
+    PreparedImages,
+    collate_images,
+)
 
-__all__ = ["Decoded", "DecodeStats", "EncodedImages", "ImagePipeline", "ImageSample",
-           "ImageShards", "augment_generator", "collate_images", "crop_boxes", "decode_batch"]
+__all__ = ["DecodeAhead", "Decoded", "DecodeStats", "EncodedImages", "ImagePipeline",
+           "ImageSample", "ImageShards", "PreparedImages", "augment_generator",
+           "batch_generator", "collate_images", "crop_boxes", "decode_batch"]

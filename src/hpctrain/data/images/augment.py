@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.data.images.decode import DecodeStats, decode_batch
-from hpctrain.data.images.reader import EncodedImages
+from hpctrain.data.images.reader import EncodedImages, PreparedImages
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -111,27 +111,39 @@ class ImagePipeline:
         self.threads, self.cpu_fraction = threads, cpu_fraction
         self.stats = DecodeStats()
 
-    def __call__(self, images: EncodedImages | list[torch.Tensor], labels: torch.Tensor,
-                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(images (B', 3, S, S), labels (B',))``; B' < B when corrupt images were skipped."""
+    def __call__(self, images: EncodedImages | PreparedImages | list[torch.Tensor],
+                 labels: torch.Tensor, generator: torch.Generator | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(images (B', 3, S, S), labels (B',))``; B' < B when corrupt images were skipped.
+
+        `PreparedImages` (from `DecodeAhead`, done in the loader's thread) pass through.
+        """
+        if isinstance(images, PreparedImages):
+            return images.tensor, labels.to(self.device, non_blocking=True)
+        x, kept = self.prepare(images, generator)
+        labels = labels.to(self.device, non_blocking=True)[
+            torch.tensor(kept, dtype=torch.long, device=self.device)]
+        return x, labels
+
+    def prepare(self, images: EncodedImages | list[torch.Tensor],
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, list[int]]:
+        """The image batch and, for each image, its index in ``images`` (labels follow it)."""
         if self.train and generator is None:
             raise ValueError("training augmentation needs an explicit torch.Generator "
                              "(augment_generator(seed, step, rank)), so a resume is exact")
         out = decode_batch(images, self.device, min_side=None if self.train else self.resize,
                            stats=self.stats, threads=self.threads,
                            cpu_fraction=self.cpu_fraction)
-        labels = labels.to(self.device, non_blocking=True)[
-            torch.tensor(out.kept, dtype=torch.long, device=self.device)]
         S = self.size
         if not out:
             return (torch.empty((0, 3, S, S), device=self.device, dtype=self.dtype)
-                    .contiguous(memory_format=torch.channels_last), labels)
+                    .contiguous(memory_format=torch.channels_last), [])
         if self.train:
             x = self._train_crops(out, generator)
         else:
             x = torch.stack([self._centre(img) for img in out])
         x = (x.float() - self._mean) / self._std
-        return x.to(self.dtype).contiguous(memory_format=torch.channels_last), labels
+        return x.to(self.dtype).contiguous(memory_format=torch.channels_last), out.kept
 
     def _train_crops(self, images: list[torch.Tensor], g: torch.Generator) -> torch.Tensor:
         boxes = crop_boxes([tuple(img.shape[-2:]) for img in images], g, self.scale, self.ratio)

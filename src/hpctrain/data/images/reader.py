@@ -54,6 +54,17 @@ class EncodedImages:
         return len(self.data)
 
 
+@dataclass
+class PreparedImages:
+    """An image batch already decoded and augmented on its device (`DecodeAhead`); like
+    `EncodedImages` it is no tensor container, so the loader hands it over untouched."""
+
+    tensor: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.tensor.shape[0]
+
+
 def collate_images(samples: list) -> tuple[EncodedImages, torch.Tensor]:
     """``(EncodedImages, int64 labels)`` of ``(bytes, label)`` samples (`ImageShards` items)."""
     sources = [(getattr(s, "shard", "?"), getattr(s, "key", f"#{i}"),
