@@ -148,8 +148,11 @@ def test_loader_order_equal_counts_and_exact_resume(shards) -> None:
 
 
 def test_loader_throughput_reports_images_per_second(shards) -> None:
-    r = loader_throughput(shards.root.parent, batch=4, steps=2, warmup=1, size=16)
+    r = loader_throughput(shards.root.parent, batch=4, steps=2, warmup=1, size=16, timed=True)
     assert r["images"] == 8 and r["images_per_s"] > 0 and r["skipped_images"] == 0
+    assert r["decode_ms_per_image"] > 0 and r["augment_ms_per_image"] > 0
+    r = loader_throughput(shards.root.parent, batch=4, steps=2, warmup=1, size=16, ahead=True)
+    assert r["images"] == 8 and r["ahead"]
 
 
 def test_decode_ahead_in_the_loader_thread_resumes_bit_identically(shards) -> None:

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 
 import torch
 import torch.nn.functional as F
 
-from hpctrain.data.images.decode import DecodeStats, decode_batch
+from hpctrain.data.images.decode import Decoded, DecodeStats, decode_batch
 from hpctrain.data.images.reader import EncodedImages, PreparedImages
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -93,9 +94,11 @@ class ImagePipeline:
                  resize: int | None = None, scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = True,
                  mean: tuple[float, ...] = IMAGENET_MEAN, std: tuple[float, ...] = IMAGENET_STD,
-                 threads: int = 1, cpu_fraction: float = 0.0):
+                 threads: int = 1, cpu_fraction: float = 0.0, timed: bool = False):
         """``resize``: evaluation's shorter side before the centre crop (default size / 0.875);
-        ``threads``, ``cpu_fraction``: Pillow threads and their share on CUDA (`decode_batch`)."""
+        ``threads``, ``cpu_fraction``: Pillow threads and their share on CUDA (`decode_batch`);
+        ``timed``: add the seconds spent decoding and augmenting to ``stats`` (this waits for
+        the device after each part, so leave it off in training)."""
         if size < 1:
             raise ValueError(f"size {size} must be >= 1")
         self.size = size
@@ -108,7 +111,7 @@ class ImagePipeline:
         self.scale, self.ratio, self.flip = scale, ratio, flip
         self._mean = torch.tensor(mean, device=self.device).view(1, 3, 1, 1) * 255
         self._std = torch.tensor(std, device=self.device).view(1, 3, 1, 1) * 255
-        self.threads, self.cpu_fraction = threads, cpu_fraction
+        self.threads, self.cpu_fraction, self.timed = threads, cpu_fraction, timed
         self.stats = DecodeStats()
 
     def __call__(self, images: EncodedImages | PreparedImages | list[torch.Tensor],
@@ -131,9 +134,24 @@ class ImagePipeline:
         if self.train and generator is None:
             raise ValueError("training augmentation needs an explicit torch.Generator "
                              "(augment_generator(seed, step, rank)), so a resume is exact")
+        t0 = self._clock()
         out = decode_batch(images, self.device, min_side=None if self.train else self.resize,
                            stats=self.stats, threads=self.threads,
                            cpu_fraction=self.cpu_fraction)
+        t1 = self._clock()
+        x, kept = self._augment(out, generator)
+        if self.timed:
+            self.stats.decode_s += t1 - t0
+            self.stats.augment_s += self._clock() - t1
+        return x, kept
+
+    def _clock(self) -> float:
+        if self.timed and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return time.perf_counter()
+
+    def _augment(self, out: Decoded, generator: torch.Generator | None,
+                 ) -> tuple[torch.Tensor, list[int]]:
         S = self.size
         if not out:
             return (torch.empty((0, 3, S, S), device=self.device, dtype=self.dtype)

@@ -49,11 +49,13 @@ class Decoded(list):
 
 @dataclass
 class DecodeStats:
-    """Images decoded and skipped by this process, and per shard (seen, bad)."""
+    """Images decoded and skipped by this process, per shard (seen, bad), and time spent."""
 
     decoded: int = 0
     bad: int = 0
     shards: dict[str, list[int]] = field(default_factory=dict)
+    decode_s: float = 0.0  # filled by a timed ImagePipeline
+    augment_s: float = 0.0
 
     def note(self, source: tuple[str, str, int], ok: bool, why: str = "") -> None:
         """Count one image; raise DataError once its shard has proven to be all bad."""
