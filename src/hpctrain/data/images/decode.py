@@ -98,9 +98,20 @@ def _pil_decode(data: torch.Tensor, min_side: int | None) -> torch.Tensor:
     return torch.from_numpy(rgb).permute(2, 0, 1)
 
 
+_warned_no_nvjpeg: list[bool] = []
+
+
 def _nvjpeg(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
-    """JPEGs decoded on ``device`` in one batch; None where an image fails alone too."""
-    from torchvision.io import ImageReadMode, decode_jpeg
+    """JPEGs decoded on ``device`` in one batch; None where an image fails alone too (and for
+    all of them when torchvision is missing: Pillow decodes them then)."""
+    try:
+        from torchvision.io import ImageReadMode, decode_jpeg
+    except ImportError as e:
+        if not _warned_no_nvjpeg:
+            _warned_no_nvjpeg.append(True)
+            log.warning("decoding JPEGs with Pillow on the host: torchvision, which brings "
+                        "nvJPEG, does not import (%s). HINT: pip install torchvision", e)
+        return [None] * len(data)
 
     try:
         return list(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
