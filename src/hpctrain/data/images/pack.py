@@ -10,8 +10,10 @@ Inputs:
   optional ``split``: train or val); paths are relative to the table's folder, and one that leaves
   it (``../x``, ``/x``) is refused.
 Files are found as for text (`hpctrain.data.inputs`): a symbolic link out of the tree is skipped
-with a warning (``--follow-symlinks`` reads it). A file that is no image by its first bytes, or
-cannot be read, is named in a warning, left out and listed under ``skipped`` in the manifest.
+with a warning (``--follow-symlinks`` reads it), and a file the listing finds unreadable (its
+permissions) is an error, as for text. A file that is no image by its first bytes, fails to read
+(an I/O error, gone or replaced since the listing) or that a table names but does not exist is
+named in a warning, left out and listed under ``skipped`` in the manifest.
 
 Output ``OUT/``: ``manifest.json`` (format ``hpctrain-images``: classes, per split the sample,
 shard and per-class counts, the skipped files, the settings) and a folder per split, ``train/``
