@@ -174,3 +174,15 @@ def test_staged_split_reads_the_same_samples(packed, tmp_path) -> None:
                    for i in range(len(shared)))
     finally:
         clear_cache()
+
+
+def test_webdataset_reads_the_image_shards(packed, image_tree) -> None:
+    wds = pytest.importorskip("webdataset")
+    _, images = image_tree
+    m = json.loads((packed / "val" / "manifest.json").read_text())
+    got = list(wds.WebDataset([str(packed / "val" / s["tar"]) for s in m["shards"]],
+                              shardshuffle=False))
+    assert len(got) == m["samples"]
+    for sample in got:
+        assert sample["jpg"] == images[f"{sample['__key__']}.jpg"]
+        assert int(sample["cls"]) == CLASSES.index(sample["__key__"].split("/")[0])
