@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,11 @@ def test_shards_give_the_original_bytes_and_labels(packed, image_tree) -> None:
             assert label == CLASSES.index(cls)
             seen[f"{sample.key}.jpg"] = data.numpy().tobytes()
         ds.close()
+    # DataLoader workers pickle samples: the shard and key come along.
+    back = pickle.loads(pickle.dumps(sample))
+    assert torch.equal(back[0], sample[0]) and back[1] == sample[1] and len(back) == 2
+    assert (back.shard, back.key, back.shard_samples) == (sample.shard, sample.key,
+                                                          sample.shard_samples)
     assert seen == images  # every image once, byte for byte, across the two splits
 
 

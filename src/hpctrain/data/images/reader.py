@@ -38,6 +38,10 @@ class ImageSample(tuple):
         self.shard, self.key, self.shard_samples = shard, key, shard_samples
         return self
 
+    def __getnewargs__(self) -> tuple:
+        """What pickle passes to ``__new__`` (tuple's own would pass the pair as ``data``)."""
+        return (*self, self.shard, self.key, self.shard_samples)
+
 
 @dataclass
 class EncodedImages:
