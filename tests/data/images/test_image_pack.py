@@ -152,20 +152,20 @@ def test_table_of_paths_and_labels(tmp_path) -> None:
         pack_images(table, tmp_path / "out3", PackSettings(val_fraction=0.5))
 
 
-def test_cli_pack_and_verify(image_tree, tmp_path, capsys) -> None:
+def test_cli_pack_and_verify(image_tree, tmp_path, capfd) -> None:
     src, _ = image_tree
     out = tmp_path / "out"
     main(["data", "pack-images", str(src), "--out", str(out), "--shard-mb", "0.01",
           "--val-fraction", "0.25", "--no-progress"])
-    assert "3 classes, train 18 images" in capsys.readouterr().out
+    assert "3 classes, train 18 images" in capfd.readouterr().out
     main(["data", "verify", str(out)])
-    assert "checksums OK" in capsys.readouterr().out
+    assert "checksums OK" in capfd.readouterr().out
     shard = out / "val" / "shard-000000.tar"
     shard.write_bytes(shard.read_bytes()[:-1] + b"\1")
     with pytest.raises(SystemExit) as e:
         main(["data", "verify", str(out)])
     assert e.value.code != 0
-    assert "checksum mismatch" in capsys.readouterr().err
+    assert "checksum mismatch" in capfd.readouterr().err
 
 
 def test_staged_split_reads_the_same_samples(packed, tmp_path) -> None:
