@@ -67,6 +67,14 @@ def test_shards_give_the_original_bytes_and_labels(packed, image_tree) -> None:
             assert label == CLASSES.index(cls)
             seen[f"{sample.key}.jpg"] = data.numpy().tobytes()
         ds.close()
+    # DataLoader workers (spawn) get the dataset pickled: it must not carry this process's
+    # open file descriptors, which mean nothing (or another file) over there.
+    ds = ImageShards(packed, "val")
+    want = ds[0][0]
+    copy = pickle.loads(pickle.dumps(ds))
+    ds.close()  # the descriptors the copy would have carried are closed now
+    assert torch.equal(copy[0][0], want)
+    copy.close()
     # DataLoader workers pickle samples: the shard and key come along.
     back = pickle.loads(pickle.dumps(sample))
     assert torch.equal(back[0], sample[0]) and back[1] == sample[1] and len(back) == 2
