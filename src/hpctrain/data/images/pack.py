@@ -191,6 +191,7 @@ def pack_images(src: str | Path, out: str | Path, settings: PackSettings = PackS
     final, partial = out / MANIFEST, out / PARTIAL
     if final.is_file():
         if json.loads(final.read_text()).get("job") == job:
+            partial.unlink(missing_ok=True)  # a run killed just after its manifest
             return final  # already packed
         raise DataError(f"{str(out)!r} already holds a different pack",
                         hint="pack into a new directory or delete this one")
