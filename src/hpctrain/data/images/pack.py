@@ -100,6 +100,15 @@ def _job_digest(src: Path, settings: PackSettings, splits: dict[str, list[Entry]
     return "sha256:" + h.hexdigest()
 
 
+def _read_json(path: Path) -> dict:
+    """A state or manifest file of an earlier run ({} when it is unreadable or not an object)."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
 def _tar_bytes(size: int) -> int:
     return 512 + -(-size // 512) * 512
 
@@ -190,17 +199,19 @@ def pack_images(src: str | Path, out: str | Path, settings: PackSettings = PackS
     make_out_dir(out)
     final, partial = out / MANIFEST, out / PARTIAL
     if final.is_file():
-        if json.loads(final.read_text()).get("job") == job:
+        if _read_json(final).get("job") == job:
             partial.unlink(missing_ok=True)  # a run killed just after its manifest
             return final  # already packed
         raise DataError(f"{str(out)!r} already holds a different pack",
                         hint="pack into a new directory or delete this one")
     state = {"job": job, "splits": {}}
     if partial.is_file():
-        state = json.loads(partial.read_text())
+        state = _read_json(partial)
         if state.get("job") != job:
             raise DataError(f"{str(out)!r} holds an interrupted pack of other inputs or "
-                            "settings", hint="pack into a new directory or delete this one")
+                            "settings (or an unreadable pack.partial.json)",
+                            hint="pack into a new directory or delete this one")
+        state.setdefault("splits", {})
     stop = {"n": 0}
 
     def checkpoint() -> None:
