@@ -200,3 +200,9 @@ def test_webdataset_reads_the_image_shards(packed, image_tree) -> None:
     for sample in got:
         assert sample["jpg"] == images[f"{sample['__key__']}.jpg"]
         assert int(sample["cls"]) == CLASSES.index(sample["__key__"].split("/")[0])
+
+
+def test_a_split_folder_read_as_the_other_split_is_refused(packed) -> None:
+    assert len(ImageShards(packed / "val", "val")) == len(ImageShards(packed, "val"))
+    with pytest.raises(DataError, match="is the 'val' split"):
+        ImageShards(packed / "val")  # split="train" by default

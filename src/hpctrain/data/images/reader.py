@@ -85,8 +85,11 @@ def split_dir(path: str | Path, split: str) -> Path:
     except (OSError, ValueError) as e:
         raise DataError(f"cannot read {str(root / MANIFEST)!r}: {e}",
                         hint=PACK_IMAGES_HINT) from None
-    if raw.get("format") != IMAGES_FORMAT:
-        return root  # a split directory itself (an hpctrain-tar manifest with classes)
+    if raw.get("format") != IMAGES_FORMAT:  # a split directory itself (hpctrain-tar + classes)
+        if raw.get("split", split) != split:
+            raise DataError(f"{str(root)!r} is the {raw['split']!r} split, not {split!r}",
+                            hint=f"pass split={raw['split']!r}, or the folder above it")
+        return root
     splits = raw.get("splits") or {}
     if split not in splits:
         raise DataError(f"{str(root)!r} has no split {split!r}",
