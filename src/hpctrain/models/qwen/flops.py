@@ -12,7 +12,8 @@ counted in neither), Q the head width (Qwen3's is not dim / H). Worked example, 
                -> 15,730,944
     N = 28 * 15,730,944 + 1024 = 440,467,456   (+ 151,936 * 1024 embedding = 596,049,920,
                                                  transformers' own count)
-    at T = 4096: 6N = 2,642,804,736 + 12 * 28 * 16 * 128 * 4096 = 2,818,572,288
+    at T = 4096: 6N = 2,642,804,736;  12 * L * H * Q * T = 12 * 28 * 16 * 128 * 4096 =
+                 2,818,572,288;  flops_per_token = 5,461,377,024 (attention outweighs 6N)
 """
 
 from __future__ import annotations

@@ -44,6 +44,10 @@ PRESETS: dict[str, QwenArgs] = {
     # the demo's byte-level vocabulary, ~2.5M parameters.
     "tiny": QwenArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=48, ffn_dim=688,
                      vocab_size=256, tie_embeddings=True, qk_norm=True, max_seq_len=2048),
+    # Its Qwen2.5-style twin (q/k/v biases, head_dim = dim / n_heads).
+    "tiny-qwen2": QwenArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32,
+                           ffn_dim=688, vocab_size=256, tie_embeddings=True, qkv_bias=True,
+                           max_seq_len=2048),
     # The Hugging Face models' shapes (config.json of Qwen/Qwen2.5-0.5B etc.).
     "qwen2.5-0.5b": QwenArgs(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, head_dim=64,
                              ffn_dim=4864, **_QWEN25),
