@@ -46,21 +46,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     for block in family.block_list(model):
         if block is None:  # a block of another pipeline stage
             continue
-        # A fresh plan per block: a ParallelStyle is applied to one module. Entries for
-        # modules this shape leaves out (None, e.g. Qwen2's absent q/k norms) are skipped.
-        plan = {name: style for name, style in family.tensor_plan().block.items()
-                if _submodule_or_none(block, name) is not None}
-        parallelize_module(block, tp_mesh, plan)
-
-
-def _submodule_or_none(module: nn.Module, path: str) -> nn.Module | None:
-    """The submodule at dotted ``path``, or None where an attribute on the way is None (a
-    part the shape leaves out); a name that does not exist at all raises AttributeError."""
-    for part in path.split("."):
-        module = getattr(module, part)
-        if module is None:
-            return None
-    return module
+        # A fresh plan per block: a ParallelStyle is applied to one module.
+        parallelize_module(block, tp_mesh, dict(family.tensor_plan().block))
 
 
 def enable_async_tp(tp_mesh: DeviceMesh, device: torch.device) -> None:

@@ -68,9 +68,12 @@ class Attention(nn.Module):
         self.k = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
         self.v = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
         self.o = nn.Linear(q_dim, args.dim, bias=False)
-        # Over each head's channels, shared by all heads.
-        self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
-        self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        # Over each head's channels, one weight shared by all heads. Without them (Qwen2) an
+        # identity holds their place, so that the tensor-parallel plan is one for both.
+        self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm \
+            else nn.Identity()
+        self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm \
+            else nn.Identity()
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
                 cache: LayerKV | None = None) -> torch.Tensor:
@@ -84,9 +87,7 @@ class Attention(nn.Module):
         q = self.q(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.k(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.v(x).view(bsz, seqlen, -1, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k = apply_rope(self.q_norm(q), rope), apply_rope(self.k_norm(k), rope)
         mask, causal = None, True
         if cache is not None:
             past = cache.pos

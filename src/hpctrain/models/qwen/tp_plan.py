@@ -7,8 +7,8 @@ back onto sequence slices, the embedding and the output layer along the vocabula
 norms act on each head's channels with one weight shared by all heads: each rank normalises its
 own heads with a replicated copy (``SequenceParallel`` over the heads dimension), and the
 weight's gradient, a partial sum per rank, is summed over the ranks before the update
-(``parallel.tensor.reduce_partial_grads``). A shape without q/k norms has no such modules: the
-entries are skipped for it.
+(``parallel.tensor.reduce_partial_grads``). A shape without q/k norms holds identities in
+their place: the same entries wrap them, without communication.
 
 An output layer tied to the embedding is refused with tensor parallelism
 (``parallel.layout.check_layout``): the embedding is split by rows for a masked lookup, the
