@@ -114,6 +114,10 @@ def test_import_then_export_round_trips_bit_exactly(folders, tokens, tmp_path: P
           *(["--family", "qwen"] if arch == "qwen2" else [])])
     manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
     assert manifest["model_family"] == "qwen" and manifest["dtype"] == "fp32"
+    # The checkpoint (what model.init_from loads) is the folder's model.
+    imported = load_model(InitSource("checkpoint", tmp_path / "ckpt"))
+    assert type(imported).__name__ == "QwenModel"
+    assert torch.equal(_logits(imported, tokens), _logits(_qwen(src), tokens))
     main(["export", "hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"),
           "--dtype", "fp32"])
     original, exported = _tensors(src), _tensors(tmp_path / "out")
