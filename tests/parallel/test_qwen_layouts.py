@@ -5,8 +5,9 @@ A 2-layer, 64-wide Qwen3-style decoder (q/k norms, 4 heads of 48 channels) and i
 twin (q/k/v biases): FSDP2 with the tied embedding (one Parameter: a copy trained apart would
 change the losses), TP2 untied (q/k/v and their biases split by heads, the q/k norms applied to
 each rank's heads with a replicated weight whose gradient is summed over the ranks) and PP2
-untied (the embedding on the first stage, the output layer on the last). One process runs the
-three references, one pair of processes every layout on one process group.
+untied (the embedding on the first stage, the output layer on the last); recomputation (selective
+with FSDP, full with TP) changes nothing. One process runs the three references, one pair of
+processes every layout on one process group.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ QWEN2 = "model.size=tiny-qwen2"
 REFERENCES = {"one_tied": [], "one_untied": [UNTIED], "one_qwen2": [QWEN2, UNTIED]}
 # layout name -> (its reference, overrides on 2 ranks with the same global batch)
 LAYOUTS = {
-    "fsdp_tied": ("one_tied", ["parallel.strategy=fsdp", "train.micro_batch=2"]),
+    "fsdp_tied": ("one_tied", ["parallel.strategy=fsdp", "train.micro_batch=2",
+                               "parallel.activation_checkpointing=selective"]),
     "tp_untied": ("one_untied", [UNTIED, "parallel.tp=2"]),
     "pp_untied": ("one_untied", [UNTIED, "parallel.pp=2", "parallel.pp_microbatches=2"]),
-    "tp_qwen2": ("one_qwen2", [QWEN2, UNTIED, "parallel.tp=2"]),
+    "tp_qwen2": ("one_qwen2", [QWEN2, UNTIED, "parallel.tp=2",
+                               "parallel.activation_checkpointing=full"]),
 }
 
 

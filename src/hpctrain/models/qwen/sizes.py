@@ -41,10 +41,10 @@ _QWEN3 = dict(vocab_size=151936, tie_embeddings=True, qk_norm=True, head_dim=128
 
 PRESETS: dict[str, QwenArgs] = {
     # CPU demo: a Qwen3-style (q/k norms, head_dim apart from dim / n_heads) tied decoder on
-    # the demo's byte-level vocabulary, ~2.5M parameters.
+    # the demo's byte-level vocabulary, ~3.4M parameters.
     "tiny": QwenArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=48, ffn_dim=688,
                      vocab_size=256, tie_embeddings=True, qk_norm=True, max_seq_len=2048),
-    # Its Qwen2.5-style twin (q/k/v biases, head_dim = dim / n_heads).
+    # Its Qwen2.5-style twin (q/k/v biases, head_dim = dim / n_heads), ~2.9M parameters.
     "tiny-qwen2": QwenArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32,
                            ffn_dim=688, vocab_size=256, tie_embeddings=True, qkv_bias=True,
                            max_seq_len=2048),
