@@ -111,3 +111,31 @@ def test_the_planner_sizes_a_qwen_preset(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit):
         main(["plan", "memory", "--model", "qwen3-0.6b"])  # a llama size by default
     assert "HINT: --family qwen has it" in capsys.readouterr().err
+
+
+def test_the_planner_sizes_queries_by_heads_times_head_dim() -> None:
+    """Qwen3's queries and attention output are n_heads x head_dim wide (2048 on a 1024-wide
+    stream in qwen3-0.6b): halving the heads shrinks each layer's saved activations by those
+    two bf16 tensors' difference (and SDPA's fp32 log-sum-exp per head)."""
+    from hpctrain.plan.memory import activation_bytes
+    from hpctrain.plan.memory_options import MemoryOptions
+
+    opts = MemoryOptions(strategy="none", micro_batch=1, seq_len=1024)
+    wide = PRESETS["qwen3-0.6b"]
+    narrow = dataclasses.replace(wide, n_heads=8)  # 8 x 128 = dim
+    per_layer = 2 * 2 * (16 - 8) * 128 + 4 * (16 - 8)
+    assert activation_bytes(wide, opts) - activation_bytes(narrow, opts) == (
+        1024 * wide.n_layers * per_layer)
+
+
+def test_the_planner_counts_one_adamw_step_per_parameter_tensor() -> None:
+    """A Qwen3 block has 11 parameter tensors (its q/k norms), a Qwen2 block 12 (biases)."""
+    from hpctrain.plan.memory import state_bytes
+    from hpctrain.plan.memory_options import MemoryOptions
+
+    opts = MemoryOptions(strategy="none")
+    for size in ("qwen3-0.6b", "qwen2.5-0.5b"):
+        args = PRESETS[size]
+        params = QWEN.count_params(args, include_embedding=True)
+        _, _, optimizer = state_bytes(args, opts)
+        assert optimizer == 8 * params + 4 * QWEN.param_tensors(args), size
