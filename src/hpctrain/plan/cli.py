@@ -41,7 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     psub = p.add_subparsers(dest="plan_command", required=True, metavar="PLAN")
 
     def model_args(q: argparse.ArgumentParser) -> None:
-        q.add_argument("--model", default=None, help="size: tiny, 125m, 1b, 8b")
+        q.add_argument("--model", default=None, help="size: tiny, 125m, 1b, 8b (llama); "
+                       "tiny, qwen2.5-0.5b, qwen3-0.6b, ... (--family qwen)")
+        q.add_argument("--family", default="llama", help="the model family of --model")
         q.add_argument("--dim", type=count(1, 1 << 20), help="model width (default: the size's)")
         q.add_argument("--layers", type=count(1, 100_000),
                        help="transformer blocks (default: the size's)")
@@ -163,7 +165,8 @@ def run(args: argparse.Namespace) -> None:
 def _model(args: argparse.Namespace):
     from hpctrain.plan.memory_options import resolve_model
 
-    return resolve_model(args.model, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+    return resolve_model(args.model, args.family, dim=args.dim, n_layers=args.layers,
+                         n_heads=args.heads,
                          n_kv_heads=args.kv_heads, ffn_dim=args.ffn_dim, vocab_size=args.vocab)
 
 
