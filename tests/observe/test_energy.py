@@ -19,7 +19,7 @@ from test_power import FakeClock, fake_nvml
 
 from conftest import DEMO, QUIET, TINY
 from hpctrain.observe import power
-from hpctrain.observe.goodput import GoodputClock, compute_goodput
+from hpctrain.observe.goodput import GoodputClock, compute_goodput, summary
 from hpctrain.observe.power import EnergyMeter
 
 
@@ -71,6 +71,7 @@ def test_goodput_energy_per_attempt_and_across_attempts(tmp_path: Path) -> None:
     energy = account["energy"]
     assert energy["kwh"] == pytest.approx(0.03) and energy["co2e_kg"] == pytest.approx(0.011)
     assert energy["tokens_per_j"] == pytest.approx(5000 / 108_000)
+    assert summary(account).endswith("; GPUs 0.03 kWh, 0.0463 tokens/J, 0.011 kg CO2e")
     assert (energy["gpus"], energy["gpus_sampled"], energy["attempts_measured"]) == (4, 1, 2)
 
 

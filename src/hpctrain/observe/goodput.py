@@ -588,8 +588,11 @@ def summary(account: dict[str, Any]) -> str:
                      if parts[name] > 0)
     attempts = len(account["attempts"])
     lost = f"; {account['lost_steps']} steps lost" if account["lost_steps"] else ""
+    energy = account.get("energy")
+    spent = (f"; GPUs {energy['kwh']:.3g} kWh, {energy['tokens_per_j'] or 0:.3g} tokens/J, "
+             f"{energy['co2e_kg']:.3g} kg CO2e" if energy else "")
     return (f"goodput {account['goodput']:.1%} of {_duration(account['wall_s'])} over "
-            f"{attempts} attempt{'s' if attempts != 1 else ''} ({rest}{lost})")
+            f"{attempts} attempt{'s' if attempts != 1 else ''} ({rest}{lost}){spent}")
 
 
 def _duration(seconds: float) -> str:
