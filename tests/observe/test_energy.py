@@ -40,6 +40,19 @@ def test_meter_keeps_a_running_total(counter: bool) -> None:
         assert meter.joules() == pytest.approx(6600.0)
 
 
+def test_rank_0_meters_the_gpus_of_its_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPUs the node's ranks use (cuda:<local rank>, or GPU 0 of each task where Slurm
+    shows each one GPU), the lone rank's own GPU, none on a CPU run."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert power.energy_devices(torch.device("cuda", 0), 4) == [0, 1, 2, 3]
+    assert power.energy_devices(torch.device("cuda", 3), 1) == [3]  # run.device=cuda:3
+    assert power.energy_devices(torch.device("cpu"), 2) == []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert power.energy_devices(torch.device("cuda", 0), 4) == [0]
+
+
 def _attempt(run: Path, clock: FakeClock, *, watts: float, seconds: int, steps: int,
              grid: float) -> None:
     """One attempt of rank 0 metering 1 of the job's 4 GPUs at ``watts``."""

@@ -232,7 +232,9 @@ def energy_devices(device: torch.device, local_world_size: int) -> list[int]:
     per task); none on a CPU run."""
     if device.type != "cuda":
         return []
-    return list(range(min(torch.cuda.device_count(), max(1, local_world_size))))
+    if local_world_size <= 1:
+        return [device.index or 0]  # run.device=cuda:N puts a lone rank on GPU N
+    return list(range(min(torch.cuda.device_count(), local_world_size)))
 
 
 def start_energy_meter(device: torch.device, local_world_size: int) -> EnergyMeter | None:
