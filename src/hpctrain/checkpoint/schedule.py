@@ -68,9 +68,9 @@ class SaveSchedule:
         if left > self.longest_save_s + self.cfg.limit_margin_minutes * 60:
             return False
         self._limit_saved = True
-        log.warning("checkpoint: the job's time limit is %.0f s away (longest save so far "
-                    "%.1f s, margin %.1f min): saving now", left, self.longest_save_s,
-                    self.cfg.limit_margin_minutes)
+        log.warning("saving a checkpoint now: the job's time limit is %.0f s away (longest "
+                    "save so far %.1f s, checkpoint.limit_margin_minutes %.1f)", left,
+                    self.longest_save_s, self.cfg.limit_margin_minutes)
         return True
 
     def committed(self, save_s: float) -> None:

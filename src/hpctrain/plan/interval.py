@@ -53,9 +53,9 @@ class AutoInterval:
 
     def reason(self) -> str:
         """Why this interval, in one line (the training log and ``plan interval`` say it)."""
-        why = (f"the {self.max_overhead:.1%} overhead cap (save cost / {self.max_overhead:g}; "
-               f"Daly's optimum would be {self.daly_s / 60:.1f} min)" if self.bound_by_overhead
-               else f"Daly's optimum (the {self.max_overhead:.1%} overhead cap allows "
+        why = (f"the {self.max_overhead:.1%} overhead cap, save cost / {self.max_overhead:g} "
+               f"(Daly's optimum: {self.daly_s / 60:.1f} min)" if self.bound_by_overhead
+               else f"Daly's optimum (the {self.max_overhead:.1%} overhead cap needs at least "
                f"{self.floor_s / 60:.1f} min)")
         return (f"{self.seconds / 60:.1f} min from a save cost of {self.save_s:.2f} s and a job "
                 f"MTTF of {self.mttf_s / 3600:.1f} h: {why}")
