@@ -93,6 +93,19 @@ def test_plan_interval_gives_the_training_answer(capsys: pytest.CaptureFixture) 
     assert s.choice == auto_interval(42.0, job_mttf(5000.0 * 3600, 64), 0.02)
 
 
+def test_time_limit_save_once_and_only_for_runs_that_save() -> None:
+    """Due once when the end is nearer than the longest save + margin; never for a run that
+    saves nothing (interval=none, save_at_end=false: benchmarks)."""
+    clock = Clock()
+    s = SaveSchedule(settled(limit_margin_minutes=1), 1, end_time=clock.t + 100, clock=clock)
+    s.committed(30.0)
+    assert not s.due_by_time()  # 100 s left > 30 s + 60 s
+    clock.t += 15
+    assert s.due_by_time(in_flight=True) and not s.due_by_time()
+    quiet = settled(interval="none", save_at_end=False)
+    assert not SaveSchedule(quiet, 1, end_time=clock.t, clock=clock).due_by_time()
+
+
 def test_job_end_time_from_env_or_squeue(tmp_path: Path) -> None:
     """SLURM_JOB_END_TIME first; else squeue's %e (local time); N/A or no job: None."""
     assert job_end_time({"SLURM_JOB_END_TIME": "1800000000"}) == 1.8e9

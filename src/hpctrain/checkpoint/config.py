@@ -28,7 +28,8 @@ class CheckpointConfig:
     max_overhead: float = 0.01
     # Under Slurm, one save is made when the job's end time (its --time limit) is nearer than
     # the measured save time plus this margin, so a job that runs out of time loses nothing.
-    # 0: no such save.
+    # 0: no such save (nor is there one when the run saves nothing: interval=none and
+    # save_at_end=false).
     limit_margin_minutes: float = 5.0
     # Mean time to failure of ONE GPU; the job's MTTF is this divided by the number of GPUs.
     # Llama 3's 16k-GPU run saw ~50k GPU-hours per interruption.
@@ -88,6 +89,12 @@ class CheckpointConfig:
             return self.interval
         return ("steps" if self.every is not None else
                 "minutes" if self.every_minutes is not None else "auto")
+
+    @property
+    def saves_before_limit(self) -> bool:
+        """Whether a save is made ahead of the Slurm time limit: a margin is set and the run
+        saves at all (not interval=none with save_at_end=false, as benchmarks run)."""
+        return self.limit_margin_minutes > 0 and (self.cadence != "none" or self.save_at_end)
 
     @property
     def every_steps(self) -> int:

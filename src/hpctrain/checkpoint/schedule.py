@@ -36,7 +36,7 @@ class SaveSchedule:
                         "auto": cfg.first_minutes}.get(cfg.cadence)
         self.choice: AutoInterval | None = None  # the automatic interval, once a save is timed
         self._said: AutoInterval | None = None  # the last one the log announced
-        self.end_time = end_time if cfg.limit_margin_minutes > 0 else None
+        self.end_time = end_time if cfg.saves_before_limit else None
         self.longest_save_s = 0.0  # stall + background write, the longest so far
         self._limit_saved = False
         self._last = clock()

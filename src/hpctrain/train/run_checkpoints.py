@@ -56,7 +56,7 @@ class RunCheckpoints:
             # Started first: the writer's interpreter starts while the model is built.
             ckpt.start_writer()
         # Rank 0 decides time-based saves, so only it asks Slurm when the job ends (once).
-        end_time = (job_end_time() if self.rank == 0 and cfg.checkpoint.limit_margin_minutes
+        end_time = (job_end_time() if self.rank == 0 and cfg.checkpoint.saves_before_limit
                     else None)
         self.schedule = SaveSchedule(cfg.checkpoint, dist_ctx.world_size, end_time=end_time)
 
