@@ -38,6 +38,7 @@ from hpctrain.observe.goodput import GoodputClock
 from hpctrain.observe.live import RunObserver
 from hpctrain.observe.metrics import MetricsWriter
 from hpctrain.observe.peaks import mfu_peak_dtype, peak_tflops
+from hpctrain.observe.power import start_energy_meter
 from hpctrain.observe.progress import TrainProgress
 from hpctrain.parallel.float8 import Float8Training
 from hpctrain.parallel.grad_norm import clip_divisor, clip_grads_, global_grad_norm
@@ -326,6 +327,8 @@ class Trainer:
         last_mfu = None
         show = progress and self.cfg.metrics.progress and self.dist.rank == 0
         self.goodput.started(self.step if self.last_checkpoint else None)
+        if self.dist.rank == 0 and self.cfg.metrics.energy:  # rank 0 keeps the run's ledger
+            self._meter_energy()
         with TrainProgress(tc.steps, self.dist.env, enabled=show, plain_every=1) as bar:
             bar.update(self.step, None, None, None)
             while self.step < tc.steps:
@@ -366,6 +369,7 @@ class Trainer:
                 # Last: a preemption exits from here, after this step's metrics are written.
                 self.watchdog.beat(self.step, "checkpoint/control")
                 self.checkpoints.between_steps(self.step)
+        self.checkpoints.start_final(self.step)  # written while the last validation runs
         with self.goodput.part("validation"):
             self.validate()
         self.checkpoints.finish(self.step)
@@ -376,6 +380,14 @@ class Trainer:
             self.metrics.write({"event": "goodput", **account})
         return TrainResult(self.step, last_loss, self.throughput.tokens_per_s, last_mfu,
                            account)
+
+    def _meter_energy(self) -> None:
+        """Count the GPUs' energy in goodput from here (none on a CPU run or without NVML)."""
+        meter = start_energy_meter(self.device, self.dist.env.local_world_size)
+        if meter is not None:
+            self.goodput.meter_energy(
+                meter, tokens_per_step=self.layout.global_batch * self.cfg.data.seq_len,
+                gpus=self.dist.world_size, grid_gco2_per_kwh=self.cfg.metrics.grid_gco2_per_kwh)
 
     def _hang(self, seconds: float) -> None:
         """The ``hang`` fault: sleep, unless a preemption signal arrives meanwhile.
