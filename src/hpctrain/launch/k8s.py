@@ -289,7 +289,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "a ConfigMap with the config, and an Indexed Job with a headless Service "
                        "(or a JobSet), one pod per node running torchrun. An evicted pod "
                        "checkpoints, exits 75 and is replaced without counting as a failure.")
-    k.add_argument("config", type=Path, help="YAML config (its paths as the pods see them)")
+    k.add_argument("config", type=Path, help="YAML config (its paths as the pods see them), "
+                   "or a task file (.py, carried in the ConfigMap)")
     k.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     k.add_argument("--image", required=True, help="an image with hpctrain (containers/)")
     k.add_argument("--runs-pvc", required=True, metavar="CLAIM",

@@ -336,7 +336,8 @@ def _quote(argv: list[str]) -> str:
 
 def add_job_options(p: argparse.ArgumentParser) -> None:
     """The config, its overrides and the job's shape and manners, as options of `p`."""
-    p.add_argument("config", type=Path, help="YAML config, e.g. configs/demo.yaml")
+    p.add_argument("config", type=Path, help="YAML config, e.g. configs/demo.yaml, or a task "
+                   "file defining task() (hpctrain.task)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     for flag, kind, default, text in (
             ("--nodes", int, 1, "nodes of the job (sbatch --nodes)"),
