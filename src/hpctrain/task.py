@@ -74,7 +74,9 @@ class Task:
     deterministic global order, equal counts per rank, exact resume), or an iterable of samples
     (every rank reads it and takes every world-size-th sample; exact resume only if it has
     ``state_dict()``/``load_state_dict()`` with JSON-able state). Samples are batched by
-    ``collate`` (PyTorch's ``default_collate`` unless given).
+    ``collate`` (PyTorch's ``default_collate`` unless given); random augmentation draws from
+    :func:`sample_rng`. Buffers the forward updates (BatchNorm's statistics) are rank 0's on
+    every rank after each step.
 
     ``loss(model(inputs), targets)`` trains on batches of ``(inputs, targets)``; ``step(model,
     batch)`` is for anything else: it returns the loss (a scalar tensor, the mean over its
