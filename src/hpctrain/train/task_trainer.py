@@ -38,6 +38,7 @@ from hpctrain.runtime.dist import Distributed
 from hpctrain.runtime.watchdog import Watchdog
 from hpctrain.task import Task, TaskError, call_user, check_finite, load_task
 from hpctrain.train import checkpointing
+from hpctrain.train.exact_eval import ExactSums, rank_batches
 from hpctrain.train.guard import BadStepGuard
 from hpctrain.train.optim import build_optimizer, build_scheduler
 from hpctrain.train.preemption import ControlChannel, PreemptionFlag
@@ -53,7 +54,7 @@ def build_trainer(cfg: JobConfig, task: Task | None, dist_ctx: Distributed,
     """A TaskTrainer for a user's task (given, or named by ``cfg.task``), else the Trainer of the
     built-in model."""
     if task is None and cfg.task:
-        task = load_task(cfg.task)
+        task = load_task(cfg.task, cfg.task_args)
     if task is None:
         return Trainer(cfg, dist_ctx, metrics, **kwargs)
     return TaskTrainer(cfg, dist_ctx, metrics, task=task, **kwargs)
@@ -241,10 +242,13 @@ class TaskTrainer(Trainer):
     def _add_metrics(self, metrics: dict, n: int) -> None:
         """Sum the step's own metrics on the device (read with the window's line)."""
         for name, value in metrics.items():
-            if not isinstance(value, torch.Tensor) or value.numel() != 1:
-                raise TaskError(f"the step's metric {name!r} is a {type(value).__name__}",
-                                expected="a scalar tensor")
-            value = value.detach().float().reshape(()) / n
+            if not isinstance(value, torch.Tensor) or value.dim() > 1:
+                raise TaskError(f"the step's metric {name!r} is a {type(value).__name__}"
+                                + (f" of shape {tuple(value.shape)}"
+                                   if isinstance(value, torch.Tensor) else ""),
+                                expected="a scalar tensor, or one value per sample")
+            # One value per sample (e.g. top-1 hits): its mean is the batch's value.
+            value = value.detach().float().mean() / n
             self._metric_sums[name] = self._metric_sums.get(name, 0) + value
 
     def _extend_record(self, record: dict, w: Window) -> None:
@@ -274,33 +278,22 @@ class TaskTrainer(Trainer):
         # (all ranks run the same number of batches).
         model = self.model.module if isinstance(self.model, nn.parallel.DistributedDataParallel) \
             else self.model
-        sums: dict[str, torch.Tensor] = {}
-        count = torch.zeros((), device=self.device, dtype=torch.float64)
+        sums = ExactSums(self.device)
         model.eval()
         try:
             with torch.no_grad():
-                for indices, mask in sampler:
-                    real = indices[mask] if mask.any() else indices[:1]
-                    weight = float(mask.sum())
+                for indices, n in rank_batches(sampler):
                     items = [call_user(data.__getitem__, "Task.eval_data[i]", int(i))
-                             for i in real]
+                             for i in indices]
                     batch = to_device(call_user(collate, "Task.collate", items), self.device)
                     with self._autocast():
                         loss, metrics = self.task.run_step(model, batch)
-                    for name, value in {"val_loss": loss, **{f"val_{k}": v for k, v in
-                                                             metrics.items()}}.items():
-                        sums[name] = sums.get(name, 0) + value.detach().double() * weight
-                    count += weight
+                    sums.add({"val_loss": loss,
+                              **{f"val_{k}": v for k, v in metrics.items()}}, n)
         finally:
             model.train()
-        names = list(sums)
-        totals = torch.stack([*(sums[k] for k in names), count])
-        if self.dist.world_size > 1:
-            dist.all_reduce(totals)
-        values = totals.tolist()
-        record = {"step": self.step, **{k: v / values[-1] for k, v in zip(names, values[:-1],
-                                                                          strict=False)},
-                  "val_samples": int(values[-1])}
+        means, count = sums.reduce()
+        record = {"step": self.step, **means, "val_samples": count}
         self.metrics.write(record)
         log.info("validation at step %d: loss %.4f over %d samples", self.step,
                  record["val_loss"], record["val_samples"])
