@@ -24,6 +24,7 @@ built-in model. Errors in the user's code name the user's file and line (:class:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -226,8 +227,9 @@ def file_overrides(path: Path, world_size: int, overrides: list[str]) -> list[st
     return [*defaults, *overrides]
 
 
-def load_task(spec: str) -> Task:
-    """The Task that ``spec`` names: ``file.py[:fn]`` or ``package.module[:fn]``."""
+def load_task(spec: str, args: dict[str, Any] | None = None) -> Task:
+    """The Task that ``spec`` names: ``file.py[:fn]`` or ``package.module[:fn]``, its factory
+    called with ``args`` (the config's ``task_args``) as keyword arguments."""
     where, _, name = spec.rpartition(":") if ":" in spec else (spec, "", "")
     module = _import_file(Path(where)) if where.endswith(".py") else _import_module(where)
     _task_files.add(str(Path(module.__file__ or "").resolve()))
@@ -238,7 +240,12 @@ def load_task(spec: str) -> Task:
             f"task {spec!r}: {module.__file__} defines no {' or '.join(names)}",
             expected="a function returning hpctrain.task.Task",
             hint=f"define `def task() -> Task:` there, or name the function: {where}:my_fn")
-    task = call_user(factory, f"the task factory {spec}") if callable(factory) else factory
+    if args and not callable(factory):
+        raise ConfigError(f"task {spec!r} is a {type(factory).__name__}, but task_args are set",
+                          expected="a function to pass task_args to",
+                          hint="make it a function, or drop task_args")
+    task = (call_user(functools.partial(factory, **(args or {})), f"the task factory {spec}")
+            if callable(factory) else factory)
     if not isinstance(task, Task):
         raise TaskError(f"task {spec!r} gave a {type(task).__name__}",
                         expected="an hpctrain.task.Task",
