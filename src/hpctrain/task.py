@@ -81,6 +81,7 @@ class Task:
     step: Callable[[nn.Module, Any], StepResult] | None = None
     eval_data: Any = None
     collate: Callable[[list[Any]], Any] | None = None
+    eval_collate: Callable[[list[Any]], Any] | None = None
     flops_per_sample: float | None = None
     tokens_per_sample: int = 1
     shard_units: Callable[[nn.Module], Iterable[nn.Module]] | None = None

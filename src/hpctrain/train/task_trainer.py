@@ -273,7 +273,8 @@ class TaskTrainer(Trainer):
                                     self.layout.world_size, self.layout.rank,
                                     self.cfg.train.micro_batch,
                                     max_samples=self.cfg.train.val_max_samples)
-        collate = self.task.collate or torch.utils.data.default_collate
+        collate = (self.task.eval_collate or self.task.collate
+                   or torch.utils.data.default_collate)
         # DDP's forward would add its buffer and bucket bookkeeping; FSDP needs its own forward
         # (all ranks run the same number of batches).
         model = self.model.module if isinstance(self.model, nn.parallel.DistributedDataParallel) \
