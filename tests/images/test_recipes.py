@@ -73,3 +73,15 @@ def test_nesterov_is_refused_without_sgd_momentum() -> None:
         load_config(None, ["optim.nesterov=true"])
     with pytest.raises(ConfigError, match="nesterov"):
         load_config(None, ["optim.name=sgd", "optim.momentum=0", "optim.nesterov=true"])
+
+
+def test_image_task_args_are_checked_with_the_key_named() -> None:
+    from hpctrain.task import load_task
+
+    with pytest.raises(ConfigError, match="unknown config key 'task_args.modle'") as info:
+        load_task("hpctrain.tasks.images:classifier", {"modle": "resnet50", "data": "x"})
+    assert info.value.hint == "did you mean 'model'?"
+    with pytest.raises(ConfigError, match="task_args.data is not set"):
+        load_task("hpctrain.tasks.images:classifier", {"model": "resnet50"})
+    with pytest.raises(ConfigError, match="task_args.model = 'resnet51' is not known"):
+        load_task("hpctrain.tasks.images:classifier", {"model": "resnet51", "data": "x"})
