@@ -5,9 +5,9 @@ micro-batches of equal count on every rank (the tail's empty slots are padding),
 makes the same forward and collective calls and no sample is dropped or seen twice.
 `rank_batches` turns each padded micro-batch into the real samples to run; `ExactSums` adds
 each batch's values as sums over its real samples in float64 and gathers all of them across the
-ranks in one all-reduce. Values given one per sample (e.g. `topk_correct`'s 0/1 hits) are
-summed exactly, so top-1/top-5 on N ranks are the very numbers one process gets; a value given
-as the batch mean (a loss) is weighted by the batch's sample count.
+ranks in one all-reduce (`validate.global_sums`). Values given one per sample (e.g.
+`topk_correct`'s 0/1 hits) are summed exactly, so top-1/top-5 on N ranks are the very numbers
+one process gets; a value given as the batch mean (a loss) is weighted by the batch's count.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from hpctrain.data.loader import ValidationSampler
 from hpctrain.errors import HpctrainError
+from hpctrain.train.validate import global_sums
 
 __all__ = ["ExactSums", "ValidationSampler", "rank_batches", "topk_correct"]
 
@@ -73,17 +73,13 @@ class ExactSums:
                 self.sums[name] += value.double() * n if value.dim() == 0 else value.double().sum()
         self.count += n
 
-    def reduce(self, group: dist.ProcessGroup | None = None) -> tuple[dict[str, float], int]:
+    def reduce(self) -> tuple[dict[str, float], int]:
         """The means over every rank's samples, and how many samples there were.
 
-        Collective over ``group``: every rank calls it after the same number of ``add`` calls
-        (`rank_batches` gives every rank the same number of batches).
+        Collective: every rank calls it after the same number of ``add`` calls (`rank_batches`
+        gives every rank the same number of batches).
         """
-        names = sorted(self.sums)
         count = torch.tensor(float(self.count), dtype=torch.float64, device=self.device)
-        totals = torch.stack([*(self.sums[k] for k in names), count])
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(totals, group=group)
-        values = totals.tolist()
-        total = int(values[-1])
-        return {k: v / total for k, v in zip(names, values[:-1], strict=True)}, total
+        totals = global_sums({**self.sums, "\0count": count})
+        total = int(totals.pop("\0count"))
+        return {k: v / total for k, v in totals.items()}, total
