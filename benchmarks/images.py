@@ -5,6 +5,8 @@
         the device, nvJPEG on CUDA), the rate read from its metrics
     (c) torchvision ImageFolder + DataLoader(workers) + Pillow transforms: plain PyTorch
     (d) PyTorch Lightning 2.6 with the same loader: benchmarks/peers/lightning_images.py
+    loader: hpctrain's loader alone (read + decode + augment, no model; decoding ahead in the
+        loader thread as training does), with the decode and augment milliseconds per image
 
     python benchmarks/images.py --models resnet50 vit_b_16            # 1 GPU, (a)-(c)
     python benchmarks/images.py --paths b --nproc 8                    # (b) DDP on 8 GPUs
@@ -46,8 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["resnet50", "vit_b_16"],
                    choices=sorted(RECIPES))
-    p.add_argument("--paths", nargs="+", default=["a", "b", "c", "d"],
-                   choices=["a", "b", "c", "d"])
+    p.add_argument("--paths", nargs="+", default=["a", "b", "c", "d", "loader"],
+                   choices=["a", "b", "c", "d", "loader"])
+    p.add_argument("--decode-threads", type=int, default=1,
+                   help="Pillow threads per rank of (b) and the loader row")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true",
                    help="tiny models, 32-pixel images, few steps: checks the paths run")
@@ -195,6 +199,7 @@ def path_b(args: argparse.Namespace, model: str) -> dict:
                  "run.name=train", "run.suffix=none", "checkpoint.interval=none",
                  "checkpoint.save_at_end=false", "checkpoint.resume=never",
                  "metrics.progress=false", f"metrics.log_every={max(1, args.steps // 6)}",
+                 f"task_args.decode_threads={args.decode_threads}",
                  f"run.device={args.device}", "optim.warmup_steps=1"]
     if args.device == "cpu":
         overrides += ["train.precision=fp32", "parallel.compile=false"]
@@ -226,7 +231,21 @@ def path_d(args: argparse.Namespace, model: str) -> dict:
     return {"path": "d", **run_lightning(args, model)}
 
 
-PATHS = {"a": path_a, "b": path_b, "c": path_c, "d": path_d}
+def path_loader(args: argparse.Namespace, model: str) -> dict:
+    """hpctrain's loader alone: images/s read, decoded and augmented (no model)."""
+    from hpctrain.data.images.throughput import loader_throughput
+
+    gpu = args.device == "cuda"
+    row = loader_throughput(args.shards, batch=args.batch, steps=max(2, args.steps // 2),
+                            size=image_size(args), device=args.device,
+                            dtype=torch.bfloat16 if gpu else torch.float32,
+                            threads=args.decode_threads, ahead=True, timed=True)
+    return {"path": "loader", "images_per_s_per_gpu": row.pop("images_per_s"), "ranks": 1,
+            **{k: row[k] for k in ("decode_ms_per_image", "augment_ms_per_image", "cpus",
+                                   "threads")}}
+
+
+PATHS = {"a": path_a, "b": path_b, "c": path_c, "d": path_d, "loader": path_loader}
 NEEDS = {"c": "torchvision", "d": "lightning"}
 
 

@@ -1,6 +1,7 @@
-"""benchmarks/images.py on the CPU at its tiny size: path (a) (tensors on the device) and
-path (b) (hpctrain from tar shards, through the recipe) run and give rates; (c) and (d) need
-torchvision and Lightning, which exist on the GPU image only, and are skipped saying so."""
+"""benchmarks/images.py on the CPU at its tiny size: path (a) (tensors on the device), path (b)
+(hpctrain from tar shards, through the recipe) and the loader alone run and give rates; (c)
+and (d) need torchvision and Lightning, which exist on the GPU image only, and are skipped
+saying so."""
 
 from __future__ import annotations
 
@@ -26,14 +27,17 @@ def test_tiny_cpu_run_of_paths_a_and_b(tmp_path: Path, capsys: pytest.CaptureFix
     try:
         spec.loader.exec_module(bench)
         rows = bench.main(["--device", "cpu", "--tiny", "--models", "resnet50", "--paths",
-                           "a", "b", "c", "d", "--jpegs", str(tmp_path / "jpegs"), "--shards",
-                           str(tmp_path / "shards"), "--out", str(tmp_path / "rows.json")])
+                           "a", "b", "c", "d", "loader", "--jpegs", str(tmp_path / "jpegs"),
+                           "--shards", str(tmp_path / "shards"),
+                           "--out", str(tmp_path / "rows.json")])
     finally:
         torch.set_num_threads(threads)
         sys.modules.pop(spec.name, None)
     assert [(r["path"], r["model"], r["ranks"]) for r in rows][:2] == [
         ("a", "resnet_tiny", 1), ("b", "resnet_tiny", 1)]
     assert all(r["images_per_s_per_gpu"] > 0 for r in rows)
+    (loader,) = [r for r in rows if r["path"] == "loader"]
+    assert loader["decode_ms_per_image"] > 0 and loader["augment_ms_per_image"] > 0
     assert json.loads((tmp_path / "rows.json").read_text()) == rows
     out = capsys.readouterr()
     assert "| resnet_tiny | (b) | 1 |" in out.out

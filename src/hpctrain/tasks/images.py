@@ -61,6 +61,10 @@ class ImageTaskConfig:
     # ResNet: each block's last BatchNorm gain starts at 0 (Goyal et al. 2017).
     zero_init_residual: bool = True
     channels_last: bool = True
+    # Pillow decoding threads per rank, and (on CUDA) the share of each batch they decode
+    # while nvJPEG decodes the rest: a knob for the balance of CPU and GPU per machine.
+    decode_threads: int = 1
+    cpu_fraction: float = 0.0
     # Seeds the crops (with each batch's sample keys: the same crops after a resume).
     augment_seed: int = 0
     # Copy each split once per node to this node-local folder first (e.g. $SLURM_TMPDIR).
@@ -85,6 +89,10 @@ class ImageTaskConfig:
         if not 0 < self.crop_scale_min <= 1:
             raise ConfigError(f"task_args.crop_scale_min = {self.crop_scale_min}",
                               expected="0 < value <= 1 (0.08 is torchvision's)")
+        if self.decode_threads < 1 or not 0 <= self.cpu_fraction <= 1:
+            raise ConfigError(f"task_args.decode_threads = {self.decode_threads}, "
+                              f"cpu_fraction = {self.cpu_fraction}",
+                              expected="decode_threads >= 1 and 0 <= cpu_fraction <= 1")
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"task_args.label_smoothing = {self.label_smoothing}",
                               expected="0 <= value < 1 (0.1 is the usual)")
@@ -123,7 +131,8 @@ class ImageClassifier:
             dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
             pipe = ImagePipeline(cfg.image_size, train=train, device=self.device, dtype=dtype,
                                  resize=cfg.eval_resize or None, scale=(cfg.crop_scale_min, 1.0),
-                                 flip=cfg.hflip)
+                                 flip=cfg.hflip, threads=cfg.decode_threads,
+                                 cpu_fraction=cfg.cpu_fraction)
             self._collates[train] = DecodeAhead(pipe, cfg.augment_seed)
         return self._collates[train](samples)
 
