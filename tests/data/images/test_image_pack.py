@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,19 @@ def test_shards_give_the_original_bytes_and_labels(packed, image_tree) -> None:
             assert label == CLASSES.index(cls)
             seen[f"{sample.key}.jpg"] = data.numpy().tobytes()
         ds.close()
+    # DataLoader workers (spawn) get the dataset pickled: it must not carry this process's
+    # open file descriptors, which mean nothing (or another file) over there.
+    ds = ImageShards(packed, "val")
+    want = ds[0][0]
+    copy = pickle.loads(pickle.dumps(ds))
+    ds.close()  # the descriptors the copy would have carried are closed now
+    assert torch.equal(copy[0][0], want)
+    copy.close()
+    # DataLoader workers pickle samples: the shard and key come along.
+    back = pickle.loads(pickle.dumps(sample))
+    assert torch.equal(back[0], sample[0]) and back[1] == sample[1] and len(back) == 2
+    assert (back.shard, back.key, back.shard_samples) == (sample.shard, sample.key,
+                                                          sample.shard_samples)
     assert seen == images  # every image once, byte for byte, across the two splits
 
 
@@ -146,20 +160,20 @@ def test_table_of_paths_and_labels(tmp_path) -> None:
         pack_images(table, tmp_path / "out3", PackSettings(val_fraction=0.5))
 
 
-def test_cli_pack_and_verify(image_tree, tmp_path, capsys) -> None:
+def test_cli_pack_and_verify(image_tree, tmp_path, capfd) -> None:
     src, _ = image_tree
     out = tmp_path / "out"
     main(["data", "pack-images", str(src), "--out", str(out), "--shard-mb", "0.01",
           "--val-fraction", "0.25", "--no-progress"])
-    assert "3 classes, train 18 images" in capsys.readouterr().out
+    assert "3 classes, train 18 images" in capfd.readouterr().out
     main(["data", "verify", str(out)])
-    assert "checksums OK" in capsys.readouterr().out
+    assert "checksums OK" in capfd.readouterr().out
     shard = out / "val" / "shard-000000.tar"
     shard.write_bytes(shard.read_bytes()[:-1] + b"\1")
     with pytest.raises(SystemExit) as e:
         main(["data", "verify", str(out)])
     assert e.value.code != 0
-    assert "checksum mismatch" in capsys.readouterr().err
+    assert "checksum mismatch" in capfd.readouterr().err
 
 
 def test_staged_split_reads_the_same_samples(packed, tmp_path) -> None:
@@ -174,3 +188,21 @@ def test_staged_split_reads_the_same_samples(packed, tmp_path) -> None:
                    for i in range(len(shared)))
     finally:
         clear_cache()
+
+
+def test_webdataset_reads_the_image_shards(packed, image_tree) -> None:
+    wds = pytest.importorskip("webdataset")
+    _, images = image_tree
+    m = json.loads((packed / "val" / "manifest.json").read_text())
+    got = list(wds.WebDataset([str(packed / "val" / s["tar"]) for s in m["shards"]],
+                              shardshuffle=False))
+    assert len(got) == m["samples"]
+    for sample in got:
+        assert sample["jpg"] == images[f"{sample['__key__']}.jpg"]
+        assert int(sample["cls"]) == CLASSES.index(sample["__key__"].split("/")[0])
+
+
+def test_a_split_folder_read_as_the_other_split_is_refused(packed) -> None:
+    assert len(ImageShards(packed / "val", "val")) == len(ImageShards(packed, "val"))
+    with pytest.raises(DataError, match="is the 'val' split"):
+        ImageShards(packed / "val")  # split="train" by default

@@ -55,7 +55,8 @@ class DecodeAhead:
             return PreparedImages(x), labels[kept]
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
-        with torch.cuda.stream(self._stream):
+        # This thread's current device is cuda:0 whatever the rank's is: set both.
+        with torch.cuda.device(device), torch.cuda.stream(self._stream):
             x, kept = self.pipeline.prepare(encoded, g)
         x.record_stream(torch.cuda.default_stream(device))
         self._stream.synchronize()

@@ -104,6 +104,10 @@ class ImagePipeline:
         self.size = size
         self.train = train
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # "cuda" means this thread's current device; `DecodeAhead` runs in another thread,
+            # whose current device is cuda:0, so pin the one this rank chose now.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = dtype
         self.resize = resize or round(size / 0.875)
         if self.resize < size:
@@ -124,8 +128,9 @@ class ImagePipeline:
         if isinstance(images, PreparedImages):
             return images.tensor, labels.to(self.device, non_blocking=True)
         x, kept = self.prepare(images, generator)
-        labels = labels.to(self.device, non_blocking=True)[
-            torch.tensor(kept, dtype=torch.long, device=self.device)]
+        labels = labels.to(self.device, non_blocking=True)
+        if len(kept) < len(labels):
+            labels = labels[torch.tensor(kept, dtype=torch.long, device=self.device)]
         return x, labels
 
     def prepare(self, images: EncodedImages | list[torch.Tensor],

@@ -10,8 +10,10 @@ Inputs:
   optional ``split``: train or val); paths are relative to the table's folder, and one that leaves
   it (``../x``, ``/x``) is refused.
 Files are found as for text (`hpctrain.data.inputs`): a symbolic link out of the tree is skipped
-with a warning (``--follow-symlinks`` reads it). A file that is no image by its first bytes, or
-cannot be read, is named in a warning, left out and listed under ``skipped`` in the manifest.
+with a warning (``--follow-symlinks`` reads it), and a file the listing finds unreadable (its
+permissions) is an error, as for text. A file that is no image by its first bytes, fails to read
+(an I/O error, gone or replaced since the listing) or that a table names but does not exist is
+named in a warning, left out and listed under ``skipped`` in the manifest.
 
 Output ``OUT/``: ``manifest.json`` (format ``hpctrain-images``: classes, per split the sample,
 shard and per-class counts, the skipped files, the settings) and a folder per split, ``train/``
@@ -34,22 +36,29 @@ The same inputs and settings give byte-identical shards and manifests.
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import io
 import json
 import logging
-import os
-import re
 import shutil
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpctrain.data.images.listing import (
+    SPLITS,
+    TABLE_SUFFIXES,
+    Entry,
+    assign_splits,
+    class_names,
+    from_folder,
+    from_table,
+    tar_keys,
+)
 from hpctrain.data.images.reader import IMAGES_FORMAT, IMAGES_VERSION, PACK_IMAGES_HINT
 from hpctrain.data.images.sniff import HEAD_BYTES, image_ext
-from hpctrain.data.inputs import InputFile, read_documents, suffix, vet_file, walk_tree
+from hpctrain.data.inputs import InputFile, suffix
 from hpctrain.data.prepare import _Progress
 from hpctrain.data.shards import atomic_write_json, file_checksum, make_out_dir
 from hpctrain.data.tar_samples import (
@@ -67,19 +76,8 @@ from hpctrain.runtime.rundir import fsync_dir
 log = logging.getLogger("hpctrain.data")
 
 PARTIAL = "pack.partial.json"
-SPLITS = ("train", "val")
-TABLE_SUFFIXES = (".csv", ".parquet", ".jsonl")
 DEFAULT_SHARD_BYTES = 1 << 30
 DEFAULT_READERS = 8
-_INT = re.compile(r"-?\d+")
-
-
-@dataclass(frozen=True)
-class _Entry:
-    rel: str  # path below the source folder: the sample's key and its name in messages
-    file: InputFile
-    label: str
-    split: str | None
 
 
 @dataclass(frozen=True)
@@ -92,126 +90,7 @@ class PackSettings:
     follow_symlinks: bool = False
 
 
-def _skip(skipped: list[dict], rel: str, why: str) -> None:
-    log.warning("skipping %r: %s", rel, why)
-    skipped.append({"path": rel, "why": why})
-
-
-def _from_folder(src: Path, out: Path, follow: bool,
-                 skipped: list[dict]) -> list[_Entry]:
-    files = walk_tree(src, follow_symlinks=follow, exclude={Path(os.path.realpath(out))})
-    tops = {rel.split("/", 1)[0] for rel, _ in files if "/" in rel}
-    by_folder = "train" in tops and tops <= set(SPLITS)
-    entries = []
-    for rel, f in files:
-        parts = rel.split("/")
-        if len(parts) < (3 if by_folder else 2):
-            _skip(skipped, rel, "not inside a class folder ("
-                  + ("train/CLASS/FILE" if by_folder else "CLASS/FILE") + ")")
-            continue
-        split, label = (parts[0], parts[1]) if by_folder else (None, parts[0])
-        entries.append(_Entry(rel, f, label, split))
-    return entries
-
-
-def _table_rows(table: Path) -> list[dict]:
-    if suffix(table) == ".csv":
-        try:
-            with vet_file(table).open() as raw, io.TextIOWrapper(raw, encoding="utf-8",
-                                                                newline="") as text:
-                return list(csv.DictReader(text))
-        except (OSError, UnicodeDecodeError, csv.Error) as e:
-            raise DataError(f"cannot read the table {str(table)!r}: {e}") from None
-    return list(read_documents(table, field=None))
-
-
-def _from_table(table: Path, follow: bool, skipped: list[dict]) -> list[_Entry]:
-    base = table.parent
-    base_real = Path(os.path.realpath(base))
-    entries = []
-    for n, row in enumerate(_table_rows(table), start=2 if suffix(table) == ".csv" else 1):
-        where = f"{table}, row {n}"
-        if not isinstance(row, dict) or row.get("path") in (None, "") or row.get(
-                "label") in (None, ""):
-            raise DataError(f"{where} has no path or no label ({row!r:.200})",
-                            expected="columns path and label (and optionally split)")
-        rel = os.path.normpath(str(row["path"]))
-        if os.path.isabs(rel) or rel == ".." or rel.startswith("../"):
-            raise DataError(f"{where}: path {row['path']!r} leaves the table's folder "
-                            f"{str(base)!r}", expected="paths relative to the table's folder, "
-                            "inside it", hint="move the table to the images' common folder")
-        split = row.get("split") or None
-        if split is not None and split not in SPLITS:
-            raise DataError(f"{where}: split {split!r}", expected="train or val")
-        path = base / rel
-        if not follow and not Path(os.path.realpath(path)).is_relative_to(base_real):
-            _skip(skipped, rel, f"a symbolic link to {os.path.realpath(path)!r}, outside the "
-                  "table's folder (pass --follow-symlinks to read it)")
-            continue
-        try:
-            f = vet_file(path)
-        except DataError as e:
-            _skip(skipped, rel, f"unreadable ({e.what})")
-            continue
-        entries.append(_Entry(rel, f, str(row["label"]).strip(), split))
-    return entries
-
-
-def _rank(seed: int, rel: str) -> tuple[str, str]:
-    """A pseudo-random but fixed position for ``rel`` (ties broken by the path)."""
-    return hashlib.sha256(f"{seed}\0{rel}".encode()).hexdigest(), rel
-
-
-def _assign_splits(entries: list[_Entry], settings: PackSettings) -> dict[str, list[_Entry]]:
-    given = any(e.split for e in entries)
-    if given and settings.val_fraction > 0:
-        raise ConfigError(f"--val-fraction {settings.val_fraction} and splits given by the input "
-                          "(train/ and val/ folders, or a split column)",
-                          hint="use one of the two")
-    splits: dict[str, list[_Entry]] = {s: [] for s in SPLITS}
-    if given or settings.val_fraction <= 0:
-        for e in entries:
-            splits[e.split or "train"].append(e)
-    else:
-        by_class: dict[str, list[_Entry]] = {}
-        for e in entries:
-            by_class.setdefault(e.label, []).append(e)
-        for members in by_class.values():
-            members.sort(key=lambda e: _rank(settings.seed, e.rel))
-            n_val = round(len(members) * settings.val_fraction)
-            splits["val"] += members[:n_val]
-            splits["train"] += members[n_val:]
-    for s in SPLITS:  # the shard order: shuffled once, so every shard mixes the classes
-        splits[s].sort(key=lambda e: _rank(settings.seed, e.rel))
-    return splits
-
-
-def _classes(entries: list[_Entry]) -> list[str]:
-    names = {e.label for e in entries}
-    if all(_INT.fullmatch(n) for n in names):
-        return sorted(names, key=int)
-    return sorted(names)
-
-
-def _keys(entries: list[_Entry]) -> list[str]:
-    """Tar keys: the path without its suffix, dots made ``_`` (WebDataset's key ends at the
-    basename's first dot), made unique with ``_2``, ``_3``... in entry order."""
-    used: set[str] = set()
-    keys = []
-    for e in entries:
-        head, _, name = e.rel.rpartition("/")
-        stem = name.rsplit(".", 1)[0] if "." in name[1:] else name
-        key = (f"{head}/" if head else "") + (stem.replace(".", "_") or "_")
-        cand, n = key, 1
-        while cand in used:
-            n += 1
-            cand = f"{key}_{n}"
-        used.add(cand)
-        keys.append(cand)
-    return keys
-
-
-def _job_digest(src: Path, settings: PackSettings, splits: dict[str, list[_Entry]],
+def _job_digest(src: Path, settings: PackSettings, splits: dict[str, list[Entry]],
                 skipped: list[dict]) -> str:
     h = hashlib.sha256(json.dumps([str(src), settings.shard_bytes, settings.val_fraction,
                                    settings.seed, settings.follow_symlinks, skipped]).encode())
@@ -219,6 +98,15 @@ def _job_digest(src: Path, settings: PackSettings, splits: dict[str, list[_Entry
         for e in splits[s]:
             h.update(json.dumps([s, e.rel, e.file.size, e.label]).encode())
     return "sha256:" + h.hexdigest()
+
+
+def _read_json(path: Path) -> dict:
+    """A state or manifest file of an earlier run ({} when it is unreadable or not an object)."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
 
 
 def _tar_bytes(size: int) -> int:
@@ -294,33 +182,36 @@ def pack_images(src: str | Path, out: str | Path, settings: PackSettings = PackS
         raise ConfigError(f"--val-fraction {settings.val_fraction}", expected="0 <= F < 1")
     skipped: list[dict] = []
     if src.is_dir():
-        entries = _from_folder(src, out, settings.follow_symlinks, skipped)
+        entries = from_folder(src, out, settings.follow_symlinks, skipped)
     elif src.is_file() and suffix(src) in TABLE_SUFFIXES:
-        entries = _from_table(src, settings.follow_symlinks, skipped)
+        entries = from_table(src, settings.follow_symlinks, skipped)
     else:
         raise DataError(f"{str(src)!r} is neither a folder nor a table",
                         expected=f"an ImageFolder directory or a {'/'.join(TABLE_SUFFIXES)} "
                         "file of path,label rows", hint=PACK_IMAGES_HINT)
     if not entries:
         raise DataError(f"{str(src)!r} holds no image files", hint=PACK_IMAGES_HINT)
-    splits = _assign_splits(entries, settings)
-    classes = _classes(entries)
+    splits = assign_splits(entries, settings.val_fraction, settings.seed)
+    classes = class_names(entries)
     index = {c: i for i, c in enumerate(classes)}
     job = _job_digest(src, settings, splits, skipped)
 
     make_out_dir(out)
     final, partial = out / MANIFEST, out / PARTIAL
     if final.is_file():
-        if json.loads(final.read_text()).get("job") == job:
+        if _read_json(final).get("job") == job:
+            partial.unlink(missing_ok=True)  # a run killed just after its manifest
             return final  # already packed
         raise DataError(f"{str(out)!r} already holds a different pack",
                         hint="pack into a new directory or delete this one")
     state = {"job": job, "splits": {}}
     if partial.is_file():
-        state = json.loads(partial.read_text())
+        state = _read_json(partial)
         if state.get("job") != job:
             raise DataError(f"{str(out)!r} holds an interrupted pack of other inputs or "
-                            "settings", hint="pack into a new directory or delete this one")
+                            "settings (or an unreadable pack.partial.json)",
+                            hint="pack into a new directory or delete this one")
+        state.setdefault("splits", {})
     stop = {"n": 0}
 
     def checkpoint() -> None:
@@ -378,7 +269,7 @@ def _read_ahead(files: list[InputFile], readers: int):
             yield from pool.map(_read_image, files[lo:lo + window])
 
 
-def _pack_split(out: Path, split: str, entries: list[_Entry], index: dict[str, int],
+def _pack_split(out: Path, split: str, entries: list[Entry], index: dict[str, int],
                 settings: PackSettings, state: dict, bar: _Progress, checkpoint,
                 readers: int) -> None:
     """Write (or finish writing) one split's shards; ``state`` records them as they finish."""
@@ -394,7 +285,7 @@ def _pack_split(out: Path, split: str, entries: list[_Entry], index: dict[str, i
         if stale.name not in names:
             stale.unlink()
     bar.advance(sum(e.file.size for e in entries[:start]))
-    keys = _keys(entries)
+    keys = tar_keys(entries)
     writer: _ShardWriter | None = None
     reads = _read_ahead([e.file for e in entries[start:]], readers)
     for i, (data, ext) in enumerate(reads, start=start):

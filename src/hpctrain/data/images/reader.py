@@ -38,6 +38,10 @@ class ImageSample(tuple):
         self.shard, self.key, self.shard_samples = shard, key, shard_samples
         return self
 
+    def __getnewargs__(self) -> tuple:
+        """What pickle passes to ``__new__`` (tuple's own would pass the pair as ``data``)."""
+        return (*self, self.shard, self.key, self.shard_samples)
+
 
 @dataclass
 class EncodedImages:
@@ -81,8 +85,11 @@ def split_dir(path: str | Path, split: str) -> Path:
     except (OSError, ValueError) as e:
         raise DataError(f"cannot read {str(root / MANIFEST)!r}: {e}",
                         hint=PACK_IMAGES_HINT) from None
-    if raw.get("format") != IMAGES_FORMAT:
-        return root  # a split directory itself (an hpctrain-tar manifest with classes)
+    if raw.get("format") != IMAGES_FORMAT:  # a split directory itself (hpctrain-tar + classes)
+        if raw.get("split", split) != split:
+            raise DataError(f"{str(root)!r} is the {raw['split']!r} split, not {split!r}",
+                            hint=f"pass split={raw['split']!r}, or the folder above it")
+        return root
     splits = raw.get("splits") or {}
     if split not in splits:
         raise DataError(f"{str(root)!r} has no split {split!r}",
@@ -140,6 +147,16 @@ class ImageShards:
                             expected=f"0 <= label < {len(self.classes)} (the classes)")
         data = torch.frombuffer(bytearray(raw[exts[0]]), dtype=torch.uint8)
         return ImageSample(data, label, shard, key, int(self.shard_sample_counts[s]))
+
+    def __getstate__(self) -> dict:
+        """Pickled (DataLoader workers) without the open shard files: they are reopened."""
+        state = self.__dict__.copy()
+        state["_tar"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._tar = TarSamples(self.root, window_shards=self.window_shards)
 
     def close(self) -> None:
         """Close the open shard files."""
