@@ -263,10 +263,12 @@ def reading_sample(seed: int, epoch: int, index: int) -> Iterator[None]:
         _reading.active = was
 
 
-def file_overrides(path: Path, world_size: int, overrides: list[str]) -> list[str]:
-    """The overrides that train task file ``path``: the task, a run named after the file, DDP
-    on several ranks; the user's own ``overrides`` come last and win."""
-    defaults = [f"task={path}", f"run.name={path.stem}"]
+def file_overrides(path: Path, world_size: int, overrides: list[str],
+                   seen_as: str | None = None) -> list[str]:
+    """The overrides that train task file ``path`` (``seen_as``: its path where the ranks run):
+    the task, a run named after the file, DDP on several ranks; the user's own ``overrides``
+    come last and win."""
+    defaults = [f"task={seen_as or path}", f"run.name={path.stem}"]
     if world_size > 1:
         defaults.append("parallel.strategy=ddp")
     return [*defaults, *overrides]

@@ -296,3 +296,24 @@ def test_sample_rng_outside_a_read_is_refused() -> None:
 
     with pytest.raises(TaskError, match="outside the reading of a sample"):
         sample_rng()
+
+
+class NoisyCounter(Counter):
+    """``Counter`` with noise from hpctrain's generator for each sample."""
+
+    def __iter__(self):
+        from hpctrain.task import sample_rng
+
+        for value in super().__iter__():
+            yield value + torch.rand(1, generator=sample_rng())
+
+
+def test_a_streams_random_draws_repeat_after_a_resume() -> None:
+    whole = StreamLoader(NoisyCounter(), BatchLayout(2, 1, 1, 0), 3, CPU, _collate)
+    expected = _read(whole, 3)
+    first = StreamLoader(NoisyCounter(), BatchLayout(2, 1, 1, 0), 3, CPU, _collate)
+    _read(first, 1)
+    resumed = StreamLoader(NoisyCounter(), BatchLayout(2, 1, 1, 0), 3, CPU, _collate)
+    resumed.load_state_dict(first.state_dict())
+    assert _read(resumed, 2) == expected[1:]
+    assert len({round(v % 1, 6) for step in expected for v in step}) == 6  # fresh per sample

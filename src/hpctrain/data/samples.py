@@ -8,6 +8,11 @@ batches consumed, so a resume continues exactly where the checkpoint was.
 An iterable is read whole by every rank, each keeping its own slots of every global batch. It
 resumes exactly only if it can report and restore its position (``state_dict()`` /
 ``load_state_dict()``); otherwise hpctrain says so once and a resume reads it from its start.
+
+Each sample is read inside `hpctrain.task.reading_sample`, so a dataset's random augmentation can
+draw from ``hpctrain.task.sample_rng()``: seeded from (seed, epoch, sample index), the same numbers
+on any number of ranks and after a resume, although a thread reads ahead of training. A dataset
+that draws from a global generator instead is warned about once, at the start.
 """
 
 from __future__ import annotations
