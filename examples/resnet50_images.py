@@ -29,8 +29,9 @@ def torchvision_resnet50(num_classes: int, image_size: int) -> nn.Module:
     return resnet50(num_classes=num_classes, zero_init_residual=True)
 
 
-def task(data: str, model: str = "resnet50", **settings: Any) -> Task:
-    """The classifier over ``data`` (the packed shards); settings as in ImageTaskConfig."""
+def task(data: str = "", model: str = "resnet50", **settings: Any) -> Task:
+    """The classifier over ``data`` (the packed shards; unset: refused, naming the key);
+    settings as in ImageTaskConfig."""
     build = None
     if model == "resnet50":
         try:

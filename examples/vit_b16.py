@@ -28,8 +28,9 @@ def torchvision_vit_b_16(num_classes: int, image_size: int) -> nn.Module:
     return vit_b_16(num_classes=num_classes, image_size=image_size)
 
 
-def task(data: str, model: str = "vit_b_16", **settings: Any) -> Task:
-    """The classifier over ``data`` (the packed shards); settings as in ImageTaskConfig."""
+def task(data: str = "", model: str = "vit_b_16", **settings: Any) -> Task:
+    """The classifier over ``data`` (the packed shards; unset: refused, naming the key);
+    settings as in ImageTaskConfig."""
     build = None
     if model == "vit_b_16":
         try:
