@@ -31,6 +31,7 @@ run (and disturb the training step's own draws, such as dropout).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -94,6 +95,7 @@ class Task:
     step: Callable[[nn.Module, Any], StepResult] | None = None
     eval_data: Any = None
     collate: Callable[[list[Any]], Any] | None = None
+    eval_collate: Callable[[list[Any]], Any] | None = None
     flops_per_sample: float | None = None
     tokens_per_sample: int = 1
     shard_units: Callable[[nn.Module], Iterable[nn.Module]] | None = None
@@ -284,8 +286,9 @@ def load_run_config(config: str | Path, overrides: list[str], world_size: int) -
     return load_config(config, list(overrides))
 
 
-def load_task(spec: str) -> Task:
-    """The Task that ``spec`` names: ``file.py[:fn]`` or ``package.module[:fn]``."""
+def load_task(spec: str, args: dict[str, Any] | None = None) -> Task:
+    """The Task that ``spec`` names: ``file.py[:fn]`` or ``package.module[:fn]``, its factory
+    called with ``args`` (the config's ``task_args``) as keyword arguments."""
     where, _, name = spec.rpartition(":") if ":" in spec else (spec, "", "")
     module = _import_file(Path(where)) if where.endswith(".py") else _import_module(where)
     _task_files.add(str(Path(module.__file__ or "").resolve()))
@@ -296,7 +299,12 @@ def load_task(spec: str) -> Task:
             f"task {spec!r}: {module.__file__} defines no {' or '.join(names)}",
             expected="a function returning hpctrain.task.Task",
             hint=f"define `def task() -> Task:` there, or name the function: {where}:my_fn")
-    task = call_user(factory, f"the task factory {spec}") if callable(factory) else factory
+    if args and not callable(factory):
+        raise ConfigError(f"task {spec!r} is a {type(factory).__name__}, but task_args are set",
+                          expected="a function to pass task_args to",
+                          hint="make it a function, or drop task_args")
+    task = (call_user(functools.partial(factory, **(args or {})), f"the task factory {spec}")
+            if callable(factory) else factory)
     if not isinstance(task, Task):
         raise TaskError(f"task {spec!r} gave a {type(task).__name__}",
                         expected="an hpctrain.task.Task",

@@ -36,8 +36,8 @@ from hpctrain.runtime.config import refuse_large_model_on_cpu
 from hpctrain.runtime.dist import Distributed
 from hpctrain.task import Task, TaskError, call_user, check_finite, load_task, reading_sample
 from hpctrain.train import checkpointing
+from hpctrain.train.exact_eval import ExactSums, rank_batches
 from hpctrain.train.trainer import Trainer
-from hpctrain.train.validate import global_sums
 from hpctrain.train.window import Window
 
 log = logging.getLogger("hpctrain.train")
@@ -48,7 +48,7 @@ def build_trainer(cfg: JobConfig, task: Task | None, dist_ctx: Distributed,
     """A TaskTrainer for a user's task (given, or named by ``cfg.task``), else the Trainer of the
     built-in model."""
     if task is None and cfg.task:
-        task = load_task(cfg.task)
+        task = load_task(cfg.task, cfg.task_args)
     if task is None:
         return Trainer(cfg, dist_ctx, metrics, **kwargs)
     return TaskTrainer(cfg, dist_ctx, metrics, task=task, **kwargs)
@@ -228,10 +228,13 @@ class TaskTrainer(Trainer):
     def _add_metrics(self, metrics: dict, n: int) -> None:
         """Sum the step's own metrics on the device (read with the window's line)."""
         for name, value in metrics.items():
-            if not isinstance(value, torch.Tensor) or value.numel() != 1:
-                raise TaskError(f"the step's metric {name!r} is a {type(value).__name__}",
-                                expected="a scalar tensor")
-            value = value.detach().float().reshape(()) / n
+            if not isinstance(value, torch.Tensor) or value.dim() > 1:
+                raise TaskError(f"the step's metric {name!r} is a {type(value).__name__}"
+                                + (f" of shape {tuple(value.shape)}"
+                                   if isinstance(value, torch.Tensor) else ""),
+                                expected="a scalar tensor, or one value per sample")
+            # One value per sample (e.g. top-1 hits): its mean is the batch's value.
+            value = value.detach().float().mean() / n
             self._metric_sums[name] = self._metric_sums.get(name, 0) + value
 
     def _extend_record(self, record: dict, w: Window) -> None:
@@ -253,32 +256,27 @@ class TaskTrainer(Trainer):
                                     self.layout.world_size, self.layout.rank,
                                     self.cfg.train.micro_batch,
                                     max_samples=self.cfg.train.val_max_samples)
-        collate = self.task.collate or torch.utils.data.default_collate
+        collate = (self.task.eval_collate or self.task.collate
+                   or torch.utils.data.default_collate)
         # DDP's forward would add its buffer and bucket bookkeeping; FSDP needs its own forward
         # (all ranks run the same number of batches).
         model = self.model.module if isinstance(self.model, nn.parallel.DistributedDataParallel) \
             else self.model
-        sums: dict[str, torch.Tensor] = {}
-        count = torch.zeros((), device=self.device, dtype=torch.float64)
+        sums = ExactSums(self.device)
         model.eval()
         try:
             with torch.no_grad():
-                for indices, mask in sampler:
-                    real = indices[mask] if mask.any() else indices[:1]
-                    weight = float(mask.sum())
-                    items = [self._eval_sample(data, int(i)) for i in real]
+                for indices, n in rank_batches(sampler):
+                    items = [self._eval_sample(data, int(i)) for i in indices]
                     batch = to_device(call_user(collate, "Task.collate", items), self.device)
                     with self._autocast():
                         loss, metrics = self.task.run_step(model, batch)
-                    for name, value in {"val_loss": loss, **{f"val_{k}": v for k, v in
-                                                             metrics.items()}}.items():
-                        sums[name] = sums.get(name, 0) + value.detach().double() * weight
-                    count += weight
+                    sums.add({"val_loss": loss,
+                              **{f"val_{k}": v for k, v in metrics.items()}}, n)
         finally:
             model.train()
-        totals = global_sums({**sums, "val_samples": count})
-        samples = totals.pop("val_samples")
-        return {**{k: v / samples for k, v in totals.items()}, "val_samples": int(samples)}
+        means, count = sums.reduce()
+        return {**means, "val_samples": count}
 
     def _eval_sample(self, data, i: int):
         """Held-out sample ``i`` (its ``sample_rng()`` seeded as in epoch 0)."""
