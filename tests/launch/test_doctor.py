@@ -8,13 +8,16 @@ and its fix). tests/slurm/test_multinode.py runs it as the preflight of a real t
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
+import socket
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from conftest import spawn_ranks
 from hpctrain.bench.node import DeviceResult
 from hpctrain.cli import main
 from hpctrain.config import JobConfig, load_config
@@ -263,3 +266,32 @@ def test_a_config_train_refuses_here_is_a_problem(tmp_path: Path, monkeypatch, c
     main(["doctor", str(REPO / "configs" / "llama-1b.yaml"), "run.device=cpu",
           "--no-gpu-health"])
     assert capsys.readouterr().out.rstrip().endswith("no problems")
+
+
+# Threads a process group runs (gloo's I/O loop and workers, rank 0's TCPStore server): left
+# alive past destroy_process_group, they are torn down at interpreter exit, which now and then
+# aborts the process (SIGABRT) and with it a job's preflight.
+GROUP_THREADS = ("gloo", "tcpstore")
+
+
+def _doctor_rank(shown: Path, rank: int, port: int, queue) -> None:
+    env = ProcessEnv(launcher="torchrun", rank=rank, local_rank=rank, world_size=2,
+                     local_world_size=2, node_rank=0, master_addr="127.0.0.1",
+                     master_port=port, hostname="localhost")
+    cfg = load_config(REPO / "configs" / "demo.yaml", [*TINY, "run.device=cpu"])
+    verdicts, who = d.run_doctor(cfg, env, allreduce_mb=0.01, gpu_health=False,
+                                 show=lambda v, w: shown.write_text(w))
+    threads = [p.read_text().strip() for p in Path("/proc/self/task").glob("*/comm")]
+    queue.put((rank, [v.check for v in verdicts if v.problems], who, shown.is_file(),
+               [t for t in threads if any(g in t for g in GROUP_THREADS)]))
+
+
+def test_two_ranks_agree_and_leave_no_group_running(tmp_path: Path) -> None:
+    """The doctor on two real ranks: both get rank 0's verdicts, no rank returns before rank 0
+    showed the report, and destroy_process_group leaves nothing of the group running (rank 0's
+    `gpus` check imports training, which imports torch.distributed.nn while the group is up:
+    that used to pin the group, whose threads then aborted the process at exit)."""
+    results = sorted(spawn_ranks(functools.partial(_doctor_rank, tmp_path / "shown"), 2))
+    who = f"2 ranks on 1 node: {socket.gethostname()}"
+    assert [r[0] for r in results] == [0, 1] and results[0][1:] == results[1][1:], results
+    assert results[0][2:] == (who, True, []), results

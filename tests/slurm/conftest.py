@@ -284,6 +284,19 @@ class SlurmCluster:
             text += f"\n--- {path.name} ---\n{tail(path, lines)}"
         return text
 
+    def diagnosis(self, job_id: str, *files: Path, lines: int = 40) -> str:
+        """What a failed wait shows: the job's record, the tails of its own output file (where
+        the ranks' stderr goes: a crash, its message) and of `files`, then the daemons' logs."""
+        try:
+            info = self.job_info(job_id)
+        except RuntimeError as exc:
+            info = {"JobId": job_id, "error": str(exc)}
+        text = f"--- scontrol show job {job_id} ---\n{info}"
+        out = [Path(info["StdOut"])] if info.get("StdOut") else []
+        for path in [*out, *files]:
+            text += f"\n--- {path} ---\n{tail(path, lines)}"
+        return f"{text}\n{self.logs()}"
+
     # -- jobs --------------------------------------------------------------------------------
     def sbatch(self, script_path: str | os.PathLike[str], *args: str,
                script_args: Sequence[str] = (), cwd: Path | None = None,
@@ -325,7 +338,7 @@ class SlurmCluster:
             if time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"job {job_id} still {state} (Reason={info.get('Reason')}) after "
-                    f"{timeout:.0f}s, waiting for {sorted(wanted)}\n{info}\n{self.logs()}")
+                    f"{timeout:.0f}s, waiting for {sorted(wanted)}\n{self.diagnosis(job_id)}")
             time.sleep(poll)
 
     def scancel(self, job_id: str, signal: str | None = None, *args: str) -> None:

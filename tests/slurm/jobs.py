@@ -26,22 +26,25 @@ TINY = ["run.device=cpu", "data.source=stdlib", "data.max_bytes=300000", "data.s
 
 def script(tmp: Path, name: str, overrides: list[str], *, pause_at: int | None = None,
            slow_s: float | None = None, where: Path | None = None, **params) -> Path:
-    """The generated batch script; ``pause_at`` holds step N for 4 s (an injected, harmless
-    stall) so a signal sent after N-1 logged steps lands mid-run, however fast the steps are;
+    """The generated batch script; ``pause_at`` holds step N of the first run (an injected,
+    harmless stall that the preemption signal ends, 60 s at most) so a signal sent after N-1
+    logged steps lands mid-run, however fast the steps and however slow the signal are;
     ``slow_s`` makes every step sleep that long (a run that waits for a signal then idles
     instead of taking a core); each rank appends ``node rank`` (SLURMD_NODENAME,
     SLURM_PROCID) to ``where`` as it starts."""
     python = sys.executable
     faults = []
     if pause_at is not None:
-        faults.append(f"hang@step={pause_at},seconds=4")
+        faults.append(f"hang@step={pause_at},seconds=60")
     if slow_s is not None:
         faults.append(f"slow@seconds={slow_s}")
     if faults or where is not None:
         python = str(tmp / f"{name}-python.sh")
         lines = ["#!/bin/bash"]
         if faults:
-            lines.append(f"export HPCTRAIN_FAULTS='{';'.join(faults)}'")
+            # The first run only: a requeued run resumes past the pause and runs at full speed.
+            lines.append(f'[ "${{SLURM_RESTART_COUNT:-0}}" = 0 ] && '
+                         f"export HPCTRAIN_FAULTS='{';'.join(faults)}'")
         if where is not None:
             lines.append(f'echo "$SLURMD_NODENAME $SLURM_PROCID" >> {where}')
         lines.append(f'exec {sys.executable} "$@"')
@@ -65,15 +68,22 @@ def steps_logged(run_dir: Path) -> int:
     return sum(1 for r in read_metrics(path) if "loss" in r)
 
 
-def wait_for_steps(cluster, job: str, run_dir: Path, n: int, timeout: float = 120) -> None:
+def diagnosis(cluster, job: str, run_dir: Path) -> str:
+    """The job's record, its output file, its run's rank logs and the daemons' logs."""
+    return cluster.diagnosis(job, *sorted((run_dir / "logs").glob("rank-*.log")))
+
+
+def wait_for_steps(cluster, job: str, run_dir: Path, n: int, timeout: float = 240) -> None:
     """Wait until rank 0 logged `n` steps; fail at once if the job ends first."""
     deadline = time.monotonic() + timeout
     while steps_logged(run_dir) < n:
         state = cluster.job_info(job)["JobState"]
         if state not in ("PENDING", "RUNNING", "CONFIGURING"):
-            raise AssertionError(f"job {job} ended ({state}) before {n} steps:\n{cluster.logs()}")
+            raise AssertionError(f"job {job} ended ({state}) before {n} steps:\n"
+                                 f"{diagnosis(cluster, job, run_dir)}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{run_dir} logged fewer than {n} steps in {timeout:.0f} s")
+            raise TimeoutError(f"{run_dir} logged fewer than {n} steps in {timeout:.0f} s:\n"
+                               f"{diagnosis(cluster, job, run_dir)}")
         time.sleep(0.3)
 
 

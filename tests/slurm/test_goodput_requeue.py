@@ -33,9 +33,11 @@ TINY = ["run.device=cpu", "data.source=stdlib", "data.max_bytes=300000", "data.s
 
 
 def _script(tmp: Path) -> Path:
-    """The generated batch script, its python holding step 6 for 4 s (the signal lands then)."""
+    """The generated batch script, its python holding step 6 of the first run until the signal
+    lands (60 s at most)."""
     python = tmp / "python.sh"
-    python.write_text("#!/bin/bash\nexport HPCTRAIN_FAULTS='hang@step=6,seconds=4'\n"
+    python.write_text("#!/bin/bash\n[ \"${SLURM_RESTART_COUNT:-0}\" = 0 ] && "
+                      "export HPCTRAIN_FAULTS='hang@step=6,seconds=60'\n"
                       f'exec {sys.executable} "$@"\n')
     os.chmod(python, 0o755)
     params = SbatchParams(config="configs/demo.yaml", workdir=str(REPO), python=str(python),
@@ -56,10 +58,10 @@ def _steps(run_dir: Path) -> int:
 def test_requeued_run_accounts_both_allocations(slurm_cluster, tmp_path: Path) -> None:
     job = slurm_cluster.sbatch(_script(tmp_path), cwd=REPO)
     run_dir = tmp_path / "runs" / f"goodput-{job}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 240
     while _steps(run_dir) < 5:
         state = slurm_cluster.job_info(job)["JobState"]
-        assert state in ("PENDING", "RUNNING", "CONFIGURING"), slurm_cluster.logs()
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), slurm_cluster.diagnosis(job)
         assert time.monotonic() < deadline, "the job never logged 5 steps"
         time.sleep(0.3)
     slurm_cluster.scancel(job, signal="USR2")

@@ -25,7 +25,7 @@ from hpctrain.launch.doctor import INJECT_ENV
 from hpctrain.runtime.requeue import SCRIPT_MARKER
 
 from .conftest import CLIENTS, SlurmCluster
-from .jobs import REPO, ReferenceLosses, exit_info, script, wait_for_steps
+from .jobs import REPO, ReferenceLosses, diagnosis, exit_info, script, wait_for_steps
 
 FAKE_APPTAINER = """#!/bin/bash
 # Stand-in for `apptainer exec [--nv] --bind A,B IMAGE PROGRAM...`: checks the image and that
@@ -85,7 +85,7 @@ def test_two_node_job_preempted_requeued_resumes_exactly(slurm_two_nodes: SlurmC
     state = slurm_two_nodes.wait(job, timeout=240)
     log = (tmp_path / "logs" / f"twonode-{job}.out").read_text()
     info = slurm_two_nodes.job_info(job)
-    assert state == "COMPLETED", f"{info}\n{log[-3000:]}"
+    assert state == "COMPLETED", diagnosis(slurm_two_nodes, job, run_dir)
     assert info["RestartCnt"] == "1" and info["NodeList"] == "hpctrain-n[1-2]", info
     # Both steps (doctor, training) of both runs (before and after the requeue): rank 0 on the
     # first node, rank 1 on the second.
@@ -114,7 +114,8 @@ def test_a_failed_preflight_stops_the_job_before_it_trains(slurm_two_nodes: Slur
     job = slurm_two_nodes.sbatch(path, cwd=REPO, env=env)
     state = slurm_two_nodes.wait(job, timeout=120)
     log = (tmp_path / "logs" / f"sick-{job}.out").read_text()
-    assert state == "FAILED" and slurm_two_nodes.job_info(job)["ExitCode"] == "1:0", log
+    assert state == "FAILED" and slurm_two_nodes.job_info(job)["ExitCode"] == "1:0", \
+        slurm_two_nodes.diagnosis(job)
     (line,) = [ln for ln in log.splitlines() if ln.startswith("PROBLEM")]
     assert "versions differ across the job: hpctrain-n1 (rank 0): torch " in line, line
     assert "vs hpctrain-n2 (rank 1): torch 2.10.0+cu126 -- fix: " in line, line

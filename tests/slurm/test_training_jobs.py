@@ -12,7 +12,7 @@ import pytest
 
 from hpctrain.checkpoint.manifest import read_manifest, verify_files
 
-from .jobs import REPO, ReferenceLosses, exit_info, script, wait_for_steps
+from .jobs import REPO, ReferenceLosses, diagnosis, exit_info, script, wait_for_steps
 
 
 @pytest.mark.slow
@@ -28,7 +28,7 @@ def test_signal_checkpoint_requeue_resume_exact(slurm_cluster, tmp_path: Path,
     state = slurm_cluster.wait(job, timeout=240)
     log = (tmp_path / "logs" / f"preempt-{job}.out").read_text()
     info = slurm_cluster.job_info(job)
-    assert state == "COMPLETED", f"{info}\n{log[-3000:]}"
+    assert state == "COMPLETED", diagnosis(slurm_cluster, job, run_dir)
     assert info["RestartCnt"] == "1"
     assert "preempted by SIGUSR2" in log
     assert "resumed from step-" in log

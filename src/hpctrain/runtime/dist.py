@@ -121,21 +121,37 @@ def init_distributed(cfg: RunConfig, env: ProcessEnv, parallel: ParallelConfig) 
         backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
     if not dist.is_initialized():
-        if env.world_size == 1:
-            # A one-rank group needs no rendezvous: an in-process store avoids port clashes
-            # between single-process runs on one machine.
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timeout)
-        else:
-            os.environ.update(export_torch_env(env))
-            kwargs = {"device_id": device} if device.type == "cuda" else {}
-            dist.init_process_group(backend, init_method="env://", rank=env.rank,
-                                    world_size=env.world_size, timeout=timeout, **kwargs)
+        # device_id binds NCCL eagerly to this rank's GPU; one rank has no peers to bind.
+        kwargs = {"device_id": device} if device.type == "cuda" and env.world_size > 1 else {}
+        start_process_group(backend, env, timeout, **kwargs)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_AXES)
     checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
     control_group = dist.new_group(backend="gloo", timeout=timeout)
     return Distributed(env=env, device=device, backend=backend, mesh=mesh,
                        checkpoint_group=checkpoint_group, control_group=control_group)
+
+
+def start_process_group(backend: str, env: ProcessEnv, timeout: datetime.timedelta,
+                        **kwargs) -> None:
+    """Start the default process group of ``env``'s job: env:// rendezvous, or none for one
+    rank; ``kwargs`` go to ``init_process_group`` (``device_id``)."""
+    # torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments when it
+    # is first imported (torch._dynamo and torch.distributed.checkpoint import it). Imported
+    # while a default group is up, it holds that group for the life of the process:
+    # destroy_process_group cannot free it, and its gloo worker threads are still releasing
+    # work while the interpreter finalizes, which aborts the process now and then (SIGABRT,
+    # "terminate called without an active exception": the doctor's rank 0 after its report,
+    # whose gpus check imports training). Imported before the group exists, it binds None.
+    import torch.distributed.nn  # noqa: F401
+    if env.world_size == 1:
+        # A one-rank group needs no rendezvous: an in-process store avoids port clashes
+        # between single-process runs on one machine.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout, **kwargs)
+        return
+    os.environ.update(export_torch_env(env))
+    dist.init_process_group(backend, init_method="env://", rank=env.rank,
+                            world_size=env.world_size, timeout=timeout, **kwargs)
 
 
 def shutdown() -> None:

@@ -44,6 +44,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -53,7 +54,8 @@ from hpctrain.config import JobConfig
 from hpctrain.errors import ConfigError, HpctrainError, RuntimeEnvError
 from hpctrain.launch.doctor.checks import Inputs, Verdict, judge
 from hpctrain.launch.doctor.facts import Facts, gather_facts, gather_storage
-from hpctrain.runtime.env import ProcessEnv, detect_env, export_torch_env
+from hpctrain.runtime.dist import shutdown, start_process_group
+from hpctrain.runtime.env import ProcessEnv, detect_env
 
 INJECT_ENV = "HPCTRAIN_DOCTOR_INJECT"
 
@@ -118,20 +120,22 @@ def _measure_gpu(facts: Facts):
 
 def run_doctor(cfg: JobConfig | None, env: ProcessEnv, *, expect_busbw: float | None = None,
                allreduce_mb: float = 64.0, max_small_files: int = 10_000,
-               gpu_health: bool = True) -> tuple[list[Verdict], str]:
+               gpu_health: bool = True,
+               show: Callable[[list[Verdict], str], None] | None = None
+               ) -> tuple[list[Verdict], str]:
     """Gather facts on every rank, judge them on rank 0; every rank gets the verdicts (and
-    a line saying who took part)."""
+    a line saying who took part). Rank 0 calls ``show(verdicts, who)`` before any rank
+    returns."""
     facts = inject(gather_facts(env))
     distributed = env.world_size > 1 and not dist.is_initialized()
     if distributed:
         timeout = datetime.timedelta(seconds=cfg.run.timeout_s if cfg else 600)
-        os.environ.update(export_torch_env(env))
         backend = "gloo"
         if facts.gpu is not None:
             torch.cuda.set_device(facts.gpu)
             backend = "cpu:gloo,cuda:nccl"
-        dist.init_process_group(backend, init_method="env://", rank=env.rank,
-                                world_size=env.world_size, timeout=timeout)
+        start_process_group(backend, env, timeout)
+    agreed = False
     try:
         world = dist.get_world_size() if dist.is_initialized() else 1
         everyone = [facts]
@@ -159,10 +163,17 @@ def run_doctor(cfg: JobConfig | None, env: ProcessEnv, *, expect_busbw: float | 
             box = [verdicts]
             dist.broadcast_object_list(box, src=0)
             verdicts = box[0]
+        if env.rank == 0 and show is not None:
+            show(verdicts, who)
+        agreed = True
         return verdicts, who
     finally:
         if distributed:
-            dist.destroy_process_group()
+            if agreed:
+                # No rank leaves before rank 0 has shown the report: under srun
+                # --kill-on-bad-exit a rank that exits 1 first gets rank 0 killed mid-report.
+                dist.barrier()
+            shutdown()
 
 
 def report(verdicts: list[Verdict], who: str) -> str:
@@ -216,9 +227,10 @@ def run(args: argparse.Namespace) -> None:
         raise ConfigError("--allreduce-mb must be > 0 and --max-small-files >= 0")
     try:
         verdicts, who = run_doctor(cfg, env, expect_busbw=args.expect_busbw,
-                              allreduce_mb=args.allreduce_mb,
-                              max_small_files=args.max_small_files,
-                              gpu_health=not args.no_gpu_health)
+                                   allreduce_mb=args.allreduce_mb,
+                                   max_small_files=args.max_small_files,
+                                   gpu_health=not args.no_gpu_health,
+                                   show=lambda v, w: print(report(v, w), flush=True))
     except (RuntimeError, OSError) as e:  # the ranks could not meet: that is the finding
         raise RuntimeEnvError(f"doctor: the ranks could not run together: {e}",
                               hint="check that every task started (srun), MASTER_ADDR "
@@ -227,7 +239,6 @@ def run(args: argparse.Namespace) -> None:
         if any(v.problems for v in verdicts):
             sys.exit(DoctorFailed.exit_code)
         return
-    print(report(verdicts, who), flush=True)
     n = sum(len(v.problems) for v in verdicts)
     if n:
         raise DoctorFailed(f"doctor found {n} problem{'s' if n != 1 else ''}: fix "
