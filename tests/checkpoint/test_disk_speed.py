@@ -6,7 +6,6 @@ rest."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch

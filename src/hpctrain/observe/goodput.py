@@ -18,7 +18,16 @@ its attempt in the run directory; the account over all ledgers is ``goodput.json
      "goodput": productive / wall_s, "lost_steps": int, "saves": int,
      "checkpoint_cost_s": s | null, "restart_cost_s": s | null,
      "attempts": [{"attempt": i, "start": unix_s, "end": unix_s, "exit_code": int | null,
-                   "resumed_from_step": int | null, "last_step": int}]}
+                   "resumed_from_step": int | null, "last_step": int,
+                   "startup_parts": {part: s}}]}
+
+``startup_parts`` splits an attempt's start-up, in the order they happen (``STARTUP_PARTS``):
+``start`` (process start, imports, the run directory's lock; the process group too for ranks
+started by srun or torchrun, which join it before the lock), ``process_group``, ``model_build``
+(model, parallelism, optimizer, data), ``checkpoint_load`` (finding, verifying and loading the
+checkpoint), ``compile_cache`` (loading a saved compile cache), ``other`` (up to the loop), and
+``first_step``: the first step of the attempt, compilation included (it runs inside it; the
+compile cache shortens it). A part that did not happen is absent.
 
 ``checkpoint_cost_s`` is what one periodic save cost the run (the checkpoint part over the saves
 that count, less the end of an attempt's flush: the final save and the wait for the writes in
@@ -85,6 +94,8 @@ _LEDGER = re.compile(r"attempt-(\d{4,})\.json")
 _TIMES = ("startup", "warmup_s", "clean_s", "dirty_s", "open_s", "data_wait", "validation",
           "checkpoint", "flush", "lost_work")
 _COUNTS = ("warmup_n", "clean_n", "dirty_n", "open_n", "saves", "final_saves")
+STARTUP_PARTS = ("start", "process_group", "model_build", "checkpoint_load", "compile_cache",
+                 "other", "first_step")
 # What a restart or rollback moves into lost_work when the steps after a checkpoint are lost.
 _TRANSFER = ("warmup_s", "clean_s", "dirty_s", "open_s", "data_wait", "validation",
              "checkpoint")
@@ -111,6 +122,7 @@ LEDGER = Record({
                       max_len=100_000, optional=True),
     "hang_s": Real(0.0, optional=True),
     "marks": Map(Str(32), Map(Str(32), Real(0.0)), optional=True),
+    "startup_parts": Map(Str(32), Real(0.0), optional=True),
 })
 # ``goodput.json``, as ``compute_goodput`` writes it (read back by ``report`` and ``runs``).
 ACCOUNT_RECORD = Record({
@@ -126,7 +138,8 @@ ACCOUNT_RECORD = Record({
     "attempts": List(Record({
         "attempt": Int(1), "start": Real(0.0), "end": Real(0.0),
         "exit_code": Int(-(2**31), 2**31 - 1, nullable=True),
-        "resumed_from_step": Int(nullable=True), "last_step": Int()}), max_len=100_000),
+        "resumed_from_step": Int(nullable=True), "last_step": Int(),
+        "startup_parts": Map(Str(32), Real(0.0), optional=True)}), max_len=100_000),
 })
 # Checkpoint marks kept (a resume may fall back past damaged ones; retention keeps fewer).
 _MARKS = 16
@@ -161,6 +174,8 @@ class GoodputClock:
         self._fd: int | None = None
         self._size = 0
         self._marks_json: str | None = None  # serialised once per change, not per step
+        self.startup_parts: dict[str, float] = {}
+        self._startup_mark = self.start
 
     @classmethod
     def open(cls, run_dir: Path) -> GoodputClock:
@@ -194,10 +209,19 @@ class GoodputClock:
         self._mark = now
         return spent
 
+    def startup_part(self, name: str) -> None:
+        """The start-up part ``name`` (one of ``STARTUP_PARTS``) ends now (its time is what
+        passed since the previous part ended, or since the process started)."""
+        now = time.time()
+        self.startup_parts[name] = (self.startup_parts.get(name, 0.0)
+                                    + max(0.0, now - self._startup_mark))
+        self._startup_mark = now
+
     def started(self, resumed_from: int | None) -> None:
         """The loop starts: all time so far was start-up."""
         self.resumed_from = resumed_from
         self.last_step = resumed_from or 0
+        self.startup_part("other")
         self._charge("startup")
         self.marks["start"] = self._snapshot()
         self._marks_json = None
@@ -215,6 +239,8 @@ class GoodputClock:
     def step_done(self, step: int, writing: bool) -> None:
         """A step ended (``writing``: a background save was in flight)."""
         self._charge("open_s")
+        if "first_step" not in self.startup_parts:
+            self.startup_part("first_step")
         self.buckets["open_n"] += 1
         self.open_dirty |= writing
         self.last_step = step
@@ -302,7 +328,8 @@ class GoodputClock:
                  "pid": os.getpid(), "start": self.start, "updated": self._mark,
                  "ended": False, "exit_code": None, "resumed_from_step": self.resumed_from,
                  "last_step": self.last_step, "buckets": dict(self.buckets),
-                 "open_dirty": self.open_dirty, "rollbacks": self.rollbacks, "hang_s": 0.0}
+                 "open_dirty": self.open_dirty, "rollbacks": self.rollbacks, "hang_s": 0.0,
+                 "startup_parts": self.startup_parts}
         if marks:
             state["marks"] = self.marks
         return state
@@ -465,7 +492,8 @@ def compute_goodput(run_dir: Path) -> dict[str, Any]:
         attempts.append({"attempt": state["attempt"], "start": state["start"],
                          "end": state["end"], "exit_code": state.get("exit_code"),
                          "resumed_from_step": state.get("resumed_from_step"),
-                         "last_step": state.get("last_step", 0)})
+                         "last_step": state.get("last_step", 0),
+                         "startup_parts": state.get("startup_parts", {})})
     wall = sum(parts.values())
     return {"version": VERSION, "wall_s": wall, "parts": parts,
             "goodput": parts["productive"] / wall if wall > 0 else 0.0,

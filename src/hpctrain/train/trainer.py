@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,7 @@ from hpctrain.pretrained.weights import load_pretrained, starts_from_pretrained
 from hpctrain.runtime.dist import MESH_AXES, Distributed
 from hpctrain.runtime.watchdog import Watchdog
 from hpctrain.train import checkpointing
+from hpctrain.train.compile_cache import CompileCache
 from hpctrain.train.guard import BadStepGuard
 from hpctrain.train.loss import build_loss_fn
 from hpctrain.train.optim import build_optimizer, build_scheduler
@@ -325,6 +326,11 @@ class Trainer:
         last_loss = float("nan")
         last_mfu = None
         show = progress and self.cfg.metrics.progress and self.dist.rank == 0
+        cache = self._compile_cache()
+        if cache is not None:
+            cache.load()  # before the first step compiles
+            self.goodput.startup_part("compile_cache")
+        first = self.step + 1
         self.goodput.started(self.step if self.last_checkpoint else None)
         with TrainProgress(tc.steps, self.dist.env, enabled=show, plain_every=1) as bar:
             bar.update(self.step, None, None, None)
@@ -348,6 +354,8 @@ class Trainer:
                 self.step += 1
                 self.observe.step_end(self.step)
                 self.goodput.step_done(self.step, writing=self.ckpt.in_flight)
+                if cache is not None and self.step == first:
+                    cache.save()  # what the first step compiled, for the next attempt
                 window.add(loss, norm)
                 if self.step % every == 0 or self.step == tc.steps:
                     record = self._log(window)
@@ -376,6 +384,18 @@ class Trainer:
             self.metrics.write({"event": "goodput", **account})
         return TrainResult(self.step, last_loss, self.throughput.tokens_per_s, last_mfu,
                            account)
+
+    def _compile_cache(self) -> CompileCache | None:
+        """This rank's compile cache in the run directory, when the model is compiled."""
+        if not self.cfg.parallel.compile:
+            return None
+        cfg = self.cfg
+        shape = {"model": asdict(cfg.model), "parallel": asdict(cfg.parallel),
+                 "precision": cfg.train.precision, "micro_batch": cfg.train.micro_batch,
+                 "grad_accum": cfg.train.grad_accum, "seq_len": cfg.data.seq_len,
+                 "loss_chunks": cfg.train.loss_chunks, "task": cfg.task,
+                 "world_size": self.dist.world_size, "device": self.device.type}
+        return CompileCache(self.metrics.run_dir.root, shape, self.dist.rank)
 
     def _hang(self, seconds: float) -> None:
         """The ``hang`` fault: sleep, unless a preemption signal arrives meanwhile.
