@@ -202,6 +202,7 @@ class SafeFileSystemReader(FileSystemReader):
         super().__init__(path)
         self._files = files
         self._metadata: Metadata | None = None
+        self._scratch: torch.Tensor | None = None
 
     # No ``**kwargs``: DCP then never falls back to per-rank ``__N.metadata`` files, which
     # hpctrain does not write and the manifest would not cover.
@@ -236,8 +237,9 @@ class SafeFileSystemReader(FileSystemReader):
         return done
 
     def _read_direct(self, f: BinaryIO, item: ReadItem, planner: LoadPlanner) -> bool:
-        """Read a whole saved tensor's bytes straight into its CPU destination; False (nothing
-        done) for anything else, which DCP's own path reads.
+        """Read a whole saved tensor's bytes straight into its destination (a contiguous CPU
+        tensor) or, for any other (a GPU tensor), into one reused host buffer and copy; False
+        (nothing done) for anything else, which DCP's own path reads.
 
         DCP's path ``torch.load``s each tensor into new memory and copies it into the
         destination: 2.7 of 3.5 s for 1 GB here. The saved tensor's layout is taken from its
@@ -248,7 +250,7 @@ class SafeFileSystemReader(FileSystemReader):
         if item.type != LoadItemType.TENSOR or any(item.storage_offsets):
             return False
         target = planner.resolve_tensor(item).detach()
-        if (target.device.type != "cpu" or not target.is_contiguous() or target.dim() == 0
+        if (target.device.type not in ("cpu", "cuda") or target.dim() == 0
                 or tuple(item.lengths) != tuple(target.shape)):
             return False
         info = self.storage_data[item.storage_index]
@@ -265,15 +267,26 @@ class SafeFileSystemReader(FileSystemReader):
                 and saved.untyped_storage().nbytes() == target.nbytes
                 and at + size <= info.length):
             return False
-        dest = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+        in_place = target.device.type == "cpu" and target.is_contiguous()
+        host = target if in_place else self._host_buffer(target)
+        dest = memoryview(host.reshape(-1).view(torch.uint8).numpy())
         done = 0
         while done < len(dest):
             n = os.preadv(f.fileno(), [dest[done:]], info.offset + at + done)
             if n <= 0:
                 raise DamagedCheckpoint(f"{f.name}: ends inside {item.storage_index.fqn}")
             done += n
+        if not in_place:
+            target.copy_(host)
         planner.commit_tensor(item, target)
         return True
+
+    def _host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A contiguous host tensor shaped like ``like``, over one buffer reused by every
+        tensor of this load (grown to the largest): no new pages per tensor."""
+        if self._scratch is None or self._scratch.numel() < like.nbytes:
+            self._scratch = torch.empty(like.nbytes, dtype=torch.uint8)
+        return self._scratch[:like.nbytes].view(like.dtype).view(like.shape)
 
     def _read(self, plan: LoadPlan, items: list[ReadItem], planner: LoadPlanner) -> None:
         super().read_data(dataclasses.replace(plan, items=items), planner).wait()
