@@ -63,3 +63,16 @@ def test_bench_disk_refuses_what_is_not_a_folder(tmp_path: Path, capsys, name: s
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_bench_checkpoint_reports_save_and_restore_beside_the_disk(tmp_path: Path) -> None:
+    """Inline writer (no process to start): the restore is checked bit-exact inside."""
+    from hpctrain.bench.checkpoint import run_checkpoint_bench
+
+    res = run_checkpoint_bench(tmp_path, 20_000, saves=1, writer="inline")
+    rows = {r["op"]: r for r in res.rows}
+    assert list(rows) == ["disk write", "disk read", "save", "restore"]
+    for op in ("save", "restore"):
+        assert rows[op]["size"] > 20_000 * 10 and rows[op]["gbps"] > 0
+        assert rows[op]["pct_of_disk"] > 0 and rows[op]["cpu_s"] >= 0
+    assert list(tmp_path.iterdir()) == []  # checkpoints and disk files removed
