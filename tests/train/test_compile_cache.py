@@ -128,3 +128,21 @@ def test_goodput_splits_the_start_up_into_its_parts(reference_run) -> None:
     assert set(parts) <= set(STARTUP_PARTS) and all(v >= 0 for v in parts.values())
     before_loop = sum(v for k, v in parts.items() if k != "first_step")
     assert before_loop <= account["parts"]["startup"] + 0.01
+
+
+def test_a_run_keys_its_cache_by_the_shape_of_what_it_compiles(tmp_path: Path) -> None:
+    from conftest import DEMO, REPO
+    from hpctrain.config import load_config
+    from hpctrain.train.compile_cache import run_compile_cache
+
+    def cache(*overrides: str, world_size: int = 1, rank: int = 0):
+        cfg = load_config(REPO / DEMO, list(overrides))
+        return run_compile_cache(cfg, tmp_path, world_size, rank, torch.device("cpu"))
+
+    assert cache("parallel.compile=false") is None
+    base = cache("parallel.compile=true")
+    assert base.key == cache("parallel.compile=true").key
+    assert base.key != cache("parallel.compile=true", "model.n_layers=3").key
+    assert base.key != cache("parallel.compile=true", "data.seq_len=64").key
+    assert base.key != cache("parallel.compile=true", world_size=2).key
+    assert cache("parallel.compile=true", rank=1).data.name.endswith("-rank00001.bin")

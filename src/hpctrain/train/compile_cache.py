@@ -28,12 +28,14 @@ import json
 import logging
 import os
 import stat
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 import xxhash
 
+from hpctrain.config import JobConfig
 from hpctrain.runtime.safe_open import UnsafeRunPath, make_dir, open_read, write_atomic
 
 log = logging.getLogger("hpctrain.compile_cache")
@@ -45,6 +47,19 @@ def shape_key(shape: dict[str, Any]) -> str:
     """A short hash of what determines the compiled graphs (a JSON-able dict)."""
     text = json.dumps(shape, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def run_compile_cache(cfg: JobConfig, run_root: Path, world_size: int, rank: int,
+                      device: torch.device) -> CompileCache | None:
+    """A rank's compile cache for a training run, or None when nothing is compiled."""
+    if not cfg.parallel.compile:
+        return None
+    shape = {"model": asdict(cfg.model), "parallel": asdict(cfg.parallel),
+             "precision": cfg.train.precision, "micro_batch": cfg.train.micro_batch,
+             "grad_accum": cfg.train.grad_accum, "seq_len": cfg.data.seq_len,
+             "loss_chunks": cfg.train.loss_chunks, "task": cfg.task, "world_size": world_size,
+             "device": device.type}
+    return CompileCache(run_root, shape, rank)
 
 
 class CompileCache:

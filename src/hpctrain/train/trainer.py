@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,7 @@ from hpctrain.pretrained.weights import load_pretrained, starts_from_pretrained
 from hpctrain.runtime.dist import MESH_AXES, Distributed
 from hpctrain.runtime.watchdog import Watchdog
 from hpctrain.train import checkpointing
-from hpctrain.train.compile_cache import CompileCache
+from hpctrain.train.compile_cache import CompileCache, run_compile_cache
 from hpctrain.train.guard import BadStepGuard
 from hpctrain.train.loss import build_loss_fn
 from hpctrain.train.optim import build_optimizer, build_scheduler
@@ -387,15 +387,8 @@ class Trainer:
 
     def _compile_cache(self) -> CompileCache | None:
         """This rank's compile cache in the run directory, when the model is compiled."""
-        if not self.cfg.parallel.compile:
-            return None
-        cfg = self.cfg
-        shape = {"model": asdict(cfg.model), "parallel": asdict(cfg.parallel),
-                 "precision": cfg.train.precision, "micro_batch": cfg.train.micro_batch,
-                 "grad_accum": cfg.train.grad_accum, "seq_len": cfg.data.seq_len,
-                 "loss_chunks": cfg.train.loss_chunks, "task": cfg.task,
-                 "world_size": self.dist.world_size, "device": self.device.type}
-        return CompileCache(self.metrics.run_dir.root, shape, self.dist.rank)
+        return run_compile_cache(self.cfg, self.metrics.run_dir.root, self.dist.world_size,
+                                 self.dist.rank, self.device)
 
     def _hang(self, seconds: float) -> None:
         """The ``hang`` fault: sleep, unless a preemption signal arrives meanwhile.
