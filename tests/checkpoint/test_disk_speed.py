@@ -6,6 +6,7 @@ rest."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,3 +141,29 @@ def test_a_saved_layout_unlike_the_destination_is_not_read_directly(saved) -> No
     archive = torch._C.PyTorchFileReader(io.BytesIO(buf.getvalue()))
     meta = layout(archive.get_record("data.pkl"))
     assert meta.device.type == "meta" and meta.shape == (4, 3) and not meta.is_contiguous()
+
+
+def test_verification_reads_the_files_in_parallel_and_names_the_first_bad(tmp_path: Path,
+                                                                          monkeypatch) -> None:
+    import threading
+
+    from hpctrain.checkpoint import manifest
+    from hpctrain.checkpoint.manifest import DamagedCheckpoint, describe, verify_files
+
+    names = ["a", "b", "c"]
+    for name in names:
+        (tmp_path / name).write_bytes(name.encode() * 1000)
+    files = {name: describe(tmp_path / name) for name in names}
+    (tmp_path / "b").write_bytes(b"B" * 1000)
+    (tmp_path / "c").write_bytes(b"C" * 1000)
+    # Every file's hash waits for the others: only reads running at once get past it.
+    together = threading.Barrier(len(names), timeout=20)
+    real = manifest.checksum
+
+    def meeting(path):
+        together.wait()
+        return real(path)
+
+    monkeypatch.setattr(manifest, "checksum", meeting)
+    with pytest.raises(DamagedCheckpoint, match=r"/b checksum .* \(corrupted\)"):
+        verify_files(tmp_path, files, names)
