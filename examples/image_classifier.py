@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpctrain.task import Task
+from hpctrain.task import Task, sample_rng
 
 CLASSES, SIZE = 10, 16
 
@@ -53,7 +53,8 @@ class ResNet(nn.Module):
 
 
 class Images(torch.utils.data.Dataset):
-    """``n`` images: the pattern of class ``i % 10`` plus noise seeded by the index."""
+    """``n`` images: the pattern of class ``i % 10`` plus noise seeded by the index, flipped at
+    random (``sample_rng()``: the same flips after a resume and on any number of ranks)."""
 
     def __init__(self, n: int, offset: int = 0) -> None:
         self.n, self.offset = n, offset
@@ -67,7 +68,10 @@ class Images(torch.utils.data.Dataset):
         i += self.offset
         label = i % CLASSES
         noise = torch.randn(3, SIZE, SIZE, generator=torch.Generator().manual_seed(i + 1))
-        return self.patterns[label] + 2 * noise, label
+        image = self.patterns[label] + 2 * noise
+        if torch.rand((), generator=sample_rng()) < 0.5:
+            image = image.flip(-1)
+        return image, label
 
 
 def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict]:

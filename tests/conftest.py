@@ -81,7 +81,8 @@ LONGEST_GROUPS = (
     "parallel/test_layouts.py",
     "train/test_resilience.py",  # ~180
     "launch/test_launcher_signals.py",  # ~130
-    "task/test_task_runs.py",  # ~110: 11 two-rank launches of the examples
+    "images/test_digits.py",  # ~30: one kill -9 chain on 2 ranks
+    "task/test_task_runs.py",  # ~65: 4 two-rank launches (a kill -9 chain per strategy) + 3 more runs
     "launch/test_rerun_resumes.py",  # ~100
     "launch/test_local_launcher.py",  # ~80
     "security/test_run_lock_cli.py",  # ~70

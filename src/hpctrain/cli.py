@@ -165,10 +165,14 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _world_size(nproc: int | None) -> int:
-    """The ranks a task file's run will have: torchrun's/srun's WORLD_SIZE, else --nproc."""
+    """The ranks a task file's run will have: torchrun's WORLD_SIZE, srun's task count, else
+    --nproc."""
     value = os.environ.get("WORLD_SIZE")
     if value is None:
-        return nproc or 1
+        from hpctrain.runtime.env import detect_env
+
+        env = detect_env()  # a task of srun (a batch script's) sets no WORLD_SIZE
+        return env.world_size if env.launcher == "slurm" else nproc or 1
     try:
         return count(1, 1 << 20)(value)
     except argparse.ArgumentTypeError as e:

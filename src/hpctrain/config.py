@@ -59,6 +59,9 @@ class JobConfig:
     # A user's own model, data and loss (hpctrain/task.py): ``my_task.py[:fn]`` or
     # ``package.module[:fn]``; unset: the built-in model of the ``model`` section.
     task: str | None = None
+    # Keyword arguments for the task's factory, e.g. a built-in task's settings
+    # (``task: hpctrain.tasks.images:classifier`` with ``task_args: {model: resnet50, ...}``).
+    task_args: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def validate(self) -> None:
         """Check each section, settle the model's vocabulary from the data (the one value a
@@ -68,6 +71,11 @@ class JobConfig:
             section = getattr(self, f.name)
             if hasattr(section, "validate"):
                 section.validate()
+        if self.task_args and not self.task:
+            raise ConfigError("task_args is set but task is not",
+                              expected="task_args only beside a task: that names its factory",
+                              hint="add e.g. task: hpctrain.tasks.images:classifier, or drop "
+                              "task_args")
         self.settle_vocab()
         args = self.model.resolve()
         self.parallel.check_precision(self.train.precision,
@@ -294,6 +302,13 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
                 if isinstance(value, bool) else None,
             )
         return value
+    if origin is dict:
+        key_tp, value_tp = get_args(tp) or (str, Any)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} = {value!r} is not a mapping",
+                              expected="a YAML mapping of name: value")
+        return {_coerce(key_tp, k, path): _coerce(value_tp, v, f"{path}.{k}")
+                for k, v in value.items()}
     if origin in (list, tuple):
         (item_tp, *_) = get_args(tp) or (Any,)
         if not isinstance(value, (list, tuple)):

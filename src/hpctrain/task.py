@@ -20,27 +20,40 @@ or a config names it (``task: my_task.py:task``, ``task: mypkg.tasks:make``), or
 it to :func:`hpctrain.fit`. Everything else (DDP/FSDP, mixed precision, checkpoints with exact
 resume, preemption, the guard, metrics, goodput, reports) is the run's config, as for the
 built-in model. Errors in the user's code name the user's file and line (:class:`TaskError`).
+
+Random augmentation in a dataset draws from :func:`sample_rng` (``torch.rand(...,
+generator=sample_rng())``): a generator seeded from ``run.seed``, the epoch and the sample's
+index, so a sample reads the same on any number of ranks and after a resume. Samples are read by a
+background thread beside training, so torch's global generator would give other numbers on every
+run (and disturb the training step's own draws, such as dropout).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import importlib.util
 import inspect
 import logging
 import sys
 import sysconfig
+import threading
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed import DistBackendError
 
 from hpctrain.errors import ConfigError, HpctrainError
+
+if TYPE_CHECKING:
+    from hpctrain.config import JobConfig
 
 log = logging.getLogger("hpctrain.task")
 
@@ -62,7 +75,9 @@ class Task:
     deterministic global order, equal counts per rank, exact resume), or an iterable of samples
     (every rank reads it and takes every world-size-th sample; exact resume only if it has
     ``state_dict()``/``load_state_dict()`` with JSON-able state). Samples are batched by
-    ``collate`` (PyTorch's ``default_collate`` unless given).
+    ``collate`` (PyTorch's ``default_collate`` unless given); random augmentation draws from
+    :func:`sample_rng`. Buffers the forward updates (BatchNorm's statistics) are rank 0's on
+    every rank after each step.
 
     ``loss(model(inputs), targets)`` trains on batches of ``(inputs, targets)``; ``step(model,
     batch)`` is for anything else: it returns the loss (a scalar tensor, the mean over its
@@ -80,6 +95,7 @@ class Task:
     step: Callable[[nn.Module, Any], StepResult] | None = None
     eval_data: Any = None
     collate: Callable[[list[Any]], Any] | None = None
+    eval_collate: Callable[[list[Any]], Any] | None = None
     flops_per_sample: float | None = None
     tokens_per_sample: int = 1
     shard_units: Callable[[nn.Module], Iterable[nn.Module]] | None = None
@@ -217,17 +233,62 @@ def _where(fn: Callable) -> str:
     return f"{getattr(fn, '__qualname__', repr(fn))} ({file}:{line})"
 
 
-def file_overrides(path: Path, world_size: int, overrides: list[str]) -> list[str]:
-    """The overrides that train task file ``path``: the task, a run named after the file, DDP
-    on several ranks; the user's own ``overrides`` come last and win."""
-    defaults = [f"task={path}", f"run.name={path.stem}"]
+# The generator of the sample this thread is reading (set by the loaders, `reading_sample`).
+_reading = threading.local()
+
+
+def sample_rng() -> torch.Generator:
+    """The random generator of the sample being read: seeded from run.seed, the epoch and the
+    sample's index (the same numbers on any rank count, thread or attempt)."""
+    generator = getattr(_reading, "generator", None)
+    if generator is None or not _reading.active:
+        raise TaskError("hpctrain.task.sample_rng() was called outside the reading of a sample",
+                        expected="a call inside the dataset's __getitem__ (or __iter__) while "
+                        "hpctrain reads it",
+                        hint="draw random augmentations there: torch.rand(..., "
+                        "generator=sample_rng())")
+    return generator
+
+
+@contextlib.contextmanager
+def reading_sample(seed: int, epoch: int, index: int) -> Iterator[None]:
+    """Within: :func:`sample_rng` on this thread is seeded for sample ``index`` of ``epoch``."""
+    generator = getattr(_reading, "generator", None)
+    if generator is None:
+        generator = _reading.generator = torch.Generator()
+    entropy = np.random.SeedSequence([seed % (1 << 64), epoch, index])
+    generator.manual_seed(int(entropy.generate_state(1, np.uint64)[0]))
+    was, _reading.active = getattr(_reading, "active", False), True
+    try:
+        yield
+    finally:
+        _reading.active = was
+
+
+def file_overrides(path: Path, world_size: int, overrides: list[str],
+                   seen_as: str | None = None) -> list[str]:
+    """The overrides that train task file ``path`` (``seen_as``: its path where the ranks run):
+    the task, a run named after the file, DDP on several ranks; the user's own ``overrides``
+    come last and win."""
+    defaults = [f"task={seen_as or path}", f"run.name={path.stem}"]
     if world_size > 1:
         defaults.append("parallel.strategy=ddp")
     return [*defaults, *overrides]
 
 
-def load_task(spec: str) -> Task:
-    """The Task that ``spec`` names: ``file.py[:fn]`` or ``package.module[:fn]``."""
+def load_run_config(config: str | Path, overrides: list[str], world_size: int) -> JobConfig:
+    """The config of a run started from ``config``: a YAML file and ``overrides``, or a task
+    file (``.py``) with :func:`file_overrides` for ``world_size`` ranks."""
+    from hpctrain.config import load_config
+
+    if Path(config).suffix == ".py":
+        return load_config(None, file_overrides(Path(config), world_size, list(overrides)))
+    return load_config(config, list(overrides))
+
+
+def load_task(spec: str, args: dict[str, Any] | None = None) -> Task:
+    """The Task that ``spec`` names: ``file.py[:fn]`` or ``package.module[:fn]``, its factory
+    called with ``args`` (the config's ``task_args``) as keyword arguments."""
     where, _, name = spec.rpartition(":") if ":" in spec else (spec, "", "")
     module = _import_file(Path(where)) if where.endswith(".py") else _import_module(where)
     _task_files.add(str(Path(module.__file__ or "").resolve()))
@@ -238,7 +299,12 @@ def load_task(spec: str) -> Task:
             f"task {spec!r}: {module.__file__} defines no {' or '.join(names)}",
             expected="a function returning hpctrain.task.Task",
             hint=f"define `def task() -> Task:` there, or name the function: {where}:my_fn")
-    task = call_user(factory, f"the task factory {spec}") if callable(factory) else factory
+    if args and not callable(factory):
+        raise ConfigError(f"task {spec!r} is a {type(factory).__name__}, but task_args are set",
+                          expected="a function to pass task_args to",
+                          hint="make it a function, or drop task_args")
+    task = (call_user(functools.partial(factory, **(args or {})), f"the task factory {spec}")
+            if callable(factory) else factory)
     if not isinstance(task, Task):
         raise TaskError(f"task {spec!r} gave a {type(task).__name__}",
                         expected="an hpctrain.task.Task",

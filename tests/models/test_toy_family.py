@@ -181,7 +181,7 @@ def test_an_unknown_family_is_refused_listing_the_registered_ones(toy: ModelFami
     from hpctrain.config import load_config
 
     with pytest.raises(ConfigError, match=r"model.family = 'nope' is not a registered model "
-                       r"family\n.*one of llama, toy"):
+                       r"family\n.*one of llama, qwen, toy"):
         load_config(DEMO, ["model.family=nope"])
 
 

@@ -224,3 +224,96 @@ def test_resume_with_another_user_model_shape_is_refused(tmp_path: Path) -> None
     _, wider = _task_state(5)
     with pytest.raises(ConfigError, match="saved for another model shape"):
         checkpointing.check_meta(wider, tmp_path, manifest, cfg)
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Each read of sample ``i``: ``i`` plus noise from hpctrain's generator for that sample."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        from hpctrain.task import sample_rng
+
+        return float(i) + torch.rand(2, generator=sample_rng())
+
+
+def _read_while_training(loader, steps: int) -> list[list[float]]:
+    """``_read``, with the training thread drawing from torch's global generator meanwhile
+    (dropout does), as the prefetch thread reads ahead."""
+    out = []
+    for _ in range(steps):
+        torch.rand(1000)
+        out += _read(loader, 1)
+    return out
+
+
+def test_random_augmentation_repeats_exactly_after_a_resume() -> None:
+    """Sample ``i`` of an epoch draws the same numbers on any rank count and after a resume
+    (the prefetch thread reads ahead of the position a checkpoint saves)."""
+    def loader(rank: int = 0, ranks: int = 1, seed: int = 7) -> SampleLoader:
+        return SampleLoader(Augmented(), BatchLayout(4 // ranks, 1, ranks, rank), seed, CPU,
+                            _collate, prefetch=2)
+
+    whole = loader()
+    expected = _read_while_training(whole, 6)  # 3 steps an epoch: 6 are two epochs
+    whole.close()
+    first = loader()
+    _read_while_training(first, 4)
+    state = first.state_dict()
+    first.close()
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert _read_while_training(resumed, 2) == expected[4:6]
+    resumed.close()
+    halves = [loader(rank, 2) for rank in range(2)]
+    by_rank = [_read(h, 6) for h in halves]
+    assert [a + b for a, b in zip(*by_rank, strict=True)] == expected
+    values = torch.tensor(expected).reshape(-1, 2)
+    assert len(set(values[:, 1].tolist())) == 24  # fresh noise per sample and epoch
+    assert _read(loader(seed=8), 1) != expected[:1]
+
+
+class GlobalNoise(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.rand(2)
+
+
+def test_a_dataset_drawing_from_the_global_generator_is_warned_about(caplog) -> None:
+    with caplog.at_level(logging.WARNING, "hpctrain.data"):
+        SampleLoader(Augmented(), BatchLayout(2, 1, 1, 0), 0, CPU, _collate, 0)
+        assert "global random generator" not in caplog.text
+        SampleLoader(GlobalNoise(), BatchLayout(2, 1, 1, 0), 0, CPU, _collate, 0)
+    assert "draws from torch's global random generator" in caplog.text
+    assert "hpctrain.task.sample_rng()" in caplog.text
+
+
+def test_sample_rng_outside_a_read_is_refused() -> None:
+    from hpctrain.task import sample_rng
+
+    with pytest.raises(TaskError, match="outside the reading of a sample"):
+        sample_rng()
+
+
+class NoisyCounter(Counter):
+    """``Counter`` with noise from hpctrain's generator for each sample."""
+
+    def __iter__(self):
+        from hpctrain.task import sample_rng
+
+        for value in super().__iter__():
+            yield value + torch.rand(1, generator=sample_rng())
+
+
+def test_a_streams_random_draws_repeat_after_a_resume() -> None:
+    whole = StreamLoader(NoisyCounter(), BatchLayout(2, 1, 1, 0), 3, CPU, _collate)
+    expected = _read(whole, 3)
+    first = StreamLoader(NoisyCounter(), BatchLayout(2, 1, 1, 0), 3, CPU, _collate)
+    _read(first, 1)
+    resumed = StreamLoader(NoisyCounter(), BatchLayout(2, 1, 1, 0), 3, CPU, _collate)
+    resumed.load_state_dict(first.state_dict())
+    assert _read(resumed, 2) == expected[1:]
+    assert len({round(v % 1, 6) for step in expected for v in step}) == 6  # fresh per sample

@@ -1,8 +1,12 @@
-"""Users' tasks trained for real: the examples on 2 DDP (or FSDP) ranks through the CLI, killed with
-kill -9 mid-run and rerun, resume bit-identically; a rank whose step raises ends the job with
-the user's file and line; ``hpctrain.fit`` from a script, on an iterable without a position.
+"""Users' tasks trained for real: every example on 2 ranks, under DDP and under FSDP2, killed with
+kill -9 mid-run and rerun, resumes bit-identically; a rank whose step raises ends the job with the
+user's file and line; ``hpctrain.fit`` from a script, on an iterable without a position.
 
-Tiny sizes (6 steps, micro-batch 4): each launch is mostly the ranks' start-up.
+The examples train together as one task (``all_examples.py``: each example's model, data and step,
+each one's loss logged), so one chain per strategy covers all of them: the killed run is the
+uninterrupted reference for the steps its rerun computes again (killed after step 5, resumed from
+step 3's checkpoint, steps 4 and 5 must come out bit-identical). Tiny sizes (6 steps,
+micro-batch 4): each launch is mostly the ranks' start-up.
 """
 
 from __future__ import annotations
@@ -15,103 +19,126 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import REPO, cli_command, cli_env
+from hpctrain.checkpoint.safe_io import SafeFileSystemReader
 from lifecycle import kill_tree_of, start
 from run_records import logged
 
-STEPS = 6
+STEPS, SAVED, KILLED_AT = 6, 3, 6  # checkpoint at step 3; held (then killed) before step 6
+TASK = "tests/task/all_examples.py"
 RUN = ["--nproc", "2", f"train.steps={STEPS}", "train.micro_batch=4", "train.precision=fp32",
        "train.deterministic=true", "metrics.log_every=1", "metrics.progress=false",
-       "run.suffix=none", "checkpoint.every=3", "optim.warmup_steps=2", "optim.lr=3e-3"]
-# (example, strategy): the MLP and the classifier under DDP, the transformer under FSDP2 (per
-# block); each case is three launches, so DDP is not repeated for the transformer.
-CASES = (("mlp_parquet", "ddp"), ("tiny_transformer", "fsdp"), ("image_classifier", "ddp"))
+       "run.suffix=none", f"checkpoint.every={SAVED}", "optim.warmup_steps=2",
+       "optim.lr=3e-3"]
+STRATEGIES = ("ddp", "fsdp")
+EXAMPLES = ("mlp_parquet", "tiny_transformer", "image_classifier")
 
 
-def _argv(case: tuple[str, str], out: Path, name: str) -> list[str]:
-    example, strategy = case
-    return ["train", f"examples/{example}.py", *RUN, f"parallel.strategy={strategy}",
-            f"run.out_dir={out}", f"run.name={name}"]
+def _argv(strategy: str, out: Path) -> list[str]:
+    return ["train", TASK, *RUN, f"parallel.strategy={strategy}", f"run.out_dir={out}",
+            f"run.name={strategy}"]
 
 
-def _name(case: tuple[str, str]) -> str:
-    return "-".join(case)
-
-
-def _env(out: Path) -> dict[str, str]:
-    return {"MLP_TABLE": str(out / "table.parquet")}
-
-
-def _run(argv: list[str], out: Path, log: Path, timeout: float = 240) -> str:
-    env = {**cli_env(), **_env(out)}
-    env.pop("HPCTRAIN_FAULTS", None)
-    done = subprocess.run(cli_command(argv), cwd=REPO, env=env, text=True, timeout=timeout,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    log.write_text(done.stdout)
-    assert done.returncode == 0, done.stdout[-3000:]
-    return done.stdout
-
-
-def _kill_and_rerun(case: tuple[str, str], out: Path) -> str:
-    """Hang before step 5 once step 3's checkpoint is committed; kill -9 it all; rerun."""
-    name = _name(case)
-    argv = _argv(case, out, f"{name}-killed")
-    run = start(argv, out / f"{name}-killed.log", out / f"{name}-killed",
-                env={**_env(out), "HPCTRAIN_FAULTS": "hang@step=5,seconds=600"})
+def _kill_and_rerun(strategy: str, out: Path) -> dict[str, object]:
+    """Hang before step 6 once step 3's checkpoint is committed; kill -9 it all; rerun.
+    Returns the metrics of both attempts, by step (each step's last record wins)."""
+    env = {"MLP_TABLE": str(out / "table.parquet")}
+    run = start(_argv(strategy, out), out / f"{strategy}-killed.log", out / strategy,
+                env={**env, "HPCTRAIN_FAULTS": f"hang@step={KILLED_AT},seconds=600"})
     try:
-        run.wait_for("step 4 and the checkpoint of step 3",
-                     lambda: run.steps() >= 4 and run.latest() == "step-00000003", timeout=200)
+        run.wait_for(f"step {KILLED_AT - 1} and the checkpoint of step {SAVED}",
+                     lambda: run.steps() >= KILLED_AT - 1
+                     and run.latest() == f"step-{SAVED:08d}", timeout=200)
     finally:
         kill_tree_of(run)
-    return _run(argv, out, out / f"{name}-rerun.log")
+    killed = {r: _by_step(out / strategy, r) for r in (0, 1)}
+    done = subprocess.run(cli_command(_argv(strategy, out)), cwd=REPO,
+                          env={**cli_env(), **env}, text=True, timeout=240,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    (out / f"{strategy}-rerun.log").write_text(done.stdout)
+    assert done.returncode == 0, done.stdout[-3000:]
+    return {"killed": killed, "rerun": {r: _by_step(out / strategy, r) for r in (0, 1)}}
+
+
+def _by_step(run_dir: Path, rank: int) -> dict[int, dict]:
+    """Rank ``rank``'s training records by step (a step logged twice: the later one)."""
+    text = (run_dir / "metrics" / f"rank-{rank:03d}.jsonl").read_text()
+    records = [json.loads(line) for line in text.splitlines()]
+    return {r["step"]: r for r in records if "loss" in r and "event" not in r}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    """Each example's uninterrupted reference and its killed-and-rerun twin (in parallel)."""
+    """Each strategy's killed run and its rerun (the two chains in parallel)."""
     out = tmp_path_factory.mktemp("tasks")
-    # The Parquet table is written once here rather than raced for by six ranks.
+    # The Parquet table is written once here rather than raced for by four ranks.
     subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'examples'); "
                     f"import mlp_parquet, pathlib; mlp_parquet.write_table(pathlib.Path("
                     f"{str(out / 'table.parquet')!r}))"], cwd=REPO, check=True)
     with ThreadPoolExecutor(2) as pool:
-        futures = {}
-        for case in CASES:
-            name = _name(case)
-            futures[f"{name}-ref"] = pool.submit(
-                _run, _argv(case, out, f"{name}-ref"), out, out / f"{name}-ref.log")
-            futures[f"{name}-rerun"] = pool.submit(_kill_and_rerun, case, out)
-        return {"out": out, **{k: f.result() for k, f in futures.items()}}
+        chains = {s: pool.submit(_kill_and_rerun, s, out) for s in STRATEGIES}
+        return {"out": out, **{s: f.result() for s, f in chains.items()}}
 
 
-@pytest.mark.parametrize("case", CASES, ids=_name)
-def test_example_resumes_bit_identically_after_kill_9(runs, case: tuple[str, str]) -> None:
-    out, example = runs["out"], _name(case)
-    ref = logged(out, f"{example}-ref")
-    assert sorted(ref) == list(range(1, STEPS + 1))
-    # The rerun resumed from step 3 and wrote steps 4-6 again after the killed run's 1-4.
-    assert "resumed from step-00000003" in (out / f"{example}-killed" / "logs" /
-                                            "rank-000.log").read_text(errors="replace")
-    after = logged(out, f"{example}-killed")  # the last record of each step wins
-    assert sorted(after) == list(range(1, STEPS + 1))
-    for step in range(1, STEPS + 1):
-        assert after[step] == ref[step], (step, after[step], ref[step])
-    info = json.loads((out / f"{example}-killed" / "exit_info.json").read_text())
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_examples_resume_bit_identically_after_kill_9(runs, strategy: str) -> None:
+    out, chain = runs["out"], runs[strategy]
+    killed, rerun = chain["killed"][0], chain["rerun"][0]
+    assert sorted(killed) == list(range(1, KILLED_AT))
+    assert sorted(rerun) == list(range(1, STEPS + 1))
+    assert f"resumed from step-{SAVED:08d}" in (out / strategy / "logs" / "rank-000.log"
+                                                 ).read_text(errors="replace")
+    # Steps 4 and 5, trained again from step 3's checkpoint: the same losses, bit for bit, of
+    # every example (and the global loss), as the uninterrupted first attempt's.
+    again = range(SAVED + 1, KILLED_AT)
+    for step in again:
+        for key in ("loss", *(f"{name}_loss" for name in EXAMPLES)):
+            assert rerun[step][key] == killed[step][key], (strategy, step, key)
+    info = json.loads((out / strategy / "exit_info.json").read_text())
     assert info["exit_code"] == 0 and info["last_checkpoint"] == f"step-{STEPS:08d}"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load, one process
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_batchnorm_statistics_agree_across_ranks_and_checkpoints(runs, strategy: str) -> None:
+    """Each rank normalises its own samples, so its running statistics would drift from the
+    others'; rank 0's are every rank's after each step, and the checkpoint holds them."""
+    import torch.distributed.checkpoint as dcp
+
+    out, chain = runs["out"], runs[strategy]
+    for attempt in ("killed", "rerun"):
+        ranks = chain[attempt]
+        both = sorted(ranks[0].keys() & ranks[1].keys())  # rank 1 may not have logged step 5
+        assert len(both) >= KILLED_AT - 2, (attempt, both)
+        for step in both:
+            assert ranks[0][step]["bn_stats"] == ranks[1][step]["bn_stats"], (attempt, step)
+    stats = [chain["rerun"][0][s]["bn_stats"] for s in sorted(chain["rerun"][0])]
+    assert len(set(stats)) == len(stats)  # they move every step
+    # Step 3's checkpoint holds what every rank held at the start of step 4.
+    sys.path.insert(0, str(Path(__file__).parent))
+    from all_examples import EXAMPLES as modules
+
+    model = modules["image_classifier"].ResNet()
+    saved = {"model": {f"parts.image_classifier.{k}": v for k, v in model.state_dict().items()
+                       if "running" in k}}
+    dcp.load(saved, storage_reader=SafeFileSystemReader(
+        out / strategy / "checkpoints" / f"step-{SAVED:08d}"), no_dist=True)
+    total = sum(v.double().sum() for v in saved["model"].values())
+    assert float(torch.as_tensor(total).float()) == chain["killed"][0][SAVED + 1]["bn_stats"]
 
 
 def test_metrics_report_samples_and_task_metrics(runs) -> None:
     out = runs["out"]
-    records = [r for r in _records(out / "tiny_transformer-fsdp-ref") if "loss" in r]
-    last = records[-1]
+    last = runs["fsdp"]["rerun"][0][STEPS]
     assert last["samples_per_s"] > 0
     assert last["tokens_per_s"] == pytest.approx(last["samples_per_s"] * 64)
-    assert 0 <= last["accuracy"] <= 1  # the step's own metric, over the window
-    val = [r for r in _records(out / "tiny_transformer-fsdp-ref") if "val_loss" in r]
-    assert val and val[-1]["val_samples"] == 256 and "val_accuracy" in val[-1]
-    layout = next(r for r in _records(out / "image_classifier-ddp-ref")
-                  if r.get("event") == "layout")
+    assert 0 <= last["tiny_transformer_accuracy"] <= 1  # the step's own metric
+    records = _records(out / "fsdp")
+    val = [r for r in records if "val_loss" in r]
+    assert val and val[-1]["val_samples"] == 256 and "val_image_classifier_top1" in val[-1]
+    layout = next(r for r in records if r.get("event") == "layout")
     assert layout["flops_per_sample"] > 0  # counted by PyTorch's flop counter
 
 

@@ -11,15 +11,13 @@ token ``j + 1`` is 1.
 
 from __future__ import annotations
 
-import queue
-import threading
-
 import numpy as np
 import torch
 
 from hpctrain.data.config import DataConfig
 from hpctrain.data.mixing import MixedTokens
 from hpctrain.data.order import BatchLayout, GlobalOrderSampler
+from hpctrain.data.prefetch import Prefetcher
 from hpctrain.data.shard_dataset import ShardTokens, Split, check_split_size
 from hpctrain.data.shards import check_token_ids, load_manifest
 from hpctrain.data.stdlib_corpus import read_stdlib_bytes
@@ -97,7 +95,7 @@ def _shards(cfg: DataConfig, path: str, split: Split, vocab_size: int | None) ->
                        window_shards=cfg.shuffle_window, vocab_size=vocab_size)
 
 
-class TokenLoader:
+class TokenLoader(Prefetcher):
     """Iterates (inputs, targets) micro-batches on ``device``, prefetched by a daemon thread.
 
     Batches are assembled in pinned host memory and copied with ``non_blocking`` so the copy
@@ -106,17 +104,10 @@ class TokenLoader:
 
     def __init__(self, dataset: TokenDataset, sampler: GlobalOrderSampler, device: torch.device,
                  prefetch: int = 2):
+        super().__init__(sampler, prefetch)
         self.dataset = dataset
-        self.sampler = sampler
         self.device = device
-        self.prefetch = prefetch
         self._pin = device.type == "cuda"
-        self._queue: queue.Queue | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        # Steps handed to training; the sampler runs ahead of this by the prefetch depth.
-        self.consumed = sampler.step
         self.last_valid_samples = sampler.layout.global_batch
         # Targets that count in the step's whole global batch (all ranks): the denominator of
         # an exact per-token mean. Padding rows and, for loss-masked data, prompt tokens don't.
@@ -141,32 +132,13 @@ class TokenLoader:
                          ignored_targets(self.dataset, ix, mask)))
         return rows, valid, counted_targets(self.dataset, self.sampler.last_batch)
 
-    def _worker(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._queue.put(self._host_step())
-        except BaseException as e:  # surfaced to the training thread at its next fetch
-            self._queue.put(e)
-
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The ``grad_accum`` micro-batches of the next optimizer step, on the device.
 
         Targets of padding rows are ``IGNORE_INDEX``; ``last_valid_samples`` then tells how
         many samples of the step's global batch are real.
         """
-        if self.prefetch == 0:
-            host = self._host_step()
-        else:
-            if self._thread is None:
-                self._queue = queue.Queue(maxsize=self.prefetch)
-                self._thread = threading.Thread(target=self._worker, daemon=True,
-                                                name="hpctrain-prefetch")
-                self._thread.start()
-            host = self._queue.get() if self._error is None else self._error
-            if isinstance(host, BaseException):
-                # The worker has stopped: keep failing instead of waiting on an empty queue.
-                self._error = host
-                raise host
+        host = self._fetch()
         rows, self.last_valid_samples, self.last_target_tokens = host
         out = []
         for t, ignored in rows:
@@ -175,26 +147,7 @@ class TokenLoader:
             if ignored is not None:  # padding rows, prompt tokens: no such target counts
                 targets = targets.masked_fill(ignored.to(self.device), IGNORE_INDEX)
             out.append((t[:, :-1], targets))
-        self.consumed += 1
         return out
-
-    def state_dict(self) -> dict[str, int]:
-        """The position training has reached (not the prefetcher's)."""
-        return {**self.sampler.state_dict(), "step": self.consumed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume after ``state['step']`` global batches; call before the first fetch."""
-        if self._thread is not None:
-            raise RuntimeError("load_state_dict must come before the first batch is fetched")
-        self.sampler.load_state_dict(state)
-        self.consumed = self.sampler.step
-
-    def close(self) -> None:
-        """Stop the prefetch thread."""
-        self._stop.set()
-        if self._queue is not None:
-            while not self._queue.empty():  # unblock a worker waiting on a full queue
-                self._queue.get_nowait()
 
 
 def counted_targets(dataset: TokenDataset, real_indices: np.ndarray) -> int:

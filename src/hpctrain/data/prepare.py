@@ -473,9 +473,10 @@ class _map:
 class _Progress:
     """A rich progress bar over input bytes (only on a terminal, only when asked)."""
 
-    def __init__(self, enabled: bool, total: int):
+    def __init__(self, enabled: bool, total: int, label: str = "prepare"):
         self.enabled = enabled and sys.stderr.isatty()
         self.total = total
+        self.label = label
 
     def __enter__(self):
         if self.enabled:
@@ -487,10 +488,10 @@ class _Progress:
                 TransferSpeedColumn,
             )
 
-            self._p = Progress("[bold]prepare", BarColumn(), DownloadColumn(),
+            self._p = Progress(f"[bold]{self.label}", BarColumn(), DownloadColumn(),
                                TransferSpeedColumn(), TimeRemainingColumn(), transient=True)
             self._p.__enter__()
-            self._task = self._p.add_task("prepare", total=self.total)
+            self._task = self._p.add_task(self.label, total=self.total)
         return self
 
     def advance(self, n: int) -> None:

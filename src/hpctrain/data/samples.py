@@ -8,23 +8,28 @@ batches consumed, so a resume continues exactly where the checkpoint was.
 An iterable is read whole by every rank, each keeping its own slots of every global batch. It
 resumes exactly only if it can report and restore its position (``state_dict()`` /
 ``load_state_dict()``); otherwise hpctrain says so once and a resume reads it from its start.
+
+Each sample is read inside `hpctrain.task.reading_sample`, so a dataset's random augmentation can
+draw from ``hpctrain.task.sample_rng()``: seeded from (seed, epoch, sample index), the same numbers
+on any number of ranks and after a resume, although a thread reads ahead of training. A dataset
+that draws from a global generator instead is warned about once, at the start.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
-from collections.abc import Callable
-from itertools import islice
+import random
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import default_collate
 
 from hpctrain.data.order import BatchLayout, GlobalOrderSampler
+from hpctrain.data.prefetch import Prefetcher
 from hpctrain.errors import ConfigError, DataError
-from hpctrain.task import call_user
+from hpctrain.task import call_user, reading_sample
 
 log = logging.getLogger("hpctrain.data")
 
@@ -68,8 +73,12 @@ def to_device(batch: Any, device: torch.device, pin: bool = False) -> Any:
     return batch
 
 
-class SampleLoader:
-    """A map-style dataset's micro-batches in the global order, prefetched by a daemon thread."""
+class SampleLoader(Prefetcher):
+    """A map-style dataset's micro-batches in the global order, prefetched by a daemon thread.
+
+    Sample ``i`` read in epoch ``e`` draws from ``sample_rng()`` seeded by (seed, e, i)."""
+
+    thread_name = "hpctrain-samples"
 
     def __init__(self, dataset: Any, layout: BatchLayout, seed: int, device: torch.device,
                  collate: Callable, prefetch: int = 2):
@@ -80,70 +89,62 @@ class SampleLoader:
                 f"({layout.global_batch} = micro_batch {layout.micro_batch} x grad_accum "
                 f"{layout.grad_accum} x {layout.world_size} ranks)",
                 hint="lower train.micro_batch or train.grad_accum, or give more samples")
+        super().__init__(GlobalOrderSampler(n, layout, seed), prefetch)
         self.dataset = dataset
-        self.sampler = GlobalOrderSampler(n, layout, seed)
+        self.seed = seed
         self.device = device
         self.collate = collate
-        self.prefetch = prefetch
         self._pin = device.type == "cuda"
-        self._queue: queue.Queue | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self.consumed = 0  # global batches handed to training (the prefetcher runs ahead)
+        warn_if_global_rng(lambda: self._read(range(1), epoch=0))
 
-    def _read(self, indices) -> Any:
-        return self.collate([self.dataset[int(i)] for i in indices])
+    def _read(self, indices, epoch: int) -> Any:
+        items = []
+        for i in indices:
+            with reading_sample(self.seed, epoch, int(i)):
+                items.append(self.dataset[int(i)])
+        return self.collate(items)
 
     def _host_step(self) -> list[Any]:
-        return [to_device(call_user(self._read, "reading the dataset", ix), self.device,
+        epoch = self.sampler.step // self.sampler.steps_per_epoch
+        return [to_device(call_user(self._read, "reading the dataset", ix, epoch), self.device,
                           self._pin) for ix in self.sampler.next_step()]
 
     def peek(self, n: int) -> Any:
         """The first ``n`` samples as one batch on the device; the position does not move."""
-        return to_device(call_user(self._read, "reading the dataset", range(n)), self.device)
-
-    def _worker(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._queue.put(self._host_step())
-        except BaseException as e:  # surfaced to the training thread at its next fetch
-            self._queue.put(e)
+        return to_device(call_user(self._read, "reading the dataset", range(n), 0), self.device)
 
     def next_step(self) -> list[Any]:
         """The ``grad_accum`` micro-batches of this rank's next optimizer step, on the device."""
-        if self.prefetch == 0:
-            host = self._host_step()
-        else:
-            if self._thread is None:
-                self._queue = queue.Queue(maxsize=self.prefetch)
-                self._thread = threading.Thread(target=self._worker, daemon=True,
-                                                name="hpctrain-samples")
-                self._thread.start()
-            host = self._queue.get() if self._error is None else self._error
-            if isinstance(host, BaseException):
-                self._error = host  # the worker has stopped: keep failing, never wait
-                raise host
-        self.consumed += 1
-        return [to_device(b, self.device) for b in host]
+        return [to_device(b, self.device) for b in self._fetch()]
 
-    def state_dict(self) -> dict[str, int]:
-        """The position training has reached (not the prefetcher's)."""
-        return {**self.sampler.state_dict(), "step": self.consumed}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume after ``state['step']`` global batches; call before the first fetch."""
-        if self._thread is not None:
-            raise RuntimeError("load_state_dict must come before the first batch is fetched")
-        self.sampler.load_state_dict(state)
-        self.consumed = self.sampler.step
+def warn_if_global_rng(read: Callable[[], Any]) -> None:
+    """Read a sample here, before any thread starts, and say once if the dataset draws from a
+    global random generator (torch's, NumPy's, Python's): a background thread reads it beside
+    training, so its numbers would differ on every run and after a resume."""
+    torch_state, numpy_state, python_state = (torch.random.get_rng_state(),
+                                              np.random.get_state(), random.getstate())
+    try:
+        call_user(read, "reading the dataset")
+        used = [name for name, same in (
+            ("torch's", torch.equal(torch.random.get_rng_state(), torch_state)),
+            ("NumPy's", np.array_equal(np.random.get_state()[1], numpy_state[1])),
+            ("Python's", random.getstate() == python_state)) if not same]
+    finally:  # this read leaves no trace in the run's own draws
+        torch.random.set_rng_state(torch_state)
+        np.random.set_state(numpy_state)
+        random.setstate(python_state)
+    if used:
+        log.warning("data: Task.data's __getitem__ draws from %s global random generator, "
+                    "which hpctrain cannot seed per sample: its random augmentations will differ "
+                    "on every run and after a resume. HINT: draw from "
+                    "hpctrain.task.sample_rng() instead (torch.rand(..., "
+                    "generator=sample_rng()), or "
+                    "numpy.random.default_rng(sample_rng().initial_seed()))",
+                    " and ".join(used))
 
-    def close(self) -> None:
-        """Stop the prefetch thread."""
-        self._stop.set()
-        if self._queue is not None:
-            while not self._queue.empty():  # unblock a worker waiting on a full queue
-                self._queue.get_nowait()
+
+_END = object()  # what next() gives at the end of a pass
 
 
 class StreamLoader:
@@ -171,21 +172,35 @@ class StreamLoader:
     def _take(self, n: int) -> list[Any]:
         if self._it is None:
             self._it = call_user(iter, "the dataset's __iter__", self.dataset)
-        items = call_user(lambda: list(islice(self._it, n)), "reading the dataset")
+        first = self.consumed * self.layout.global_batch
+        items = call_user(self._read, "reading the dataset", self._it, n, first)
         if len(items) < n:  # the end of a pass: every rank starts the next one together
             self._it = call_user(iter, "the dataset's __iter__", self.dataset)
-            items = call_user(lambda: list(islice(self._it, n)), "reading the dataset")
+            items = call_user(self._read, "reading the dataset", self._it, n, first)
             if len(items) < n:
                 raise DataError(f"the iterable dataset gave {len(items)} samples in a pass, "
                                 f"fewer than one global batch ({n})",
                                 hint="lower train.micro_batch, or give more samples")
         return items
 
+    def _read(self, it: Iterator, n: int, first: int) -> list[Any]:
+        """Up to ``n`` samples of ``it``; the k-th draws from ``sample_rng()`` seeded by
+        (seed, 0, ``first + k``: its place in what the run has read)."""
+        items = []
+        for k in range(n):
+            with reading_sample(self.seed, 0, first + k):
+                item = next(it, _END)
+            if item is _END:
+                break
+            items.append(item)
+        return items
+
     def peek(self, n: int) -> Any:
         """The stream's first ``n`` samples as one batch on the device; the position does not
         move (a new iterator, or the saved position put back)."""
         state = self.dataset.state_dict() if self.exact else None
-        items = call_user(lambda: list(islice(iter(self.dataset), n)), "reading the dataset")
+        it = call_user(iter, "the dataset's __iter__", self.dataset)
+        items = call_user(self._read, "reading the dataset", it, n, 0)
         if state is not None:
             call_user(self.dataset.load_state_dict, "the dataset's load_state_dict", state)
         return to_device(call_user(self.collate, "collating samples", items), self.device)

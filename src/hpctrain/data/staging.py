@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -31,6 +32,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from hpctrain.data.shards import MANIFEST, atomic_write, load_manifest
+from hpctrain.data.tar_samples import TAR_FORMAT, load_tar_manifest, verify_tar
 from hpctrain.errors import DataError, HpctrainError
 from hpctrain.runtime.rundir import fsync_dir
 
@@ -71,9 +73,28 @@ def _expand(stage_to: str) -> Path | None:
     return Path(expanded)
 
 
+def _is_tar(manifest_dir: Path) -> bool:
+    """Whether ``manifest_dir`` holds tar shards (`data pack`, `data pack-images`), not tokens."""
+    try:
+        return json.loads((manifest_dir / MANIFEST).read_text()).get("format") == TAR_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False  # load_manifest reports what is wrong with it
+
+
 def _dataset_files(manifest_dir: Path) -> list[str]:
+    if _is_tar(manifest_dir):
+        return [s[kind] for s in load_tar_manifest(manifest_dir)["shards"]
+                for kind in ("tar", "idx")]
     m = load_manifest(manifest_dir)
     return [s[kind] for s in m.shards for kind in ("bin", "idx", "mask") if kind in s]
+
+
+def _verify(manifest_dir: Path) -> None:
+    """Every file of a prepared or packed directory against its manifest's checksums."""
+    if _is_tar(manifest_dir):
+        verify_tar(manifest_dir)
+    else:
+        load_manifest(manifest_dir).verify()
 
 
 def _bytes_needed(manifest_dir: Path, files: list[str]) -> int:
@@ -90,7 +111,7 @@ def _copy_verified(src: Path, base: Path, key: str, files: list[str]) -> Path:
         for name in files:
             shutil.copyfile(src / name, tmp / name)
         shutil.copyfile(src / MANIFEST, tmp / MANIFEST)
-        load_manifest(tmp).verify()
+        _verify(tmp)
         for name in (*files, MANIFEST):  # durable before it becomes visible
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
@@ -110,7 +131,7 @@ def _lead(src: Path, base: Path, key: str) -> tuple[Path, bool]:
         try:
             if final.is_dir():
                 try:
-                    load_manifest(final).verify()
+                    _verify(final)
                     return final, False
                 except HpctrainError as e:
                     log.warning("staged copy %s is damaged (%s); staging it again", final, e.what)

@@ -67,7 +67,8 @@ def _group(src: Path, exclude: Path, follow_symlinks: bool) -> dict[str, dict[st
     return samples
 
 
-def _member(name: str, size: int) -> tarfile.TarInfo:
+def tar_member(name: str, size: int) -> tarfile.TarInfo:
+    """A tar header with fixed metadata (mtime 0, uid 0, mode 0644): byte-identical shards."""
     info = tarfile.TarInfo(name)
     info.size, info.mtime, info.mode = size, 0, 0o644
     info.uid = info.gid = 0
@@ -87,7 +88,13 @@ def _write_tar(out: Path, index: int, batch: list[tuple[str, dict[str, InputFile
                 except OSError as e:
                     raise DataError(f"cannot read input {str(fields[ext].path)!r}: "
                                     f"{e.strerror}") from None
-                tar.addfile(_member(f"{key}.{ext}", len(data)), io.BytesIO(data))
+                tar.addfile(tar_member(f"{key}.{ext}", len(data)), io.BytesIO(data))
+    return finish_tar(out, stem, [k for k, _ in batch])
+
+
+def finish_tar(out: Path, stem: str, keys: list[str]) -> dict:
+    """Commit ``out/<stem>.tar.tmp`` as ``<stem>.tar`` and write its index; its manifest entry."""
+    tmp = out / f"{stem}.tar.tmp"
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, out / f"{stem}.tar")
@@ -97,10 +104,9 @@ def _write_tar(out: Path, index: int, batch: list[tuple[str, dict[str, InputFile
         for info in tar:
             key, ext = _KEY_EXT.match(info.name).groups()
             members.setdefault(key, []).append([ext, info.offset_data, info.size])
-    keys = [k for k, _ in batch]
     atomic_write_json(out / f"{stem}.idx.json",
                       {"keys": keys, "members": [members[k] for k in keys]})
-    return {"tar": f"{stem}.tar", "idx": f"{stem}.idx.json", "samples": len(batch),
+    return {"tar": f"{stem}.tar", "idx": f"{stem}.idx.json", "samples": len(keys),
             "bytes": (out / f"{stem}.tar").stat().st_size,
             "checksum": file_checksum(out / f"{stem}.tar"),
             "idx_checksum": file_checksum(out / f"{stem}.idx.json")}

@@ -8,7 +8,9 @@
 
 What comes out (one YAML stream):
 
-- a ConfigMap with the config and its overrides, mounted at /etc/hpctrain/config.yaml;
+- a ConfigMap with the config and its overrides, mounted at /etc/hpctrain/config.yaml; for a
+  task file (``hpctrain k8s my_task.py``) the file too, as /etc/hpctrain/task.py, which the
+  config names (modules it imports must be in the image);
 - ``indexed`` (default): a headless Service and an Indexed Job of ``--nodes`` pods; pod ``i``
   is ``<name>-<i>.<name>``, and pod 0 hosts torchrun's c10d rendezvous;
 - ``jobset``: a JobSet of one replicated Job (pods ``<name>-node-0-<i>.<name>``; JobSet makes
@@ -45,6 +47,8 @@ from hpctrain.errors import ConfigError
 from hpctrain.runtime.exit_codes import PREEMPTED
 
 CONFIG_DIR = "/etc/hpctrain"
+# A task file's name in the ConfigMap (and in CONFIG_DIR of the pods).
+TASK_FILE = "task.py"
 CONTAINER = "trainer"
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
@@ -72,6 +76,8 @@ class K8sJob:
     python: str = "python3"
     config_dir: str = CONFIG_DIR
     labels: dict[str, str] = field(default_factory=dict)
+    # A task file's text: in the ConfigMap beside the config, as TASK_FILE.
+    task_py: str | None = None
 
     @property
     def procs_per_node(self) -> int:
@@ -220,7 +226,8 @@ def manifests(job: K8sJob, variant: Variant = "indexed") -> list[dict[str, Any]]
     """The objects to apply: ConfigMap, then Service + Job, or a JobSet."""
     job.validate(variant)
     config = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, f"{job.name}-config"),
-              "data": {"config.yaml": job.config_yaml}}
+              "data": {"config.yaml": job.config_yaml,
+                       **({TASK_FILE: job.task_py} if job.task_py is not None else {})}}
     if variant == "jobset":
         return [config, {
             "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
@@ -259,11 +266,12 @@ def render(objects: list[dict[str, Any]]) -> str:
     return yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, width=100)
 
 
-def config_text(config: Path, overrides: list[str]) -> str:
-    """The config file (already loaded once) with the overrides applied, for the ConfigMap."""
+def config_text(config: Path | None, overrides: list[str]) -> str:
+    """The config file (already loaded once; None: the defaults) with the overrides applied,
+    for the ConfigMap."""
     from hpctrain.config import apply_override
 
-    raw = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
+    raw = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}) if config else {}
     for item in overrides:
         apply_override(raw, item)
     return yaml.safe_dump(raw, sort_keys=False)
@@ -281,7 +289,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "a ConfigMap with the config, and an Indexed Job with a headless Service "
                        "(or a JobSet), one pod per node running torchrun. An evicted pod "
                        "checkpoints, exits 75 and is replaced without counting as a failure.")
-    k.add_argument("config", type=Path, help="YAML config (its paths as the pods see them)")
+    k.add_argument("config", type=Path, help="YAML config (its paths as the pods see them), "
+                   "or a task file (.py, carried in the ConfigMap)")
     k.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     k.add_argument("--image", required=True, help="an image with hpctrain (containers/)")
     k.add_argument("--runs-pvc", required=True, metavar="CLAIM",
@@ -311,26 +320,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """``hpctrain k8s``."""
-    from hpctrain.config import load_config
     from hpctrain.launch.output import write_output
     from hpctrain.launch.sbatch import check_placement
+    from hpctrain.task import file_overrides, load_run_config
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError:
-        # data.path names a folder inside the pods: check everything else here.
-        cfg = load_config(args.config, [*args.overrides, "data.source=stdlib",
-                                        "data.path=null", "data.mix=null"])
-        print("hpctrain: data paths are checked in the pods (they name the pods' folders)",
-              file=sys.stderr)
+    task_py = None
+    if args.config.suffix == ".py":
+        world = args.nodes * (args.gpus_per_node or 1)
+        cfg = load_run_config(args.config, args.overrides, world)
+        task_py = args.config.read_text(encoding="utf-8")
+        config_yaml = config_text(None, file_overrides(
+            args.config, world, args.overrides, seen_as=f"{CONFIG_DIR}/{TASK_FILE}"))
+        print(f"hpctrain: {args.config} goes into the ConfigMap alone: modules it imports "
+              "must be in the image", file=sys.stderr)
+    else:
+        cfg = _checked_config(args)
+        config_yaml = config_text(args.config, args.overrides)
     check_placement(cfg, args.nodes, args.gpus_per_node or 1)
     job = K8sJob(name=args.name or default_name(cfg.run.name), image=args.image,
-                 runs_pvc=args.runs_pvc, config_yaml=config_text(args.config, args.overrides),
+                 runs_pvc=args.runs_pvc, config_yaml=config_yaml,
                  nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                  cpus_per_node=args.cpus_per_node, memory=args.memory,
                  namespace=args.namespace, data_pvc=args.data_pvc, mount_dir=args.mount_dir,
                  grace_s=args.grace_s or int(cfg.preempt.grace_s) + 60,
-                 max_restarts=args.max_restarts, python=args.python)
+                 max_restarts=args.max_restarts, python=args.python, task_py=task_py)
     text = render(manifests(job, args.variant))
     if args.output is None:
         print(text, end="")
@@ -338,3 +351,18 @@ def run(args: argparse.Namespace) -> None:
         write_output(args.output, text)
         print(f"wrote {args.output}: kubectl apply -f {args.output}; the run is "
               f"{job.run_dir} on volume {job.runs_pvc}", file=sys.stderr)
+
+
+def _checked_config(args: argparse.Namespace):
+    """The config, checked here but for its data paths (they name the pods' folders)."""
+    from hpctrain.config import load_config
+
+    try:
+        return load_config(args.config, args.overrides)
+    except ConfigError:
+        # data.path names a folder inside the pods: check everything else here.
+        cfg = load_config(args.config, [*args.overrides, "data.source=stdlib",
+                                        "data.path=null", "data.mix=null"])
+        print("hpctrain: data paths are checked in the pods (they name the pods' folders)",
+              file=sys.stderr)
+    return cfg

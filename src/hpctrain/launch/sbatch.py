@@ -162,6 +162,11 @@ class SbatchParams:
 
 def check_placement(cfg: JobConfig, nodes: int, tasks_per_node: int) -> None:
     """Refuse a layout training would refuse, or one whose TP groups straddle two nodes."""
+    if cfg.task:  # a task's layout is data parallelism only; its model is not the config's
+        from hpctrain.train.task_trainer import check_task_config
+
+        check_task_config(cfg, nodes * tasks_per_node)
+        return
     check_layout(cfg, nodes * tasks_per_node)
     tp = cfg.parallel.tp
     if nodes > 1 and tasks_per_node % tp:
@@ -331,7 +336,8 @@ def _quote(argv: list[str]) -> str:
 
 def add_job_options(p: argparse.ArgumentParser) -> None:
     """The config, its overrides and the job's shape and manners, as options of `p`."""
-    p.add_argument("config", type=Path, help="YAML config, e.g. configs/demo.yaml")
+    p.add_argument("config", type=Path, help="YAML config, e.g. configs/demo.yaml, or a task "
+                   "file defining task() (hpctrain.task)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     for flag, kind, default, text in (
             ("--nodes", int, 1, "nodes of the job (sbatch --nodes)"),
@@ -374,9 +380,10 @@ def add_job_options(p: argparse.ArgumentParser) -> None:
 
 def params_from_args(args: argparse.Namespace) -> tuple[SbatchParams, JobConfig]:
     """Check the config and the layout on this shape; the script's parameters and the config."""
-    from hpctrain.config import load_config
+    from hpctrain.task import load_run_config
 
-    cfg = load_config(args.config, args.overrides)  # a bad config fails here, not on the cluster
+    # A bad config fails here, not on the cluster; a task file (.py) as `hpctrain train` reads it.
+    cfg = load_run_config(args.config, args.overrides, args.nodes * args.tasks_per_node)
     check_placement(cfg, args.nodes, args.tasks_per_node)
     if args.array and cfg.run.suffix == "none":
         raise ConfigError(
@@ -392,9 +399,11 @@ def params_from_args(args: argparse.Namespace) -> tuple[SbatchParams, JobConfig]
                               hint="drop --venv; pass --python PATH (inside the image) if it is "
                               "not python3")
         log_path = os.path.join(workdir, args.log_dir)
+        # A task file's folder holds the file and the helper modules it imports.
+        task_dir = [str(Path(args.config).parent)] if Path(args.config).suffix == ".py" else []
         container = Container(args.container,
                               args.container_runtime or default_runtime(args.container),
-                              job_binds(cfg, workdir, log_path, args.bind))
+                              job_binds(cfg, workdir, log_path, [*args.bind, *task_dir]))
         python = args.python or "python3"  # the image's: it cannot be checked from here
     elif args.bind:
         raise ConfigError("--bind without --container", hint="add --container IMAGE")

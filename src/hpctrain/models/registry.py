@@ -22,6 +22,7 @@ from hpctrain.models.spec import ModelFamily
 # name -> the module whose FAMILY is that family: adding a built-in family is one line here.
 BUILTIN = {
     "llama": "hpctrain.models.llama",
+    "qwen": "hpctrain.models.qwen",
 }
 DEFAULT = "llama"
 

@@ -16,7 +16,7 @@ its attempt in the run directory; the account over all ledgers is ``goodput.json
      "parts": {"productive": s, "startup": s, "checkpoint": s, "data_wait": s, "validation": s,
                "lost_work": s, "restart_gap": s, "hang": s},
      "goodput": productive / wall_s, "lost_steps": int, "saves": int,
-     "checkpoint_cost_s": s | null, "restart_cost_s": s | null,
+     "checkpoint_cost_s": s | null, "restart_cost_s": s | null, "final_save_s": s,
      "attempts": [{"attempt": i, "start": unix_s, "end": unix_s, "exit_code": int | null,
                    "resumed_from_step": int | null, "last_step": int,
                    "startup_parts": {part: s}}]}
@@ -32,7 +32,10 @@ compile cache shortens it). A part that did not happen is absent.
 ``checkpoint_cost_s`` is what one periodic save cost the run (the checkpoint part over the saves
 that count, less the end of an attempt's flush: the final save and the wait for the writes in
 flight, paid once per attempt however often the run saves, so not a cost of the interval);
-``restart_cost_s`` what one restart cost (the gap before it and its start-up), or the
+``final_save_s`` what the ends of attempts cost (part of checkpoint): the final save's stall and the
+wait for the writes still in flight, over all attempts (a background final save overlaps with
+the last validation; only the wait for it after that is charged); ``restart_cost_s`` what one
+restart cost (the gap before it and its start-up), or the
 first start-up when the run never restarted: the inputs of ``hpctrain plan interval`` and
 ``hpctrain plan goodput --from-run``.
 
@@ -55,6 +58,14 @@ one part, and gaps between attempts to ``restart_gap``):
   Slurm job's restarts, torchrun or ``--max-restarts`` restarts). A requeue into a new
   allocation, or running the command again, adds nothing: the job did not hold the devices;
 - hang: from the last step of an attempt to the watchdog's exit (exit code 124).
+
+Energy (``energy``, null when no attempt was metered): the GPUs' board energy during each
+attempt's training loop, read by rank 0 through NVML (observe/power.py ``EnergyMeter``) on the
+GPUs it sees and scaled to all the job's GPUs (``gpus / gpus_sampled``: exact on one node under
+the local launcher or torchrun, where rank 0 sees them all; across nodes, or where Slurm binds
+one GPU per task, rank 0's share times the number of shares, an estimate where ranks differ,
+e.g. pipeline stages). CO2e = kWh x ``metrics.grid_gco2_per_kwh`` of that attempt; tokens are
+those trained, work later lost included (its energy was spent).
 
 Metrics event (rank 0, at the end of a completed run): ``{"event": "goodput", ...}`` with the
 fields of ``goodput.json``.
@@ -123,6 +134,8 @@ LEDGER = Record({
     "hang_s": Real(0.0, optional=True),
     "marks": Map(Str(32), Map(Str(32), Real(0.0)), optional=True),
     "startup_parts": Map(Str(32), Real(0.0), optional=True),
+    "energy": Record({"joules": Real(0.0), "gpus_sampled": Int(1), "gpus": Int(1),
+                      "tokens": Real(0.0), "grid_gco2_per_kwh": Real(0.0)}, optional=True),
 })
 # ``goodput.json``, as ``compute_goodput`` writes it (read back by ``report`` and ``runs``).
 ACCOUNT_RECORD = Record({
@@ -135,11 +148,18 @@ ACCOUNT_RECORD = Record({
     "saves": Int(optional=True),
     "checkpoint_cost_s": Real(optional=True, nullable=True),
     "restart_cost_s": Real(optional=True, nullable=True),
+    "final_save_s": Real(0.0, optional=True),
+    "energy": Record({"kwh": Real(0.0), "joules": Real(0.0), "tokens": Real(0.0),
+                      "tokens_per_j": Real(0.0, nullable=True), "co2e_kg": Real(0.0),
+                      "grid_gco2_per_kwh": Real(0.0), "gpus": Int(1), "gpus_sampled": Int(1),
+                      "attempts_measured": Int(1)}, optional=True, nullable=True),
     "attempts": List(Record({
         "attempt": Int(1), "start": Real(0.0), "end": Real(0.0),
         "exit_code": Int(-(2**31), 2**31 - 1, nullable=True),
         "resumed_from_step": Int(nullable=True), "last_step": Int(),
-        "startup_parts": Map(Str(32), Real(0.0), optional=True)}), max_len=100_000),
+        "startup_parts": Map(Str(32), Real(0.0), optional=True),
+        "energy_kwh": Real(0.0, optional=True), "co2e_kg": Real(0.0, optional=True),
+        "tokens": Real(0.0, optional=True)}), max_len=100_000),
 })
 # Checkpoint marks kept (a resume may fall back past damaged ones; retention keeps fewer).
 _MARKS = 16
@@ -176,6 +196,9 @@ class GoodputClock:
         self._marks_json: str | None = None  # serialised once per change, not per step
         self.startup_parts: dict[str, float] = {}
         self._startup_mark = self.start
+        self.energy: Any = None  # an observe.power.EnergyMeter (rank 0), see meter_energy
+        self._energy_info: dict[str, float] = {}
+        self._steps = 0  # steps trained in this attempt (tokens for tokens per joule)
 
     @classmethod
     def open(cls, run_dir: Path) -> GoodputClock:
@@ -227,6 +250,15 @@ class GoodputClock:
         self._marks_json = None
         self._persist()
 
+    def meter_energy(self, meter: Any, *, tokens_per_step: float, gpus: int,
+                     grid_gco2_per_kwh: float) -> None:
+        """Record in this attempt's ledger the energy ``meter`` reads (an EnergyMeter on rank
+        0's GPUs, stopped by :meth:`finish`), for ``gpus`` GPUs in all, and the tokens."""
+        self.energy = meter
+        self._energy_info = {"gpus_sampled": len(meter.devices), "gpus": gpus,
+                             "tokens_per_step": tokens_per_step,
+                             "grid_gco2_per_kwh": grid_gco2_per_kwh}
+
     @contextlib.contextmanager
     def part(self, bucket: str) -> Iterator[None]:
         """Charge the time inside to ``bucket`` (time before it belongs to the current step)."""
@@ -242,6 +274,7 @@ class GoodputClock:
         if "first_step" not in self.startup_parts:
             self.startup_part("first_step")
         self.buckets["open_n"] += 1
+        self._steps += 1
         self.open_dirty |= writing
         self.last_step = step
         self._persist()
@@ -293,6 +326,7 @@ class GoodputClock:
         if self.finished:
             return None
         self.finished = True
+        self._stop_energy()
         self._charge("startup")
         self.window_closed()
         if self._ledger is None:
@@ -312,11 +346,18 @@ class GoodputClock:
         """Forget this attempt: close and remove its ledger, leave ``goodput.json`` as it is (a
         run refused before its first step does not count in the account of the run there)."""
         self.finished = True
+        self._stop_energy()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
         if self._ledger is not None:
             self._ledger.unlink(missing_ok=True)
+
+    def _stop_energy(self) -> None:
+        """Stop the meter (its last reading is taken then), once."""
+        if self.energy is not None and not self._energy_info.get("stopped"):
+            self._energy_info["stopped"] = 1
+            self.energy.stop()
 
     # -- the ledger ---------------------------------------------------------------------------
 
@@ -332,6 +373,12 @@ class GoodputClock:
                  "startup_parts": self.startup_parts}
         if marks:
             state["marks"] = self.marks
+        if self.energy is not None:
+            info = self._energy_info
+            state["energy"] = {"joules": self.energy.joules(),
+                               "gpus_sampled": info["gpus_sampled"], "gpus": info["gpus"],
+                               "tokens": self._steps * info["tokens_per_step"],
+                               "grid_gco2_per_kwh": info["grid_gco2_per_kwh"]}
         return state
 
     def _persist(self) -> None:
@@ -493,7 +540,8 @@ def compute_goodput(run_dir: Path) -> dict[str, Any]:
                          "end": state["end"], "exit_code": state.get("exit_code"),
                          "resumed_from_step": state.get("resumed_from_step"),
                          "last_step": state.get("last_step", 0),
-                         "startup_parts": state.get("startup_parts", {})})
+                         "startup_parts": state.get("startup_parts", {}),
+                         **_attempt_energy(state.get("energy"))})
     wall = sum(parts.values())
     return {"version": VERSION, "wall_s": wall, "parts": parts,
             "goodput": parts["productive"] / wall if wall > 0 else 0.0,
@@ -501,7 +549,35 @@ def compute_goodput(run_dir: Path) -> dict[str, Any]:
             "checkpoint_cost_s": _save_cost(parts["checkpoint"], flush, saves, final_saves),
             "restart_cost_s": (sum(restarts[1:]) / len(restarts[1:]) if len(restarts) > 1
                                else restarts[0] if restarts else None),
+            "final_save_s": flush,
+            "energy": _run_energy(states, attempts),
             "attempts": attempts}
+
+
+def _attempt_energy(energy: dict[str, Any] | None) -> dict[str, float]:
+    """An attempt's kWh (scaled to all its GPUs), CO2e and tokens; {} when not metered."""
+    if not energy:
+        return {}
+    kwh = energy["joules"] * energy["gpus"] / energy["gpus_sampled"] / 3.6e6
+    return {"energy_kwh": kwh, "co2e_kg": kwh * energy["grid_gco2_per_kwh"] / 1000,
+            "tokens": energy["tokens"]}
+
+
+def _run_energy(states: list[dict[str, Any]],
+                attempts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The run's energy over its metered attempts (None when none was metered)."""
+    metered = [(s["energy"], a) for s, a in zip(states, attempts, strict=True)
+               if s.get("energy")]
+    if not metered:
+        return None
+    kwh = sum(a["energy_kwh"] for _, a in metered)
+    tokens = sum(a["tokens"] for _, a in metered)
+    last = metered[-1][0]
+    return {"kwh": kwh, "joules": kwh * 3.6e6, "tokens": tokens,
+            "tokens_per_j": tokens / (kwh * 3.6e6) if kwh > 0 else None,
+            "co2e_kg": sum(a["co2e_kg"] for _, a in metered),
+            "grid_gco2_per_kwh": last["grid_gco2_per_kwh"], "gpus": last["gpus"],
+            "gpus_sampled": last["gpus_sampled"], "attempts_measured": len(metered)}
 
 
 def _save_cost(checkpoint: float, flush: float, saves: float,
@@ -540,8 +616,11 @@ def summary(account: dict[str, Any]) -> str:
                      if parts[name] > 0)
     attempts = len(account["attempts"])
     lost = f"; {account['lost_steps']} steps lost" if account["lost_steps"] else ""
+    energy = account.get("energy")
+    spent = (f"; GPUs {energy['kwh']:.3g} kWh, {energy['tokens_per_j'] or 0:.3g} tokens/J, "
+             f"{energy['co2e_kg']:.3g} kg CO2e" if energy else "")
     return (f"goodput {account['goodput']:.1%} of {_duration(account['wall_s'])} over "
-            f"{attempts} attempt{'s' if attempts != 1 else ''} ({rest}{lost})")
+            f"{attempts} attempt{'s' if attempts != 1 else ''} ({rest}{lost}){spent}")
 
 
 def _duration(seconds: float) -> str:

@@ -15,11 +15,22 @@ are the GPUs' board power only: no CPU, memory, network or cooling.
 
 Missing ``nvidia-ml-py`` or no NVIDIA driver raise `PowerUnavailable` with what to do;
 `sampler_factory` turns that into a note for callers that can go on without power.
+
+A training run meters its energy with `EnergyMeter` (a running total, one reading a second) on
+rank 0; goodput.json turns it into kWh, tokens per joule and CO2e (observe/goodput.py).
+
+Why not CodeCarbon (its ``OfflineEmissionsTracker``): for the GPUs it reads the same NVML
+counters as here; what it adds is the CPU (RAPL where readable, else a TDP guess) and memory (a
+guess from its size) of the whole machine, which on a shared node is other people's jobs too,
+and its own country table of grid intensities. It would pull pandas and a dozen other packages
+into every training process and keep its own CSV, knowing nothing of attempts and requeues. We
+report what we measure (GPU board energy) and take the grid intensity from the config.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 import os
 import sys
 import threading
@@ -29,7 +40,11 @@ from contextlib import suppress
 from dataclasses import dataclass
 from types import ModuleType
 
+import torch
+
 from hpctrain.errors import HpctrainError
+
+log = logging.getLogger("hpctrain.observe")
 
 
 class PowerUnavailable(HpctrainError):
@@ -106,15 +121,19 @@ class PowerSampler:
 
     def sample(self) -> Sample:
         """Take one reading now and keep it."""
+        s = self.read()
+        self.samples.append(s)
+        return s
+
+    def read(self) -> Sample:
+        """One reading of every device now (not kept)."""
         t = self.clock()
         watts = tuple(self.nvml.nvmlDeviceGetPowerUsage(h) / 1000.0 for h in self.handles)
         joules = None
         if self.has_energy_counter:
             joules = tuple(self.nvml.nvmlDeviceGetTotalEnergyConsumption(h) / 1000.0
                            for h in self.handles)
-        s = Sample(t, watts, joules)
-        self.samples.append(s)
-        return s
+        return Sample(t, watts, joules)
 
     def start(self) -> PowerSampler:
         """Start sampling in a daemon thread (one reading immediately)."""
@@ -163,6 +182,77 @@ class PowerSampler:
         lo = self.samples[0].t if t0 is None else max(t0, self.samples[0].t)
         hi = self.samples[-1].t if t1 is None else min(t1, self.samples[-1].t)
         return self.joules(lo, hi) / (hi - lo) if hi > lo else 0.0
+
+
+class EnergyMeter(PowerSampler):
+    """A running total of the devices' energy for a whole training run: each reading is folded
+    into the total and dropped (a run of days would otherwise keep millions of samples).
+
+    Between two readings: the energy counters' difference where both have it (exact), else the
+    trapezoid of the two power readings. ``joules()`` is the total up to the last reading.
+    """
+
+    def __init__(self, devices: Sequence[int] | None = None, *, interval_s: float = 1.0,
+                 nvml: ModuleType | None = None, clock: Callable[[], float] = time.time):
+        super().__init__(devices, interval_s=interval_s, nvml=nvml, clock=clock)
+        self.total_j = 0.0
+        self.last: Sample | None = None
+        self._lock = threading.Lock()  # the sampling thread adds while the loop reads
+
+    def sample(self) -> Sample:
+        """Take one reading now and add the energy since the previous one."""
+        s = self.read()
+        with self._lock:
+            if self.last is not None:
+                self.total_j += _between(self.last, s)
+            self.last = s
+        return s
+
+    def joules(self, t0: float | None = None, t1: float | None = None) -> float:
+        """Energy of all sampled devices from the first reading to the last (no sub-spans:
+        the readings are not kept)."""
+        if t0 is not None or t1 is not None:
+            raise ValueError("EnergyMeter keeps a total only; use PowerSampler for spans")
+        with self._lock:
+            return self.total_j
+
+
+def _between(a: Sample, b: Sample) -> float:
+    """Joules of all devices from reading ``a`` to reading ``b``."""
+    if a.joules is not None and b.joules is not None:
+        spent = sum(b.joules) - sum(a.joules)
+        if spent >= 0:  # a counter that went back (driver reload) falls back to power
+            return spent
+    return (b.t - a.t) * (sum(a.watts) + sum(b.watts)) / 2
+
+
+def energy_devices(device: torch.device, local_world_size: int) -> list[int]:
+    """The CUDA devices rank 0 meters for the run: every GPU it sees that the node's ranks
+    use (all of them under the local launcher or torchrun; its own where Slurm binds one GPU
+    per task); none on a CPU run."""
+    if device.type != "cuda":
+        return []
+    if local_world_size <= 1:
+        return [device.index or 0]  # run.device=cuda:N puts a lone rank on GPU N
+    return list(range(min(torch.cuda.device_count(), local_world_size)))
+
+
+def start_energy_meter(device: torch.device, local_world_size: int) -> EnergyMeter | None:
+    """An EnergyMeter started on rank 0's devices, or None (logged why) when energy cannot be
+    read here: a CPU run, no nvidia-ml-py, no driver."""
+    devices = energy_devices(device, local_world_size)
+    if not devices:
+        log.info("energy: not measured (NVML reads NVIDIA GPUs only; this run is on %s)",
+                 device.type)
+        return None
+    try:
+        meter = EnergyMeter(devices)
+    except PowerUnavailable as e:
+        log.info("energy: not measured: %s (%s)", e.what, e.hint or "")
+        return None
+    log.info("energy: metering GPUs %s through NVML (%s)", devices,
+             "energy counters" if meter.has_energy_counter else "power readings, integrated")
+    return meter.start()  # type: ignore[return-value]
 
 
 def sampler_factory(interval_s: float = 0.1

@@ -252,7 +252,25 @@ def _goodput(run: RunData, index: int) -> str:
     note = (f"<p>goodput {100 * value:.1f}% of {svg.fmt(g['wall_s'])} s wall time over "
             f"{len(g.get('attempts') or [])} attempt(s)</p>") if isinstance(
         value, int | float) else ""
-    return _figure(f"goodput-{index}", "Goodput (where the wall time went)", chart + note)
+    return _figure(f"goodput-{index}", "Goodput (where the wall time went)",
+                   chart + note + _energy(g))
+
+
+def _energy(g: dict[str, Any]) -> str:
+    """The run's GPU energy, tokens per joule and CO2e (goodput.json), per attempt too."""
+    e = g.get("energy")
+    if not isinstance(e, dict):
+        return "<p>energy: not metered (no NVML on this run's GPUs, or a CPU run)</p>"
+    scaled = (f", metered on {e['gpus_sampled']} and scaled" if e["gpus_sampled"] != e["gpus"]
+              else "")
+    per_j = e.get("tokens_per_j")
+    attempts = [a for a in g.get("attempts") or [] if "energy_kwh" in a]
+    each = "; ".join(f"attempt {a['attempt']}: {a['energy_kwh']:.4g} kWh, "
+                     f"{a['co2e_kg']:.3g} kg" for a in attempts) if len(attempts) > 1 else ""
+    return (f"<p>energy: {e['kwh']:.4g} kWh on {e['gpus']} GPU(s){scaled}, "
+            f"{f'{per_j:.4g}' if isinstance(per_j, int | float) else '-'} tokens/J, "
+            f"{e['co2e_kg']:.3g} kg CO2e at {e['grid_gco2_per_kwh']:g} g/kWh "
+            f"(GPU board power only){'; ' + each if each else ''}</p>")
 
 
 _EXIT_COLOURS = {0: "#009E73", PREEMPTED: "#E69F00", HUNG: "#CC79A7"}

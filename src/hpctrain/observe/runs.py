@@ -1,15 +1,16 @@
 """``hpctrain runs [DIR]``: a table of the runs under DIR (default ``runs``).
 
-    RUN            STATE      STEP  LOSS   TOKENS/S  GOODPUT  SLURM
-    llama-1234     running     420  3.412    71.2k       -    RUNNING
-    demo           done        300  4.101     2.1k   93.4%
+    RUN         STATE    STEP  LOSS   TOKENS/S  GOODPUT  KWH    TOKENS/J  CO2E KG  SLURM
+    llama-1234  running   420  3.412    71.2k       -        -         -        -  1234 RUNNING
+    llama-1b    done     2000  2.870    63.2k   97.1%    0.412     122.0    0.198
 
 State: ``running`` while ``run.lock`` has a fresh heartbeat, else from ``exit_info.json``:
 done (0), preempted (75), hung (124), interrupted (130), failed (anything else), unknown (no exit
 info and no live lock: killed without a word). Step and loss are rank 0's last training window
 (read from the end of its metrics file); tokens/s is the number the run recorded when it ended
 (``rundata.recorded_tokens_per_s``, the same as its ``done:`` line and its report), and while it
-runs its last window's; goodput from ``goodput.json``. The Slurm job comes from the lock's
+runs its last window's; goodput and energy (the GPUs' kWh, tokens per joule and CO2e over all
+attempts, when metered) from ``goodput.json``. The Slurm job comes from the lock's
 holder or the run's name (``<name>-<job>``; an archived run, ``<name>-archived-<time>``, names
 none of its own). Under Slurm the job's state comes from ``squeue --json`` (one call for all
 runs; none when squeue is missing, slow or fails), for runs that are not archived.
@@ -45,6 +46,14 @@ _SQUEUE_TIMEOUT_S = 10.0
 _JOB_SUFFIX = re.compile(r"-(\d+(?:_\d+)?)$")
 # What `--fresh` appends (runtime/rundir.archive_run): "-archived-<%Y%m%d-%H%M%S>[-<n>]".
 _ARCHIVED = re.compile(r"-archived-\d{8}-\d{6}(?:-\d+)?$")
+
+
+# Energy columns: the row's key and significant digits.
+_ENERGY = {"KWH": ("kwh", 3), "TOKENS/J": ("tokens_per_j", 4), "CO2E KG": ("co2e_kg", 3)}
+
+
+def _figure(value: Any, digits: int) -> str:
+    return f"{value:.{digits}g}" if isinstance(value, int | float) else "-"
 
 
 def find_runs(folder: Path) -> list[Path]:
@@ -122,11 +131,14 @@ def runs_table(folder: Path, squeue: str | None = None) -> list[dict[str, Any]]:
     for run in runs:
         last = last_train_record(run.root) or {}
         goodput = (run.goodput or {}).get("goodput")
+        energy = (run.goodput or {}).get("energy") or {}
         job, state = jobs[run.name], run_state(run)
         rate = last.get("tokens_per_s") if state == "running" else recorded_tokens_per_s(run)
         rows.append({"run": run.name, "state": state, "step": last.get("step"),
                      "loss": last.get("loss"), "tokens_per_s": rate,
                      "goodput": goodput if isinstance(goodput, int | float) else None,
+                     "kwh": energy.get("kwh"), "tokens_per_j": energy.get("tokens_per_j"),
+                     "co2e_kg": energy.get("co2e_kg"),
                      "slurm_job": job,
                      "slurm_state": states.get(job) if run.name in live and job else None,
                      "path": str(run.root), "damaged": run.damaged})
@@ -140,9 +152,9 @@ def print_runs(rows: list[dict[str, Any]], console: Console | None = None) -> No
         if not console.is_terminal:  # a pipe or a file: no wrapping at 80 columns
             console = Console(width=200)
     table = Table(box=None, header_style="bold")
-    for column in ("RUN", "STATE", "STEP", "LOSS", "TOKENS/S", "GOODPUT", "SLURM"):
-        table.add_column(column, justify="right" if column in ("STEP", "LOSS", "TOKENS/S",
-                                                               "GOODPUT") else "left")
+    for column in ("RUN", "STATE", "STEP", "LOSS", "TOKENS/S", "GOODPUT", *_ENERGY, "SLURM"):
+        table.add_column(column, justify="left" if column in ("RUN", "STATE", "SLURM")
+                         else "right")
     for r in rows:
         loss = r["loss"]
         # Text, not markup: a run folder's name or a recorded job id is anyone's text, and
@@ -152,5 +164,6 @@ def print_runs(rows: list[dict[str, Any]], console: Console | None = None) -> No
             fmt(loss) if isinstance(loss, int | float) else "-",
             fmt(r["tokens_per_s"]) if isinstance(r["tokens_per_s"], int | float) else "-",
             f"{100 * r['goodput']:.1f}%" if r["goodput"] is not None else "-",
+            *(_figure(r.get(key), digits) for key, digits in _ENERGY.values()),
             Text(shown(" ".join(str(x) for x in (r["slurm_job"], r["slurm_state"]) if x) or "-")))
     console.print(table)

@@ -13,7 +13,9 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -84,7 +86,22 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device
         device_ids=[device.index] if device.type == "cuda" else None,
         # Gradients are written into the communication buckets directly: one copy fewer.
         gradient_as_bucket_view=True,
-        # The only buffer (the RoPE table) is derived, identical on every rank: broadcasting
-        # it before every forward would be a collective per step for nothing.
+        # The built-in model's only buffer (the RoPE table) is derived, identical on every
+        # rank: broadcasting it before every forward would be a collective per step for
+        # nothing. A model whose buffers change (BatchNorm) calls broadcast_buffers per step.
         **_NO_FORWARD_BUFFER_SYNC,
     )
+
+
+def broadcast_buffers(buffers: list[torch.Tensor]) -> None:
+    """Make every rank's ``buffers`` rank 0's, as DDP's default ``broadcast_buffers`` does,
+    with one broadcast per dtype (BatchNorm's running statistics drift apart otherwise)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for b in buffers:
+        by_dtype.setdefault(b.dtype, []).append(b)
+    with torch.no_grad():
+        for same in by_dtype.values():
+            flat = _flatten_dense_tensors(same)
+            dist.broadcast(flat, src=0)
+            for b, synced in zip(same, _unflatten_dense_tensors(flat, same), strict=True):
+                b.copy_(synced)

@@ -41,7 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     psub = p.add_subparsers(dest="plan_command", required=True, metavar="PLAN")
 
     def model_args(q: argparse.ArgumentParser) -> None:
-        q.add_argument("--model", default=None, help="size: tiny, 125m, 1b, 8b")
+        q.add_argument("--model", default=None, help="size: tiny, 125m, 1b, 8b (llama); "
+                       "tiny, qwen2.5-0.5b, qwen3-0.6b, ... (--family qwen)")
+        q.add_argument("--family", default="llama", help="the model family of --model")
         q.add_argument("--dim", type=count(1, 1 << 20), help="model width (default: the size's)")
         q.add_argument("--layers", type=count(1, 100_000),
                        help="transformer blocks (default: the size's)")
@@ -142,6 +144,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     i = psub.add_parser("interval", help="Young/Daly checkpoint interval")
     i.add_argument("--save-min", type=real(0, 1e7, open_min=True), default=None,
                    help="what a save costs the run, minutes (or --from-run)")
+    i.add_argument("--max-overhead", type=real(0, 1, open_min=True), default=0.01,
+                   help="largest share of the run saves may cost, as checkpoint.max_overhead "
+                   "(default 0.01)")
     mttf_args(i)
 
     g = psub.add_parser("goodput", help="expected goodput under failures (Daly's model)")
@@ -163,7 +168,8 @@ def run(args: argparse.Namespace) -> None:
 def _model(args: argparse.Namespace):
     from hpctrain.plan.memory_options import resolve_model
 
-    return resolve_model(args.model, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+    return resolve_model(args.model, args.family, dim=args.dim, n_layers=args.layers,
+                         n_heads=args.heads,
                          n_kv_heads=args.kv_heads, ffn_dim=args.ffn_dim, vocab_size=args.vocab)
 
 
@@ -349,18 +355,23 @@ def _measured(args: argparse.Namespace, given: float | None, key: str, flag: str
 
 
 def _interval(args: argparse.Namespace) -> None:
-    from hpctrain.plan.interval import daly_interval, young_interval
+    from hpctrain.plan.interval import auto_interval, daly_interval, job_mttf, young_interval
 
-    mttf_h = _mttf_hours(args)
+    if args.mttf_h is None and args.gpu_mttf_h is not None and args.gpus is not None:
+        # The expression the training schedule uses, so both give the same interval.
+        mttf_s = job_mttf(args.gpu_mttf_h * 3600, args.gpus)
+    else:
+        mttf_s = _mttf_hours(args) * 3600
     if args.save_min is not None:
         save_s, source = args.save_min * 60, "given"
     else:
         save_s = _measured(args, None, "checkpoint_cost_s", "--save-min")
         source = f"measured in {args.from_run}: stall + slowdown"
-    mttf_s = mttf_h * 3600
-    print(f"job MTTF {mttf_h:.2f} h, checkpoint save {_seconds(save_s)} ({source})")
+    print(f"job MTTF {mttf_s / 3600:.2f} h, checkpoint save {_seconds(save_s)} ({source})")
     print(f"Young: checkpoint every {young_interval(save_s, mttf_s) / 60:.1f} min")
     print(f"Daly:  checkpoint every {daly_interval(save_s, mttf_s) / 60:.1f} min")
+    auto = auto_interval(save_s, mttf_s, args.max_overhead)
+    print(f"auto:  checkpoint every {auto.reason()} (checkpoint.interval=auto)")
 
 
 def _seconds(s: float) -> str:

@@ -6,11 +6,16 @@ Worked example (FIELD_NOTES): δ = 5 min, M = 24 h = 1440 min → Young 120.0 mi
 
 A job on n GPUs fails when any of them does: ``M_job = M_gpu / n`` (exponential failures). Llama 3
 saw one interruption every ~3.1 h on 16,384 H100s, i.e. ~50k GPU-hours per GPU.
+
+``checkpoint.interval=auto`` (the training default) and ``hpctrain plan interval`` both take
+their answer from :func:`auto_interval`: Daly's optimum, but never so often that saves cost more
+than ``max_overhead`` of the run (interval >= save cost / max_overhead).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from hpctrain.errors import ConfigError
 
@@ -28,6 +33,47 @@ def daly_interval(save_s: float, mttf_s: float) -> float:
         return mttf_s
     r = save_s / (2.0 * mttf_s)
     return math.sqrt(2.0 * save_s * mttf_s) * (1.0 + math.sqrt(r) / 3.0 + r / 9.0) - save_s
+
+
+@dataclass(frozen=True)
+class AutoInterval:
+    """The interval ``checkpoint.interval=auto`` picks, with the numbers behind it (seconds)."""
+
+    seconds: float
+    save_s: float
+    mttf_s: float
+    daly_s: float
+    floor_s: float  # save cost / max_overhead
+    max_overhead: float
+
+    @property
+    def bound_by_overhead(self) -> bool:
+        """Whether the overhead cap, not Daly, set the interval."""
+        return self.floor_s > self.daly_s
+
+    def reason(self) -> str:
+        """Why this interval, in one line (the training log and ``plan interval`` say it)."""
+        why = (f"the {self.max_overhead:.1%} overhead cap, save cost / {self.max_overhead:g} "
+               f"(Daly's optimum: {self.daly_s / 60:.1f} min)" if self.bound_by_overhead
+               else f"Daly's optimum (the {self.max_overhead:.1%} overhead cap needs at least "
+               f"{self.floor_s / 60:.1f} min)")
+        return (f"{self.seconds / 60:.1f} min from a save cost of {self.save_s:.2f} s and a job "
+                f"MTTF of {self.mttf_s / 3600:.1f} h: {why}")
+
+
+# A near-free save still counts as one second, so saves never come back to back.
+_MIN_SAVE_S = 1.0
+
+
+def auto_interval(save_s: float, mttf_s: float, max_overhead: float = 0.01) -> AutoInterval:
+    """Daly's interval for a save costing ``save_s``, at least ``save_s / max_overhead``."""
+    if not 0 < max_overhead < 1:
+        raise ConfigError(f"max overhead {max_overhead}", expected="a fraction in (0, 1)",
+                          hint="0.01 keeps periodic saves at or below 1% of the run")
+    delta = max(save_s, _MIN_SAVE_S)
+    daly = daly_interval(delta, mttf_s)
+    floor = delta / max_overhead
+    return AutoInterval(max(daly, floor), delta, mttf_s, daly, floor, max_overhead)
 
 
 def job_mttf(per_gpu_mttf: float, n_gpus: int) -> float:

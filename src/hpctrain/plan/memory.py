@@ -24,11 +24,11 @@ measured peaks ``torch.cuda.max_memory_allocated`` in benchmarks/RESULTS.md, 4x 
 - activations saved per layer per token: the two residual-stream tensors the norms keep
   (4 B each under autocast, whose residual stream stays fp32; else the compute dtype: FSDP's
   casts, like bf16 master weights, make the embedding output, hence the residual stream, bf16),
-  plus in the compute dtype: two norm outputs (2·dim), q and the attention output (2·dim), k and v
-  (2·kv_dim), the FFN's gate and up outputs and their SwiGLU product (3·ffn_dim), and SDPA's
-  fp32 log-sum-exp per head. Eager mode (no torch.compile) also keeps fp32 RoPE/norm
-  intermediates and the SiLU output: + (6·dim + 2·kv_dim + ffn_dim) elements, fitted on `1b`
-  eager (35.0 GB measured).
+  plus in the compute dtype: two norm outputs (2·dim), q and the attention output
+  (2·n_heads·head_dim: 2·dim for Llama, 4·dim for Qwen3-0.6B), k and v (2·kv_dim), the FFN's
+  gate and up outputs and their SwiGLU product (3·ffn_dim), and SDPA's fp32 log-sum-exp per
+  head. Eager mode (no torch.compile) also keeps fp32 RoPE/norm intermediates and the SiLU
+  output: + (6·dim + 2·kv_dim + ffn_dim) elements, fitted on `1b` eager (35.0 GB measured).
 - logits: 2 (compiled loss) or 4 (eager fp32 loss) compute-dtype copies of vocab per token.
   With the chunked loss (``train.loss_chunks`` = c, ``hpctrain.models.chunked_loss``) one chunk
   of tokens/c holds its logits in the compute dtype, in fp32 and as a gradient (2e + 4 B per
@@ -250,7 +250,9 @@ def state_bytes(args: ModelArgs, opts: MemoryOptions, share: RankShare | None = 
     weights' dtype (AdamW's ``step`` always fp32)."""
     share = share or rank_shares(args, opts)[0]
     p, _, _ = _rank_params(args, opts, share)
-    tensors = 9 * share.blocks + share.embedding + share.head * (
+    per_block = n_param_tensors(dataclasses.replace(args, n_layers=1)) - n_param_tensors(
+        dataclasses.replace(args, n_layers=0))  # Llama 9, Qwen3 11 (q/k norms), Qwen2 12
+    tensors = per_block * share.blocks + share.embedding + share.head * (
         1 + (0 if args.tie_embeddings and share.embedding else 1))
     shard = opts.gpus if opts.strategy == "fsdp" else 1
     b = opts.master_bytes
@@ -267,12 +269,13 @@ def activation_bytes(args: ModelArgs, opts: MemoryOptions, share: RankShare | No
     e = opts.compute_bytes
     r = 4 if opts.mixed_precision_path(args) == "autocast" else e
     d, kv, f, tp = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim, opts.tp
+    q = args.n_heads * args.head_dim  # the queries' and attention output's width (Llama: d)
     # Residual stream (split along the sequence), the two gathered norm outputs (whole), the
     # head- and width-split projections.
-    layer = 2 * r * d / tp + e * 2 * d + (e * (2 * d + 2 * kv + 3 * f) + 4 * args.n_heads) / tp
+    layer = 2 * r * d / tp + e * 2 * d + (e * (2 * q + 2 * kv + 3 * f) + 4 * args.n_heads) / tp
     if opts.float8_saved_inputs:
         # The Linears' inputs in 1 B: both norm outputs, the attention output, SwiGLU's product.
-        layer -= (e - 1) * (2 * d + (d + f) / tp)
+        layer -= (e - 1) * (2 * d + (q + f) / tp)
     if not opts.compile:
         layer += e * (6 * d + 2 * kv + f) / tp
     tokens = opts.micro_batch * opts.seq_len
@@ -315,17 +318,20 @@ def _weight_pass_layer(args: ModelArgs, opts: MemoryOptions, e: int, r: int) -> 
     The retained graph also keeps every activation saved in the forward until W.
     """
     d, kv, f, tp = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim, opts.tp
-    return e * ((d + 2 * kv + 2 * f) / tp + 2 * d) + 2 * r * d / tp
+    q = args.n_heads * args.head_dim
+    return e * ((q + 2 * kv + 2 * f) / tp + 2 * d) + 2 * r * d / tp
 
 
 def _selective_layer(args: ModelArgs, opts: MemoryOptions, e: int, r: int) -> float:
     """Bytes per token one block keeps under selective checkpointing (module docstring)."""
     d, kv, f, tp = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim, opts.tp
+    q = args.n_heads * args.head_dim
     if opts.ac_save_mm == "every_other":
-        split, whole = d + kv + f, d  # query, value, gate split over tp; down's output
+        split, whole = q + kv + f, d  # query, value, gate split over tp; down's output
     else:
-        split, whole = d + 2 * kv + 2 * f, 2 * d  # q, k, v, gate, up; attn out's and down's
-    saved = r * d / tp + e * (d + split) / tp + 4 * args.n_heads / tp + e * whole
+        split, whole = q + 2 * kv + 2 * f, 2 * d  # q, k, v, gate, up; attn out's and down's
+    # The block's input, SDPA's output (q wide) and log-sum-exp, the kept matmul outputs.
+    saved = r * d / tp + e * (q + split) / tp + 4 * args.n_heads / tp + e * whole
     if tp > 1:
         saved += e * 2 * d / tp  # the reduce-scatters of the attention output and down
     return saved

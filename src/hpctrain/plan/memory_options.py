@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from hpctrain.errors import ConfigError
 from hpctrain.models import ModelArgs, count_params, get_family
-from hpctrain.models.registry import DEFAULT
+from hpctrain.models.registry import DEFAULT, families
 from hpctrain.parallel.config import (
     MIXED_PRECISION,
     MULTI_STAGE_SCHEDULES,
@@ -206,12 +206,19 @@ def resolve_model(size: str | None, family: str = DEFAULT, **overrides: int | No
                           hint=f"sizes: {', '.join(presets)}; or --dim --layers --heads "
                           "--ffn-dim --vocab")
     if size is not None and size not in presets:
-        raise ConfigError(f"unknown model size {size!r}", expected=f"one of {', '.join(presets)}",
-                          hint="or give the shape: --dim --layers --heads --ffn-dim --vocab")
+        others = [name for name, f in families().items() if size in f.presets]
+        raise ConfigError(f"unknown model size {size!r} of the {family} family",
+                          expected=f"one of {', '.join(presets)}",
+                          hint=f"--family {others[0]} has it" if others else
+                          "or give the shape: --dim --layers --heads --ffn-dim --vocab")
     fields = {k: v for k, v in overrides.items() if v is not None}
     if size is None:
         fields.setdefault("n_kv_heads", fields["n_heads"])
-        return args_class(**fields)
+        try:
+            return args_class(**fields)
+        except TypeError as e:  # a family whose shape has fields the flags do not set
+            raise ConfigError(f"the {family} family's shape cannot be given by flags alone: "
+                              f"{e}", hint=f"name a size: {', '.join(presets)}") from None
     return dataclasses.replace(presets[size], **fields)
 
 

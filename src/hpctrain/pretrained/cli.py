@@ -37,6 +37,9 @@ def add_import_parser(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--out", type=Path, required=True, help="checkpoint directory to create")
     h.add_argument("--dtype", choices=("auto", "bf16", "fp32", "fp16"), default="auto",
                    help="weights' dtype in the checkpoint (auto: the folder's own)")
+    h.add_argument("--family", default=None, metavar="NAME",
+                   help="the model family to import into (default: the one its architecture "
+                   "names; e.g. qwen for a Qwen2 folder, which otherwise becomes a llama)")
     h.set_defaults(handler=_import)
 
 
@@ -128,7 +131,7 @@ def _import(args: argparse.Namespace) -> None:
         raw = read_hf_config(args.folder)
         dtype = _DTYPE_NAMES.get(raw.get("dtype") or raw.get("torch_dtype"), "bf16")
     t0 = time.perf_counter()
-    out = import_hf(args.folder, args.out, dtype)
+    out = import_hf(args.folder, args.out, dtype, family=args.family)
     print(f"{out}: checkpoint of {args.folder} ({dtype}), {time.perf_counter() - t0:.1f}s; "
           f"train from it with model.init_from={out}")
 

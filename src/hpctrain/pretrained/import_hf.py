@@ -29,24 +29,30 @@ from hpctrain.checkpoint.manifest import describe, write_manifest
 from hpctrain.errors import ConfigError
 from hpctrain.models.hf_weights import CONFIG, HFWeights, read_hf_config
 from hpctrain.models.init_source import ASSET_FILES, args_to_json
-from hpctrain.models.registry import family_for_hf
+from hpctrain.models.registry import family_for_hf, get_family
 from hpctrain.parallel.data import DTYPES
 from hpctrain.parallel.materialize import load_weights
 from hpctrain.pretrained.weights import single_process
 from hpctrain.runtime.rundir import staged_dir
 
 
-def import_hf(folder: Path, out: Path, dtype: str = "bf16") -> Path:
-    """Convert the Hugging Face model in ``folder`` into the checkpoint ``out``; returns it."""
+def import_hf(folder: Path, out: Path, dtype: str = "bf16", family: str | None = None) -> Path:
+    """Convert the Hugging Face model in ``folder`` into the checkpoint ``out`` of model family
+    ``family`` (None: the family its architecture names); returns it."""
     folder, out = Path(folder), Path(out)
     if out.exists():
         raise ConfigError(f"--out {str(out)!r} already exists",
                           hint="name a new directory (nothing is overwritten)")
     raw = read_hf_config(folder)
-    family = family_for_hf(raw, str(folder / CONFIG))
-    args = family.hf.args_from_config(raw, str(folder / CONFIG))
+    where = str(folder / CONFIG)
+    chosen = family_for_hf(raw, where) if family is None else get_family(family)
+    if chosen.hf is None:
+        raise ConfigError(f"--family {chosen.name} has no Hugging Face mapping",
+                          hint="leave --family out to import into the family of the "
+                          "folder's architecture")
+    args = chosen.hf.args_from_config(raw, where)
     reader = HFWeights(folder, args)
-    model = family.build(args)
+    model = chosen.build(args)
     model.to_empty(device="cpu")
     model.init_buffers()  # ties a tied output to the embedding again
     model.to(DTYPES[dtype])
@@ -62,6 +68,6 @@ def import_hf(folder: Path, out: Path, dtype: str = "bf16") -> Path:
         files = {p.name: describe(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         write_manifest(tmp, files, {
             "step": 0, "source": "hf", "hf_folder": str(folder.resolve()), "dtype": dtype,
-            "model_family": family.name, "model_args": args_to_json(args), "hf_config": raw,
+            "model_family": chosen.name, "model_args": args_to_json(args), "hf_config": raw,
             "assets": assets, "saved_at": time.time()})
     return out

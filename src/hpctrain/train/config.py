@@ -68,13 +68,18 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW hyper-parameters and a warmup + cosine (or constant) learning-rate schedule."""
+    """AdamW (or SGD) hyper-parameters and a warmup + cosine (or constant) LR schedule."""
 
+    # adamw: decoupled weight decay (LLMs, ViT); sgd: momentum SGD, e.g. nesterov for ResNet.
+    name: Literal["adamw", "sgd"] = "adamw"
     lr: float = 3e-4
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    # SGD only (AdamW's are beta1/beta2).
+    momentum: float = 0.9
+    nesterov: bool = False
     warmup_steps: int = 100
     schedule: Literal["cosine", "constant"] = "cosine"
     # The cosine decays to lr * min_lr_ratio at the last step.
@@ -93,6 +98,14 @@ class OptimConfig:
                 f"optim.beta1/beta2 = {self.beta1}/{self.beta2} must lie in [0, 1)",
                 hint="typical values are 0.9 and 0.95",
             )
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"optim.momentum = {self.momentum} must lie in [0, 1)",
+                              hint="0.9 is the usual value for SGD")
+        if self.nesterov and (self.name != "sgd" or self.momentum == 0):
+            raise ConfigError(f"optim.nesterov = true with optim.name = {self.name} and "
+                              f"optim.momentum = {self.momentum}",
+                              expected="nesterov only for SGD with momentum > 0",
+                              hint="set optim.name=sgd optim.momentum=0.9, or nesterov=false")
         if self.warmup_steps < 0:
             raise ConfigError(f"optim.warmup_steps = {self.warmup_steps} must be >= 0")
         if not 0 <= self.min_lr_ratio <= 1:

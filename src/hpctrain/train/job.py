@@ -123,8 +123,10 @@ def claim_run_dir(cfg: JobConfig, env: ProcessEnv, *, fresh: bool = False,
 
 
 def check_device_fits(cfg: JobConfig) -> None:
-    """Refuse a GPU-sized model that run.device=auto would put on the CPU (no GPU visible)."""
-    if cfg.run.device != "auto" or torch.cuda.is_available():
+    """Refuse a GPU-sized model that run.device=auto would put on the CPU (no GPU visible).
+
+    A task's model exists only once its factory runs: the task trainer counts it there."""
+    if cfg.task or cfg.run.device != "auto" or torch.cuda.is_available():
         return
     n_params = count_params(cfg.model.resolve(), include_embedding=True)
     named = (f"model.init_from={cfg.model.init_from}" if cfg.model.init_from
@@ -138,7 +140,7 @@ def run_training(cfg: JobConfig, source: Path | None = None, *, fresh: bool = Fa
 
     ``task`` (or ``cfg.task``, a spec to load) trains a user's own model instead of the built-in
     one (`hpctrain.task`)."""
-    if task is None and not cfg.task:
+    if task is None:
         check_device_fits(cfg)  # before anything is allocated
     env = detect_env()
     # Installed first: a signal that arrives during start-up is answered at the first step.

@@ -1,4 +1,5 @@
-"""AdamW with decoupled weight decay on matrices only, and a warmup + cosine LR schedule."""
+"""AdamW (or momentum SGD) with weight decay on matrices only, and a warmup + cosine LR
+schedule."""
 
 from __future__ import annotations
 
@@ -54,22 +55,28 @@ class LocalShardAdamW(torch.optim.AdamW):
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float):
-    """AdamW over the model's parameters, fused (one kernel for all tensors) on CPU and CUDA.
+    """AdamW (``optim.name``: or SGD) over the model's parameters, fused (one kernel for all
+    tensors) on CPU and CUDA.
 
     Fused also matters for correctness: only the fused kernel takes a device-side
     ``found_inf`` flag, which the bad-step guard uses to skip an update without a host sync.
-    Sharded parameters are updated through their local shards (``LocalShardAdamW``).
+    Sharded parameters are updated through their local shards (``LocalShardAdamW``); fused SGD
+    takes the same flag.
     """
     decay, no_decay = [], []
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        # Norm gains are vectors; decaying them pulls the activations' scale toward zero.
+        # Norm gains and biases are vectors (BatchNorm's, LayerNorm's, every layer's bias);
+        # decaying them pulls the activations' scale toward zero.
         (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                               fused=True)
     return LocalShardAdamW(
         groups,
         lr=lr,

@@ -28,12 +28,18 @@ from hpctrain.parallel.layout import check_layout
 from hpctrain.runtime.dist import pick_device
 from hpctrain.runtime.rundir import RunDir
 from hpctrain.train.checkpointing import config_hashes
+from hpctrain.train.task_trainer import check_task_config
 
 
 def check_config(cfg: JobConfig, world_size: int) -> None:
-    """The rules that need only the config and the number of ranks: the parallel layout, and
-    a GPU named by run.device where none is visible."""
-    check_layout(cfg, world_size)
+    """The rules that need only the config and the number of ranks: the parallel layout (a
+    task's: data parallelism only; the built-in model's: against its shape), and a GPU named by
+    run.device where none is visible."""
+    if cfg.task:
+        # The config's model section says nothing of a task's model: no rule may read it.
+        check_task_config(cfg, world_size)
+    else:
+        check_layout(cfg, world_size)
     if not torch.cuda.is_available():
         # The rank's own choice of device, here where it cannot touch a GPU (none is visible):
         # it refuses cuda names and returns the CPU for auto and cpu.

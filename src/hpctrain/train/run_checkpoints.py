@@ -25,6 +25,7 @@ from hpctrain.errors import ConfigError
 from hpctrain.observe.goodput import GoodputClock
 from hpctrain.observe.metrics import MetricsWriter
 from hpctrain.runtime.dist import Distributed
+from hpctrain.runtime.time_limit import job_end_time
 from hpctrain.runtime.watchdog import Watchdog
 from hpctrain.train import checkpointing
 from hpctrain.train.preemption import ControlChannel, Preempted, PreemptionFlag
@@ -54,7 +55,10 @@ class RunCheckpoints:
         if self._saves_in_background():
             # Started first: the writer's interpreter starts while the model is built.
             ckpt.start_writer()
-        self.schedule = SaveSchedule(cfg.checkpoint, dist_ctx.world_size)
+        # Rank 0 decides time-based saves, so only it asks Slurm when the job ends (once).
+        end_time = (job_end_time() if self.rank == 0 and cfg.checkpoint.saves_before_limit
+                    else None)
+        self.schedule = SaveSchedule(cfg.checkpoint, dist_ctx.world_size, end_time=end_time)
 
     def save(self, step: int, *, blocking: bool, final: bool = False) -> None:
         """Checkpoint the state at ``step`` (collective); records the stall for the schedule.
@@ -93,16 +97,19 @@ class RunCheckpoints:
         """Whether the loop will make background saves through a writer process
         (``checkpoint.writer``: auto is a process on GPUs)."""
         c = self.cfg.checkpoint
-        if not c.async_save or c.interval == "none":
+        if not c.async_save or c.cadence == "none":
             return False
         if c.writer == "thread" or (c.writer == "auto" and self.device.type != "cuda"):
             return False
-        return c.interval != "steps" or int(c.every) < self.cfg.train.steps
+        return c.cadence != "steps" or c.every_steps < self.cfg.train.steps
 
     def report(self) -> None:
         """Write a metrics event for each save committed since the last report."""
         while self.ckpt.completed:
-            self.metrics.write({"event": "checkpoint", **self.ckpt.completed.pop(0)})
+            record = self.ckpt.completed.pop(0)
+            # Start to commit: how far ahead of the time limit the last save must start.
+            self.schedule.committed(record.get("stall_s", 0.0) + record.get("write_s", 0.0))
+            self.metrics.write({"event": "checkpoint", **record})
 
     def between_steps(self, step: int) -> None:
         """Raise a failed background save, agree on preemption and saves, save if due."""
@@ -121,7 +128,8 @@ class RunCheckpoints:
         # The exchange aligns the ranks' host threads; every few steps is soon enough for a
         # signal that comes minutes ahead of the kill (and for a time-based save).
         if step % self.cfg.preempt.check_every == 0 or step == self.cfg.train.steps:
-            due_by_time = self.rank == 0 and self.schedule.due_by_time()
+            # Postponed while a save is still writing: never more often than the writer can go.
+            due_by_time = self.rank == 0 and self.schedule.due_by_time(self.ckpt.in_flight)
             preempt, save = self.control.exchange(self.preempt.requested is not None,
                                                   due_by_time)
         if preempt:
@@ -133,9 +141,17 @@ class RunCheckpoints:
         if save or self.schedule.due_by_step(step):
             self.save(step, blocking=not self.cfg.checkpoint.async_save)
 
+    def start_final(self, step: int) -> None:
+        """Start the final save in the background (``checkpoint.async_save``), so that what the
+        run does before :meth:`finish` (the last validation) overlaps with its write."""
+        c = self.cfg.checkpoint
+        if c.save_at_end and c.async_save and self.ckpt.last_committed != step_dir_name(step):
+            self.save(step, blocking=False, final=True)
+
     def finish(self, step: int) -> None:
-        """At the end of the run: the final save (``checkpoint.save_at_end``), then wait for
-        the writes in flight and close the writer."""
+        """At the end of the run: the final save (``checkpoint.save_at_end``) unless
+        :meth:`start_final` made it, then wait for the writes in flight and close the writer.
+        Goodput's flush (``final_save_s``) is what the loop waited for them."""
         if self.cfg.checkpoint.save_at_end and self.ckpt.last_committed != step_dir_name(step):
             self.save(step, blocking=True, final=True)
         with self.goodput.part("flush"):

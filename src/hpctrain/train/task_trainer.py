@@ -7,13 +7,15 @@ the bad-step guard, metrics and goodput are the Trainer's own, unchanged.
 
 The random generators are seeded from (run.seed, step, rank) before each step, so dropout and
 other random ops in user code draw the same numbers after a resume as in an uninterrupted run.
+Buffers a forward updates (BatchNorm's running statistics) are rank 0's on every rank after each
+step (DDP's default semantics, one broadcast per dtype), so validation and checkpoints see one
+model.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 import torch
 import torch.distributed as dist
@@ -22,28 +24,21 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.flop_counter import FlopCounterMode
 
 from hpctrain import faults
-from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.config import JobConfig
 from hpctrain.data.loader import ValidationSampler
 from hpctrain.data.order import BatchLayout
 from hpctrain.data.samples import build_sample_loader, is_map_style, to_device
 from hpctrain.errors import ConfigError
-from hpctrain.observe.goodput import GoodputClock
-from hpctrain.observe.live import RunObserver
 from hpctrain.observe.metrics import MetricsWriter
-from hpctrain.observe.peaks import mfu_peak_dtype
-from hpctrain.parallel.data import DTYPES, apply_ddp, dp_mesh
+from hpctrain.parallel.data import DTYPES, apply_ddp, broadcast_buffers, dp_mesh
 from hpctrain.parallel.layout import ParallelLayout, mesh_degrees
+from hpctrain.runtime.config import refuse_large_model_on_cpu
 from hpctrain.runtime.dist import Distributed
-from hpctrain.runtime.watchdog import Watchdog
-from hpctrain.task import Task, TaskError, call_user, check_finite, load_task
+from hpctrain.task import Task, TaskError, call_user, check_finite, load_task, reading_sample
 from hpctrain.train import checkpointing
-from hpctrain.train.guard import BadStepGuard
-from hpctrain.train.optim import build_optimizer, build_scheduler
-from hpctrain.train.preemption import ControlChannel, PreemptionFlag
-from hpctrain.train.run_checkpoints import RunCheckpoints
+from hpctrain.train.exact_eval import ExactSums, rank_batches
 from hpctrain.train.trainer import Trainer
-from hpctrain.train.window import Throughput, Window
+from hpctrain.train.window import Window
 
 log = logging.getLogger("hpctrain.train")
 
@@ -53,7 +48,7 @@ def build_trainer(cfg: JobConfig, task: Task | None, dist_ctx: Distributed,
     """A TaskTrainer for a user's task (given, or named by ``cfg.task``), else the Trainer of the
     built-in model."""
     if task is None and cfg.task:
-        task = load_task(cfg.task)
+        task = load_task(cfg.task, cfg.task_args)
     if task is None:
         return Trainer(cfg, dist_ctx, metrics, **kwargs)
     return TaskTrainer(cfg, dist_ctx, metrics, task=task, **kwargs)
@@ -83,82 +78,72 @@ def check_task_config(cfg: JobConfig, world_size: int) -> ParallelLayout:
     return ParallelLayout(1, dp_replicate, dp_shard, 1)
 
 
-class TaskTrainer(Trainer):
-    """Trains a :class:`~hpctrain.task.Task` with the Trainer's loop, checkpoints and metrics.
+def refuse_large_task_on_cpu(cfg: JobConfig, task: Task) -> None:
+    """Refuse a GPU-sized task model that run.device=auto would put on the CPU (no GPU
+    visible), its parameters counted on the meta device before the real build."""
+    if cfg.run.device != "auto" or torch.cuda.is_available():
+        return
+    try:
+        with torch.device("meta"):
+            model = task.model()
+        n_params = sum(p.numel() for p in model.parameters())
+    except Exception as e:  # e.g. a factory that reads weights: the real build will tell
+        log.debug("the task's model could not be counted on the meta device: %s", e)
+        return
+    refuse_large_model_on_cpu(n_params, model=f"the task's model ({cfg.task})",
+                              force="run.device=cpu")
 
-    ``Trainer.__init__`` builds the built-in model; this one builds the same attributes from the
-    task instead (what the inherited loop, checkpointing and logging read).
-    """
+
+class TaskTrainer(Trainer):
+    """Trains a :class:`~hpctrain.task.Task` with the Trainer's loop, checkpoints and metrics:
+    only ``_build`` (the task's model, spread, and samples) and the step differ."""
 
     def __init__(self, cfg: JobConfig, dist_ctx: Distributed, metrics: MetricsWriter, *,
-                 task: Task, ckpt: CheckpointManager, watchdog: Watchdog,
-                 preempt: PreemptionFlag, control: ControlChannel,
-                 goodput: GoodputClock | None = None):
-        self.cfg, self.task = cfg, task
-        self.dist, self.device, self.metrics, self.ckpt = (dist_ctx, dist_ctx.device, metrics,
-                                                           ckpt)
-        self.goodput = goodput or GoodputClock()
-        self.watchdog = watchdog
-        self.checkpoints = RunCheckpoints(cfg, ckpt, dist_ctx, metrics=metrics,
-                                          goodput=self.goodput, watchdog=watchdog,
-                                          preempt=preempt, control=control,
-                                          state=self._train_state, loaded=self._loaded)
+                 task: Task, **kwargs):
+        self.task = task
+        super().__init__(cfg, dist_ctx, metrics, **kwargs)
+
+    def _build(self) -> None:
+        """The task's model (DDP or FSDP2), its samples in the global order, its FLOPs."""
+        cfg, task = self.cfg, self.task
         tc, pc = cfg.train, cfg.parallel
-        if tc.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
-            torch.backends.cudnn.benchmark = False
-        self.par = check_task_config(cfg, dist_ctx.world_size)
-        dp_rank, dp_size = dist_ctx.dp
+        self.par = check_task_config(cfg, self.dist.world_size)
+        dp_rank, dp_size = self.dist.dp
         self.layout = BatchLayout(tc.micro_batch, tc.grad_accum, dp_size, dp_rank)
         self.loader = build_sample_loader(task.data, self.layout, cfg.run.seed, self.device,
                                           task.collate, cfg.data.prefetch)
         self.val_dataset = task.eval_data
-
         # One GPU and DDP compute bf16/fp16 through autocast; FSDP casts the parameters itself.
         self.autocast = (DTYPES[tc.precision] if tc.precision != "fp32"
                          and pc.strategy != "fsdp" else None)
-        torch.manual_seed(cfg.run.seed)  # every rank builds the same initial weights
+        refuse_large_task_on_cpu(cfg, task)
         with self.device:
             model = task.build_model()
         model.to(self.device).train()
-        flops_per_sample = task.flops_per_sample or self._count_flops(model)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.flops_per_sample = task.flops_per_sample or self._count_flops(model)
         self.signature = checkpointing.model_signature(model)  # before DDP/FSDP rename or shard
+        # Buffers each rank updates from its own batch (BatchNorm's statistics): rank 0's are
+        # broadcast after every step, so the ranks agree and a checkpoint holds what all hold.
+        self.buffers = list(model.buffers()) if self.dist.world_size > 1 else []
         self.model = self._spread(model)
         self.pipeline = None
         self.after_update = _nothing
         self.attention = contextlib.nullcontext
         self.pp_group = None
         self.holds_loss = True
-        self.scaler = None
-        if tc.precision == "fp16":
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            scaler_cls = ShardedGradScaler if pc.strategy == "fsdp" else torch.amp.GradScaler
-            self.scaler = scaler_cls(self.device.type)
-
-        peak_lr = cfg.optim.effective_lr(self.layout.global_batch)
-        self.optimizer = build_optimizer(self.model, cfg.optim, peak_lr)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, tc.steps)
-        self.guard = BadStepGuard(cfg.guard, self.device)
-        self.lr_applied = 0.0
-        self._skipped_logged = 0.0
-        self.step = 0
-        self.throughput = Throughput()  # this attempt's tokens/s per rank, for its summaries
+        self.forward_is_local = pc.strategy != "fsdp"
         self._metric_sums: dict[str, torch.Tensor] = {}
         tokens = task.tokens_per_sample
         self.tokens_per_step = self.layout.micro_batch * tc.grad_accum * tokens
-        self.flops_per_token = flops_per_sample / tokens
-        self.peak = cfg.metrics.peak_tflops or self._device_peak(mfu_peak_dtype(tc.precision))
-        n_params = sum(p.numel() for p in model.parameters())
+        self.flops_per_token = self.flops_per_sample / tokens
+
+    def _announce(self) -> None:
+        """One log line: the task, its model's size, strategy, batch and learning rate."""
         log.info("task %s: %.2fM params, strategy %s, global batch %d samples, %.3g FLOPs per "
-                 "sample, peak lr %.3g", cfg.task or type(model).__name__, n_params / 1e6,
-                 pc.strategy, self.layout.global_batch, flops_per_sample, peak_lr)
-        self.metrics.write(self._layout_record())
-        self.observe = RunObserver(
-            cfg, dist_ctx.rank, dist_ctx.world_size, self.device, metrics, self.model,
-            watchdog.hosts, watchdog=watchdog, group=dist_ctx.control_group,
-            forward_is_local=pc.strategy != "fsdp")
+                 "sample, peak lr %.3g", self.cfg.task or type(self.model).__name__,
+                 self.n_params / 1e6, self.cfg.parallel.strategy, self.layout.global_batch,
+                 self.flops_per_sample, self.peak_lr)
 
     def _spread(self, model: nn.Module) -> nn.Module:
         """DDP, FSDP2 over the task's units then the root, or the model as it is."""
@@ -194,7 +179,7 @@ class TaskTrainer(Trainer):
 
     def _layout_record(self) -> dict:
         return {**super()._layout_record(), "task": self.cfg.task,
-                "flops_per_sample": self.flops_per_token * self.task.tokens_per_sample,
+                "flops_per_sample": self.flops_per_sample,
                 "tokens_per_sample": self.task.tokens_per_sample}
 
     def _first_loss_finite(self, loss: torch.Tensor) -> None:
@@ -236,15 +221,20 @@ class TaskTrainer(Trainer):
                 share.backward()
             total += share.detach()
             self._add_metrics(metrics, n)
+        if self.buffers:
+            broadcast_buffers(self.buffers)
         return total / dp
 
     def _add_metrics(self, metrics: dict, n: int) -> None:
         """Sum the step's own metrics on the device (read with the window's line)."""
         for name, value in metrics.items():
-            if not isinstance(value, torch.Tensor) or value.numel() != 1:
-                raise TaskError(f"the step's metric {name!r} is a {type(value).__name__}",
-                                expected="a scalar tensor")
-            value = value.detach().float().reshape(()) / n
+            if not isinstance(value, torch.Tensor) or value.dim() > 1:
+                raise TaskError(f"the step's metric {name!r} is a {type(value).__name__}"
+                                + (f" of shape {tuple(value.shape)}"
+                                   if isinstance(value, torch.Tensor) else ""),
+                                expected="a scalar tensor, or one value per sample")
+            # One value per sample (e.g. top-1 hits): its mean is the batch's value.
+            value = value.detach().float().mean() / n
             self._metric_sums[name] = self._metric_sums.get(name, 0) + value
 
     def _extend_record(self, record: dict, w: Window) -> None:
@@ -256,55 +246,45 @@ class TaskTrainer(Trainer):
             record.update({k: v / w.steps for k, v in zip(names, values, strict=True)})
             self._metric_sums = {}
 
-    def validate(self) -> dict | None:
+    def _evaluate(self) -> dict:
         """The task's loss (and metrics) over ``eval_data``: exact global means over samples."""
         data = self.val_dataset
-        if data is None:
-            return None
         if not is_map_style(data):
             raise ConfigError("Task(eval_data=...) is not map-style",
                               expected="__len__ and __getitem__ (each rank reads its share)")
-        self.watchdog.beat(self.step, "validation")
         sampler = ValidationSampler(call_user(len, "len(Task.eval_data)", data),
                                     self.layout.world_size, self.layout.rank,
                                     self.cfg.train.micro_batch,
                                     max_samples=self.cfg.train.val_max_samples)
-        collate = self.task.collate or torch.utils.data.default_collate
+        collate = (self.task.eval_collate or self.task.collate
+                   or torch.utils.data.default_collate)
         # DDP's forward would add its buffer and bucket bookkeeping; FSDP needs its own forward
         # (all ranks run the same number of batches).
         model = self.model.module if isinstance(self.model, nn.parallel.DistributedDataParallel) \
             else self.model
-        sums: dict[str, torch.Tensor] = {}
-        count = torch.zeros((), device=self.device, dtype=torch.float64)
+        sums = ExactSums(self.device)
         model.eval()
         try:
             with torch.no_grad():
-                for indices, mask in sampler:
-                    real = indices[mask] if mask.any() else indices[:1]
-                    weight = float(mask.sum())
-                    items = [call_user(data.__getitem__, "Task.eval_data[i]", int(i))
-                             for i in real]
+                for indices, n in rank_batches(sampler):
+                    items = [self._eval_sample(data, int(i)) for i in indices]
                     batch = to_device(call_user(collate, "Task.collate", items), self.device)
                     with self._autocast():
                         loss, metrics = self.task.run_step(model, batch)
-                    for name, value in {"val_loss": loss, **{f"val_{k}": v for k, v in
-                                                             metrics.items()}}.items():
-                        sums[name] = sums.get(name, 0) + value.detach().double() * weight
-                    count += weight
+                    sums.add({"val_loss": loss,
+                              **{f"val_{k}": v for k, v in metrics.items()}}, n)
         finally:
             model.train()
-        names = list(sums)
-        totals = torch.stack([*(sums[k] for k in names), count])
-        if self.dist.world_size > 1:
-            dist.all_reduce(totals)
-        values = totals.tolist()
-        record = {"step": self.step, **{k: v / values[-1] for k, v in zip(names, values[:-1],
-                                                                          strict=False)},
-                  "val_samples": int(values[-1])}
-        self.metrics.write(record)
-        log.info("validation at step %d: loss %.4f over %d samples", self.step,
-                 record["val_loss"], record["val_samples"])
-        return record
+        means, count = sums.reduce()
+        return {**means, "val_samples": count}
+
+    def _eval_sample(self, data, i: int):
+        """Held-out sample ``i`` (its ``sample_rng()`` seeded as in epoch 0)."""
+        with reading_sample(self.cfg.run.seed, 0, i):
+            return call_user(data.__getitem__, "Task.eval_data[i]", i)
+
+    def _described(self, record: dict) -> str:
+        return f"loss {record['val_loss']:.4f} over {record['val_samples']} samples"
 
 
 def _nothing() -> None:

@@ -38,6 +38,7 @@ from hpctrain.observe.goodput import GoodputClock
 from hpctrain.observe.live import RunObserver
 from hpctrain.observe.metrics import MetricsWriter
 from hpctrain.observe.peaks import mfu_peak_dtype, peak_tflops
+from hpctrain.observe.power import start_energy_meter
 from hpctrain.observe.progress import TrainProgress
 from hpctrain.parallel.float8 import Float8Training
 from hpctrain.parallel.grad_norm import clip_divisor, clip_grads_, global_grad_norm
@@ -96,15 +97,49 @@ class Trainer:
                                           goodput=self.goodput, watchdog=watchdog,
                                           preempt=preempt, control=control,
                                           state=self._train_state, loaded=self._loaded)
-        tc, pc = cfg.train, cfg.parallel
-
+        tc = cfg.train
         if tc.deterministic:
             # cuBLAS needs a fixed workspace to be deterministic; read when its handle is made.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.benchmark = False
-        torch.manual_seed(cfg.run.seed)
+        torch.manual_seed(cfg.run.seed)  # every rank builds the same initial weights
+        self._build()
+        # fp16 overflows without loss scaling; the sharded scaler agrees on inf/NaN across
+        # ranks so no rank skips a step the others take.
+        self.scaler = None
+        if tc.precision == "fp16":
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+            scaler_cls = (ShardedGradScaler if cfg.parallel.strategy == "fsdp"
+                          else torch.amp.GradScaler)
+            self.scaler = scaler_cls(self.device.type)
+        self.peak_lr = cfg.optim.effective_lr(self.layout.global_batch)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.peak_lr)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, tc.steps)
+        self.guard = BadStepGuard(cfg.guard, self.device)
+        self.lr_applied = 0.0  # the learning rate of the last update (for the metrics)
+        self._skipped_logged = 0.0  # bad steps already reported (the guard counts them all)
+        self.step = 0
+        self.throughput = Throughput()  # this attempt's tokens/s per rank, for its summaries
+        # fp8's MFU counts against the bf16 peak: the fp8 datasheet rate applies to its GEMMs only.
+        self.peak = cfg.metrics.peak_tflops or self._device_peak(mfu_peak_dtype(tc.precision))
+        self._announce()
+        self.metrics.write(self._layout_record())
+        # Stragglers, profiles, trackers. The forward is a rank's own time only where it
+        # holds no collective (one process, DDP); see observe/stragglers.py.
+        self.observe = RunObserver(
+            cfg, dist_ctx.rank, dist_ctx.world_size, self.device, metrics, self.model,
+            watchdog.hosts, watchdog=watchdog, group=dist_ctx.control_group,
+            forward_is_local=self.forward_is_local)
+
+    def _build(self) -> None:
+        """Check the layout, build and spread the model, open the data: sets ``par``,
+        ``layout``, ``model``, ``pipeline``, ``after_update``, ``autocast``, ``attention``,
+        ``pp_group``, ``holds_loss``, ``loader``, ``val_dataset``, ``tokens_per_step``,
+        ``flops_per_token`` and ``forward_is_local`` (what the loop reads)."""
+        cfg, dist_ctx, ckpt = self.cfg, self.dist, self.ckpt
+        tc, pc = cfg.train, cfg.parallel
         # Every layout rule (degrees against the world size, heads, vocabulary, layers,
         # micro-batches) is checked before anything is built.
         self.par = check_layout(cfg, dist_ctx.world_size)
@@ -117,7 +152,7 @@ class Trainer:
                         "the network", self.par.tp, local)
         self.model_args = cfg.model.resolve()
         # The model's family says how to build, count and spread it (hpctrain.models.spec).
-        family = family_of_args(self.model_args)
+        self.family = family = family_of_args(self.model_args)
         mesh = dist_ctx.mesh
         self.loss_fn = build_loss_fn(self.par.tp, mesh, self.model_args.vocab_size,
                                      compile=pc.compile)
@@ -145,23 +180,13 @@ class Trainer:
         # stage holds it at all: one rank per model replica contributes it to global sums.
         self.holds_loss = (mesh.get_local_rank("tp") == 0
                            and (self.pipeline is None or self.pipeline.has_last))
-        # fp16 overflows without loss scaling; the sharded scaler agrees on inf/NaN across
-        # ranks so no rank skips a step the others take.
-        self.scaler = None
-        if tc.precision == "fp16":
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            scaler_cls = ShardedGradScaler if pc.strategy == "fsdp" else torch.amp.GradScaler
-            self.scaler = scaler_cls(self.device.type)
+        self.forward_is_local = (pc.strategy != "fsdp" and self.par.tp == 1
+                                 and self.pipeline is None)
 
         # Batches go to data-parallel coordinates: the ranks of one model replica (its tensor-
         # and pipeline-parallel ranks) read the same samples.
         dp_rank, dp_size = dist_ctx.dp
         self.layout = BatchLayout(tc.micro_batch, tc.grad_accum, dp_size, dp_rank)
-        peak_lr = cfg.optim.effective_lr(self.layout.global_batch)
-        self.optimizer = build_optimizer(self.model, cfg.optim, peak_lr)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, tc.steps)
-
         # With the model's vocabulary: a token id it cannot embed is refused here, shard named.
         vocab = self.model_args.vocab_size
         dataset = build_dataset(cfg.data, vocab_size=vocab)
@@ -170,35 +195,24 @@ class Trainer:
         sampler = GlobalOrderSampler(len(dataset), self.layout, cfg.run.seed,
                                      remainder=cfg.data.remainder)
         self.loader = TokenLoader(dataset, sampler, self.device, cfg.data.prefetch)
-
-        self.guard = BadStepGuard(cfg.guard, self.device)
-        self.lr_applied = 0.0  # the learning rate of the last update (for the metrics)
-        self._skipped_logged = 0.0  # bad steps already reported (the guard counts them all)
-        self.step = 0
-        self.throughput = Throughput()  # this attempt's tokens/s per rank, for its summaries
         # Per GPU: a model replica's tokens are counted once, shared by its tp x pp ranks.
         self.tokens_per_step = (self.layout.micro_batch * tc.grad_accum * cfg.data.seq_len
                                 / (self.par.tp * self.par.pp))
         self.flops_per_token = family.flops_per_token(self.model_args, cfg.data.seq_len)
-        # fp8's MFU counts against the bf16 peak: the fp8 datasheet rate applies to its GEMMs only.
-        self.peak = cfg.metrics.peak_tflops or self._device_peak(mfu_peak_dtype(tc.precision))
-        n_params = family.count_params(self.model_args, include_embedding=True)
+
+    def _announce(self) -> None:
+        """One log line: the model, its size, layout, batch, learning rate and device peak."""
+        cfg, tc = self.cfg, self.cfg.train
+        n_params = self.family.count_params(self.model_args, include_embedding=True)
         log.info(
             "model %s: %.1fM params, strategy %s, layout %s, global batch %d samples = %d "
             "tokens, peak lr %.3g, device peak %s",
-            cfg.model.init_from or cfg.model.size, n_params / 1e6, pc.strategy, self.par.describe(),
-            self.layout.global_batch, self.layout.global_batch * cfg.data.seq_len, peak_lr,
+            cfg.model.init_from or cfg.model.size, n_params / 1e6, cfg.parallel.strategy,
+            self.par.describe(), self.layout.global_batch,
+            self.layout.global_batch * cfg.data.seq_len, self.peak_lr,
             f"{self.peak:.0f} TFLOP/s ({mfu_peak_dtype(tc.precision)}, MFU's reference)"
             if self.peak else "unknown device (MFU not reported)",
         )
-        self.metrics.write(self._layout_record())
-        # Stragglers, profiles, trackers. The forward is a rank's own time only where it
-        # holds no collective (one process, DDP); see observe/stragglers.py.
-        self.observe = RunObserver(
-            cfg, dist_ctx.rank, dist_ctx.world_size, self.device, metrics, self.model,
-            watchdog.hosts, watchdog=watchdog, group=dist_ctx.control_group,
-            forward_is_local=(pc.strategy != "fsdp" and self.par.tp == 1
-                              and self.pipeline is None))
 
     def _layout_record(self) -> dict:
         """The layout event: degrees, this rank's coordinates, with PP its stages, and the dtype
@@ -332,6 +346,8 @@ class Trainer:
             self.goodput.startup_part("compile_cache")
         first = self.step + 1
         self.goodput.started(self.step if self.last_checkpoint else None)
+        if self.dist.rank == 0 and self.cfg.metrics.energy:  # rank 0 keeps the run's ledger
+            self._meter_energy()
         with TrainProgress(tc.steps, self.dist.env, enabled=show, plain_every=1) as bar:
             bar.update(self.step, None, None, None)
             while self.step < tc.steps:
@@ -374,6 +390,7 @@ class Trainer:
                 # Last: a preemption exits from here, after this step's metrics are written.
                 self.watchdog.beat(self.step, "checkpoint/control")
                 self.checkpoints.between_steps(self.step)
+        self.checkpoints.start_final(self.step)  # written while the last validation runs
         with self.goodput.part("validation"):
             self.validate()
         self.checkpoints.finish(self.step)
@@ -390,6 +407,14 @@ class Trainer:
         return run_compile_cache(self.cfg, self.metrics.run_dir.root, self.dist.world_size,
                                  self.dist.rank, self.device)
 
+    def _meter_energy(self) -> None:
+        """Count the GPUs' energy in goodput from here (none on a CPU run or without NVML)."""
+        meter = start_energy_meter(self.device, self.dist.env.local_world_size)
+        if meter is not None:
+            self.goodput.meter_energy(
+                meter, tokens_per_step=self.layout.global_batch * self.cfg.data.seq_len,
+                gpus=self.dist.world_size, grid_gco2_per_kwh=self.cfg.metrics.grid_gco2_per_kwh)
+
     def _hang(self, seconds: float) -> None:
         """The ``hang`` fault: sleep, unless a preemption signal arrives meanwhile.
 
@@ -403,28 +428,36 @@ class Trainer:
             time.sleep(min(left, 0.05))
 
     def validate(self) -> dict | None:
-        """Evaluate the held-out split (if any) and log it like the training metrics."""
+        """Evaluate the held-out data (if any) and log it like the training metrics."""
         if self.val_dataset is None:
             return None
         self.watchdog.beat(self.step, "validation")
+        record = {"step": self.step, **self._evaluate()}
+        self.metrics.write(record)
+        log.info("validation at step %d: %s", self.step, self._described(record))
+        return record
+
+    def _evaluate(self) -> dict:
+        """Exact global loss and perplexity over the held-out split (train/validate.py)."""
         tc = self.cfg.train
         # Through a pipeline, batches have the training step's shape (the schedule's).
         micro_batch = tc.micro_batch * tc.grad_accum if self.pipeline else tc.micro_batch
         with self.attention():
-            record = {"step": self.step, **evaluate(
+            return evaluate(
                 self.model, self.val_dataset, micro_batch=micro_batch, rank=self.layout.rank,
                 world_size=self.layout.world_size, device=self.device, autocast=self.autocast,
                 loss_fn=self.loss_fn if self.par.tp > 1 else None, pipeline=self.pipeline,
                 holds_loss=self.holds_loss, loss_chunks=tc.loss_chunks,
-                max_samples=tc.val_max_samples)}
-        self.metrics.write(record)
-        log.info("validation at step %d: loss %.4f, perplexity %.2f over %d tokens (%d of the "
-                 "%d held-out samples, %d batches per rank%s)", self.step, record["val_loss"],
-                 record["val_ppl"], record["val_tokens"], record["val_samples"],
-                 record["val_split_samples"], record["val_batches"],
-                 "" if record["val_samples"] == record["val_split_samples"]
-                 else "; train.val_max_samples bounds it, 0 takes all")
-        return record
+                max_samples=tc.val_max_samples)
+
+    def _described(self, record: dict) -> str:
+        """The validation record in words, for the log."""
+        r = record
+        bounded = ("" if r["val_samples"] == r["val_split_samples"]
+                   else "; train.val_max_samples bounds it, 0 takes all")
+        return (f"loss {r['val_loss']:.4f}, perplexity {r['val_ppl']:.2f} over "
+                f"{r['val_tokens']} tokens ({r['val_samples']} of the {r['val_split_samples']} "
+                f"held-out samples, {r['val_batches']} batches per rank{bounded})")
 
     @property
     def complete(self) -> bool:

@@ -70,10 +70,18 @@ def evaluate(model: torch.nn.Module, dataset: TokenDataset, *, micro_batch: int,
         if holds_loss:
             totals[0] += loss_sum.double()
             totals[1] += (masked != IGNORE_INDEX).sum()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(totals)
-    loss_sum, tokens = totals.tolist()
-    loss = loss_sum / tokens
+    sums = global_sums({"loss": totals[0], "tokens": totals[1]})
+    loss = sums["loss"] / sums["tokens"]
+    tokens = sums["tokens"]
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(tokens),
             "val_samples": sampler.num_samples, "val_split_samples": len(dataset),
             "val_batches": len(sampler)}
+
+
+def global_sums(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each scalar summed over all ranks of the job, in float64 (one all-reduce, one sync)."""
+    names = list(sums)
+    totals = torch.stack([torch.as_tensor(sums[k]).double().reshape(()) for k in names])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(totals)
+    return dict(zip(names, totals.tolist(), strict=True))

@@ -204,14 +204,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """``hpctrain doctor``."""
-    from hpctrain.config import load_config
+    from hpctrain.task import load_run_config
 
     if args.config is None and args.overrides:
         raise ConfigError("overrides without a config", hint="hpctrain doctor CONFIG k=v ...")
-    cfg = load_config(args.config, args.overrides) if args.config is not None else None
+    env = detect_env()  # before run_doctor exports torch's rank variables
+    # A task file (.py) is read as `hpctrain train` reads it (the batch script's --preflight).
+    cfg = (load_run_config(args.config, args.overrides, env.world_size)
+           if args.config is not None else None)
     if args.allreduce_mb <= 0 or args.max_small_files < 0:
         raise ConfigError("--allreduce-mb must be > 0 and --max-small-files >= 0")
-    env = detect_env()  # before run_doctor exports torch's rank variables
     try:
         verdicts, who = run_doctor(cfg, env, expect_busbw=args.expect_busbw,
                               allreduce_mb=args.allreduce_mb,

@@ -1,0 +1,76 @@
+"""The image loader's own throughput: read, decode and augment packed images, no model.
+
+    from hpctrain.data.images.throughput import loader_throughput
+    print(loader_throughput("data/synth", device="cuda", dtype=torch.bfloat16, threads=8))
+
+Reading runs as in training: `SampleLoader` in the global order, its prefetch thread reading
+the shards while the caller's thread decodes and augments (on the GPU when ``device`` is CUDA);
+with ``ahead=True`` the prefetch thread decodes and augments too (`DecodeAhead`). ``timed=True``
+also splits the time into decoding and augmenting (waiting for the device after each part, so
+it slows the loader a little).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from hpctrain.data.images.ahead import DecodeAhead
+from hpctrain.data.images.augment import ImagePipeline, augment_generator
+from hpctrain.data.images.reader import ImageShards, collate_images
+from hpctrain.data.order import BatchLayout
+from hpctrain.data.samples import SampleLoader
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def loader_throughput(path: str | Path, *, split: str = "train", batch: int = 256,
+                      steps: int = 10, warmup: int = 2, size: int = 224, train: bool = True,
+                      device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                      threads: int = 1, cpu_fraction: float = 0.0, seed: int = 0,
+                      ahead: bool = False, timed: bool = False) -> dict:
+    """Images/s through read + decode + augment, and the seconds each part took per batch."""
+    device = torch.device(device)
+    ds = ImageShards(path, split)
+    pipe = ImagePipeline(size, train=train, device=device, dtype=dtype, threads=threads,
+                         cpu_fraction=cpu_fraction, timed=timed)
+    collate = DecodeAhead(pipe, seed) if ahead else collate_images
+    loader = SampleLoader(ds, BatchLayout(batch, 1, 1, 0), seed, device, collate, prefetch=2)
+    wait = work = 0.0
+    images = 0
+    try:
+        for step in range(warmup + steps):
+            if step == warmup:
+                _sync(device)
+                wait = work = 0.0
+                images = 0
+                st = pipe.stats
+                before = (st.decode_s, st.augment_s, st.decoded + st.bad)
+                t_start = time.perf_counter()
+            t0 = time.perf_counter()
+            encoded, labels = loader.next_step()[0]
+            t1 = time.perf_counter()
+            x, _ = pipe(encoded, labels, augment_generator(seed, step, 0))
+            _sync(device)
+            wait += t1 - t0
+            work += time.perf_counter() - t1
+            images += x.shape[0]
+        total = time.perf_counter() - t_start
+    finally:
+        loader.close()
+        ds.close()
+    st = pipe.stats
+    n = max(1, st.decoded + st.bad - before[2])  # with ahead=True: also what was prefetched
+    timing = ({"decode_ms_per_image": (st.decode_s - before[0]) / n * 1e3,
+               "augment_ms_per_image": (st.augment_s - before[1]) / n * 1e3} if timed else {})
+    return {"images_per_s": images / total, "images": images, "seconds": total,
+            "loader_wait_s_per_batch": wait / steps, "step_s_per_batch": work / steps,
+            "device": str(device), "threads": threads, "cpu_fraction": cpu_fraction,
+            "ahead": ahead, "cpus": len(os.sched_getaffinity(0)), "batch": batch, "size": size,
+            "train": train, "skipped_images": pipe.stats.bad, **timing}

@@ -1,0 +1,196 @@
+"""Image classification from packed JPEG shards: the task behind the ResNet and ViT recipes.
+
+    task: hpctrain.tasks.images:classifier
+    task_args:
+      model: resnet50            # hpctrain.models.vision names: resnet18/50, vit_b_16, ...
+      data: /scratch/imagenet    # `hpctrain data pack-images` output (train/ and val/ splits)
+      image_size: 224
+      label_smoothing: 0.1
+
+Each micro-batch arrives as encoded JPEG bytes (`ImageShards` through hpctrain's loader: global
+order, equal per-rank counts, exact resume) and is decoded, cropped, flipped and normalised on
+the model's device (`ImagePipeline`: nvJPEG on CUDA, Pillow on the CPU), ``channels_last``, bf16
+on the GPU, in the loader's prefetch thread (`DecodeAhead`), overlapping the training step. The
+crops are seeded by the batch's sample keys, so a resume crops bit-identically. Validation is the
+centre crop, every sample of the ``val`` split counted once over all ranks (top-1/top-5 exact,
+`hpctrain.train.exact_eval`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpctrain.config import from_dict
+from hpctrain.data.images import DecodeAhead, ImagePipeline, ImageShards, PreparedImages
+from hpctrain.data.images.reader import IMAGES_FORMAT
+from hpctrain.data.tar_samples import MANIFEST
+from hpctrain.errors import ConfigError
+from hpctrain.models import vision
+from hpctrain.task import Task
+from hpctrain.train.exact_eval import topk_correct
+
+
+@dataclasses.dataclass
+class ImageTaskConfig:
+    """``task_args`` of :func:`classifier`."""
+
+    model: str = "resnet50"
+    # The packed shards (a folder with train/ and, for validation, val/ splits).
+    data: str = ""
+    image_size: int = 224
+    # Evaluation resizes the shorter side to this, then takes the centre crop (0: size / 0.875).
+    eval_resize: int = 0
+    # 0: the number of classes in the shards' manifest.
+    num_classes: int = 0
+    label_smoothing: float = 0.1
+    # Random-resized-crop's smallest area, as a fraction of the image (torchvision: 0.08);
+    # small or centred images (digits, thumbnails) train better with a larger one.
+    crop_scale_min: float = 0.08
+    # Random horizontal flips (off for images whose class changes when mirrored: text, digits).
+    hflip: bool = True
+    # Only "none" so far: mixup/cutmix would mix the labels of the batch.
+    mixup: Literal["none"] = "none"
+    # ResNet: each block's last BatchNorm gain starts at 0 (Goyal et al. 2017).
+    zero_init_residual: bool = True
+    channels_last: bool = True
+    # Pillow decoding threads per rank, and (on CUDA) the share of each batch they decode
+    # while nvJPEG decodes the rest: a knob for the balance of CPU and GPU per machine.
+    decode_threads: int = 1
+    cpu_fraction: float = 0.0
+    # Seeds the crops (with each batch's sample keys: the same crops after a resume).
+    augment_seed: int = 0
+    # Copy each split once per node to this node-local folder first (e.g. $SLURM_TMPDIR).
+    stage_to: str | None = None
+
+    def validate(self) -> None:
+        """Refuse settings the task cannot train with, naming the key."""
+        if not self.data:
+            raise ConfigError("task_args.data is not set",
+                              expected="the folder `hpctrain data pack-images` wrote",
+                              hint="task_args.data=/path/to/shards")
+        if self.model not in vision.MODELS:
+            raise ConfigError(f"task_args.model = {self.model!r} is not known",
+                              expected=", ".join(vision.MODELS))
+        if self.image_size < 8:
+            raise ConfigError(f"task_args.image_size = {self.image_size}",
+                              expected="at least 8 pixels")
+        if self.eval_resize and self.eval_resize < self.image_size:
+            raise ConfigError(f"task_args.eval_resize = {self.eval_resize} is smaller than "
+                              f"image_size {self.image_size}",
+                              expected="0 (size / 0.875) or >= image_size")
+        if not 0 < self.crop_scale_min <= 1:
+            raise ConfigError(f"task_args.crop_scale_min = {self.crop_scale_min}",
+                              expected="0 < value <= 1 (0.08 is torchvision's)")
+        if self.decode_threads < 1 or not 0 <= self.cpu_fraction <= 1:
+            raise ConfigError(f"task_args.decode_threads = {self.decode_threads}, "
+                              f"cpu_fraction = {self.cpu_fraction}",
+                              expected="decode_threads >= 1 and 0 <= cpu_fraction <= 1")
+        if not 0 <= self.label_smoothing < 1:
+            raise ConfigError(f"task_args.label_smoothing = {self.label_smoothing}",
+                              expected="0 <= value < 1 (0.1 is the usual)")
+
+
+class ImageClassifier:
+    """The task's parts: model factory, collates that decode + augment ahead, and the step.
+
+    Decoding and augmenting run in the loader's prefetch thread (`DecodeAhead`: a CUDA side
+    stream on the GPU), so they overlap the training step. The pipelines are built on first use
+    for the device the trainer built the model on (it calls the model factory under that
+    device), which comes before the first batch is read.
+    """
+
+    def __init__(self, cfg: ImageTaskConfig, num_classes: int,
+                 build: Callable[[int, int], nn.Module] | None = None) -> None:
+        self.cfg, self.num_classes, self.build = cfg, num_classes, build
+        self.device = torch.device("cpu")
+        self._collates: dict[bool, DecodeAhead] = {}
+
+    def model(self) -> nn.Module:
+        """The classifier, on the trainer's device (which it remembers for the pipelines)."""
+        device = torch.get_default_device()
+        if device.type != "meta":  # a model built only to be measured (a plan, a preflight)
+            self.device = device
+        cfg = self.cfg
+        model = (self.build(self.num_classes, cfg.image_size) if self.build else
+                 vision.build(cfg.model, self.num_classes, cfg.image_size,
+                              zero_init_residual=cfg.zero_init_residual))
+        return model.to(memory_format=torch.channels_last) if cfg.channels_last else model
+
+    def _collate(self, train: bool, samples: list) -> tuple[PreparedImages, torch.Tensor]:
+        if train not in self._collates:
+            cfg = self.cfg
+            # bf16 on the GPU (half the bytes; the step casts for an fp32 run), fp32 on the CPU.
+            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+            pipe = ImagePipeline(cfg.image_size, train=train, device=self.device, dtype=dtype,
+                                 resize=cfg.eval_resize or None, scale=(cfg.crop_scale_min, 1.0),
+                                 flip=cfg.hflip, threads=cfg.decode_threads,
+                                 cpu_fraction=cfg.cpu_fraction)
+            self._collates[train] = DecodeAhead(pipe, cfg.augment_seed)
+        return self._collates[train](samples)
+
+    def collate(self, samples: list) -> tuple[PreparedImages, torch.Tensor]:
+        """Training batches: random-resized crops and flips, seeded by the batch's keys."""
+        return self._collate(True, samples)
+
+    def eval_collate(self, samples: list) -> tuple[PreparedImages, torch.Tensor]:
+        """Validation batches: resize and centre crop."""
+        return self._collate(False, samples)
+
+    def step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict]:
+        """Cross entropy (label smoothing in training) and per-sample top-1/top-5 hits."""
+        prepared, labels = batch
+        images = prepared.tensor
+        if not torch.is_autocast_enabled(images.device.type):
+            # fp32 runs (and FSDP, whose mixed precision casts its inputs itself).
+            images = images.float()
+        logits = model(images)
+        smoothing = self.cfg.label_smoothing if model.training else 0.0
+        loss = F.cross_entropy(logits.float(), labels, label_smoothing=smoothing)
+        return loss, topk_correct(logits.detach(), labels)
+
+
+def classifier(build: Callable[[int, int], nn.Module] | None = None, **task_args: Any) -> Task:
+    """The image classifier task that ``task_args`` describe (see :class:`ImageTaskConfig`);
+    ``build(num_classes, image_size)``, if given, makes the model instead of ``model``'s
+    (whose name still gives the FLOPs per sample)."""
+    cfg = from_dict(ImageTaskConfig, task_args, "task_args")
+    cfg.validate()
+    train = ImageShards(cfg.data, "train", stage_to=cfg.stage_to)
+    num_classes = cfg.num_classes or len(train.classes)
+    if num_classes < len(train.classes):
+        raise ConfigError(f"task_args.num_classes = {num_classes}, but the shards hold "
+                          f"{len(train.classes)} classes",
+                          hint="set 0 to take the manifest's count")
+    parts = ImageClassifier(cfg, num_classes, build)
+    return Task(model=parts.model, data=train, eval_data=_val_split(cfg), step=parts.step,
+                collate=parts.collate, eval_collate=parts.eval_collate,
+                flops_per_sample=vision.flops_per_sample(cfg.model, cfg.image_size, num_classes),
+                shard_units=_blocks)
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """FSDP's units: the residual or encoder blocks (torchvision's models have the same)."""
+    if hasattr(model, "blocks"):
+        return model.blocks()
+    if hasattr(model, "encoder"):  # torchvision's VisionTransformer
+        return list(model.encoder.layers)
+    return [b for name in ("layer1", "layer2", "layer3", "layer4") for b in getattr(model, name)]
+
+
+def _val_split(cfg: ImageTaskConfig) -> ImageShards | None:
+    """The ``val`` split if the shards have one (else training runs without validation)."""
+    try:
+        manifest = json.loads((Path(cfg.data) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None  # ImageShards of the train split has said what is wrong already
+    if manifest.get("format") != IMAGES_FORMAT or "val" not in (manifest.get("splits") or {}):
+        return None  # one split only (a split folder itself: its val would be train)
+    return ImageShards(cfg.data, "val", stage_to=cfg.stage_to)

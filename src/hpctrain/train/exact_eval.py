@@ -1,0 +1,85 @@
+"""Exact distributed evaluation: every sample of a split counted once, gathered in one call.
+
+The split is `ValidationSampler`'s: rank ``r`` of ``W`` takes samples ``r, r + W, ...`` in
+micro-batches of equal count on every rank (the tail's empty slots are padding), so every rank
+makes the same forward and collective calls and no sample is dropped or seen twice.
+`rank_batches` turns each padded micro-batch into the real samples to run; `ExactSums` adds
+each batch's values as sums over its real samples in float64 and gathers all of them across the
+ranks in one all-reduce (`validate.global_sums`). Values given one per sample (e.g.
+`topk_correct`'s 0/1 hits) are summed exactly, so top-1/top-5 on N ranks are the very numbers
+one process gets; a value given as the batch mean (a loss) is weighted by the batch's count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from hpctrain.data.loader import ValidationSampler
+from hpctrain.errors import HpctrainError
+from hpctrain.train.validate import global_sums
+
+__all__ = ["ExactSums", "ValidationSampler", "rank_batches", "topk_correct"]
+
+
+def rank_batches(sampler: ValidationSampler) -> Iterator[tuple[np.ndarray, int]]:
+    """This rank's micro-batches as (indices to run, how many of them count).
+
+    A micro-batch of padding only still runs one sample (counted 0 times): sharded models
+    (FSDP) need every rank in every forward's collectives.
+    """
+    for indices, mask in sampler:
+        n = int(mask.sum())
+        yield (indices[mask] if n else indices[:1]), n
+
+
+def topk_correct(logits: torch.Tensor, labels: torch.Tensor,
+                 ks: Sequence[int] = (1, 5)) -> dict[str, torch.Tensor]:
+    """Per-sample hits ``{"top1": 0/1 float vector, "top5": ...}``: the label is among the
+    ``k`` highest logits (k capped at the number of classes)."""
+    top = logits.topk(min(max(ks), logits.shape[-1]), dim=-1).indices
+    hits = top == labels.unsqueeze(-1)
+    return {f"top{k}": hits[:, :k].any(dim=-1).float() for k in ks}
+
+
+class ExactSums:
+    """Named sums over samples (float64, on the device), gathered across ranks once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.sums: dict[str, torch.Tensor] = {}
+        self.count = 0
+
+    def add(self, values: Mapping[str, torch.Tensor], n: int) -> None:
+        """Add one batch of ``n`` counted samples: a scalar value is the batch's mean, a 1-D
+        value holds one number per sample (fewer than ``n`` if the step dropped samples, e.g.
+        corrupt images: those count as 0). ``n = 0`` (padding) adds nothing, but names the
+        values, so that every rank gathers the same ones."""
+        if set(values) != set(self.sums) and self.sums:
+            raise HpctrainError(f"evaluation values {sorted(values)} differ from earlier "
+                                f"batches' {sorted(self.sums)}",
+                                expected="the same names in every batch")
+        for name, value in values.items():
+            value = value.detach()
+            if not (value.dim() == 0 or (value.dim() == 1 and value.numel() <= max(n, 1))):
+                raise HpctrainError(
+                    f"evaluation value {name!r} has shape {tuple(value.shape)} for a batch of "
+                    f"{n} samples", expected=f"a scalar (the batch mean) or shape ({n},)")
+            if name not in self.sums:
+                self.sums[name] = torch.zeros((), dtype=torch.float64, device=self.device)
+            if n:
+                self.sums[name] += value.double() * n if value.dim() == 0 else value.double().sum()
+        self.count += n
+
+    def reduce(self) -> tuple[dict[str, float], int]:
+        """The means over every rank's samples, and how many samples there were.
+
+        Collective: every rank calls it after the same number of ``add`` calls (`rank_batches`
+        gives every rank the same number of batches).
+        """
+        count = torch.tensor(float(self.count), dtype=torch.float64, device=self.device)
+        totals = global_sums({**self.sums, "\0count": count})
+        total = int(totals.pop("\0count"))
+        return {k: v / total for k, v in totals.items()}, total

@@ -1,0 +1,175 @@
+"""Decoding (CPU path), corrupt images, augmentation and the loader's order over image shards."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+import torch
+from image_trees import tiny_jpeg
+from PIL import Image
+
+from hpctrain.data.images import (
+    DecodeAhead,
+    DecodeStats,
+    EncodedImages,
+    ImagePipeline,
+    ImageShards,
+    augment_generator,
+    collate_images,
+    crop_boxes,
+    decode_batch,
+)
+from hpctrain.data.images.pack import PackSettings, pack_images
+from hpctrain.data.images.throughput import loader_throughput
+from hpctrain.data.order import BatchLayout
+from hpctrain.data.samples import SampleLoader
+from hpctrain.errors import DataError
+
+
+def _bytes(b: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
+
+
+def _png(w: int = 20, h: int = 10) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGBA", (w, h), (10, 200, 30, 128)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def shards(image_tree, tmp_path_factory) -> ImageShards:
+    src, _ = image_tree
+    out = tmp_path_factory.mktemp("pipe") / "out"
+    pack_images(src, out, PackSettings(shard_bytes=6000))
+    return ImageShards(out)
+
+
+def test_cpu_decode_skips_and_names_corrupt_images(caplog) -> None:
+    good = tiny_jpeg(1)
+    truncated = good[: len(good) // 2]
+    garbage = b"\xff\xd8\xff" + bytes(200)
+    batch = EncodedImages([_bytes(good), _bytes(truncated), _bytes(garbage), _bytes(_png())],
+                          [("shard-000007.tar", f"k{i}", 100) for i in range(4)])
+    stats = DecodeStats()
+    with caplog.at_level(logging.WARNING, logger="hpctrain.data"):
+        out = decode_batch(batch, "cpu", stats=stats)
+    assert out.kept == [0, 3]
+    assert out[0].dtype == torch.uint8 and out[0].shape == (3, 32, 32)
+    want = torch.from_numpy(__import__("numpy").array(Image.open(io.BytesIO(good)).convert("RGB")))
+    assert torch.equal(out[0], want.permute(2, 0, 1))
+    assert out[1].shape == (3, 10, 20)  # PNG with alpha, through Pillow, as RGB
+    assert (stats.decoded, stats.bad) == (2, 2)
+    assert "'k1'" in caplog.text and "'k2'" in caplog.text and "shard-000007.tar" in caplog.text
+    threaded = decode_batch(batch, "cpu", threads=2)  # Pillow on a thread pool: same result
+    assert threaded.kept == out.kept
+    assert all(torch.equal(a, b) for a, b in zip(threaded, out, strict=True))
+
+
+def test_a_shard_of_only_bad_images_is_an_error() -> None:
+    bad = _bytes(b"\xff\xd8\xff" + bytes(50))
+    stats = DecodeStats()
+    decode_batch(EncodedImages([bad], [("shard-000002.tar", "a", 2)]), "cpu", stats=stats)
+    with pytest.raises(DataError, match="shard-000002.tar.*all 2 images"):
+        decode_batch(EncodedImages([bad], [("shard-000002.tar", "b", 2)]), "cpu", stats=stats)
+
+
+def test_reduced_size_decode_keeps_the_shorter_side() -> None:
+    big = tiny_jpeg(3, size=(256, 192))
+    full = decode_batch([_bytes(big)], "cpu")[0]
+    small = decode_batch([_bytes(big)], "cpu", min_side=40)[0]
+    assert full.shape == (3, 192, 256)
+    assert small.shape[1] >= 40 and small.shape[1] < 192 // 2  # decoded at 1/4 scale
+
+
+def test_crop_boxes_follow_random_resized_crop() -> None:
+    g = torch.Generator().manual_seed(0)
+    sizes = [(375, 500)] * 200 + [(10, 400)]  # the last one is too wide: the centre fallback
+    boxes = crop_boxes(sizes, g)
+    for (h_img, w_img), (t, left, h, w) in zip(sizes[:-1], boxes[:-1], strict=True):
+        assert 0 <= t <= h_img - h and 0 <= left <= w_img - w
+        assert 0.08 * 0.9 <= h * w / (h_img * w_img) <= 1.0
+        assert 3 / 4 * 0.9 <= w / h <= 4 / 3 * 1.1
+    assert boxes[-1] == (0, (400 - 13) // 2, 10, 13)
+    assert len({b for b in boxes[:-1]}) > 150  # random, not a constant box
+
+
+def test_pipeline_train_and_eval(shards) -> None:
+    images, labels = collate_images([shards[i] for i in range(6)])
+    pipe = ImagePipeline(16, train=True, dtype=torch.bfloat16)
+    x, y = pipe(images, labels, augment_generator(1, 5, 0))
+    assert x.shape == (6, 3, 16, 16) and x.dtype == torch.bfloat16
+    assert x.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(y, labels)
+    x2, _ = pipe(images, labels, augment_generator(1, 5, 0))
+    x3, _ = pipe(images, labels, augment_generator(1, 6, 0))
+    assert torch.equal(x, x2) and not torch.equal(x, x3)  # a resume replays the same crops
+    with pytest.raises(ValueError, match="explicit torch.Generator"):
+        pipe(images, labels)
+
+    ev = ImagePipeline(24, train=False, resize=28)
+    x, y = ev(images, labels)
+    assert x.shape == (6, 3, 24, 24) and x.dtype == torch.float32
+    # Resize 32 -> 28 then the centre 24: torch's float resize and a slice, within one 8-bit
+    # level (the CPU path resizes in uint8).
+    img = decode_batch(images.data[:1], "cpu")[0][None].float()
+    ref = torch.nn.functional.interpolate(img, size=(28, 28), mode="bilinear", antialias=True,
+                                          align_corners=False)[..., 2:26, 2:26]
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
+    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
+    torch.testing.assert_close(x[:1], (ref - mean) / std, rtol=0, atol=1.01 / (255 * 0.224))
+
+
+def test_labels_follow_a_skipped_image(shards) -> None:
+    images, labels = collate_images([shards[i] for i in range(4)])
+    images.data[1] = _bytes(b"\xff\xd8\xff" + bytes(40))
+    images.sources[1] = ("shard-000009.tar", "bad", 100)  # one bad of many: skipped, no error
+    x, y = ImagePipeline(8, train=False)(images, labels)
+    assert x.shape[0] == 3 and torch.equal(y, labels[[0, 2, 3]])
+
+
+def test_loader_order_equal_counts_and_exact_resume(shards) -> None:
+    """Two ranks of SampleLoader over the shards: disjoint equal slices; a resumed loader
+    continues with the same samples."""
+    keys = {}
+    for rank in (0, 1):
+        loader = SampleLoader(shards, BatchLayout(2, 1, 2, rank), seed=3,
+                              device=torch.device("cpu"), collate=collate_images, prefetch=0)
+        keys[rank] = [[k for _, k, _ in loader.next_step()[0][0].sources] for _ in range(4)]
+        resumed = SampleLoader(shards, BatchLayout(2, 1, 2, rank), seed=3,
+                               device=torch.device("cpu"), collate=collate_images, prefetch=0)
+        resumed.load_state_dict({**loader.state_dict(), "step": 2})
+        assert [[k for _, k, _ in resumed.next_step()[0][0].sources]
+                for _ in range(2)] == keys[rank][2:]
+    assert all(len(b) == 2 for r in keys for b in keys[r])
+    flat = [k for r in keys for b in keys[r] for k in b]
+    assert len(flat) == len(set(flat)) == 16
+
+
+def test_loader_throughput_reports_images_per_second(shards) -> None:
+    r = loader_throughput(shards.root.parent, batch=4, steps=2, warmup=1, size=16, timed=True)
+    assert r["images"] == 8 and r["images_per_s"] > 0 and r["skipped_images"] == 0
+    assert r["decode_ms_per_image"] > 0 and r["augment_ms_per_image"] > 0
+    r = loader_throughput(shards.root.parent, batch=4, steps=2, warmup=1, size=16, ahead=True)
+    assert r["images"] == 8 and r["ahead"]
+
+
+def test_decode_ahead_in_the_loader_thread_resumes_bit_identically(shards) -> None:
+    pipe = ImagePipeline(16, train=True, dtype=torch.bfloat16)
+
+    def loader(step: int) -> SampleLoader:
+        ld = SampleLoader(shards, BatchLayout(3, 1, 1, 0), seed=5, device=torch.device("cpu"),
+                          collate=DecodeAhead(pipe, seed=5), prefetch=2)
+        ld.load_state_dict({**ld.state_dict(), "step": step})
+        return ld
+
+    first = loader(0)
+    batches = [pipe(*first.next_step()[0]) for _ in range(3)]  # PreparedImages pass through
+    first.close()
+    assert all(x.shape == (3, 3, 16, 16) and x.dtype == torch.bfloat16 for x, _ in batches)
+    resumed = loader(2)
+    x, y = pipe(*resumed.next_step()[0])
+    resumed.close()
+    assert torch.equal(x, batches[2][0]) and torch.equal(y, batches[2][1])
+    assert not torch.equal(batches[0][0], batches[1][0])
