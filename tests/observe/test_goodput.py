@@ -92,7 +92,9 @@ def test_one_attempt_every_part(tmp_path: Path, clock: FakeTime) -> None:
     _check_sums(account)
     assert account["attempts"] == [{"attempt": 1, "start": 1000.0, "end": clock.now,
                                     "exit_code": 0, "resumed_from_step": None,
-                                    "last_step": 8}]
+                                    "last_step": 8,
+                                    # no part marked before the loop: all of it is "other"
+                                    "startup_parts": {"other": 10.0, "first_step": 4.0}}]
     assert "goodput" in summary(account) and "1 attempt " in summary(account)
 
 

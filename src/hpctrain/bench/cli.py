@@ -7,6 +7,8 @@
     hpctrain bench model --size 1b --strategy fsdp --nproc 4 --micro-batch 4
     hpctrain bench roofline --from runs/bench-gpu
     hpctrain bench node                 # health summary of this node; exit 1 if a GPU is off
+    hpctrain bench disk /scratch/me --size 8G --threads 8
+    hpctrain bench checkpoint /scratch/me --params 1e9
 
 Results go to ``--out`` (default ``runs/bench/<name>-<timestamp>``): ``<name>.csv``,
 ``<name>.json`` and, when matplotlib is installed, a PNG.
@@ -137,12 +139,42 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     nd.add_argument("--out", type=Path, default=None,
                     help="results folder (default runs/bench/node-<timestamp>)")
 
+    dk = bsub.add_parser("disk", help="sequential write and read GB/s of a folder's file system",
+                         description="Write then read --size bytes in --threads files under "
+                         "PATH (O_DIRECT where allowed, fsync, page cache dropped before the "
+                         "read); the files are removed afterwards.")
+    dk.add_argument("path", type=Path, help="a writable directory on the file system to measure")
+    dk.add_argument("--size", default="4G", help="bytes in all, e.g. 512M, 8G (default 4G)")
+    dk.add_argument("--threads", type=count(1, 256), default=4, help="files written at once")
+    dk.add_argument("--block", default="16M", help="bytes per write call (default 16M)")
+    dk.add_argument("--out", type=Path, default=None,
+                    help="results folder (default runs/bench/disk-<timestamp>)")
+
+    ck = bsub.add_parser("checkpoint", help="checkpoint save and restore GB/s beside bench disk",
+                         description="Save and restore a model-sized state (bf16 parameters, "
+                         "fp32 Adam moments) under PATH the way training does (staged, written "
+                         "by the writer process, committed; verified and loaded), timed as the "
+                         "caller pays it, beside bench disk's numbers for the same PATH.")
+    ck.add_argument("path", type=Path, help="a writable directory (checkpoints go to a temporary "
+                    "folder inside it, removed afterwards)")
+    ck.add_argument("--params", type=real(1e3, 1e12), default=1e8,
+                    help="parameters of the state (10 bytes each: bf16 + 2 fp32 moments)")
+    ck.add_argument("--saves", type=count(1, 100), default=2,
+                    help="saves timed (the first one pays the writer's warm-up; best is kept)")
+    ck.add_argument("--write-threads", type=count(0, 64), default=0,
+                    help="checkpoint.write_threads (0: the automatic choice)")
+    ck.add_argument("--writer", choices=["process", "thread", "inline"], default="process",
+                    help="who writes: the writer process (default), a thread, or inline")
+    ck.add_argument("--no-disk", action="store_true", help="skip the bench disk reference")
+    ck.add_argument("--out", type=Path, default=None,
+                    help="results folder (default runs/bench/checkpoint-<timestamp>)")
+
 
 def run(args: argparse.Namespace) -> None:
     """Dispatch ``hpctrain bench <command>``."""
     {"gemm": _gemm, "membw": _membw, "h2d": _h2d,
      "collective": _collective, "model": _model,
-     "roofline": _roofline,
+     "roofline": _roofline, "disk": _disk, "checkpoint": _checkpoint,
      "node": _node}[args.bench_command](args)
 
 
@@ -165,6 +197,28 @@ def _sizes(values: list[str] | None, default: list[str]) -> list[int]:
     from hpctrain.bench.common import parse_size
 
     return [parse_size(v) for v in (values or default)]
+
+
+def _disk(args: argparse.Namespace) -> None:
+    from hpctrain.bench.common import parse_size
+    from hpctrain.bench.disk import disk_results, run_disk
+
+    rows = run_disk(args.path, parse_size(args.size), threads=args.threads,
+                    block=parse_size(args.block),
+                    echo=lambda line: print(line, file=sys.stderr, flush=True))
+    res = disk_results(rows, args.path)
+    _finish(res, args, _out_dir(args, "disk"),
+            f"disk: {args.path} ({res.meta['fs_type'] or 'file system unknown'})")
+
+
+def _checkpoint(args: argparse.Namespace) -> None:
+    from hpctrain.bench.checkpoint import run_checkpoint_bench
+
+    res = run_checkpoint_bench(args.path, int(args.params), saves=args.saves,
+                               write_threads=args.write_threads, writer=args.writer,
+                               disk=not args.no_disk,
+                               echo=lambda line: print(line, file=sys.stderr, flush=True))
+    _finish(res, args, _out_dir(args, "checkpoint"), f"checkpoint save/restore: {args.path}")
 
 
 def _gemm(args: argparse.Namespace) -> None:

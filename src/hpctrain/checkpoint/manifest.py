@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -118,20 +119,35 @@ def is_plain_name(name: object) -> bool:
 
 
 def verify_files(ckpt_dir: Path, files: dict[str, dict[str, Any]], names: list[str]) -> None:
-    """Check size and checksum of ``names``; raise DamagedCheckpoint naming the first bad file."""
-    for name in names:
-        path = ckpt_dir / name
-        want = files[name]
-        if not path.is_file():
-            raise DamagedCheckpoint(f"{path} is missing")
-        try:
-            size = path.stat().st_size
-            if size != want["size"]:
-                raise DamagedCheckpoint(f"{path} is {size} bytes, the manifest says "
-                                        f"{want['size']} (truncated or overwritten)")
-            got = checksum(path)
-        except OSError as e:
-            raise DamagedCheckpoint(f"{path} is unreadable: {e}") from None
-        if got != want["xxh3"]:
-            raise DamagedCheckpoint(f"{path} checksum {got} does not match the manifest's "
-                                    f"{want['xxh3']} (corrupted)")
+    """Check size and checksum of ``names``; raise DamagedCheckpoint naming the first bad file.
+
+    The files are read in parallel (up to 8 at once: reads release the GIL, and a parallel
+    file system serves several streams faster than one); the first bad one in ``names``' order
+    is the one named.
+    """
+    if len(names) <= 1:
+        problems = [_problem(ckpt_dir / name, files[name]) for name in names]
+    else:
+        with ThreadPoolExecutor(max_workers=min(8, len(names))) as pool:
+            problems = list(pool.map(lambda n: _problem(ckpt_dir / n, files[n]), names))
+    for problem in problems:
+        if problem is not None:
+            raise problem
+
+
+def _problem(path: Path, want: dict[str, Any]) -> DamagedCheckpoint | None:
+    """What is wrong with one file against its manifest entry, if anything."""
+    if not path.is_file():
+        return DamagedCheckpoint(f"{path} is missing")
+    try:
+        size = path.stat().st_size
+        if size != want["size"]:
+            return DamagedCheckpoint(f"{path} is {size} bytes, the manifest says "
+                                     f"{want['size']} (truncated or overwritten)")
+        got = checksum(path)
+    except OSError as e:
+        return DamagedCheckpoint(f"{path} is unreadable: {e}")
+    if got != want["xxh3"]:
+        return DamagedCheckpoint(f"{path} checksum {got} does not match the manifest's "
+                                 f"{want['xxh3']} (corrupted)")
+    return None

@@ -21,17 +21,19 @@ from __future__ import annotations
 import _compat_pickle
 import dataclasses
 import io
+import os
 import pickle
 import re
 from collections.abc import Collection
 from pathlib import Path, PosixPath
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
+from torch import _weights_only_unpickler
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import _create_file_view, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     _MEM_FORMAT_ENCODING,
     BytesStorageMetadata,
@@ -42,7 +44,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from hpctrain.checkpoint.manifest import DamagedCheckpoint, is_int, is_plain_name
@@ -200,6 +202,7 @@ class SafeFileSystemReader(FileSystemReader):
         super().__init__(path)
         self._files = files
         self._metadata: Metadata | None = None
+        self._scratch: torch.Tensor | None = None
 
     # No ``**kwargs``: DCP then never falls back to per-rank ``__N.metadata`` files, which
     # hpctrain does not write and the manifest would not cover.
@@ -221,7 +224,10 @@ class SafeFileSystemReader(FileSystemReader):
                                []).append(item)
         for name, items in by_file.items():
             try:
-                self._read(plan, items, planner)
+                with open(Path(self.path) / name, "rb") as f:
+                    items = [item for item in items if not self._read_direct(f, item, planner)]
+                if items:
+                    self._read(plan, items, planner)
             except (MemoryError, torch.OutOfMemoryError, DamagedCheckpoint):
                 raise
             except Exception as e:  # noqa: BLE001 - a refused pickle, a short read, a bad shape
@@ -229,6 +235,58 @@ class SafeFileSystemReader(FileSystemReader):
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _read_direct(self, f: BinaryIO, item: ReadItem, planner: LoadPlanner) -> bool:
+        """Read a whole saved tensor's bytes straight into its destination (a contiguous CPU
+        tensor) or, for any other (a GPU tensor), into one reused host buffer and copy; False
+        (nothing done) for anything else, which DCP's own path reads.
+
+        DCP's path ``torch.load``s each tensor into new memory and copies it into the
+        destination: 2.7 of 3.5 s for 1 GB here. The saved tensor's layout is taken from its
+        own pickle, unpickled weights-only onto the meta device (no memory, no code), and the
+        bytes are read only when it is exactly the destination's: contiguous, same dtype and
+        shape, the whole chunk. Integrity is the manifest's xxh3, checked before any load.
+        """
+        if item.type != LoadItemType.TENSOR or any(item.storage_offsets):
+            return False
+        target = planner.resolve_tensor(item).detach()
+        if (target.device.type not in ("cpu", "cuda") or target.dim() == 0
+                or tuple(item.lengths) != tuple(target.shape)):
+            return False
+        info = self.storage_data[item.storage_index]
+        try:
+            archive = torch._C.PyTorchFileReader(_create_file_view(f, info.offset, info.length))
+            saved = _saved_layout(archive.get_record("data.pkl"))
+            at = archive.get_record_offset("data/0")
+            size = archive.get_record_size("data/0")
+        except Exception:  # noqa: BLE001 - not what torch.save writes: DCP's path judges it
+            return False
+        if not (isinstance(saved, torch.Tensor) and saved.dtype == target.dtype
+                and saved.shape == target.shape and saved.is_contiguous()
+                and saved.storage_offset() == 0 and size == target.nbytes
+                and saved.untyped_storage().nbytes() == target.nbytes
+                and at + size <= info.length):
+            return False
+        in_place = target.device.type == "cpu" and target.is_contiguous()
+        host = target if in_place else self._host_buffer(target)
+        dest = memoryview(host.reshape(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < len(dest):
+            n = os.preadv(f.fileno(), [dest[done:]], info.offset + at + done)
+            if n <= 0:
+                raise DamagedCheckpoint(f"{f.name}: ends inside {item.storage_index.fqn}")
+            done += n
+        if not in_place:
+            target.copy_(host)
+        planner.commit_tensor(item, target)
+        return True
+
+    def _host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A contiguous host tensor shaped like ``like``, over one buffer reused by every
+        tensor of this load (grown to the largest): no new pages per tensor."""
+        if self._scratch is None or self._scratch.numel() < like.nbytes:
+            self._scratch = torch.empty(like.nbytes, dtype=torch.uint8)
+        return self._scratch[:like.nbytes].view(like.dtype).view(like.shape)
 
     def _read(self, plan: LoadPlan, items: list[ReadItem], planner: LoadPlanner) -> None:
         super().read_data(dataclasses.replace(plan, items=items), planner).wait()
@@ -245,6 +303,21 @@ class SafeFileSystemReader(FileSystemReader):
                 entry, error = f" (entry {item.storage_index.fqn})", e
                 break
         return DamagedCheckpoint(f"{Path(self.path) / name}{entry}: {refusal(error)}")
+
+
+def _saved_layout(pickled: bytes) -> Any:
+    """What a ``torch.save`` pickle holds, each tensor on the meta device (its dtype, shape,
+    strides and storage size, no bytes); unpickled weights-only, as ``torch.load`` would."""
+
+    def storage(saved_id: tuple) -> torch.TypedStorage:
+        _kind, storage_type, _key, _location, numel = saved_id
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        return torch.TypedStorage(wrap_storage=torch.UntypedStorage(
+            numel * dtype.itemsize, device="meta"), dtype=dtype, _internal=True)
+
+    unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(pickled), encoding="utf-8")
+    unpickler.persistent_load = storage
+    return unpickler.load()
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

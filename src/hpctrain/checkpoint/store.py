@@ -14,19 +14,25 @@ processes' own gloo group.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import io
 import logging
 import os
 import shutil
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import SavePlanner
 
 from hpctrain import faults
@@ -88,11 +94,12 @@ class CheckpointStore:
                      planner=planner)
             rng_path = tmp / f"rng-rank-{self.rank:05d}.pt"
             _save_durable(rng, rng_path)
-            # Each rank hashes the files it wrote itself, in parallel with the others.
+            # Each rank hashes the files it wrote itself, in parallel with the others: the
+            # shards as they were written (no second read), the small files here.
             own = [rng_path, *tmp.glob(f"__{self.rank}_*.distcp")]
             if self.rank == 0:
                 own.append(tmp / ".metadata")
-            mine = {p.name: describe(p) for p in own}
+            mine = {p.name: writer.hashed(p) or describe(p) for p in own}
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException
             error = f"rank {self.rank}: {first_line(e)}"
             # torch.save reports a full disk as "unexpected pos" (the errno is lost): judge by
@@ -231,17 +238,105 @@ class CheckpointStore:
 
 
 class _Writer(FileSystemWriter):
-    """DCP's file writer (fsync on) with the injected-fault seams inside the write phase, where
-    DCP reports a rank's I/O error to every rank, as it does for a real full disk."""
+    """DCP's file writer (fsync on) that hashes each shard file as it writes it, with the
+    injected-fault seams inside the write phase, where DCP reports a rank's I/O error to every
+    rank, as it does for a real full disk."""
 
     def __init__(self, path: Path, step: int, threads: int):
         super().__init__(path, sync_files=True, thread_count=threads)
+        self.fs = _HashingFileSystem()
         self._step = step
+
+    def hashed(self, path: Path) -> dict[str, Any] | None:
+        """The manifest entry of a shard file hashed while written; None if it was not (or
+        the file on disk is not what went through the hash)."""
+        entry = self.fs.digests.get(path.name)
+        if entry is None or path.stat().st_size != entry["size"]:
+            return None
+        return entry
 
     def write_data(self, plan, planner):
         faults.maybe_slow_save(self._step)
         faults.maybe_fail_save(self._step)
         return super().write_data(plan, planner)
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system whose ``.distcp`` streams hash the bytes on their way to the
+    file: the checksum costs no second read of the checkpoint (0.66 of 6.4 s for 1 GB here, and
+    on a real disk a read the page cache may no longer hold)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.digests: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        """A file stream; a shard written from the start is hashed as it is written."""
+        if mode != "wb" or not str(path).endswith(".distcp"):
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as stream:
+            hashing = _HashingStream(stream)
+            yield hashing
+        if hashing.sequential:
+            with self._lock:
+                self.digests[Path(path).name] = {"size": hashing.size,
+                                                 "xxh3": hashing.hash.hexdigest()}
+
+
+class _HashingStream(io.RawIOBase):
+    """A write-only stream that feeds each block to xxh3 right before writing it (while the
+    bytes are still in the CPU's cache)."""
+
+    _BLOCK = 1 << 20
+
+    def __init__(self, raw: io.BufferedIOBase):
+        super().__init__()
+        self.raw = raw
+        self.hash = xxhash.xxh3_64()
+        self.size = 0
+        self.sequential = True  # every byte of the file went through write(), in order
+
+    def writable(self) -> bool:
+        """Yes."""
+        return True
+
+    def write(self, b: Any) -> int:
+        """Hash and write ``b`` in cache-sized blocks."""
+        view = memoryview(b).cast("B")
+        for start in range(0, len(view), self._BLOCK):
+            block = view[start:start + self._BLOCK]
+            self.hash.update(block)
+            self.raw.write(block)
+        self.size += len(view)
+        return len(view)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        """Moving the position breaks the running hash: the file is hashed after the write."""
+        self.sequential = False
+        return self.raw.seek(offset, whence)
+
+    def tell(self) -> int:
+        """The position in the file."""
+        return self.raw.tell()
+
+    def flush(self) -> None:
+        """Flush the file (closing flushes too, after the file itself was closed)."""
+        if not self.raw.closed:
+            self.raw.flush()
+
+    def fileno(self) -> int:
+        """The file's descriptor (for fsync)."""
+        return self.raw.fileno()
+
+    def close(self) -> None:
+        """Close the file."""
+        if not self.closed:
+            self.raw.close()
+        super().close()
 
 
 def write_threads(configured: int) -> int:

@@ -232,6 +232,10 @@ def serve(conn: Connection, init: _Init) -> None:
                                            "%(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.WARNING, handlers=[handler])
     torch.set_num_threads(1)
+    # torch.save's zip CRC-32 of every tensor cost ~1 s per GB here; the manifest's xxh3 of
+    # every file (checked before any load) already guards these bytes. Only this process, which
+    # writes nothing but checkpoints, turns it off.
+    torch.serialization.set_crc32_options(False)
     try:
         _init_group(init)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which stops the run

@@ -18,7 +18,16 @@ its attempt in the run directory; the account over all ledgers is ``goodput.json
      "goodput": productive / wall_s, "lost_steps": int, "saves": int,
      "checkpoint_cost_s": s | null, "restart_cost_s": s | null, "final_save_s": s,
      "attempts": [{"attempt": i, "start": unix_s, "end": unix_s, "exit_code": int | null,
-                   "resumed_from_step": int | null, "last_step": int}]}
+                   "resumed_from_step": int | null, "last_step": int,
+                   "startup_parts": {part: s}}]}
+
+``startup_parts`` splits an attempt's start-up, in the order they happen (``STARTUP_PARTS``):
+``start`` (process start, imports, the run directory's lock; the process group too for ranks
+started by srun or torchrun, which join it before the lock), ``process_group``, ``model_build``
+(model, parallelism, optimizer, data), ``checkpoint_load`` (finding, verifying and loading the
+checkpoint), ``compile_cache`` (loading a saved compile cache), ``other`` (up to the loop), and
+``first_step``: the first step of the attempt, compilation included (it runs inside it; the
+compile cache shortens it). A part that did not happen is absent.
 
 ``checkpoint_cost_s`` is what one periodic save cost the run (the checkpoint part over the saves
 that count, less the end of an attempt's flush: the final save and the wait for the writes in
@@ -96,6 +105,8 @@ _LEDGER = re.compile(r"attempt-(\d{4,})\.json")
 _TIMES = ("startup", "warmup_s", "clean_s", "dirty_s", "open_s", "data_wait", "validation",
           "checkpoint", "flush", "lost_work")
 _COUNTS = ("warmup_n", "clean_n", "dirty_n", "open_n", "saves", "final_saves")
+STARTUP_PARTS = ("start", "process_group", "model_build", "checkpoint_load", "compile_cache",
+                 "other", "first_step")
 # What a restart or rollback moves into lost_work when the steps after a checkpoint are lost.
 _TRANSFER = ("warmup_s", "clean_s", "dirty_s", "open_s", "data_wait", "validation",
              "checkpoint")
@@ -122,6 +133,7 @@ LEDGER = Record({
                       max_len=100_000, optional=True),
     "hang_s": Real(0.0, optional=True),
     "marks": Map(Str(32), Map(Str(32), Real(0.0)), optional=True),
+    "startup_parts": Map(Str(32), Real(0.0), optional=True),
     "energy": Record({"joules": Real(0.0), "gpus_sampled": Int(1), "gpus": Int(1),
                       "tokens": Real(0.0), "grid_gco2_per_kwh": Real(0.0)}, optional=True),
 })
@@ -145,6 +157,7 @@ ACCOUNT_RECORD = Record({
         "attempt": Int(1), "start": Real(0.0), "end": Real(0.0),
         "exit_code": Int(-(2**31), 2**31 - 1, nullable=True),
         "resumed_from_step": Int(nullable=True), "last_step": Int(),
+        "startup_parts": Map(Str(32), Real(0.0), optional=True),
         "energy_kwh": Real(0.0, optional=True), "co2e_kg": Real(0.0, optional=True),
         "tokens": Real(0.0, optional=True)}), max_len=100_000),
 })
@@ -181,6 +194,8 @@ class GoodputClock:
         self._fd: int | None = None
         self._size = 0
         self._marks_json: str | None = None  # serialised once per change, not per step
+        self.startup_parts: dict[str, float] = {}
+        self._startup_mark = self.start
         self.energy: Any = None  # an observe.power.EnergyMeter (rank 0), see meter_energy
         self._energy_info: dict[str, float] = {}
         self._steps = 0  # steps trained in this attempt (tokens for tokens per joule)
@@ -217,10 +232,19 @@ class GoodputClock:
         self._mark = now
         return spent
 
+    def startup_part(self, name: str) -> None:
+        """The start-up part ``name`` (one of ``STARTUP_PARTS``) ends now (its time is what
+        passed since the previous part ended, or since the process started)."""
+        now = time.time()
+        self.startup_parts[name] = (self.startup_parts.get(name, 0.0)
+                                    + max(0.0, now - self._startup_mark))
+        self._startup_mark = now
+
     def started(self, resumed_from: int | None) -> None:
         """The loop starts: all time so far was start-up."""
         self.resumed_from = resumed_from
         self.last_step = resumed_from or 0
+        self.startup_part("other")
         self._charge("startup")
         self.marks["start"] = self._snapshot()
         self._marks_json = None
@@ -247,6 +271,8 @@ class GoodputClock:
     def step_done(self, step: int, writing: bool) -> None:
         """A step ended (``writing``: a background save was in flight)."""
         self._charge("open_s")
+        if "first_step" not in self.startup_parts:
+            self.startup_part("first_step")
         self.buckets["open_n"] += 1
         self._steps += 1
         self.open_dirty |= writing
@@ -343,7 +369,8 @@ class GoodputClock:
                  "pid": os.getpid(), "start": self.start, "updated": self._mark,
                  "ended": False, "exit_code": None, "resumed_from_step": self.resumed_from,
                  "last_step": self.last_step, "buckets": dict(self.buckets),
-                 "open_dirty": self.open_dirty, "rollbacks": self.rollbacks, "hang_s": 0.0}
+                 "open_dirty": self.open_dirty, "rollbacks": self.rollbacks, "hang_s": 0.0,
+                 "startup_parts": self.startup_parts}
         if marks:
             state["marks"] = self.marks
         if self.energy is not None:
@@ -513,6 +540,7 @@ def compute_goodput(run_dir: Path) -> dict[str, Any]:
                          "end": state["end"], "exit_code": state.get("exit_code"),
                          "resumed_from_step": state.get("resumed_from_step"),
                          "last_step": state.get("last_step", 0),
+                         "startup_parts": state.get("startup_parts", {}),
                          **_attempt_energy(state.get("energy"))})
     wall = sum(parts.values())
     return {"version": VERSION, "wall_s": wall, "parts": parts,

@@ -212,9 +212,11 @@ def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | 
     earlier = run_dir.exit_info_path.exists()
     training = False  # until the loop starts, a user error is a refusal (see _REFUSALS)
     goodput = _goodput_clock(run_dir, env)
+    goodput.startup_part("start")
     try:
         if ctx is None:
             ctx = init_distributed(cfg.run, env, cfg.parallel)
+            goodput.startup_part("process_group")
         log_device_binding(log, env, ctx.device)
         hosts = _gather_hosts(env.world_size)
         watchdog = Watchdog(cfg.watchdog, run_dir, env.rank, hosts, _store())
@@ -225,7 +227,9 @@ def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | 
             trainer = build_trainer(cfg, task, ctx, metrics, ckpt=ckpt, watchdog=watchdog,
                                     preempt=preempt, control=ControlChannel(ctx.control_group),
                                     goodput=goodput)
+            goodput.startup_part("model_build")
             trainer.resume(cfg.checkpoint.resume)
+            goodput.startup_part("checkpoint_load")
             # Once built and resumed: neither a refused run nor a rerun of a finished one
             # replaces the config the run was trained with.
             if env.rank == 0 and not trainer.complete:

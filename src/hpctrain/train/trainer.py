@@ -49,6 +49,7 @@ from hpctrain.pretrained.weights import load_pretrained, starts_from_pretrained
 from hpctrain.runtime.dist import MESH_AXES, Distributed
 from hpctrain.runtime.watchdog import Watchdog
 from hpctrain.train import checkpointing
+from hpctrain.train.compile_cache import CompileCache, run_compile_cache
 from hpctrain.train.guard import BadStepGuard
 from hpctrain.train.loss import build_loss_fn
 from hpctrain.train.optim import build_optimizer, build_scheduler
@@ -339,6 +340,11 @@ class Trainer:
         last_loss = float("nan")
         last_mfu = None
         show = progress and self.cfg.metrics.progress and self.dist.rank == 0
+        cache = self._compile_cache()
+        if cache is not None:
+            cache.load()  # before the first step compiles
+            self.goodput.startup_part("compile_cache")
+        first = self.step + 1
         self.goodput.started(self.step if self.last_checkpoint else None)
         if self.dist.rank == 0 and self.cfg.metrics.energy:  # rank 0 keeps the run's ledger
             self._meter_energy()
@@ -364,6 +370,8 @@ class Trainer:
                 self.step += 1
                 self.observe.step_end(self.step)
                 self.goodput.step_done(self.step, writing=self.ckpt.in_flight)
+                if cache is not None and self.step == first:
+                    cache.save()  # what the first step compiled, for the next attempt
                 window.add(loss, norm)
                 if self.step % every == 0 or self.step == tc.steps:
                     record = self._log(window)
@@ -393,6 +401,11 @@ class Trainer:
             self.metrics.write({"event": "goodput", **account})
         return TrainResult(self.step, last_loss, self.throughput.tokens_per_s, last_mfu,
                            account)
+
+    def _compile_cache(self) -> CompileCache | None:
+        """This rank's compile cache in the run directory, when the model is compiled."""
+        return run_compile_cache(self.cfg, self.metrics.run_dir.root, self.dist.world_size,
+                                 self.dist.rank, self.device)
 
     def _meter_energy(self) -> None:
         """Count the GPUs' energy in goodput from here (none on a CPU run or without NVML)."""

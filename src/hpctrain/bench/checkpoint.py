@@ -1,0 +1,151 @@
+"""Checkpoint save and restore GB/s of a model-sized state, beside ``bench disk`` on the same path.
+
+    hpctrain bench checkpoint /scratch/$USER --params 1e9     # 10 GB: bf16 + two fp32 moments
+
+The state is what Adam training holds per rank: bf16 parameters and two fp32 moments per
+parameter (10 bytes), in tensors of a transformer's sizes, random bytes. It goes through
+``CheckpointManager`` as training does: the save is timed from the call until the background
+writer has committed it (staging, serialisation, fsync, checksums, manifest, rename: what the
+user pays before the next save can start), the restore from the call until the state is filled
+(verification of every checksum, then DCP's load), with the page cache of the checkpoint's files
+dropped first where the file system has one. Everything is written to a temporary folder under
+the path and removed afterwards. ``cpu_s`` is the CPU time this process and the writer process
+spent on the operation: on a busy shared machine a steadier comparison than the wall time.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from hpctrain.bench.common import Results
+from hpctrain.bench.disk import check_folder, drop_cached, fs_type, run_disk
+
+COLUMNS = ["op", "size", "seconds", "gbps", "pct_of_disk", "cpu_s", "method"]
+# Elements per tensor: a 2048 x 2048 projection of a 1b-class model.
+_TENSOR = 2048 * 2048
+
+
+def model_state(params: int, seed: int = 0) -> dict[str, Any]:
+    """Model and Adam state of ``params`` bf16 parameters (fp32 moments), random values."""
+    g = torch.Generator().manual_seed(seed)
+    model: dict[str, torch.Tensor] = {}
+    moments: dict[str, dict[str, torch.Tensor]] = {}
+    left, i = params, 0
+    while left > 0:
+        n = min(_TENSOR, left)
+        name = f"layers.{i}.weight"
+        model[name] = torch.rand(n, generator=g).to(torch.bfloat16).view(-1, 2048 if n % 2048
+                                                                         == 0 else 1)
+        moments[name] = {"step": torch.tensor(10.0),
+                         "exp_avg": torch.rand(model[name].shape, generator=g),
+                         "exp_avg_sq": torch.rand(model[name].shape, generator=g)}
+        left, i = left - n, i + 1
+    return {"model": model, "optimizer": {"state": moments, "param_groups": [
+        {"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "params": list(model)}]}}
+
+
+def run_checkpoint_bench(path: Path, params: int, *, saves: int = 2, write_threads: int = 0,
+                         writer: str = "process", disk: bool = True,
+                         echo: Callable[[str], None] | None = None) -> Results:
+    """Time ``saves`` saves and one restore of a ``params``-parameter state under ``path``."""
+    from hpctrain.checkpoint.config import CheckpointConfig
+    from hpctrain.checkpoint.manager import CheckpointManager
+    from hpctrain.checkpoint.staging import tensors_of
+    from hpctrain.checkpoint.store import state_bytes
+    from hpctrain.checkpoint.store import write_threads as auto_threads
+
+    check_folder(path)
+    say = echo or (lambda _line: None)
+    threads = auto_threads(write_threads)
+    state = model_state(params)
+    nbytes = state_bytes(state)
+    res = Results("checkpoint", COLUMNS, meta={
+        "path": str(path), "fs_type": fs_type(path), "params": params, "writer": writer,
+        "write_threads": threads, "gb": "1e9 bytes",
+        "save": "call to commit (staging, write, fsync, xxh3, manifest, rename)",
+        "restore": "call to filled state (verify every checksum, DCP load)"})
+    disk_gbps: dict[str, float] = {}
+    if disk:
+        for r in run_disk(path, nbytes, threads=threads, echo=say):
+            disk_gbps[r.op] = r.gbps
+            res.add(op=f"disk {r.op}", size=r.size, seconds=r.seconds, gbps=r.gbps,
+                    pct_of_disk=None, method=r.method)
+    owned_group = not dist.is_initialized()
+    if owned_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    work = Path(tempfile.mkdtemp(prefix=".hpctrain-bench-checkpoint-", dir=path))
+    cfg = CheckpointConfig(keep_last=1, write_threads=threads)
+    manager = CheckpointManager(cfg, work, rank=0, world_size=1, device=torch.device("cpu"),
+                                group=dist.group.WORLD)
+    try:
+        if writer == "process":
+            manager.start_writer()
+            manager.prepare(state)
+        best, best_cpu = None, None
+        for i in range(saves):
+            say(f"bench checkpoint: save {i + 1}/{saves} of {nbytes / 1e9:.2f} GB ({writer})")
+            cpu = _cpu_s()
+            start = time.perf_counter()
+            manager.save(i + 1, state, {"step": i + 1}, blocking=writer == "inline")
+            manager.wait()
+            seconds = time.perf_counter() - start
+            if best is None or seconds < best:
+                best, best_cpu = seconds, _cpu_s() - cpu
+        written = manager.completed[-1]["bytes"]
+        res.add(op="save", size=written, seconds=best, gbps=written / best / 1e9,
+                pct_of_disk=_pct(written / best / 1e9, disk_gbps.get("write")), cpu_s=best_cpu,
+                method=f"{writer} writer, {threads} files, best of {saves}")
+        ckpt = work / manager.latest_name()
+        expected = {k: v.clone() for k, v in list(state["model"].items())[:2]}
+        for t in tensors_of(state):
+            t.zero_()
+        memory_fs = fs_type(path) in ("tmpfs", "ramfs")
+        for f in ckpt.iterdir():
+            drop_cached(f)
+        say(f"bench checkpoint: restore of {written / 1e9:.2f} GB")
+        cpu = _cpu_s()
+        start = time.perf_counter()
+        manager.restore(ckpt, lambda p, _m: manager.load(p, state))
+        seconds = time.perf_counter() - start
+        cpu = _cpu_s() - cpu
+        for k, v in expected.items():
+            if not torch.equal(state["model"][k], v):
+                raise AssertionError(f"bench checkpoint: {k} restored wrong")
+        res.add(op="restore", size=written, seconds=seconds, gbps=written / seconds / 1e9,
+                pct_of_disk=_pct(written / seconds / 1e9, disk_gbps.get("read")), cpu_s=cpu,
+                method="verify + load, " + ("page cache (tmpfs)" if memory_fs
+                                            else "page cache dropped first"))
+        return res
+    finally:
+        manager.close()
+        shutil.rmtree(work, ignore_errors=True)
+        if owned_group:
+            dist.destroy_process_group()
+
+
+def _cpu_s() -> float:
+    """CPU seconds used so far by this process and its children (the writer process): on a
+    shared machine the wall time depends on the neighbours, this much less."""
+    total = 0.0
+    me = psutil.Process()
+    for p in (me, *me.children(recursive=True)):
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def _pct(gbps: float, disk: float | None) -> float | None:
+    return 100 * gbps / disk if disk else None
+

@@ -1,0 +1,169 @@
+"""The fast save and restore paths (in this process, one rank): staged tensors are written
+without DCP's clone, shards are hashed as written, the files stay loadable by stock DCP, and a
+restore reads whole tensors straight into their destination, falling back to DCP's path for the
+rest."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from hpctrain.checkpoint import safe_io, store
+from hpctrain.checkpoint.config import CheckpointConfig
+from hpctrain.checkpoint.manager import CheckpointManager
+from hpctrain.checkpoint.manifest import checksum, read_manifest
+from hpctrain.checkpoint.staging import Attached, SharedStaging
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(64, 32, generator=g)
+    return {"model": {"w": w.to(torch.bfloat16), "b": torch.rand(32, generator=g),
+                      "flag": torch.tensor([True, False])},
+            "optim": {"state": {"w": {"step": torch.tensor(3.0), "exp_avg": w * 2}},
+                      "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": ["w"]}]}}
+
+
+def _zeroed(state: dict) -> dict:
+    out = _state(seed=1)
+    for part in ("model",):
+        for t in out[part].values():
+            t.zero_()
+    out["optim"]["state"]["w"]["exp_avg"].zero_()
+    out["optim"]["param_groups"][0]["lr"] = 0.0
+    return out
+
+
+def _assert_same(got, want) -> None:
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys()
+        for k in want:
+            _assert_same(got[k], want[k])
+    elif isinstance(want, list | tuple):
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            _assert_same(a, b)
+    else:
+        assert got == want
+
+
+@pytest.fixture(scope="module")
+def saved(pg, tmp_path_factory: pytest.TempPathFactory):
+    """One checkpoint written the way the writer process writes it (staged buffers, no CRC)."""
+    root = tmp_path_factory.mktemp("fast")
+    state = _state()
+    staging = SharedStaging.allocate(state, torch.device("cpu"))
+    skeleton = staging.stage(state)
+    attached = Attached(os.dup(staging.fd), staging.nbytes, staging.specs)
+    staged = attached.rebuild(skeleton)
+    hashed_after: list[str] = []
+    real_describe = store.describe
+    store.describe = lambda p: hashed_after.append(p.name) or real_describe(p)
+    torch.serialization.set_crc32_options(False)
+    try:
+        s = store.CheckpointStore(CheckpointConfig(write_threads=2), root, rank=0, world_size=1)
+        s.write(5, staged, {"step": 5}, {"cpu": torch.zeros(4, dtype=torch.uint8)}, group=None,
+                planner=attached.planner())
+    finally:
+        torch.serialization.set_crc32_options(True)
+        store.describe = real_describe
+    yield root / "step-00000005", state, staged, hashed_after
+    attached.close()
+    staging.close()
+
+
+def test_staged_tensors_own_their_storage(saved) -> None:
+    """DCP clones a tensor whose storage is larger than itself: staged ones must not be."""
+    _, _, staged, _ = saved
+    for t in (staged["model"]["w"], staged["optim"]["state"]["w"]["exp_avg"]):
+        assert t.untyped_storage().nbytes() == t.nbytes
+
+
+def test_shards_are_hashed_as_written_and_the_hashes_are_right(saved) -> None:
+    path, _, _, hashed_after = saved
+    files = read_manifest(path)["files"]
+    shards = [name for name in files if name.endswith(".distcp")]
+    assert len(shards) == 2  # write_threads=2
+    assert not [n for n in hashed_after if n.endswith(".distcp")]  # no second read
+    for name, entry in files.items():
+        assert entry == {"size": (path / name).stat().st_size, "xxh3": checksum(path / name)}
+
+
+def test_stock_dcp_loads_the_checkpoint(saved) -> None:
+    path, state, _, _ = saved
+    target = _zeroed(state)
+    dcp.load(target, checkpoint_id=path, no_dist=True)
+    _assert_same(target, state)
+
+
+def test_restore_reads_whole_tensors_directly_and_the_rest_through_dcp(saved, monkeypatch
+                                                                       ) -> None:
+    path, state, _, _ = saved
+    direct: list[str] = []
+    real = safe_io.SafeFileSystemReader._read_direct
+
+    def spy(self, f, item, planner):
+        done = real(self, f, item, planner)
+        if done:
+            direct.append(item.storage_index.fqn)
+        return done
+
+    monkeypatch.setattr(safe_io.SafeFileSystemReader, "_read_direct", spy)
+    target = _zeroed(state)
+    target["model"]["b"] = target["model"]["b"].clone()[::1]
+    # A destination that is not contiguous is read into a host buffer and copied (the path
+    # of a GPU destination).
+    target["optim"]["state"]["w"]["exp_avg"] = torch.zeros(32, 64).t()
+    import torch.distributed as dist
+
+    m = CheckpointManager(CheckpointConfig(), path.parent, rank=0, world_size=1,
+                          device=torch.device("cpu"), group=dist.group.WORLD)
+    m.restore(path, lambda p, _m: m.load(p, target))
+    _assert_same(target, state)
+    assert sorted(direct) == ["model.b", "model.flag", "model.w", "optim.state.w.exp_avg"]
+    # The scalar step and the plain values (learning rate, betas) take DCP's own path.
+
+
+def test_a_saved_layout_unlike_the_destination_is_not_read_directly(saved) -> None:
+    """The saved pickle is read onto the meta device: nothing allocated, nothing run."""
+    path, _, _, _ = saved
+    layout = safe_io._saved_layout
+    import io
+
+    buf = io.BytesIO()
+    torch.save(torch.rand(3, 4).t(), buf)
+    archive = torch._C.PyTorchFileReader(io.BytesIO(buf.getvalue()))
+    meta = layout(archive.get_record("data.pkl"))
+    assert meta.device.type == "meta" and meta.shape == (4, 3) and not meta.is_contiguous()
+
+
+def test_verification_reads_the_files_in_parallel_and_names_the_first_bad(tmp_path: Path,
+                                                                          monkeypatch) -> None:
+    import threading
+
+    from hpctrain.checkpoint import manifest
+    from hpctrain.checkpoint.manifest import DamagedCheckpoint, describe, verify_files
+
+    names = ["a", "b", "c"]
+    for name in names:
+        (tmp_path / name).write_bytes(name.encode() * 1000)
+    files = {name: describe(tmp_path / name) for name in names}
+    (tmp_path / "b").write_bytes(b"B" * 1000)
+    (tmp_path / "c").write_bytes(b"C" * 1000)
+    # Every file's hash waits for the others: only reads running at once get past it.
+    together = threading.Barrier(len(names), timeout=20)
+    real = manifest.checksum
+
+    def meeting(path):
+        together.wait()
+        return real(path)
+
+    monkeypatch.setattr(manifest, "checksum", meeting)
+    with pytest.raises(DamagedCheckpoint, match=r"/b checksum .* \(corrupted\)"):
+        verify_files(tmp_path, files, names)
