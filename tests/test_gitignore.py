@@ -27,6 +27,8 @@ def readme_outputs() -> set[str]:
     code = "\n".join(re.sub(r"(^|\s)#.*", "", line) for b in blocks for line in b.splitlines())
     found = set()
     for path in _OUTPUT.findall(code):
+        if path.startswith("/"):  # outside the checkout (/scratch/..., /tmp/...): not git's
+            continue
         found.add(path if Path(path).suffix else f"{path}/manifest.json")
     return found
 

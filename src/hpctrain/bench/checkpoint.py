@@ -42,7 +42,7 @@ def model_state(params: int, seed: int = 0) -> dict[str, Any]:
     left, i = params, 0
     while left > 0:
         n = min(_TENSOR, left)
-        name = f"layers.{i}.weight"
+        name = f"tensors.{i}"
         model[name] = torch.rand(n, generator=g).to(torch.bfloat16).view(-1, 2048 if n % 2048
                                                                          == 0 else 1)
         moments[name] = {"step": torch.tensor(10.0),

@@ -1,10 +1,19 @@
-"""Tiny image trees for the image tests: 32x32 synthetic JPEGs made with Pillow."""
+"""Tiny image trees for the image tests: 32x32 synthetic JPEGs made with Pillow (without it the
+tests that import this module are skipped).
+
+Not a conftest.py: a second ``conftest`` module would shadow tests/conftest.py for every test
+file that runs after it and imports from ``conftest``.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from hpctrain.data.images.synthetic import synthetic_jpeg
+import pytest
+
+pytest.importorskip("PIL")
+
+from hpctrain.data.images.synthetic import synthetic_jpeg  # noqa: E402
 
 CLASSES = ("cat", "dog", "eel")
 PER_CLASS = 8
@@ -27,3 +36,11 @@ def make_image_tree(root: Path) -> dict[str, bytes]:
             (root / rel).write_bytes(images[rel])
     (root / "dog" / "notes.jpg").write_text("not a picture, whatever the name says\n")
     return images
+
+
+@pytest.fixture(scope="session", name="image_tree")
+def image_tree_fixture(tmp_path_factory: pytest.TempPathFactory
+                       ) -> tuple[Path, dict[str, bytes]]:
+    """The tree of `make_image_tree` (read-only: tests that change it make their own)."""
+    root = tmp_path_factory.mktemp("images") / "src"
+    return root, make_image_tree(root)

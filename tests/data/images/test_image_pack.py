@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from image_trees import CLASSES, PER_CLASS, tiny_jpeg
+from image_trees import CLASSES, PER_CLASS, image_tree_fixture, tiny_jpeg  # noqa: F401
 
 from hpctrain.cli import main
 from hpctrain.data.images import ImageShards

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from image_trees import tiny_jpeg
+from image_trees import image_tree_fixture, tiny_jpeg  # noqa: F401 (the image_tree fixture)
 from PIL import Image
 
 from hpctrain.data.images import (
