@@ -12,6 +12,7 @@ import json
 import multiprocessing
 import os
 import queue as queues
+import resource
 import shutil
 import socket
 import subprocess
@@ -123,6 +124,71 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # xdist hands out groups in this order; a stable sort keeps each group's own order.
     rank = {g: i for i, g in enumerate(LONGEST_GROUPS)}
     items.sort(key=lambda item: rank.get(groups[item], len(rank)))
+
+
+# Per-test CPU accounting. On a shared machine wall times say more about the neighbours than
+# about the test; CPU seconds (this process plus every child it reaped: CLI runs, their ranks,
+# spawned gloo ranks) are what an idle machine will spend. A session fixture is charged to the
+# test that first needs it. Processes nobody here reaps (the Slurm daemons and their jobs) are
+# not seen. Each phase's seconds travel on the report, so pytest-xdist brings them back.
+_CPU_MARK = "_cpu_mark"
+
+
+def _cpu_now() -> float:
+    """CPU seconds (user + system) of this process and its reaped children so far."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--cpu-top N``: how many tests and files the end-of-run CPU list shows (0: all)."""
+    parser.addoption("--cpu-top", type=int, default=25,
+                     help="tests and files to list by CPU seconds at the end (0: all; default 25)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """Mark the CPU clock as the test starts; its phases are charged from here."""
+    setattr(item, _CPU_MARK, _cpu_now())
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item) -> Iterator[None]:
+    """Attach the CPU seconds of the phase just ended (setup, call or teardown) to its report."""
+    outcome = yield
+    now = _cpu_now()
+    outcome.get_result().user_properties.append(("cpu_s", now - getattr(item, _CPU_MARK, now)))
+    setattr(item, _CPU_MARK, now)
+
+
+_cpu_by_test: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Sum each test's phases (in the controller, whichever worker ran it)."""
+    for key, value in report.user_properties:
+        if key == "cpu_s":
+            _cpu_by_test[report.nodeid] = _cpu_by_test.get(report.nodeid, 0.0) + value
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """The tests and files that cost the most CPU seconds, next to --durations' wall times."""
+    if not _cpu_by_test:
+        return
+    top = config.getoption("cpu_top") or None
+    by_file: dict[str, float] = {}
+    for nodeid, cpu in _cpu_by_test.items():
+        path = nodeid.split("::")[0]
+        by_file[path] = by_file.get(path, 0.0) + cpu
+    write = terminalreporter.write_line
+    total = sum(_cpu_by_test.values())
+    terminalreporter.section(f"most CPU (this process + reaped children; {total:.0f} s in all)")
+    for name, table in (("test", _cpu_by_test), ("file", by_file)):
+        write(f"by {name}:")
+        for key, cpu in sorted(table.items(), key=lambda kv: -kv[1])[:top]:
+            write(f"{cpu:8.2f}s  {key}")
 
 
 DEMO = "configs/demo.yaml"
