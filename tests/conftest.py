@@ -129,16 +129,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # Per-test CPU accounting. On a shared machine wall times say more about the neighbours than
 # about the test; CPU seconds (this process plus every child it reaped: CLI runs, their ranks,
 # spawned gloo ranks) are what an idle machine will spend. A session fixture is charged to the
-# test that first needs it. Processes nobody here reaps (the Slurm daemons and their jobs) are
+# test that first needs it; the ranks rank_jobs.py forks from its fork server (whose children
+# they are) report their own. Processes nobody here reaps (the Slurm daemons and their jobs) are
 # not seen. Each phase's seconds travel on the report, so pytest-xdist brings them back.
 _CPU_MARK = "_cpu_mark"
 
 
 def _cpu_now() -> float:
-    """CPU seconds (user + system) of this process and its reaped children so far."""
+    """CPU seconds (user + system) of this process and its children so far."""
+    import rank_jobs
+
     own = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + rank_jobs.forked_cpu_s
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
