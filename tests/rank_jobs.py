@@ -12,32 +12,24 @@ A job is ``{"name": ..., "overrides": [...], "wait_for": path or absent, "faults
 absent}``; ``wait_for`` holds the job back until that path exists (a checkpoint another launch
 writes); ``faults`` is that job's ``HPCTRAIN_FAULTS`` (in place of the launch's, if any).
 
-The ranks are forked from multiprocessing's fork server, which has imported torch and the
-training code once for this test process: importing them costs a fresh interpreter ~4 CPU-s,
-more than most jobs' training. The server is single-threaded and has run no torch op, so a
-forked rank starts as clean as a new interpreter; each one then takes its own session, log,
-environment and working directory as a ``python rank_jobs.py`` process would.
+The ranks are forked from a preloaded interpreter (tests/forked.py): a fresh one spends ~4 CPU-s
+importing torch and the training code, more than most jobs train.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
-import resource
 import socket
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import forked
+
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 600.0
-# What the fork server imports before it forks the first rank.
-PRELOAD = ["torch", "hpctrain.train.job", "rank_jobs"]
-# CPU seconds of the ranks forked so far: they are the fork server's children, not ours, so
-# the per-test CPU accounting of tests/conftest.py adds this to what it measures.
-forked_cpu_s = 0.0
 
 
 def free_port() -> int:
@@ -60,8 +52,6 @@ def launch(nproc: int, spec: dict[str, Any], workdir: Path, timeout: float,
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))
     port = free_port()
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # takes effect when this process starts its server
     procs = []
     for rank in range(nproc):
         rank_env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc),
@@ -69,10 +59,8 @@ def launch(nproc: int, spec: dict[str, Any], workdir: Path, timeout: float,
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                         **extra)
         rank_env.pop("TORCHELASTIC_RUN_ID", None)
-        proc = ctx.Process(target=_rank_main, name=f"rank-{rank}",
-                           args=(str(spec_path), rank_env, str(workdir / f"rank-{rank}")))
-        proc.start()
-        procs.append(proc)
+        procs.append(forked.start(_run_jobs, (str(spec_path),), env=rank_env,
+                                  out=workdir / f"rank-{rank}.log", name=f"rank-{rank}"))
     deadline = time.monotonic() + timeout
     failed = None
     try:
@@ -85,10 +73,9 @@ def launch(nproc: int, spec: dict[str, Any], workdir: Path, timeout: float,
         codes = [p.exitcode for p in procs]
         failed = next((r for r, c in enumerate(codes) if c != 0), None)
     finally:
-        for p in procs:
+        for rank, p in enumerate(procs):
             kill_tree(p.pid)
-            p.join(timeout=10)
-        _count_cpu(workdir, nproc)
+            forked.finish(p, workdir / f"rank-{rank}.log")
     if failed is not None:
         # Every rank's account: the first to fail is often not the lowest rank.
         tails = "\n".join(f"--- rank {r} (exit {p.exitcode}) ---\n"
@@ -105,11 +92,13 @@ def _errors(log: str) -> str:
 
 
 def _run_jobs(spec_path: str) -> None:
+    """Every job of the spec in turn, on one process group (a rank's whole life)."""
     import torch.distributed as dist
 
     import hpctrain.train.job as job
     from hpctrain.config import load_config
 
+    sys.argv = [__file__, spec_path]  # what the run's provenance records
     job.shutdown = lambda: None  # one process group for all jobs
     spec = json.loads(Path(spec_path).read_text())
     launch_faults = os.environ.get("HPCTRAIN_FAULTS")
@@ -145,42 +134,3 @@ def _use_faults(value: str | None) -> None:
         os.environ["HPCTRAIN_FAULTS"] = value
     faults._specs.cache_clear()  # parsed once per process otherwise
     faults._fired.clear()
-
-
-def _rank_main(spec_path: str, env: dict[str, str], stem: str) -> None:
-    """One rank, in a process just forked from the fork server: become what
-    ``python rank_jobs.py SPEC`` started in a session of its own would be, then run the jobs;
-    leave the CPU seconds spent in ``STEM.cpu`` (however the jobs end)."""
-    try:
-        os.setsid()
-        log = os.open(f"{stem}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        os.environ.clear()
-        os.environ.update(env)
-        os.chdir(REPO)
-        sys.argv = [__file__, spec_path]
-        import torch
-
-        # OMP_NUM_THREADS is read when torch starts its thread pool; the server had not.
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-        _run_jobs(spec_path)
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        used = resource.getrusage(resource.RUSAGE_SELF)
-        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-        Path(f"{stem}.cpu").write_text(str(used.ru_utime + used.ru_stime
-                                           + kids.ru_utime + kids.ru_stime))
-
-
-def _count_cpu(workdir: Path, nproc: int) -> None:
-    """Add the CPU seconds the ranks left behind to ``forked_cpu_s`` (a rank killed before it
-    wrote them counts nothing)."""
-    global forked_cpu_s
-    for rank in range(nproc):
-        path = workdir / f"rank-{rank}.cpu"
-        if path.is_file():
-            forked_cpu_s += float(path.read_text() or 0)
-
