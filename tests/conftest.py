@@ -276,17 +276,24 @@ def start_cli(args: list[str], **popen: Any) -> Iterator[subprocess.Popen]:
                 stream.close()
 
 
-def run_cli(args: list[str], timeout: float = RUN_TIMEOUT_S, *,
-            fresh: bool = False) -> subprocess.CompletedProcess:
+def run_cli(args: list[str], timeout: float = RUN_TIMEOUT_S, *, fresh: bool = False,
+            env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
     """Run the CLI to completion; on timeout kill its process group and fail the test.
 
     It runs forked from the preloaded interpreter (tests/forked.py), ~4 CPU-s less than a new
-    one; ``fresh=True`` starts a new interpreter, for what happens while Python imports."""
+    one; ``fresh=True`` starts a new interpreter, for what happens while Python imports.
+    ``env`` sets variables on top of cli_env() (None: unset)."""
+    environ = cli_env()
+    for name, value in (env or {}).items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
     if fresh:
-        return _run_fresh(args, timeout)
+        return _run_fresh(args, timeout, environ)
     with tempfile.TemporaryDirectory(prefix="cli-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        proc = forked.start(forked.cli, (args,), env=cli_env(), out=out, err=err)
+        proc = forked.start(forked.cli, (args,), env=environ, out=out, err=err)
         try:
             proc.join(timeout=timeout)
             timed_out = proc.exitcode is None
@@ -303,10 +310,11 @@ def run_cli(args: list[str], timeout: float = RUN_TIMEOUT_S, *,
     return subprocess.CompletedProcess(cli_command(args), proc.exitcode, stdout, stderr)
 
 
-def _run_fresh(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+def _run_fresh(args: list[str], timeout: float,
+               env: dict[str, str]) -> subprocess.CompletedProcess:
     """run_cli in a new interpreter."""
     proc = subprocess.Popen(
-        cli_command(args), cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
+        cli_command(args), cwd=REPO, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
