@@ -43,24 +43,37 @@ def free_port() -> int:
 
 
 def spawn_ranks(target, nranks: int, timeout: float = 120) -> list:
-    """Start ``target(rank, port, queue)`` in ``nranks`` spawned processes and return what they
-    put on the queue, in arrival order; a rank that dies fails the test at once (its traceback
-    is above) rather than after the timeout, and every rank must exit 0."""
-    ctx = multiprocessing.get_context("spawn")
-    results_queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=target, args=(r, port, results_queue)) for r in range(nranks)]
-    for p in procs:
-        p.start()
-    results, deadline = [], time.monotonic() + timeout
-    while len(results) < nranks:
+    """Start ``target(rank, port, queue)`` in ``nranks`` processes forked from the preloaded
+    interpreter (tests/forked.py) and return what they put on the queue, in arrival order; a
+    rank that dies fails the test at once (with its log) rather than after the timeout, and
+    every rank must exit 0."""
+    results_queue, port = multiprocessing.get_context("forkserver").Queue(), free_port()
+    with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
+        logs = [Path(tmp) / f"rank-{r}.log" for r in range(nranks)]
+        procs = [forked.start(target, (r, port, results_queue), env=dict(os.environ),
+                              out=logs[r]) for r in range(nranks)]
+
+        def account() -> str:
+            return "\n".join(f"--- rank {r} (exit {p.exitcode}) ---\n"
+                             f"{logs[r].read_text()[-3000:]}" for r, p in enumerate(procs))
+
+        results, deadline = [], time.monotonic() + timeout
         try:
-            results.append(results_queue.get(timeout=1))
-        except queues.Empty:
-            assert all(p.exitcode in (None, 0) for p in procs), [p.exitcode for p in procs]
-            assert time.monotonic() < deadline, "the ranks never reported"
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+            while len(results) < nranks:
+                try:
+                    results.append(results_queue.get(timeout=1))
+                except queues.Empty:
+                    assert all(p.exitcode in (None, 0) for p in procs), account()
+                    assert time.monotonic() < deadline, "the ranks never reported\n" + account()
+            for p in procs:
+                p.join(timeout=60)
+            assert all(p.exitcode == 0 for p in procs), account()
+        finally:
+            from hpctrain.launch.local import kill_tree
+
+            for r, p in enumerate(procs):
+                kill_tree(p.pid)
+                forked.finish(p, logs[r])
     return results
 
 
