@@ -77,6 +77,30 @@ def spawn_ranks(target, nranks: int, timeout: float = 120) -> list:
     return results
 
 
+def fork_spawn(fn, args: tuple, nprocs: int, timeout: float = 300) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs, join=True)``, the processes forked from
+    the preloaded interpreter (tests/forked.py): ``fn(rank, *args)`` in each; fails the test,
+    with every rank's log, when one exits non-zero or they outlast ``timeout``."""
+    from hpctrain.launch.local import kill_tree
+
+    with tempfile.TemporaryDirectory(prefix="spawn-") as tmp:
+        logs = [Path(tmp) / f"rank-{r}.log" for r in range(nprocs)]
+        procs = [forked.start(fn, (r, *args), env=dict(os.environ), out=logs[r])
+                 for r in range(nprocs)]
+        deadline = time.monotonic() + timeout
+        try:
+            while (any(p.exitcode is None for p in procs) and time.monotonic() < deadline
+                   and all(p.exitcode in (None, 0) for p in procs)):
+                time.sleep(0.05)
+            assert all(p.exitcode == 0 for p in procs), "\n".join(
+                f"--- rank {r} (exit {p.exitcode}) ---\n{logs[r].read_text()[-3000:]}"
+                for r, p in enumerate(procs))
+        finally:
+            for r, p in enumerate(procs):
+                kill_tree(p.pid)
+                forked.finish(p, logs[r])
+
+
 @pytest.fixture
 def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A newcomer's project folder holding configs/demo.yaml, as the working directory."""
