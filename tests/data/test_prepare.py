@@ -23,7 +23,6 @@ from hpctrain.data.tokenizer import BYTE_EOS, TokenizerSpec
 from hpctrain.errors import DataError
 
 BYTES = PrepareSettings(TokenizerSpec(), shard_tokens=1000)
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _corpus(root: Path, n_files: int = 7, docs_per_file: int = 5) -> list[Path]:
