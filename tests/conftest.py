@@ -112,29 +112,28 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 # The order xdist hands the groups out in: longest first, so that none is left running alone at
-# the end. The Slurm tests (about 6 minutes on 2 cores, mostly waiting on the scheduler) and the
-# layouts launch (about 2, both cores busy) start at once, one per worker, and overlap well;
-# then the groups of many CLI runs, by CPU time measured on 2 cores (CPU-seconds, shown for
-# when a group grows); every other group after them, in collection order.
+# the end. The Slurm tests (minutes on 2 cores, mostly waiting on the scheduler) start at once on
+# one worker; then the groups by CPU-seconds measured alone (-n 0, the "most CPU" list below),
+# with how many each took, to see when a group grows; every other group after them, in
+# collection order. The README recipes come early: every one starts fresh interpreters, run
+# one after another.
 LONGEST_GROUPS = (
     "slurm",
-    "parallel/test_layouts.py",
-    "train/test_resilience.py",  # ~180
-    "launch/test_launcher_signals.py",  # ~130
-    "task/test_task_runs.py",  # ~110: 11 two-rank launches of the examples
-    "launch/test_rerun_resumes.py",  # ~100
-    "launch/test_local_launcher.py",  # ~80
-    "security/test_run_lock_cli.py",  # ~70
-    "parallel/test_float8.py",  # ~65
-    "train/test_trainer_cpu.py",  # ~65
-    "train/test_goodput_runs.py",  # ~60
-    "train/test_parity.py",  # ~60
-    "observe/test_observe_runs.py",  # ~55
-    "parallel/test_mixed_precision.py",  # ~50
-    "train/test_resume_fallback.py",  # ~50
-    "checkpoint/test_writer.py",  # ~45
-    "security/test_data_inputs.py",  # ~40
-    "train/test_validation.py",  # ~40
+    "test_readme_recipes.py",  # ~105
+    "task/test_task_runs.py",  # ~110: two-rank launches of the examples
+    "parallel/test_layouts.py",  # ~85: 4 ranks
+    "launch/test_launcher_signals.py",  # ~60
+    "train/test_resilience.py",  # ~60
+    "launch/test_rerun_resumes.py",  # ~35
+    "launch/test_local_launcher.py",  # ~35
+    "train/test_goodput_runs.py",  # ~30
+    "parallel/test_float8.py",  # ~25
+    "observe/test_observe_runs.py",  # ~25
+    "checkpoint/test_writer.py",  # ~20
+    "security/test_data_inputs.py",  # ~20
+    "train/test_resume_fallback.py",  # ~20
+    "security/test_run_lock_cli.py",  # ~15
+    "parallel/test_grad_norm.py",  # ~15
 )
 
 
