@@ -23,7 +23,10 @@ import multiprocessing
 import os
 import resource
 import runpy
+import signal
+import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
@@ -64,6 +67,52 @@ def cli(argv: list[str]) -> None:
     """``python -m hpctrain ARGV`` in this process (a ``start`` target)."""
     sys.argv = ["-m", *argv]  # run_module puts the module's path first, as `python -m` does
     runpy.run_module("hpctrain", run_name="__main__", alter_sys=True)
+
+
+class Popen:
+    """``python -m hpctrain ARGV`` forked, with the part of ``subprocess.Popen`` (text mode,
+    stdout and stderr piped, a new session) that the tests use: ``pid``, ``args``, ``poll``,
+    ``wait``, ``send_signal``, ``communicate`` and ``returncode``."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="cli-")
+        self._out = Path(self._tmp.name) / "stdout"
+        self._err = Path(self._tmp.name) / "stderr"
+        self.args = [sys.executable, "-m", "hpctrain", *argv]
+        self._proc = start(cli, (argv,), env=env, out=self._out, err=self._err)
+        self.pid = self._proc.pid
+        self._output: tuple[str, str] | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once the process has ended (minus the signal that ended it)."""
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        """The exit status, None while it runs."""
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the end; ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` to the process (not its group), as Popen does; nothing once it ended."""
+        if self._proc.exitcode is None:
+            os.kill(self.pid, signal.Signals(sig))
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Wait for the end, then (stdout, stderr); ``subprocess.TimeoutExpired`` as ``wait``."""
+        if self._output is None:
+            self.wait(timeout)
+            finish(self._proc, self._out)
+            self._output = (self._out.read_text(errors="replace"),
+                            self._err.read_text(errors="replace"))
+            self._tmp.cleanup()
+        return self._output
 
 
 def _child(target: Callable[..., Any], args: tuple, env: dict[str, str], out: str,
