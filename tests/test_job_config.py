@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from conftest import run_cli
 from hpctrain.config import JobConfig, apply_override, dump_yaml, from_dict, load_config
 from hpctrain.errors import ConfigError
 
@@ -316,10 +316,7 @@ def test_backend_nccl_on_cpu() -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "hpctrain", "config", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )
+    return run_cli(["config", *args], timeout=60)
 
 
 def test_cli_config_bad_key_exits_2_without_traceback() -> None:

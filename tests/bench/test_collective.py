@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from conftest import fork_spawn
 from hpctrain.bench.busbw import OPS
 from hpctrain.bench.collective import CollectiveOptions, run_collectives
 
@@ -43,7 +43,7 @@ def _worker(rank: int, tmp: str) -> None:
 def runs() -> dict[str, list[dict]]:
     """Case name -> rank 0's rows, all cases from one spawn of 3 processes."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(tmp,), nprocs=CLEAN_RANKS)
+        fork_spawn(_worker, (tmp,), CLEAN_RANKS)
         return {name: torch.load(Path(tmp) / f"{name}.pt") for name in CASES}
 
 

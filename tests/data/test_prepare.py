@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import run_cli
 from hpctrain.data.prepare import (
     PrepareSettings,
     merge,
@@ -25,7 +23,6 @@ from hpctrain.data.tokenizer import BYTE_EOS, TokenizerSpec
 from hpctrain.errors import DataError
 
 BYTES = PrepareSettings(TokenizerSpec(), shard_tokens=1000)
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _corpus(root: Path, n_files: int = 7, docs_per_file: int = 5) -> list[Path]:
@@ -266,9 +263,8 @@ def _cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
 
 
 def test_cli_subprocess_missing_input_exit_2(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "hpctrain", "data", "prepare",
-                           str(tmp_path / "missing.txt"), "--out", str(tmp_path / "out")],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = run_cli(["data", "prepare", str(tmp_path / "missing.txt"), "--out",
+                    str(tmp_path / "out")], timeout=120)
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("hpctrain: error: input ") and "Traceback" not in done.stderr
 
@@ -342,13 +338,11 @@ def test_merge_refuses_missing_tasks_and_rerun_keeps_parts(tmp_path: Path) -> No
 def test_cli_array_tasks_from_slurm_env_then_merge(tmp_path: Path) -> None:
     files = _corpus(tmp_path, n_files=4)
     prepare(files, tmp_path / "ref", ARRAY)
-    base = [sys.executable, "-m", "hpctrain.cli", "data"]
     for i in range(2):
-        env = {**os.environ, "SLURM_ARRAY_TASK_ID": str(10 + i), "SLURM_ARRAY_TASK_MIN": "10"}
-        r = subprocess.run(base + ["prepare", *map(str, files), "--out", str(tmp_path / "o"),
-                                   "--shard-tokens", "500", "--task-count", "2", "--workers",
-                                   "1"], capture_output=True, text=True, env=env)
+        env = {"SLURM_ARRAY_TASK_ID": str(10 + i), "SLURM_ARRAY_TASK_MIN": "10"}
+        r = run_cli(["data", "prepare", *map(str, files), "--out", str(tmp_path / "o"),
+                     "--shard-tokens", "500", "--task-count", "2", "--workers", "1"], env=env)
         assert r.returncode == 0, r.stderr
-    r = subprocess.run(base + ["merge", str(tmp_path / "o")], capture_output=True, text=True)
+    r = run_cli(["data", "merge", str(tmp_path / "o")])
     assert r.returncode == 0, r.stderr
     assert _tree_bytes(tmp_path / "o") == _tree_bytes(tmp_path / "ref")

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import run_cli
 from hpctrain.data.loader import BatchLayout, GlobalOrderSampler
 from hpctrain.data.tar_samples import SampleLoader, TarSamples, pack, verify_tar
 from hpctrain.errors import DataError
@@ -141,15 +140,13 @@ def test_pack_errors(tmp_path: Path) -> None:
 
 def test_cli_pack_and_verify_detects_corruption(tmp_path: Path) -> None:
     _make_tree(tmp_path / "src")
-    cmd = [sys.executable, "-m", "hpctrain.cli", "data", "pack", str(tmp_path / "src"),
-           "--out", str(tmp_path / "out"), "--shard-mb", "0.01"]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = run_cli(["data", "pack", str(tmp_path / "src"), "--out", str(tmp_path / "out"),
+                 "--shard-mb", "0.01"])
     assert r.returncode == 0, r.stderr
     assert f"{N_SAMPLES} samples" in r.stdout
     tar = tmp_path / "out" / "shard-000001.tar"
     data = bytearray(tar.read_bytes())
     data[700] ^= 1
     tar.write_bytes(bytes(data))
-    r = subprocess.run([sys.executable, "-m", "hpctrain.cli", "data", "verify",
-                        str(tmp_path / "out")], capture_output=True, text=True)
+    r = run_cli(["data", "verify", str(tmp_path / "out")])
     assert r.returncode != 0 and "shard-000001.tar" in r.stderr and "Traceback" not in r.stderr

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +9,7 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
+from conftest import run_cli
 from hpctrain.data.prepare import PrepareSettings, prepare  # noqa: E402
 from hpctrain.data.shards import load_manifest  # noqa: E402
 from hpctrain.data.tokenizer import HFTokenizer, TokenizerSpec, train_bpe  # noqa: E402
@@ -45,14 +44,12 @@ def test_trained_tokenizer_round_trips_and_prepares(corpus: Path, tmp_path: Path
 
 
 def test_cli_and_errors(corpus: Path, tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "hpctrain.cli", "data", "train-tokenizer",
-                        str(corpus / "b.txt"), "--vocab", "280", "--out",
-                        str(tmp_path / "t.json")], capture_output=True, text=True)
+    r = run_cli(["data", "train-tokenizer", str(corpus / "b.txt"), "--vocab", "280", "--out",
+                 str(tmp_path / "t.json")])
     assert r.returncode == 0, r.stderr
     assert "vocab" in r.stdout and (tmp_path / "t.json").is_file()
     with pytest.raises(DataError, match="too small"):
         train_bpe([str(corpus)], tmp_path / "x.json", 100)
-    r = subprocess.run([sys.executable, "-m", "hpctrain.cli", "data", "train-tokenizer",
-                        str(tmp_path / "missing.txt"), "--vocab", "300", "--out",
-                        str(tmp_path / "y.json")], capture_output=True, text=True)
+    r = run_cli(["data", "train-tokenizer", str(tmp_path / "missing.txt"), "--vocab", "300",
+                 "--out", str(tmp_path / "y.json")])
     assert r.returncode != 0 and "Traceback" not in r.stderr

@@ -24,7 +24,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import DEMO, QUIET, REPO, TINY, RunResult, cli_command, cli_env, kill_group, train
+import forked
+from conftest import DEMO, QUIET, TINY, RunResult, cli_env, kill_group, train
 from hpctrain.cli import main
 from hpctrain.observe.metrics import read_metrics
 
@@ -43,8 +44,7 @@ def _observed(out: Path) -> RunResult:
             *OBSERVED, "--nproc", "2"]
     env = cli_env()
     env["HPCTRAIN_FAULTS"] = OBSERVED_FAULTS
-    proc = subprocess.Popen(cli_command(args), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = forked.Popen(args, env)
     metrics = out / "observed" / "metrics" / "rank-001.jsonl"
     signalled = None
     try:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
-from conftest import DEMO, QUIET, TINY, free_port
+from conftest import DEMO, QUIET, TINY, fork_spawn, free_port
 from hpctrain.config import load_config
 from hpctrain.errors import ConfigError
 from hpctrain.models import Transformer
@@ -77,7 +77,7 @@ def _parallelize_tp2(rank: int, port: int, out: dict) -> None:
 def test_parallelize_refuses_async_tp_on_cpu_ranks() -> None:
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_parallelize_tp2, args=(free_port(), out), nprocs=2, join=True)
+        fork_spawn(_parallelize_tp2, (free_port(), out), 2)
         results = dict(out)
     for rank in (0, 1):
         message, flag = results[rank]

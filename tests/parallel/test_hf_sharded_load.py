@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from conftest import free_port
+from conftest import fork_spawn, free_port
 from hpctrain.models import ModelArgs, Transformer
 from hpctrain.models.hf_weights import HFWeights, write_safetensors
 from hpctrain.models.llama.hf_names import expected_shapes, to_hf_name
@@ -96,7 +96,7 @@ def test_each_rank_reads_its_part_and_the_parts_make_the_model(tmp_path: Path) -
                "tp2_fsdp2": str(_hf_folder(tmp_path / "untied", ARGS))}
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_worker, args=(free_port(), folders, out), nprocs=4, join=True)
+        fork_spawn(_worker, (free_port(), folders, out), 4)
         results = dict(out)
     for name, folder in folders.items():
         args = dataclasses.replace(ARGS, tie_embeddings=name == "fsdp4")

@@ -12,10 +12,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from conftest import free_port
+from conftest import fork_spawn, free_port
 from hpctrain.models import ModelArgs, Transformer
 from hpctrain.parallel.materialize import canonical_name, materialize
 
@@ -169,7 +168,7 @@ def _fsdp_worker(rank: int, world_size: int, port: int, seed: int, out: str) -> 
 
 def test_fsdp2_materialize_matches_single_process(tmp_path) -> None:
     seed = 11
-    mp.spawn(_fsdp_worker, args=(2, free_port(), seed, str(tmp_path)), nprocs=2, join=True)
+    fork_spawn(_fsdp_worker, (2, free_port(), seed, str(tmp_path)), 2)
     results = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(2)}
     single = _materialized(ARGS, seed)
     expected = _params(single)

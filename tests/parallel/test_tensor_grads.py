@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.debug import CommDebugMode
 
-from conftest import free_port
+from conftest import fork_spawn, free_port
 from hpctrain.models import ModelArgs, Transformer
 from hpctrain.parallel.materialize import materialize
 from hpctrain.parallel.tensor import apply_tensor_parallel, reduce_partial_grads, tp_loss_fn
@@ -73,7 +73,7 @@ def results() -> dict:
     """Both ranks' observations of one TP2 forward-backward (one spawn for the module)."""
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_worker, args=(free_port(), out), nprocs=2, join=True)
+        fork_spawn(_worker, (free_port(), out), 2)
         return dict(out)
 
 

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import run_cli
 from hpctrain.config import JobConfig, load_config
 from hpctrain.errors import ConfigError
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _float_keys() -> list[str]:
@@ -92,8 +89,7 @@ def test_cli_exits_2_without_traceback(tmp_path: Path, make: str) -> None:
         p = tmp_path / "c.yaml"
         p.write_bytes(b"run:\n  name: \xe9\n")
         args = [str(p)]
-    proc = subprocess.run([sys.executable, "-m", "hpctrain", "config", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = run_cli(["config", *args], timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.startswith("hpctrain: error:")

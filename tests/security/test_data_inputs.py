@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import run_cli
 from hpctrain.data.inputs import expand_inputs
 from hpctrain.data.prepare import PrepareSettings, prepare
 from hpctrain.data.shards import load_manifest
@@ -63,7 +64,10 @@ def _tar_bytes(out: Path) -> bytes:
 
 
 def _data(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """``hpctrain data ARGS`` in a subprocess, killed after TIMEOUT_S."""
+    """``hpctrain data ARGS`` in a process of its own, killed after TIMEOUT_S: forked (conftest's
+    run_cli) unless ``prefix`` (e.g. another user's) must start it."""
+    if not prefix:
+        return run_cli(["data", *args], timeout=TIMEOUT_S)
     return subprocess.run([*prefix, sys.executable, "-m", "hpctrain", "data", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
 

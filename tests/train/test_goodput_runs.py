@@ -31,15 +31,14 @@ from pathlib import Path
 import psutil
 import pytest
 
+import forked
 from conftest import (
     DEMO,
     QUIET,
     REFERENCE,
-    REPO,
     STEPS,
     TINY,
     RunResult,
-    cli_command,
     cli_env,
     kill_group,
 )
@@ -57,14 +56,12 @@ def _args(out: Path, name: str, *extra: str, steps: int = STEPS) -> list[str]:
             f"run.name={name}", *extra]
 
 
-def _start(args: list[str], faults: str) -> subprocess.Popen:
-    env = {**cli_env(), "HPCTRAIN_FAULTS": faults}
-    return subprocess.Popen(cli_command(args), cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
+def _start(args: list[str], faults: str) -> forked.Popen:
+    """A run the test signals or kills, forked (tests/forked.py)."""
+    return forked.Popen(args, {**cli_env(), "HPCTRAIN_FAULTS": faults})
 
 
-def _finish(proc: subprocess.Popen, args: list[str], run_dir: Path) -> RunResult:
+def _finish(proc: forked.Popen, args: list[str], run_dir: Path) -> RunResult:
     """Wait for the run; whatever happens, nothing of it outlives the call."""
     try:
         out, err = proc.communicate(timeout=TIMEOUT_S)
@@ -80,7 +77,7 @@ def _logged(run_dir: Path) -> int:
     return sum(1 for r in read_metrics(path) if "loss" in r) if path.is_file() else 0
 
 
-def _wait_for(proc: subprocess.Popen, what: str, ok, timeout: float = 120) -> None:
+def _wait_for(proc: forked.Popen, what: str, ok, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not ok():
         assert proc.poll() is None and time.monotonic() < deadline, f"never: {what}"

@@ -32,16 +32,17 @@ from typing import Any
 import psutil
 import pytest
 
+import forked
 from conftest import (
     DEMO,
     QUIET,
     TINY,
     RunResult,
-    cli_command,
     cli_env,
     kill_group,
     one_of,
     processes_mentioning,
+    run_cli,
     train_together,
 )
 from hpctrain.checkpoint.manifest import read_manifest, verify_files
@@ -68,17 +69,16 @@ def _args(out: Path, name: str, *overrides: str, steps: int = STEPS,
     return args + (["--nproc", str(nproc)] if nproc else [])
 
 
-def _popen(args: list[str], faults: str | None) -> subprocess.Popen:
+def _popen(args: list[str], faults: str | None) -> forked.Popen:
+    """A run the test signals or kills, forked (tests/forked.py)."""
     env = cli_env()
     env.pop("HPCTRAIN_FAULTS", None)
     if faults:
         env["HPCTRAIN_FAULTS"] = faults
-    return subprocess.Popen(cli_command(args), cwd=Path(__file__).resolve().parents[2], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return forked.Popen(args, env)
 
 
-def _kill_tree(proc: subprocess.Popen, run_dir: Path) -> None:
+def _kill_tree(proc: forked.Popen, run_dir: Path) -> None:
     """SIGKILL the launcher's group *and* every rank of this run.
 
     The elastic agent starts every worker in a session of its own, so killing the launcher's
@@ -98,7 +98,7 @@ def _kill_tree(proc: subprocess.Popen, run_dir: Path) -> None:
             kid.kill()
 
 
-def _finish(proc: subprocess.Popen, args: list[str], run_dir: Path,
+def _finish(proc: forked.Popen, args: list[str], run_dir: Path,
             timeout: float = TIMEOUT_S) -> RunResult:
     """Wait for the run; on timeout kill its whole process tree and report (never raise)."""
     try:
@@ -117,8 +117,10 @@ def _finish(proc: subprocess.Popen, args: list[str], run_dir: Path,
 
 def _run(out: Path, name: str, *overrides: str, faults: str | None = None,
          timeout: float = TIMEOUT_S, **kw: Any) -> RunResult:
+    """A run that nothing signals or kills from outside, through conftest's run_cli."""
     args = _args(out, name, *overrides, **kw)
-    return _finish(_popen(args, faults), args, out / name, timeout)
+    done = run_cli(args, timeout, env={"HPCTRAIN_FAULTS": faults})
+    return RunResult(args, done.returncode, done.stdout, done.stderr, out / name)
 
 
 def _steps_logged(run_dir: Path, rank: int = 0) -> int:
@@ -128,7 +130,7 @@ def _steps_logged(run_dir: Path, rank: int = 0) -> int:
     return sum(1 for line in path.read_text().splitlines() if '"event"' not in line)
 
 
-def _wait_steps(proc: subprocess.Popen, run_dir: Path, n: int, timeout: float = 120) -> None:
+def _wait_steps(proc: forked.Popen, run_dir: Path, n: int, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while _steps_logged(run_dir) < n:
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -137,7 +139,7 @@ def _wait_steps(proc: subprocess.Popen, run_dir: Path, n: int, timeout: float = 
         time.sleep(0.05)
 
 
-def _wait_hang(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 120) -> None:
+def _wait_hang(proc: forked.Popen, run_dir: Path, step: int, timeout: float = 120) -> None:
     """Until every rank logs that it hangs before ``step``: by then the ranks have agreed on
     the previous step (a signal sent once its metrics line exists may still reach that
     agreement on a loaded machine, and the save lands one step early)."""
