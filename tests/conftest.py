@@ -12,10 +12,12 @@ import json
 import multiprocessing
 import os
 import queue as queues
+import resource
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +29,7 @@ from typing import Any
 import psutil
 import pytest
 
+import forked
 from hpctrain.observe.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,24 +43,37 @@ def free_port() -> int:
 
 
 def spawn_ranks(target, nranks: int, timeout: float = 120) -> list:
-    """Start ``target(rank, port, queue)`` in ``nranks`` spawned processes and return what they
-    put on the queue, in arrival order; a rank that dies fails the test at once (its traceback
-    is above) rather than after the timeout, and every rank must exit 0."""
-    ctx = multiprocessing.get_context("spawn")
-    results_queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=target, args=(r, port, results_queue)) for r in range(nranks)]
-    for p in procs:
-        p.start()
-    results, deadline = [], time.monotonic() + timeout
-    while len(results) < nranks:
+    """Start ``target(rank, port, queue)`` in ``nranks`` processes forked from the preloaded
+    interpreter (tests/forked.py) and return what they put on the queue, in arrival order; a
+    rank that dies fails the test at once (with its log) rather than after the timeout, and
+    every rank must exit 0."""
+    results_queue, port = multiprocessing.get_context("forkserver").Queue(), free_port()
+    with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
+        logs = [Path(tmp) / f"rank-{r}.log" for r in range(nranks)]
+        procs = [forked.start(target, (r, port, results_queue), env=dict(os.environ),
+                              out=logs[r]) for r in range(nranks)]
+
+        def account() -> str:
+            return "\n".join(f"--- rank {r} (exit {p.exitcode}) ---\n"
+                             f"{logs[r].read_text()[-3000:]}" for r, p in enumerate(procs))
+
+        results, deadline = [], time.monotonic() + timeout
         try:
-            results.append(results_queue.get(timeout=1))
-        except queues.Empty:
-            assert all(p.exitcode in (None, 0) for p in procs), [p.exitcode for p in procs]
-            assert time.monotonic() < deadline, "the ranks never reported"
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+            while len(results) < nranks:
+                try:
+                    results.append(results_queue.get(timeout=1))
+                except queues.Empty:
+                    assert all(p.exitcode in (None, 0) for p in procs), account()
+                    assert time.monotonic() < deadline, "the ranks never reported\n" + account()
+            for p in procs:
+                p.join(timeout=60)
+            assert all(p.exitcode == 0 for p in procs), account()
+        finally:
+            from hpctrain.launch.local import kill_tree
+
+            for r, p in enumerate(procs):
+                kill_tree(p.pid)
+                forked.finish(p, logs[r])
     return results
 
 
@@ -124,6 +140,73 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # xdist hands out groups in this order; a stable sort keeps each group's own order.
     rank = {g: i for i, g in enumerate(LONGEST_GROUPS)}
     items.sort(key=lambda item: rank.get(groups[item], len(rank)))
+
+
+# Per-test CPU accounting. On a shared machine wall times say more about the neighbours than
+# about the test; CPU seconds (this process plus every child it reaped: CLI runs, their ranks,
+# spawned gloo ranks) are what an idle machine will spend. A session fixture is charged to the
+# test that first needs it; processes forked from the fork server (tests/forked.py), whose
+# children they are, report their own. Processes nobody here reaps (the Slurm daemons and
+# their jobs) are not seen. Each phase's seconds travel on the report, so pytest-xdist brings
+# them back.
+_CPU_MARK = "_cpu_mark"
+
+
+def _cpu_now() -> float:
+    """CPU seconds (user + system) of this process and its children so far."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + forked.forked_cpu_s
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--cpu-top N``: how many tests and files the end-of-run CPU list shows (0: all)."""
+    parser.addoption("--cpu-top", type=int, default=25,
+                     help="tests and files to list by CPU seconds at the end (0: all; default 25)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """Mark the CPU clock as the test starts; its phases are charged from here."""
+    setattr(item, _CPU_MARK, _cpu_now())
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item) -> Iterator[None]:
+    """Attach the CPU seconds of the phase just ended (setup, call or teardown) to its report."""
+    outcome = yield
+    now = _cpu_now()
+    outcome.get_result().user_properties.append(("cpu_s", now - getattr(item, _CPU_MARK, now)))
+    setattr(item, _CPU_MARK, now)
+
+
+_cpu_by_test: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Sum each test's phases (in the controller, whichever worker ran it)."""
+    for key, value in report.user_properties:
+        if key == "cpu_s":
+            _cpu_by_test[report.nodeid] = _cpu_by_test.get(report.nodeid, 0.0) + value
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """The tests and files that cost the most CPU seconds, next to --durations' wall times."""
+    if not _cpu_by_test:
+        return
+    top = config.getoption("cpu_top") or None
+    by_file: dict[str, float] = {}
+    for nodeid, cpu in _cpu_by_test.items():
+        path = nodeid.split("::")[0]
+        by_file[path] = by_file.get(path, 0.0) + cpu
+    write = terminalreporter.write_line
+    total = sum(_cpu_by_test.values())
+    terminalreporter.section(f"most CPU (this process + reaped children; {total:.0f} s in all)")
+    for name, table in (("test", _cpu_by_test), ("file", by_file)):
+        write(f"by {name}:")
+        for key, cpu in sorted(table.items(), key=lambda kv: -kv[1])[:top]:
+            write(f"{cpu:8.2f}s  {key}")
 
 
 DEMO = "configs/demo.yaml"
@@ -207,10 +290,45 @@ def start_cli(args: list[str], **popen: Any) -> Iterator[subprocess.Popen]:
                 stream.close()
 
 
-def run_cli(args: list[str], timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """Run the CLI to completion; on timeout kill its process group and fail the test."""
+def run_cli(args: list[str], timeout: float = RUN_TIMEOUT_S, *, fresh: bool = False,
+            env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
+    """Run the CLI to completion; on timeout kill its process group and fail the test.
+
+    It runs forked from the preloaded interpreter (tests/forked.py), ~4 CPU-s less than a new
+    one; ``fresh=True`` starts a new interpreter, for what happens while Python imports.
+    ``env`` sets variables on top of cli_env() (None: unset)."""
+    environ = cli_env()
+    for name, value in (env or {}).items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
+    if fresh:
+        return _run_fresh(args, timeout, environ)
+    with tempfile.TemporaryDirectory(prefix="cli-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        proc = forked.start(forked.cli, (args,), env=environ, out=out, err=err)
+        try:
+            proc.join(timeout=timeout)
+            timed_out = proc.exitcode is None
+        finally:
+            # Whatever happened, nothing of this group may outlive the call.
+            from hpctrain.launch.local import kill_tree
+
+            kill_tree(proc.pid)
+            forked.finish(proc, out)
+        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+    if timed_out:
+        pytest.fail(f"hpctrain {' '.join(args)} did not finish in {timeout:.0f}s\n"
+                    f"stderr tail:\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(cli_command(args), proc.exitcode, stdout, stderr)
+
+
+def _run_fresh(args: list[str], timeout: float,
+               env: dict[str, str]) -> subprocess.CompletedProcess:
+    """run_cli in a new interpreter."""
     proc = subprocess.Popen(
-        cli_command(args), cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
+        cli_command(args), cwd=REPO, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:

@@ -11,6 +11,9 @@ jobs: each job builds its own mesh (and groups) on it.
 A job is ``{"name": ..., "overrides": [...], "wait_for": path or absent, "faults": str or
 absent}``; ``wait_for`` holds the job back until that path exists (a checkpoint another launch
 writes); ``faults`` is that job's ``HPCTRAIN_FAULTS`` (in place of the launch's, if any).
+
+The ranks are forked from a preloaded interpreter (tests/forked.py): a fresh one spends ~4 CPU-s
+importing torch and the training code, more than most jobs train.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import forked
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 600.0
@@ -48,38 +52,33 @@ def launch(nproc: int, spec: dict[str, Any], workdir: Path, timeout: float,
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))
     port = free_port()
-    procs, logs = [], []
+    procs = []
     for rank in range(nproc):
         rank_env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc),
                         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                         **extra)
         rank_env.pop("TORCHELASTIC_RUN_ID", None)
-        log = (workdir / f"rank-{rank}.log").open("w")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, __file__, str(spec_path)], cwd=REPO,
-                                      env=rank_env, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
+        procs.append(forked.start(_run_jobs, (str(spec_path),), env=rank_env,
+                                  out=workdir / f"rank-{rank}.log", name=f"rank-{rank}"))
     deadline = time.monotonic() + timeout
     failed = None
     try:
-        while any(p.poll() is None for p in procs):
-            codes = [p.poll() for p in procs]
+        while any(p.exitcode is None for p in procs):
+            codes = [p.exitcode for p in procs]
             failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
             if failed is not None or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        codes = [p.poll() for p in procs]
+        codes = [p.exitcode for p in procs]
         failed = next((r for r, c in enumerate(codes) if c != 0), None)
     finally:
-        for p in procs:
+        for rank, p in enumerate(procs):
             kill_tree(p.pid)
-            p.wait(timeout=10)
-        for log in logs:
-            log.close()
+            forked.finish(p, workdir / f"rank-{rank}.log")
     if failed is not None:
         # Every rank's account: the first to fail is often not the lowest rank.
-        tails = "\n".join(f"--- rank {r} (exit {p.returncode}) ---\n"
+        tails = "\n".join(f"--- rank {r} (exit {p.exitcode}) ---\n"
                            + _errors((workdir / f"rank-{r}.log").read_text())
                            for r, p in enumerate(procs))
         raise AssertionError(f"a rank of {nproc} failed or timed out:\n{tails}")
@@ -93,11 +92,13 @@ def _errors(log: str) -> str:
 
 
 def _run_jobs(spec_path: str) -> None:
+    """Every job of the spec in turn, on one process group (a rank's whole life)."""
     import torch.distributed as dist
 
     import hpctrain.train.job as job
     from hpctrain.config import load_config
 
+    sys.argv = [__file__, spec_path]  # what the run's provenance records
     job.shutdown = lambda: None  # one process group for all jobs
     spec = json.loads(Path(spec_path).read_text())
     launch_faults = os.environ.get("HPCTRAIN_FAULTS")
@@ -133,7 +134,3 @@ def _use_faults(value: str | None) -> None:
         os.environ["HPCTRAIN_FAULTS"] = value
     faults._specs.cache_clear()  # parsed once per process otherwise
     faults._fired.clear()
-
-
-if __name__ == "__main__":
-    _run_jobs(sys.argv[1])

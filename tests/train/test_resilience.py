@@ -42,6 +42,7 @@ from conftest import (
     kill_group,
     one_of,
     processes_mentioning,
+    run_cli,
     train_together,
 )
 from hpctrain.checkpoint.manifest import read_manifest, verify_files
@@ -117,8 +118,10 @@ def _finish(proc: subprocess.Popen, args: list[str], run_dir: Path,
 
 def _run(out: Path, name: str, *overrides: str, faults: str | None = None,
          timeout: float = TIMEOUT_S, **kw: Any) -> RunResult:
+    """A run that nothing signals or kills from outside, through conftest's run_cli."""
     args = _args(out, name, *overrides, **kw)
-    return _finish(_popen(args, faults), args, out / name, timeout)
+    done = run_cli(args, timeout, env={"HPCTRAIN_FAULTS": faults})
+    return RunResult(args, done.returncode, done.stdout, done.stderr, out / name)
 
 
 def _steps_logged(run_dir: Path, rank: int = 0) -> int:

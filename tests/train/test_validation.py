@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import free_port
+from conftest import spawn_ranks
 from hpctrain.data.loader import ContiguousTokens
 from hpctrain.models import ModelArgs, Transformer
 from hpctrain.train.validate import evaluate
@@ -36,21 +35,24 @@ def _model() -> Transformer:
 CASES = [(1, 4), (2, 3), (3, 2), (4, 5)]
 
 
-def _worker(rank: int, port: int, out: dict) -> None:
+def _worker(rank: int, port: int, queue) -> None:
     """One of 4 processes: evaluate every case this rank takes part in, each in a process group
-    of its own size (ranks beyond it sit out), so 4 processes serve all cases."""
+    of its own size (ranks beyond it sit out), so 4 processes serve all cases; put
+    {(ranks, rank): result} on the queue."""
     store = dist.TCPStore("127.0.0.1", port, len(CASES), is_master=rank == 0)
+    mine = {}
     for world, micro in CASES:
         if rank >= world:
             continue
         dist.init_process_group("gloo", store=dist.PrefixStore(f"{world}x{micro}", store),
                                 rank=rank, world_size=world)
         try:
-            out[world, rank] = evaluate(_model(), _dataset(), micro_batch=micro, rank=rank,
-                                        world_size=world, device=torch.device("cpu"),
-                                        autocast=None)
+            mine[world, rank] = evaluate(_model(), _dataset(), micro_batch=micro, rank=rank,
+                                         world_size=world, device=torch.device("cpu"),
+                                         autocast=None)
         finally:
             dist.destroy_process_group()
+    queue.put(mine)
     # Rank 0 serves the store: it leaves last.
     store.add("done", 1)
     while rank == 0 and store.add("done", 0) < len(CASES):
@@ -59,11 +61,9 @@ def _worker(rank: int, port: int, out: dict) -> None:
 
 @pytest.fixture(scope="module")
 def results() -> dict[tuple[int, int], dict]:
-    """(ranks, rank) -> that rank's validation result, every case from one spawn of 4."""
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(free_port(), out), nprocs=len(CASES), join=True)
-        return dict(out)
+    """(ranks, rank) -> that rank's validation result, every case from one start of 4."""
+    return {key: result for mine in spawn_ranks(_worker, len(CASES))
+            for key, result in mine.items()}
 
 
 def _reference_loss() -> float:
