@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 
+import forked
 from conftest import DEMO, QUIET, REPO, TINY, cli_command, cli_env, kill_group
 
 TIMEOUT_S = 180.0
@@ -29,7 +30,7 @@ def train_argv(out: Path, name: str, *extra: str) -> list[str]:
 class Running:
     """A CLI process started in its own session, its output going to a file."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedCli
     log: Path
     run_dir: Path
 
@@ -92,17 +93,64 @@ class Running:
 
 
 def start(argv: list[str], log: Path, run_dir: Path, *, env: dict[str, str] | None = None,
-          command: list[str] | None = None) -> Running:
-    """Start ``python -m hpctrain <argv>`` (or `command`) from the repository root."""
+          command: list[str] | None = None, fresh: bool = False) -> Running:
+    """Start ``python -m hpctrain <argv>`` (or `command`) from the repository root.
+
+    Like conftest.run_cli it is forked from the preloaded interpreter (tests/forked.py), ~4 CPU-s
+    less than a new one; the ranks a launcher starts are new interpreters either way.
+    ``fresh=True`` (or a `command`) starts a new interpreter, for what happens while it imports.
+    """
     full_env = cli_env()
     full_env.pop("HPCTRAIN_FAULTS", None)
     full_env.update(env or {})
+    if not fresh and command is None:
+        return Running(ForkedCli(argv, log, full_env), log, run_dir)
     handle = log.open("w")
     proc = subprocess.Popen(command or cli_command(argv), cwd=REPO, env=full_env, text=True,
                             stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=_default_sigint)
     handle.close()
     return Running(proc, log, run_dir)
+
+
+class ForkedCli:
+    """``python -m hpctrain ARGV`` forked from the fork server, with the part of
+    ``subprocess.Popen``'s interface that Running uses (``pid``, ``poll``, ``wait``,
+    ``send_signal``)."""
+
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str]) -> None:
+        self._log = log
+        self._proc = forked.start(_cli_with_ctrl_c, (argv,), env=env, out=log)
+        self._counted = False
+        self.pid = self._proc.pid
+
+    def poll(self) -> int | None:
+        """The exit code, or None while it runs (a signal's death is -signum, as Popen's)."""
+        code = self._proc.exitcode
+        if code is not None and not self._counted:
+            self._counted = True
+            forked.finish(self._proc, self._log)  # its CPU seconds, for the per-test list
+        return code
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code; ``subprocess.TimeoutExpired`` if it still runs after `timeout`."""
+        self._proc.join(timeout)
+        code = self.poll()
+        if code is None:
+            raise subprocess.TimeoutExpired(["hpctrain"], timeout or 0)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        """Send `sig` to the process (not its group)."""
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+
+def _cli_with_ctrl_c(argv: list[str]) -> None:
+    """forked.cli with Ctrl-C raising KeyboardInterrupt, as in a terminal's foreground job (see
+    _default_sigint): the fork server keeps SIGINT ignored when the tests were started so."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    forked.cli(argv)
 
 
 def _default_sigint() -> None:
