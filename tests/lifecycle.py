@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import runpy
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +18,7 @@ from pathlib import Path
 import psutil
 
 import forked
-from conftest import DEMO, QUIET, REPO, TINY, cli_command, cli_env, kill_group
+from conftest import DEMO, QUIET, REPO, TINY, cli_env, kill_group
 
 TIMEOUT_S = 180.0
 
@@ -93,20 +95,22 @@ class Running:
 
 
 def start(argv: list[str], log: Path, run_dir: Path, *, env: dict[str, str] | None = None,
-          command: list[str] | None = None, fresh: bool = False) -> Running:
-    """Start ``python -m hpctrain <argv>`` (or `command`) from the repository root.
+          module: str = "hpctrain", fresh: bool = False) -> Running:
+    """Start ``python -m hpctrain <argv>`` (or another `module`, e.g. torch.distributed.run)
+    from the repository root.
 
     Like conftest.run_cli it is forked from the preloaded interpreter (tests/forked.py), ~4 CPU-s
     less than a new one; the ranks a launcher starts are new interpreters either way.
-    ``fresh=True`` (or a `command`) starts a new interpreter, for what happens while it imports.
+    ``fresh=True`` starts a new interpreter, for what happens while it imports.
     """
     full_env = cli_env()
     full_env.pop("HPCTRAIN_FAULTS", None)
     full_env.update(env or {})
-    if not fresh and command is None:
-        return Running(ForkedCli(argv, log, full_env), log, run_dir)
+    if not fresh:
+        return Running(ForkedCli(module, argv, log, full_env), log, run_dir)
     handle = log.open("w")
-    proc = subprocess.Popen(command or cli_command(argv), cwd=REPO, env=full_env, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", module, *argv], cwd=REPO, env=full_env,
+                            text=True,
                             stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=_default_sigint)
     handle.close()
@@ -114,13 +118,13 @@ def start(argv: list[str], log: Path, run_dir: Path, *, env: dict[str, str] | No
 
 
 class ForkedCli:
-    """``python -m hpctrain ARGV`` forked from the fork server, with the part of
+    """``python -m MODULE ARGV`` forked from the fork server, with the part of
     ``subprocess.Popen``'s interface that Running uses (``pid``, ``poll``, ``wait``,
     ``send_signal``)."""
 
-    def __init__(self, argv: list[str], log: Path, env: dict[str, str]) -> None:
+    def __init__(self, module: str, argv: list[str], log: Path, env: dict[str, str]) -> None:
         self._log = log
-        self._proc = forked.start(_cli_with_ctrl_c, (argv,), env=env, out=log)
+        self._proc = forked.start(_run_module, (module, argv), env=env, out=log)
         self._counted = False
         self.pid = self._proc.pid
 
@@ -146,11 +150,13 @@ class ForkedCli:
             os.kill(self.pid, sig)
 
 
-def _cli_with_ctrl_c(argv: list[str]) -> None:
-    """forked.cli with Ctrl-C raising KeyboardInterrupt, as in a terminal's foreground job (see
-    _default_sigint): the fork server keeps SIGINT ignored when the tests were started so."""
+def _run_module(module: str, argv: list[str]) -> None:
+    """``python -m MODULE ARGV`` in this process, with Ctrl-C raising KeyboardInterrupt as in a
+    terminal's foreground job (see _default_sigint): the fork server keeps SIGINT ignored when
+    the tests were started so."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    forked.cli(argv)
+    sys.argv = ["-m", *argv]  # run_module puts the module's path first, as `python -m` does
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def _default_sigint() -> None:

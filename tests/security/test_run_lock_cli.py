@@ -7,7 +7,6 @@ taken over, and the lock is gone once the run has ended.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -61,16 +60,16 @@ def test_a_second_run_in_a_live_run_directory_is_refused(tmp_path: Path) -> None
 
         # Ranks of torchrun (not our launcher): rank 0 checks after the group forms and both
         # ranks leave with the same error.
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        env.pop("TORCHELASTIC_RUN_ID", None)
-        torchrun = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-             "2", "-m", "hpctrain", *argv, "parallel.strategy=ddp"],
-            cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
-            timeout=REFUSED_S, start_new_session=True)
-        assert torchrun.returncode != 0
-        both = torchrun.stdout + torchrun.stderr
-        assert both.count("is in use by another run") == 2, both[-4000:]
+        # (Not first.run_dir as its run_dir: kill_tree_of must not reach the first run.)
+        torchrun = start(["--standalone", "--nproc-per-node", "2", "-m", "hpctrain", *argv,
+                          "parallel.strategy=ddp"], tmp_path / "torchrun.txt",
+                         tmp_path / "torchrun", module="torch.distributed.run")
+        try:
+            assert torchrun.finish(timeout=REFUSED_S) != 0
+            both = torchrun.output()
+            assert both.count("is in use by another run") == 2, both[-4000:]
+        finally:
+            kill_tree_of(torchrun)
 
         # Nothing of the refused runs landed in the directory.
         assert _snapshot(first.run_dir) == before
