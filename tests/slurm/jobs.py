@@ -8,11 +8,12 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from conftest import run_cli
 from hpctrain.launch.sbatch import SbatchParams, create_log_dir, render_sbatch
 from hpctrain.observe.metrics import read_metrics
 
@@ -94,22 +95,32 @@ def exit_info(run_dir: Path) -> dict:
 
 class ReferenceLosses:
     """Final losses of uninterrupted runs through the local launcher, each computed once per
-    session (the single-node and the two-node preemption tests compare against the same one)."""
+    session (the single-node and the two-node preemption tests compare against the same one).
+
+    A test ``start``s its reference before it submits its job, so that the reference trains
+    while the job waits on Slurm (the injected pause, the requeue) instead of after it."""
 
     def __init__(self, root: Path):
         self.root = root
+        self._pool = ThreadPoolExecutor(max_workers=1)
 
     @functools.cache  # noqa: B019 (one instance per session, held by a fixture)
-    def final_loss(self, ranks: int, steps: int, strategy: str) -> float:
-        """The final loss of ``steps`` steps of TINY on ``ranks`` local ranks."""
+    def start(self, ranks: int, steps: int, strategy: str) -> Future[float]:
+        """The final loss, to come, of ``steps`` steps of TINY on ``ranks`` local ranks (the run
+        starts on the first call)."""
+        return self._pool.submit(self._final_loss, ranks, steps, strategy)
+
+    def close(self) -> None:
+        """Wait for the runs started and let the thread go."""
+        self._pool.shutdown()
+
+    def _final_loss(self, ranks: int, steps: int, strategy: str) -> float:
         name = f"ref-{ranks}-{steps}-{strategy}"
-        cmd = [sys.executable, "-m", "hpctrain", "train", "configs/demo.yaml", *TINY,
-               f"run.out_dir={self.root}", f"run.name={name}", "run.suffix=none",
-               f"train.steps={steps}", f"parallel.strategy={strategy}"]
+        args = ["train", "configs/demo.yaml", *TINY, f"run.out_dir={self.root}",
+                f"run.name={name}", "run.suffix=none", f"train.steps={steps}",
+                f"parallel.strategy={strategy}"]
         if ranks > 1:
-            cmd += ["--nproc", str(ranks)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=300, capture_output=True)
+            args += ["--nproc", str(ranks)]
+        done = run_cli(args, timeout=300)  # forked from the preloaded interpreter
+        assert done.returncode == 0, f"reference {name} failed:\n{done.stderr[-3000:]}"
         return exit_info(self.root / name)["extra"]["final_loss"]
-
-

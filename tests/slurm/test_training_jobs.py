@@ -19,6 +19,7 @@ from .jobs import REPO, ReferenceLosses, diagnosis, exit_info, script, wait_for_
 def test_signal_checkpoint_requeue_resume_exact(slurm_cluster, tmp_path: Path,
                                                 reference: ReferenceLosses) -> None:
     steps = 30
+    expected = reference.start(2, steps, "ddp")  # trains while the job waits on Slurm
     path = script(tmp_path, "preempt", [f"train.steps={steps}", "parallel.strategy=ddp"],
                   pause_at=6, tasks_per_node=2, time="10:00")
     job = slurm_cluster.sbatch(path, cwd=REPO)
@@ -35,7 +36,7 @@ def test_signal_checkpoint_requeue_resume_exact(slurm_cluster, tmp_path: Path,
     done = exit_info(run_dir)
     assert done["exit_code"] == 0 and done["extra"]["steps"] == steps
     # The preempted-and-requeued run ends exactly where an uninterrupted one does.
-    assert done["extra"]["final_loss"] == reference.final_loss(2, steps, "ddp")
+    assert done["extra"]["final_loss"] == expected.result()
 
 
 @pytest.mark.slow
