@@ -26,12 +26,14 @@ TINY = ["run.device=cpu", "data.source=stdlib", "data.max_bytes=300000", "data.s
 
 
 def script(tmp: Path, name: str, overrides: list[str], *, pause_at: int | None = None,
-           slow_s: float | None = None, where: Path | None = None, **params) -> Path:
+           slow_s: float | None = None, where: Path | None = None,
+           fault_task: int | None = None, **params) -> Path:
     """The generated batch script; ``pause_at`` holds step N of the first run (an injected,
     harmless stall that the preemption signal ends, 60 s at most) so a signal sent after N-1
     logged steps lands mid-run, however fast the steps and however slow the signal are;
     ``slow_s`` makes every step sleep that long (a run that waits for a signal then idles
-    instead of taking a core); each rank appends ``node rank`` (SLURMD_NODENAME,
+    instead of taking a core); ``fault_task`` limits both to that array task (a task nobody
+    signals would sit out the whole pause); each rank appends ``node rank`` (SLURMD_NODENAME,
     SLURM_PROCID) to ``where`` as it starts."""
     python = sys.executable
     faults = []
@@ -44,8 +46,10 @@ def script(tmp: Path, name: str, overrides: list[str], *, pause_at: int | None =
         lines = ["#!/bin/bash"]
         if faults:
             # The first run only: a requeued run resumes past the pause and runs at full speed.
-            lines.append(f'[ "${{SLURM_RESTART_COUNT:-0}}" = 0 ] && '
-                         f"export HPCTRAIN_FAULTS='{';'.join(faults)}'")
+            when = '[ "${SLURM_RESTART_COUNT:-0}" = 0 ] && '
+            if fault_task is not None:
+                when += f'[ "${{SLURM_ARRAY_TASK_ID:-}}" = {fault_task} ] && '
+            lines.append(f"{when}export HPCTRAIN_FAULTS='{';'.join(faults)}'")
         if where is not None:
             lines.append(f'echo "$SLURMD_NODENAME $SLURM_PROCID" >> {where}')
         lines.append(f'exec {sys.executable} "$@"')

@@ -66,7 +66,7 @@ def test_walltime_signal_reaches_the_ranks(slurm_cluster, tmp_path: Path) -> Non
 @pytest.mark.slow
 def test_array_task_requeues_only_itself(slurm_cluster, tmp_path: Path) -> None:
     path = script(tmp_path, "arr", ["train.steps=40", "parallel.strategy=none"],
-                  pause_at=6, time="10:00", array="0-1")
+                  pause_at=6, fault_task=1, time="10:00", array="0-1")
     job = slurm_cluster.sbatch(path, cwd=REPO)
     run_1 = tmp_path / "runs" / f"arr-{job}_1"
     wait_for_steps(slurm_cluster, f"{job}_1", run_1, 5)
