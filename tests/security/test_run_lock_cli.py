@@ -17,8 +17,9 @@ from conftest import run_cli
 from lifecycle import kill_tree_of, start, train_argv
 
 REFUSED_S = 120  # generous: each refusal still imports torch on a shared 2-core machine
-# Every step of the live run sleeps 0.3 s in its forward pass (the `slow` fault).
-LIVE_BUT_IDLE = {"HPCTRAIN_FAULTS": "slow@step=1-100000,seconds=0.3"}
+# The live run is held before step 3 (the `hang` fault): alive, holding and heartbeating the
+# lock, but idle, so it takes no core from the refused runs. The SIGTERM at the end wakes it.
+LIVE_BUT_IDLE = {"HPCTRAIN_FAULTS": "hang@step=3,seconds=600"}
 
 
 def _snapshot(run_dir: Path) -> dict[str, tuple[int, int]]:
@@ -35,7 +36,6 @@ def _snapshot(run_dir: Path) -> dict[str, tuple[int, int]]:
 def test_a_second_run_in_a_live_run_directory_is_refused(tmp_path: Path) -> None:
     argv = train_argv(tmp_path, "shared", "parallel.strategy=none", "train.steps=100000",
                       "preempt.check_every=1")
-    # It trains throughout, slowly: a fast step loop would take a core from the refused runs.
     first = start(argv, tmp_path / "first.txt", tmp_path / "shared", env=LIVE_BUT_IDLE)
     try:
         first.wait_for("2 steps", lambda: first.steps() >= 2)
