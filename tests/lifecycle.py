@@ -7,15 +7,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import runpy
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
-from conftest import DEMO, QUIET, REPO, TINY, cli_command, cli_env, kill_group
+import forked
+from conftest import DEMO, QUIET, REPO, TINY, cli_env, kill_group
 
 TIMEOUT_S = 180.0
 
@@ -29,7 +32,7 @@ def train_argv(out: Path, name: str, *extra: str) -> list[str]:
 class Running:
     """A CLI process started in its own session, its output going to a file."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedCli
     log: Path
     run_dir: Path
 
@@ -92,17 +95,68 @@ class Running:
 
 
 def start(argv: list[str], log: Path, run_dir: Path, *, env: dict[str, str] | None = None,
-          command: list[str] | None = None) -> Running:
-    """Start ``python -m hpctrain <argv>`` (or `command`) from the repository root."""
+          module: str = "hpctrain", fresh: bool = False) -> Running:
+    """Start ``python -m hpctrain <argv>`` (or another `module`, e.g. torch.distributed.run)
+    from the repository root.
+
+    Like conftest.run_cli it is forked from the preloaded interpreter (tests/forked.py), ~4 CPU-s
+    less than a new one; the ranks a launcher starts are new interpreters either way.
+    ``fresh=True`` starts a new interpreter, for what happens while it imports.
+    """
     full_env = cli_env()
     full_env.pop("HPCTRAIN_FAULTS", None)
     full_env.update(env or {})
+    if not fresh:
+        return Running(ForkedCli(module, argv, log, full_env), log, run_dir)
     handle = log.open("w")
-    proc = subprocess.Popen(command or cli_command(argv), cwd=REPO, env=full_env, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", module, *argv], cwd=REPO, env=full_env,
+                            text=True,
                             stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=_default_sigint)
     handle.close()
     return Running(proc, log, run_dir)
+
+
+class ForkedCli:
+    """``python -m MODULE ARGV`` forked from the fork server, with the part of
+    ``subprocess.Popen``'s interface that Running uses (``pid``, ``poll``, ``wait``,
+    ``send_signal``)."""
+
+    def __init__(self, module: str, argv: list[str], log: Path, env: dict[str, str]) -> None:
+        self._log = log
+        self._proc = forked.start(_run_module, (module, argv), env=env, out=log)
+        self._counted = False
+        self.pid = self._proc.pid
+
+    def poll(self) -> int | None:
+        """The exit code, or None while it runs (a signal's death is -signum, as Popen's)."""
+        code = self._proc.exitcode
+        if code is not None and not self._counted:
+            self._counted = True
+            forked.finish(self._proc, self._log)  # its CPU seconds, for the per-test list
+        return code
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code; ``subprocess.TimeoutExpired`` if it still runs after `timeout`."""
+        self._proc.join(timeout)
+        code = self.poll()
+        if code is None:
+            raise subprocess.TimeoutExpired(["hpctrain"], timeout or 0)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        """Send `sig` to the process (not its group)."""
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+
+def _run_module(module: str, argv: list[str]) -> None:
+    """``python -m MODULE ARGV`` in this process, with Ctrl-C raising KeyboardInterrupt as in a
+    terminal's foreground job (see _default_sigint): the fork server keeps SIGINT ignored when
+    the tests were started so."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.argv = ["-m", *argv]  # run_module puts the module's path first, as `python -m` does
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def _default_sigint() -> None:

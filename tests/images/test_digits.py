@@ -76,14 +76,14 @@ def test_example_killed_and_rerun_on_2_ranks_resumes_bit_identically(shards: Pat
             "checkpoint.every=3", "optim.warmup_steps=2", "optim.lr=3e-3",
             f"run.out_dir={tmp_path}", "run.name=killed"]
     run = start(argv, tmp_path / "killed.log", tmp_path / "killed",
-                env={"HPCTRAIN_FAULTS": "hang@step=6,seconds=600"})
+                env={"HPCTRAIN_FAULTS": "hang@step=6,seconds=600"}, fresh=True)
     try:
         run.wait_for("step 5 and the checkpoint of step 3",
                      lambda: run.steps() >= 5 and run.latest() == "step-00000003", timeout=200)
     finally:
         kill_tree_of(run)
     before = logged(tmp_path, "killed")
-    rerun = start(argv, tmp_path / "rerun.log", tmp_path / "killed")
+    rerun = start(argv, tmp_path / "rerun.log", tmp_path / "killed", fresh=True)
     assert rerun.proc.wait(timeout=240) == 0, rerun.output()[-3000:]
     after = logged(tmp_path, "killed")  # the rerun's records of steps 4-6 come last
     assert "resumed from step-00000003" in rerun.output()

@@ -3,8 +3,9 @@ no orphaned workers, a single rank, and clean user errors.
 
     .venv/bin/pytest tests/launch -q
 
-Every launch runs in its own session and is SIGKILLed as a group when the test leaves it, but the
-orphan checks run *before* that cleanup, so they see what the launcher itself left behind.
+Every launch runs in its own session and is SIGKILLed with all its processes when the test leaves
+it, but the orphan checks run *before* that cleanup, so they see what the launcher itself left
+behind.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ from conftest import (
     TINY,
     processes_mentioning,
     run_cli,
-    start_cli,
     wait_gone,
 )
 from hpctrain.observe.metrics import read_metrics
 from hpctrain.runtime.rundir import RunDir
+from lifecycle import kill_tree_of, start
 
 LAUNCH_TIMEOUT_S = 120.0
 
@@ -86,27 +87,28 @@ def supervise(tmp_path: Path, name: str, *overrides: str, nproc: int = 2, on_pol
     `on_poll(proc, seen)` is called on every poll; it may act on the run (e.g. kill a rank).
     """
     out_dir = tmp_path / "runs"
-    log_path = tmp_path / f"{name}.console.txt"
+    run = start(train_args(out_dir, name, *overrides, nproc=nproc),
+                tmp_path / f"{name}.console.txt", out_dir / name)
     seen: dict[int, Worker] = {}
-    with log_path.open("w") as console, \
-            start_cli(train_args(out_dir, name, *overrides, nproc=nproc),
-                      stdout=console, stderr=console) as proc:
+    try:
         deadline = time.monotonic() + timeout
-        while proc.poll() is None:
+        while run.proc.poll() is None:
             if time.monotonic() > deadline:
                 pytest.fail(f"launcher still running after {timeout:.0f}s:\n"
-                            f"{log_path.read_text()[-3000:]}")
-            collect_workers(proc, seen)
+                            f"{run.output()[-3000:]}")
+            collect_workers(run.proc, seen)
             if on_poll is not None:
-                on_poll(proc, seen)
+                on_poll(run.proc, seen)
             time.sleep(0.05)
-        output = log_path.read_text()
-        # Inside the block: the group has not been cleaned up by the test yet.
+        output = run.output()
+        # Before the cleanup below: what the launcher itself left behind.
         left = wait_gone([w.proc for w in seen.values()])
         assert not left, f"workers outlived the launcher: {[p.pid for p in left]}\n{output}"
         strays = processes_mentioning(f"run.name={name}")
         assert not strays, f"processes of run {name} still running: {strays}"
-    return Launch(proc.returncode, output, list(seen.values()), RunDir(out_dir / name))
+    finally:
+        kill_tree_of(run)
+    return Launch(run.proc.poll(), output, list(seen.values()), RunDir(out_dir / name))
 
 
 def rank_of(p: psutil.Process) -> int | None:

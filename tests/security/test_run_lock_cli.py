@@ -7,7 +7,6 @@ taken over, and the lock is gone once the run has ended.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -18,8 +17,9 @@ from conftest import run_cli
 from lifecycle import kill_tree_of, start, train_argv
 
 REFUSED_S = 120  # generous: each refusal still imports torch on a shared 2-core machine
-# Every step of the live run sleeps 0.3 s in its forward pass (the `slow` fault).
-LIVE_BUT_IDLE = {"HPCTRAIN_FAULTS": "slow@step=1-100000,seconds=0.3"}
+# The live run is held before step 3 (the `hang` fault): alive, holding and heartbeating the
+# lock, but idle, so it takes no core from the refused runs. The SIGTERM at the end wakes it.
+LIVE_BUT_IDLE = {"HPCTRAIN_FAULTS": "hang@step=3,seconds=600"}
 
 
 def _snapshot(run_dir: Path) -> dict[str, tuple[int, int]]:
@@ -36,7 +36,6 @@ def _snapshot(run_dir: Path) -> dict[str, tuple[int, int]]:
 def test_a_second_run_in_a_live_run_directory_is_refused(tmp_path: Path) -> None:
     argv = train_argv(tmp_path, "shared", "parallel.strategy=none", "train.steps=100000",
                       "preempt.check_every=1")
-    # It trains throughout, slowly: a fast step loop would take a core from the refused runs.
     first = start(argv, tmp_path / "first.txt", tmp_path / "shared", env=LIVE_BUT_IDLE)
     try:
         first.wait_for("2 steps", lambda: first.steps() >= 2)
@@ -61,16 +60,16 @@ def test_a_second_run_in_a_live_run_directory_is_refused(tmp_path: Path) -> None
 
         # Ranks of torchrun (not our launcher): rank 0 checks after the group forms and both
         # ranks leave with the same error.
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        env.pop("TORCHELASTIC_RUN_ID", None)
-        torchrun = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-             "2", "-m", "hpctrain", *argv, "parallel.strategy=ddp"],
-            cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
-            timeout=REFUSED_S, start_new_session=True)
-        assert torchrun.returncode != 0
-        both = torchrun.stdout + torchrun.stderr
-        assert both.count("is in use by another run") == 2, both[-4000:]
+        # (Not first.run_dir as its run_dir: kill_tree_of must not reach the first run.)
+        torchrun = start(["--standalone", "--nproc-per-node", "2", "-m", "hpctrain", *argv,
+                          "parallel.strategy=ddp"], tmp_path / "torchrun.txt",
+                         tmp_path / "torchrun", module="torch.distributed.run")
+        try:
+            assert torchrun.finish(timeout=REFUSED_S) != 0
+            both = torchrun.output()
+            assert both.count("is in use by another run") == 2, both[-4000:]
+        finally:
+            kill_tree_of(torchrun)
 
         # Nothing of the refused runs landed in the directory.
         assert _snapshot(first.run_dir) == before

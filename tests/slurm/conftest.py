@@ -564,6 +564,8 @@ def slurm_two_nodes(request: pytest.FixtureRequest) -> Iterator[SlurmCluster]:
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> ReferenceLosses:
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReferenceLosses]:
     """Uninterrupted reference runs, each computed once per session."""
-    return ReferenceLosses(tmp_path_factory.mktemp("reference"))
+    losses = ReferenceLosses(tmp_path_factory.mktemp("reference"))
+    yield losses
+    losses.close()

@@ -8,11 +8,12 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from conftest import run_cli
 from hpctrain.launch.sbatch import SbatchParams, create_log_dir, render_sbatch
 from hpctrain.observe.metrics import read_metrics
 
@@ -25,12 +26,14 @@ TINY = ["run.device=cpu", "data.source=stdlib", "data.max_bytes=300000", "data.s
 
 
 def script(tmp: Path, name: str, overrides: list[str], *, pause_at: int | None = None,
-           slow_s: float | None = None, where: Path | None = None, **params) -> Path:
+           slow_s: float | None = None, where: Path | None = None,
+           fault_task: int | None = None, **params) -> Path:
     """The generated batch script; ``pause_at`` holds step N of the first run (an injected,
     harmless stall that the preemption signal ends, 60 s at most) so a signal sent after N-1
     logged steps lands mid-run, however fast the steps and however slow the signal are;
     ``slow_s`` makes every step sleep that long (a run that waits for a signal then idles
-    instead of taking a core); each rank appends ``node rank`` (SLURMD_NODENAME,
+    instead of taking a core); ``fault_task`` limits both to that array task (a task nobody
+    signals would sit out the whole pause); each rank appends ``node rank`` (SLURMD_NODENAME,
     SLURM_PROCID) to ``where`` as it starts."""
     python = sys.executable
     faults = []
@@ -43,8 +46,10 @@ def script(tmp: Path, name: str, overrides: list[str], *, pause_at: int | None =
         lines = ["#!/bin/bash"]
         if faults:
             # The first run only: a requeued run resumes past the pause and runs at full speed.
-            lines.append(f'[ "${{SLURM_RESTART_COUNT:-0}}" = 0 ] && '
-                         f"export HPCTRAIN_FAULTS='{';'.join(faults)}'")
+            when = '[ "${SLURM_RESTART_COUNT:-0}" = 0 ] && '
+            if fault_task is not None:
+                when += f'[ "${{SLURM_ARRAY_TASK_ID:-}}" = {fault_task} ] && '
+            lines.append(f"{when}export HPCTRAIN_FAULTS='{';'.join(faults)}'")
         if where is not None:
             lines.append(f'echo "$SLURMD_NODENAME $SLURM_PROCID" >> {where}')
         lines.append(f'exec {sys.executable} "$@"')
@@ -94,22 +99,32 @@ def exit_info(run_dir: Path) -> dict:
 
 class ReferenceLosses:
     """Final losses of uninterrupted runs through the local launcher, each computed once per
-    session (the single-node and the two-node preemption tests compare against the same one)."""
+    session (the single-node and the two-node preemption tests compare against the same one).
+
+    A test ``start``s its reference before it submits its job, so that the reference trains
+    while the job waits on Slurm (the injected pause, the requeue) instead of after it."""
 
     def __init__(self, root: Path):
         self.root = root
+        self._pool = ThreadPoolExecutor(max_workers=1)
 
     @functools.cache  # noqa: B019 (one instance per session, held by a fixture)
-    def final_loss(self, ranks: int, steps: int, strategy: str) -> float:
-        """The final loss of ``steps`` steps of TINY on ``ranks`` local ranks."""
+    def start(self, ranks: int, steps: int, strategy: str) -> Future[float]:
+        """The final loss, to come, of ``steps`` steps of TINY on ``ranks`` local ranks (the run
+        starts on the first call)."""
+        return self._pool.submit(self._final_loss, ranks, steps, strategy)
+
+    def close(self) -> None:
+        """Wait for the runs started and let the thread go."""
+        self._pool.shutdown()
+
+    def _final_loss(self, ranks: int, steps: int, strategy: str) -> float:
         name = f"ref-{ranks}-{steps}-{strategy}"
-        cmd = [sys.executable, "-m", "hpctrain", "train", "configs/demo.yaml", *TINY,
-               f"run.out_dir={self.root}", f"run.name={name}", "run.suffix=none",
-               f"train.steps={steps}", f"parallel.strategy={strategy}"]
+        args = ["train", "configs/demo.yaml", *TINY, f"run.out_dir={self.root}",
+                f"run.name={name}", "run.suffix=none", f"train.steps={steps}",
+                f"parallel.strategy={strategy}"]
         if ranks > 1:
-            cmd += ["--nproc", str(ranks)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=300, capture_output=True)
+            args += ["--nproc", str(ranks)]
+        done = run_cli(args, timeout=300)  # forked from the preloaded interpreter
+        assert done.returncode == 0, f"reference {name} failed:\n{done.stderr[-3000:]}"
         return exit_info(self.root / name)["extra"]["final_loss"]
-
-

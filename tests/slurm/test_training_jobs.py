@@ -19,6 +19,7 @@ from .jobs import REPO, ReferenceLosses, diagnosis, exit_info, script, wait_for_
 def test_signal_checkpoint_requeue_resume_exact(slurm_cluster, tmp_path: Path,
                                                 reference: ReferenceLosses) -> None:
     steps = 30
+    expected = reference.start(2, steps, "ddp")  # trains while the job waits on Slurm
     path = script(tmp_path, "preempt", [f"train.steps={steps}", "parallel.strategy=ddp"],
                   pause_at=6, tasks_per_node=2, time="10:00")
     job = slurm_cluster.sbatch(path, cwd=REPO)
@@ -35,7 +36,7 @@ def test_signal_checkpoint_requeue_resume_exact(slurm_cluster, tmp_path: Path,
     done = exit_info(run_dir)
     assert done["exit_code"] == 0 and done["extra"]["steps"] == steps
     # The preempted-and-requeued run ends exactly where an uninterrupted one does.
-    assert done["extra"]["final_loss"] == reference.final_loss(2, steps, "ddp")
+    assert done["extra"]["final_loss"] == expected.result()
 
 
 @pytest.mark.slow
@@ -65,7 +66,7 @@ def test_walltime_signal_reaches_the_ranks(slurm_cluster, tmp_path: Path) -> Non
 @pytest.mark.slow
 def test_array_task_requeues_only_itself(slurm_cluster, tmp_path: Path) -> None:
     path = script(tmp_path, "arr", ["train.steps=40", "parallel.strategy=none"],
-                  pause_at=6, time="10:00", array="0-1")
+                  pause_at=6, fault_task=1, time="10:00", array="0-1")
     job = slurm_cluster.sbatch(path, cwd=REPO)
     run_1 = tmp_path / "runs" / f"arr-{job}_1"
     wait_for_steps(slurm_cluster, f"{job}_1", run_1, 5)

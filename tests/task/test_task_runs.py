@@ -46,7 +46,7 @@ def _kill_and_rerun(strategy: str, out: Path) -> dict[str, object]:
     Returns the metrics of both attempts, by step (each step's last record wins)."""
     env = {"MLP_TABLE": str(out / "table.parquet")}
     run = start(_argv(strategy, out), out / f"{strategy}-killed.log", out / strategy,
-                env={**env, "HPCTRAIN_FAULTS": f"hang@step={KILLED_AT},seconds=600"})
+                env={**env, "HPCTRAIN_FAULTS": f"hang@step={KILLED_AT},seconds=600"}, fresh=True)
     try:
         run.wait_for(f"step {KILLED_AT - 1} and the checkpoint of step {SAVED}",
                      lambda: run.steps() >= KILLED_AT - 1
