@@ -136,6 +136,14 @@ def test_a_rank_stopped_by_the_agents_sigterm_is_a_victim_not_the_cause() -> Non
     # A rank killed by a signal is blamed before a peer that exited on the broken connection.
     failures = {0: _failure(0, 1, 99), 1: _failure(1, -signal.SIGKILL, 100)}
     assert blamed_failure(failures)[0] == 1
+    # A peer that aborted (std::terminate on gloo's "Connection closed by peer") after a rank
+    # was SIGKILLed; the aborted rank's time (from its error file) can read earlier than the
+    # time the agent noticed the SIGKILL: the SIGKILL is the cause.
+    failures = {1: _failure(1, -signal.SIGABRT, 99), 0: _failure(0, -signal.SIGKILL, 100)}
+    assert blamed_failure(failures)[0] == 0
+    # ... and an abort ranks before a peer that raised on the broken connection and exited.
+    failures = {1: _failure(1, 1, 100), 0: _failure(0, -signal.SIGABRT, 100)}
+    assert blamed_failure(failures)[0] == 0
     # Otherwise the earliest.
     failures = {0: _failure(0, 1, 101), 1: _failure(1, 1, 100)}
     assert blamed_failure(failures)[0] == 1

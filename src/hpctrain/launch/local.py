@@ -173,18 +173,22 @@ def blamed_failure(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFai
 
     torch's own choice is the smallest timestamp, but timestamps are whole seconds and a rank
     killed by a signal gets the time the agent noticed: ties and inversions are common. So: a
-    rank killed by another signal first (it could not report), then one that exited by itself,
-    then the agent's victims (SIGTERM, or exit 75 after checkpointing on it); earliest within.
+    rank killed by another signal first (it could not report), then one that aborted (SIGABRT:
+    often std::terminate in gloo's thread once a peer's connection broke, so a consequence
+    more often than a cause), then one that exited by itself, then the agent's victims
+    (SIGTERM, or exit 75 after checkpointing on it); earliest within.
     """
     def order(item: tuple[int, ProcessFailure]) -> tuple[int, int, int]:
         rank, failure = item
         code = failure.exitcode
-        if code < 0 and code != -signal.SIGTERM:
+        if code < 0 and code not in (-signal.SIGTERM, -signal.SIGABRT):
             tier = 0
-        elif code >= 0 and code != PREEMPTED:
+        elif code == -signal.SIGABRT:
             tier = 1
-        else:
+        elif code >= 0 and code != PREEMPTED:
             tier = 2
+        else:
+            tier = 3
         return tier, failure.timestamp, rank
 
     return min(failures.items(), key=order)
