@@ -67,6 +67,20 @@ def test_cpu_decode_skips_and_names_corrupt_images(caplog) -> None:
     assert all(torch.equal(a, b) for a, b in zip(threaded, out, strict=True))
 
 
+def test_an_eps_file_named_jpg_never_reaches_a_non_raster_plugin(monkeypatch) -> None:
+    # Pillow's EPS plugin runs Ghostscript on load: a shard from someone else must not get there.
+    from PIL import EpsImagePlugin
+    opened = []
+    monkeypatch.setattr(EpsImagePlugin.EpsImageFile, "_open", lambda self: opened.append(1))
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\nshowpage\n"
+    stats = DecodeStats()
+    out = decode_batch(EncodedImages([_bytes(eps), _bytes(_png())],
+                                     [("shard-000003.tar", f"x{i}.jpg", 100) for i in range(2)]),
+                       "cpu", stats=stats)
+    assert out.kept == [1] and (stats.decoded, stats.bad) == (1, 1)
+    assert opened == []
+
+
 def test_a_shard_of_only_bad_images_is_an_error() -> None:
     bad = _bytes(b"\xff\xd8\xff" + bytes(50))
     stats = DecodeStats()

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from hpctrain.data.images.reader import EncodedImages
-from hpctrain.data.images.sniff import is_jpeg
+from hpctrain.data.images.sniff import PILLOW_FORMATS, is_jpeg
 from hpctrain.errors import DataError
 
 log = logging.getLogger("hpctrain.data")
@@ -88,7 +88,9 @@ def _pillow():
 def _pil_decode(data: torch.Tensor, min_side: int | None) -> torch.Tensor:
     """One image as uint8 (3, H, W) on the CPU; raises on a corrupt or truncated file."""
     Image = _pillow()
-    with Image.open(io.BytesIO(data.numpy().tobytes())) as img:
+    # Only the raster formats a shard may hold: a shard is someone else's file, and Pillow's
+    # EPS plugin (say) would run Ghostscript on an EPS file named x.jpg.
+    with Image.open(io.BytesIO(data.numpy().tobytes()), formats=PILLOW_FORMATS) as img:
         if min_side and img.format == "JPEG":
             w, h = img.size
             s = min(w, h)

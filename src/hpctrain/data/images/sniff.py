@@ -15,6 +15,8 @@ _MAGIC = (
 )
 HEAD_BYTES = 16
 IMAGE_EXTS = frozenset({"jpg", "png", "gif", "bmp", "tiff", "webp"})
+# Pillow's names of the formats above: the only plugins the decoder lets open a file.
+PILLOW_FORMATS = ("JPEG", "PNG", "GIF", "BMP", "TIFF", "WEBP")
 
 
 def image_ext(head: bytes) -> str | None:
