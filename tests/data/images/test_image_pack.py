@@ -206,3 +206,25 @@ def test_a_split_folder_read_as_the_other_split_is_refused(packed) -> None:
     assert len(ImageShards(packed / "val", "val")) == len(ImageShards(packed, "val"))
     with pytest.raises(DataError, match="is the 'val' split"):
         ImageShards(packed / "val")  # split="train" by default
+
+
+def test_a_table_row_swapped_to_a_link_out_after_its_check_is_not_read(tmp_path,
+                                                                       monkeypatch) -> None:
+    from hpctrain.data.images import listing
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "inside.jpg").write_bytes(tiny_jpeg(1))
+    (tmp_path / "secret.jpg").write_bytes(tiny_jpeg(2))
+    os.symlink(data / "inside.jpg", data / "a.jpg")
+    (data / "labels.csv").write_text("path,label\na.jpg,1\n")
+    vet = listing.vet_file
+
+    def swap_then_vet(path):  # the race: the link changes between the check and the vetting
+        if path != data / "labels.csv" and (data / "a.jpg").is_symlink():
+            (data / "a.jpg").unlink()
+            os.symlink(tmp_path / "secret.jpg", data / "a.jpg")
+        return vet(path)
+
+    monkeypatch.setattr(listing, "vet_file", swap_then_vet)
+    entries = listing.from_table(data / "labels.csv", follow=False, skipped=[])
+    assert [e.file.real for e in entries] == [data / "inside.jpg"]

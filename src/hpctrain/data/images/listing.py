@@ -88,15 +88,20 @@ def from_table(table: Path, follow: bool, skipped: list[dict]) -> list[Entry]:
         split = row.get("split") or None
         if split is not None and split not in SPLITS:
             raise DataError(f"{where}: split {split!r}", expected="train or val")
-        path = base / rel
-        if not follow and not Path(os.path.realpath(path)).is_relative_to(base_real):
-            _skip(skipped, rel, f"a symbolic link to {os.path.realpath(path)!r}, outside the "
+        # Resolved once: the path checked is the path vetted and read (a link swapped in
+        # between cannot lead outside the folder).
+        real = Path(os.path.realpath(base / rel))
+        if not follow and not real.is_relative_to(base_real):
+            _skip(skipped, rel, f"a symbolic link to {str(real)!r}, outside the "
                   "table's folder (pass --follow-symlinks to read it)")
             continue
         try:
-            f = vet_file(path)
+            f = vet_file(real)
         except DataError as e:
             _skip(skipped, rel, f"unreadable ({e.what})")
+            continue
+        if f.real != real:
+            _skip(skipped, rel, "unreadable (it changed while it was listed)")
             continue
         entries.append(Entry(rel, f, str(row["label"]).strip(), split))
     return entries
