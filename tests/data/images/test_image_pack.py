@@ -208,6 +208,22 @@ def test_a_split_folder_read_as_the_other_split_is_refused(packed) -> None:
         ImageShards(packed / "val")  # split="train" by default
 
 
+def test_an_input_edited_in_place_is_another_job(tmp_path) -> None:
+    src = tmp_path / "src"
+    (src / "cat").mkdir(parents=True)
+    for i in range(4):
+        (src / "cat" / f"{i}.jpg").write_bytes(tiny_jpeg(i))
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        pack_images(src, out, PackSettings(shard_bytes=1), stop_after_shards=1, readers=1)
+    edited = src / "cat" / "0.jpg"
+    stat = edited.stat()
+    edited.write_bytes(tiny_jpeg(7)[:stat.st_size].ljust(stat.st_size, b"\0"))  # same size
+    os.utime(edited, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    with pytest.raises(DataError, match="interrupted pack of other inputs"):
+        pack_images(src, out, PackSettings(shard_bytes=1))
+
+
 def test_a_table_row_swapped_to_a_link_out_after_its_check_is_not_read(tmp_path,
                                                                        monkeypatch) -> None:
     from hpctrain.data.images import listing

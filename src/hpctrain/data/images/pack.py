@@ -40,6 +40,7 @@ import hashlib
 import io
 import json
 import logging
+import os
 import shutil
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
@@ -96,8 +97,16 @@ def _job_digest(src: Path, settings: PackSettings, splits: dict[str, list[Entry]
                                    settings.seed, settings.follow_symlinks, skipped]).encode())
     for s in SPLITS:
         for e in splits[s]:
-            h.update(json.dumps([s, e.rel, e.file.size, e.label]).encode())
+            h.update(json.dumps([s, e.rel, e.file.size, _mtime_ns(e.file), e.label]).encode())
     return "sha256:" + h.hexdigest()
+
+
+def _mtime_ns(f: InputFile) -> int:
+    """When ``f`` was last modified: an input edited in place (same size) is another job."""
+    try:
+        return os.stat(f.real).st_mtime_ns
+    except OSError:
+        return -1  # gone: reading it will skip it, and say why
 
 
 def _read_json(path: Path) -> dict:
