@@ -208,6 +208,18 @@ def test_a_split_folder_read_as_the_other_split_is_refused(packed) -> None:
         ImageShards(packed / "val")  # split="train" by default
 
 
+def test_a_split_folder_of_another_dataset_is_refused_and_untouched(image_tree, tmp_path) -> None:
+    src, _ = image_tree
+    out = tmp_path / "out"
+    (out / "train").mkdir(parents=True)
+    theirs = {"shard-000000.tar": b"their shard", "manifest.json": b"{}", "notes.txt": b"x"}
+    for name, data in theirs.items():
+        (out / "train" / name).write_bytes(data)
+    with pytest.raises(DataError, match="did not write"):
+        pack_images(src, out, SMALL)
+    assert _tree_bytes(out / "train") == theirs
+
+
 def test_an_input_edited_in_place_is_another_job(tmp_path) -> None:
     src = tmp_path / "src"
     (src / "cat").mkdir(parents=True)

@@ -41,6 +41,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
@@ -77,6 +78,11 @@ from hpctrain.runtime.rundir import fsync_dir
 log = logging.getLogger("hpctrain.data")
 
 PARTIAL = "pack.partial.json"
+# What a pack writes in a split folder; and what a pack killed before its first checkpoint
+# leaves there (the shard being written, an index's atomic-write temporary).
+_OURS = re.compile(r"shard-\d{6}\.(tar|tar\.tmp|idx\.json)|manifest\.json"
+                   r"|\.(shard-\d{6}\.idx|manifest)\.json\.[0-9a-f]+\.tmp")
+_LEFTOVER = re.compile(r"shard-\d{6}\.tar\.tmp|\.shard-\d{6}\.idx\.json\.[0-9a-f]+\.tmp")
 DEFAULT_SHARD_BYTES = 1 << 30
 DEFAULT_READERS = 8
 
@@ -107,6 +113,25 @@ def _mtime_ns(f: InputFile) -> int:
         return os.stat(f.real).st_mtime_ns
     except OSError:
         return -1  # gone: reading it will skip it, and say why
+
+
+def _refuse_foreign(split_dir: Path, resumed: bool) -> None:
+    """Refuse a split folder holding files this job did not write (another dataset's shards
+    and manifest, which packing would delete or replace)."""
+    try:
+        names = sorted(p.name for p in split_dir.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return  # nothing there yet (a file is make_out_dir's error)
+    except OSError as e:
+        raise DataError(f"cannot list {str(split_dir)!r}: {e.strerror}") from None
+    ours = _OURS if resumed else _LEFTOVER
+    foreign = [n for n in names if not ours.fullmatch(n)]
+    if foreign:
+        raise DataError(f"{str(split_dir)!r} already holds files this pack did not write "
+                        f"({', '.join(map(repr, foreign[:3]))}"
+                        f"{', ...' if len(foreign) > 3 else ''})",
+                        expected="an empty or new output directory",
+                        hint="pack into a new directory or delete this one")
 
 
 def _read_json(path: Path) -> dict:
@@ -221,6 +246,8 @@ def pack_images(src: str | Path, out: str | Path, settings: PackSettings = PackS
                             "settings (or an unreadable pack.partial.json)",
                             hint="pack into a new directory or delete this one")
         state.setdefault("splits", {})
+    for split in SPLITS:
+        _refuse_foreign(out / split, resumed=partial.is_file())
     stop = {"n": 0}
 
     def checkpoint() -> None:
@@ -291,7 +318,7 @@ def _pack_split(out: Path, split: str, entries: list[Entry], index: dict[str, in
     mine["skipped"] = [s for s in mine["skipped"] if s["entry"] < start]
     names = {s[k] for s in mine["shards"] for k in ("tar", "idx")}
     for stale in out.glob("shard-*"):
-        if stale.name not in names:
+        if stale.name not in names and _OURS.fullmatch(stale.name):
             stale.unlink()
     bar.advance(sum(e.file.size for e in entries[:start]))
     keys = tar_keys(entries)
