@@ -87,3 +87,30 @@ def test_per_sample_values_of_the_wrong_shape_are_refused() -> None:
     sums.add({"top1": torch.ones(4)}, 4)
     with pytest.raises(HpctrainError, match="differ"):
         sums.add({"top5": torch.ones(4)}, 4)
+
+
+def test_a_batch_mean_is_weighted_by_the_samples_the_step_kept() -> None:
+    sums = ExactSums(torch.device("cpu"))
+    sums.add({"loss": torch.tensor(2.0), "top1": torch.ones(2)}, 4)  # 2 images did not decode
+    sums.add({"loss": torch.tensor(1.0), "top1": torch.ones(4)}, 4)
+    sums.add({"loss": torch.tensor(float("nan")), "top1": torch.ones(0)}, 4)  # none decoded
+    means, count = sums.reduce()
+    assert count == 12
+    assert means["loss"] == pytest.approx((2 * 2 + 1 * 4) / 6)  # a mean over the kept images
+    assert means["top1"] == 6 / 12  # an image that did not decode is a miss
+
+
+@pytest.mark.parametrize("model", ["resnet_tiny", "vit_tiny"])
+def test_a_micro_batch_whose_images_all_failed_gives_a_zero_loss_with_gradients(model) -> None:
+    from hpctrain.data.images import PreparedImages
+    from hpctrain.tasks.images import ImageClassifier, ImageTaskConfig
+
+    parts = ImageClassifier(ImageTaskConfig(data="x", model=model, image_size=16,
+                                            channels_last=False), num_classes=3)
+    net = parts.model()
+    empty = (PreparedImages(torch.zeros(0, 3, 16, 16)), torch.zeros(0, dtype=torch.int64))
+    loss, metrics = parts.step(net, empty)
+    assert loss.item() == 0 and metrics["top1"].shape == (0,)
+    loss.backward()  # tied to the graph: every parameter the forward used gets a (zero) grad
+    assert all(p.grad is None or not p.grad.any() for p in net.parameters())
+    assert all(torch.isfinite(b).all() for b in net.buffers())  # BatchNorm's stats stay sane

@@ -153,6 +153,11 @@ class ImageClassifier:
             images = images.float()
         logits = model(images)
         smoothing = self.cfg.label_smoothing if model.training else 0.0
+        if not len(labels):
+            # Every image failed to decode: no loss to add, but a zero still tied to the graph
+            # (the backward and DDP's gradient sync run as on every rank), never cross
+            # entropy's NaN mean of nothing.
+            return logits.sum() * 0, topk_correct(logits.detach(), labels)
         loss = F.cross_entropy(logits.float(), labels, label_smoothing=smoothing)
         return loss, topk_correct(logits.detach(), labels)
 
