@@ -85,3 +85,7 @@ def test_image_task_args_are_checked_with_the_key_named() -> None:
         load_task("hpctrain.tasks.images:classifier", {"model": "resnet50"})
     with pytest.raises(ConfigError, match="task_args.model = 'resnet51' is not known"):
         load_task("hpctrain.tasks.images:classifier", {"model": "resnet51", "data": "x"})
+    with pytest.raises(ConfigError, match="not a multiple of vit_tiny's patch size 4") as info:
+        load_task("hpctrain.tasks.images:classifier",
+                  {"model": "vit_tiny", "data": "x", "image_size": 30})
+    assert info.value.hint == "task_args.image_size=28"

@@ -82,6 +82,13 @@ class ImageTaskConfig:
         if self.image_size < 8:
             raise ConfigError(f"task_args.image_size = {self.image_size}",
                               expected="at least 8 pixels")
+        patch = vision.VIT_SIZES.get(self.model, {}).get("patch_size")
+        if patch and self.image_size % patch:
+            fit = max(patch, self.image_size // patch * patch)
+            raise ConfigError(f"task_args.image_size = {self.image_size} is not a multiple of "
+                              f"{self.model}'s patch size {patch}",
+                              expected=f"a multiple of {patch}",
+                              hint=f"task_args.image_size={fit}")
         if self.eval_resize and self.eval_resize < self.image_size:
             raise ConfigError(f"task_args.eval_resize = {self.eval_resize} is smaller than "
                               f"image_size {self.image_size}",

@@ -21,7 +21,7 @@ from hpctrain.errors import ConfigError
 from hpctrain.models.vision.resnet import DEPTHS, ResNet
 from hpctrain.models.vision.vit import VIT_SIZES, VisionTransformer
 
-__all__ = ["MODELS", "ResNet", "VisionTransformer", "build", "flops_per_sample"]
+__all__ = ["MODELS", "VIT_SIZES", "ResNet", "VisionTransformer", "build", "flops_per_sample"]
 
 
 def _resnet(depth: int, **fixed) -> Callable[..., nn.Module]:
