@@ -28,4 +28,4 @@ def image_ext(head: bytes) -> str | None:
 
 def is_jpeg(head: bytes) -> bool:
     """Whether ``head`` starts a JPEG (SOI marker and the next marker's 0xFF)."""
-    return image_ext(head[:len(_MAGIC[0][0])]) == "jpg"
+    return image_ext(head) == "jpg"
