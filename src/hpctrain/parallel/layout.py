@@ -106,6 +106,7 @@ def check_layout(cfg: JobConfig, world_size: int) -> ParallelLayout:
             hint="set model.tie_embeddings=false",
         )
     check_loss_chunks(tc.loss_chunks, tp, pp)
+    check_optimizer_sharding(cfg, tp)
     family = family_of_args(args)
     if tc.loss_chunks and not family.chunked_loss:
         raise ConfigError(
@@ -223,3 +224,15 @@ def _check_microbatches(cfg: JobConfig, pp: int, stages_per_rank: int) -> int:
                 hint=f"use a multiple of pp ({pp}) micro-batches, or fewer than {pp}",
             )
     return m
+
+
+def check_optimizer_sharding(cfg: JobConfig, tp: int) -> None:
+    """Refuse SGD on sharded (DTensor) parameters: FSDP2's or tensor parallelism's."""
+    if cfg.optim.name == "sgd" and (cfg.parallel.strategy == "fsdp" or tp > 1):
+        # Fused SGD has no DTensor sharding strategy: the first step would end in a bare
+        # NotImplementedError. AdamW runs on the local shards (train.optim.LocalShardAdamW).
+        raise ConfigError(
+            f"optim.name = sgd with parallel.strategy = {cfg.parallel.strategy}, "
+            f"parallel.tp = {tp}",
+            expected="SGD with unsharded parameters (strategy ddp or none, tp 1), or AdamW",
+            hint="set parallel.strategy=ddp parallel.tp=1, or optim.name=adamw")

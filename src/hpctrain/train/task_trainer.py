@@ -31,7 +31,7 @@ from hpctrain.data.samples import build_sample_loader, is_map_style, to_device
 from hpctrain.errors import ConfigError
 from hpctrain.observe.metrics import MetricsWriter
 from hpctrain.parallel.data import DTYPES, apply_ddp, broadcast_buffers, dp_mesh
-from hpctrain.parallel.layout import ParallelLayout, mesh_degrees
+from hpctrain.parallel.layout import ParallelLayout, check_optimizer_sharding, mesh_degrees
 from hpctrain.runtime.config import refuse_large_model_on_cpu
 from hpctrain.runtime.dist import Distributed
 from hpctrain.task import Task, TaskError, call_user, check_finite, load_task, reading_sample
@@ -74,6 +74,7 @@ def check_task_config(cfg: JobConfig, world_size: int) -> ParallelLayout:
                               expected="data parallelism (ddp or fsdp) and bf16/fp16/fp32: "
                               "the other transforms need a model-family spec",
                               hint=f"set {fix}")
+    check_optimizer_sharding(cfg, pc.tp)
     _, dp_replicate, dp_shard, _ = mesh_degrees(pc, world_size)
     return ParallelLayout(1, dp_replicate, dp_shard, 1)
 
