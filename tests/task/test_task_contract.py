@@ -317,3 +317,23 @@ def test_a_streams_random_draws_repeat_after_a_resume() -> None:
     resumed.load_state_dict(first.state_dict())
     assert _read(resumed, 2) == expected[1:]
     assert len({round(v % 1, 6) for step in expected for v in step}) == 6  # fresh per sample
+
+
+def test_only_running_statistics_are_broadcast_after_a_step() -> None:
+    """The per-step broadcast carries what training updates (BatchNorm's and InstanceNorm's
+    tracked statistics), not constant buffers; nothing when no norm tracks statistics."""
+    from hpctrain.train.task_trainer import running_stats
+
+    class Net(nn.Module):
+        def __init__(self, track: bool) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(4, track_running_stats=track)
+            self.inorm = nn.InstanceNorm1d(4, track_running_stats=track)
+            self.register_buffer("table", torch.arange(8.0))  # e.g. a rotary table
+            self.register_buffer("mask", torch.ones(4), persistent=False)
+
+    net = Net(track=True)
+    expected = [net.bn.running_mean, net.bn.running_var, net.bn.num_batches_tracked,
+                net.inorm.running_mean, net.inorm.running_var, net.inorm.num_batches_tracked]
+    assert [id(b) for b in running_stats(net)] == [id(b) for b in expected]
+    assert running_stats(Net(track=False)) == []

@@ -7,7 +7,7 @@ the bad-step guard, metrics and goodput are the Trainer's own, unchanged.
 
 The random generators are seeded from (run.seed, step, rank) before each step, so dropout and
 other random ops in user code draw the same numbers after a resume as in an uninterrupted run.
-Buffers a forward updates (BatchNorm's running statistics) are rank 0's on every rank after each
+Buffers a forward updates (BatchNorm-style running statistics) are rank 0's on every rank after each
 step (DDP's default semantics, one broadcast per dtype), so validation and checkpoints see one
 model.
 """
@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.flop_counter import FlopCounterMode
 
 from hpctrain import faults
@@ -95,6 +96,14 @@ def refuse_large_task_on_cpu(cfg: JobConfig, task: Task) -> None:
                               force="run.device=cpu")
 
 
+def running_stats(model: nn.Module) -> list[torch.Tensor]:
+    """The buffers training updates: running statistics of BatchNorm-style norms that track
+    them (constant buffers, such as a rotary table, are the same on every rank already)."""
+    return [b for m in model.modules()
+            if isinstance(m, _NormBase) and m.track_running_stats
+            for b in m.buffers(recurse=False)]
+
+
 class TaskTrainer(Trainer):
     """Trains a :class:`~hpctrain.task.Task` with the Trainer's loop, checkpoints and metrics:
     only ``_build`` (the task's model, spread, and samples) and the step differ."""
@@ -126,7 +135,7 @@ class TaskTrainer(Trainer):
         self.signature = checkpointing.model_signature(model)  # before DDP/FSDP rename or shard
         # Buffers each rank updates from its own batch (BatchNorm's statistics): rank 0's are
         # broadcast after every step, so the ranks agree and a checkpoint holds what all hold.
-        self.buffers = list(model.buffers()) if self.dist.world_size > 1 else []
+        self.buffers = running_stats(model) if self.dist.world_size > 1 else []
         self.model = self._spread(model)
         self.pipeline = None
         self.after_update = _nothing
