@@ -67,6 +67,13 @@ def test_a_task_of_srun_takes_its_world_size_from_slurm(monkeypatch: pytest.Monk
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "4")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "node1")
     assert _world_size(None) == 4
+    # `srun -n1 hpctrain train my_task.py --nproc 2`: the ranks are the ones --nproc starts.
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_LOCALID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "1")
+    assert _world_size(None) == 1
+    assert _world_size(2) == 2
 
 
 def test_sbatch_of_a_task_file_runs_it_as_written(project: Path) -> None:
