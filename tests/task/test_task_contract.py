@@ -337,3 +337,13 @@ def test_only_running_statistics_are_broadcast_after_a_step() -> None:
                 net.inorm.running_mean, net.inorm.running_var, net.inorm.num_batches_tracked]
     assert [id(b) for b in running_stats(net)] == [id(b) for b in expected]
     assert running_stats(Net(track=False)) == []
+
+
+@pytest.mark.parametrize("stem", ["123", "true", "on", "a #1", "x: y"])
+def test_a_task_file_of_any_name_names_its_run(tmp_path: Path, stem: str) -> None:
+    """The file's stem and path reach the config as strings, whatever YAML would read them as."""
+    from hpctrain.task import load_run_config
+
+    path = tmp_path / f"{stem}.py"
+    cfg = load_run_config(path, [], 1)
+    assert (cfg.run.name, cfg.task) == (stem, str(path))
