@@ -124,3 +124,17 @@ def test_k8s_of_a_task_file_carries_it_in_the_configmap(project: Path, capsys) -
     assert config == {"task": "/etc/hpctrain/task.py", "run": {"name": "fit_me"},
                       "parallel": {"strategy": "ddp"}, "train": {"steps": 2}}
     assert "modules it imports must be in the image" in out.err
+
+
+def test_checking_a_tasks_placement_does_not_import_the_trainer() -> None:
+    """Writing an sbatch script for a task checks its layout without the training stack (the
+    Trainer pulls in models, checkpoints and compile machinery); one fresh interpreter, as the
+    test session's own has imported the Trainer long since."""
+    code = ("import sys\n"
+            "from hpctrain.config import load_config\n"
+            "from hpctrain.launch.sbatch import check_placement\n"
+            "check_placement(load_config(None, ['task=t.py', 'parallel.strategy=ddp']), 1, 2)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('hpctrain.train.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert "hpctrain.train.task_trainer" not in out and "hpctrain.train.trainer" not in out, out

@@ -168,8 +168,7 @@ def test_sgd_on_sharded_parameters_is_refused(overrides: list[str], message: str
     from conftest import DEMO, TINY
     from hpctrain.config import load_config
     from hpctrain.errors import ConfigError
-    from hpctrain.parallel.layout import check_layout
-    from hpctrain.train.task_trainer import check_task_config
+    from hpctrain.parallel.layout import check_layout, check_task_config
 
     sgd = ["optim.name=sgd", "optim.weight_decay=1e-4"]
     cfg = load_config(DEMO, [*TINY, *sgd, *overrides])

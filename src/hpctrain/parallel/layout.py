@@ -5,7 +5,8 @@ mesh); ``check_layout`` adds the rules that involve the model and the batch: eve
 model family's tensor-parallel plan splits (for Llama: heads, KV heads, FFN width, vocabulary,
 sequence length) divisible by ``tp``; layers enough for
 the stages; the data-parallel batch divisible into pipeline micro-batches the schedule accepts.
-Each refusal says what to change.
+``check_task_config`` is a user task's counterpart (data parallelism only), here so that launchers
+check a task without importing the Trainer. Each refusal says what to change.
 """
 
 from __future__ import annotations
@@ -87,6 +88,31 @@ def mesh_degrees(pc: ParallelConfig, world_size: int) -> tuple[int, int, int, in
     if pc.strategy == "ddp":
         return (pc.pp, dp, 1, pc.tp)
     return (pc.pp, pc.dp_replicate, dp // pc.dp_replicate, pc.tp)
+
+
+def check_task_config(cfg: JobConfig, world_size: int) -> ParallelLayout:
+    """The layout a task trains in (data parallelism only), or a ConfigError naming the key."""
+    pc, tc = cfg.parallel, cfg.train
+    refused = [(pc.tp > 1, f"parallel.tp = {pc.tp}", "parallel.tp=1"),
+               (pc.pp > 1, f"parallel.pp = {pc.pp}", "parallel.pp=1"),
+               (tc.precision == "fp8", "train.precision = fp8", "train.precision=bf16"),
+               (tc.master_weights != "fp32", f"train.master_weights = {tc.master_weights}",
+                "train.master_weights=fp32"),
+               (pc.activation_checkpointing != "none",
+                f"parallel.activation_checkpointing = {pc.activation_checkpointing}",
+                "parallel.activation_checkpointing=none (or checkpoint inside your model "
+                "with torch.utils.checkpoint)"),
+               (tc.loss_chunks > 0, f"train.loss_chunks = {tc.loss_chunks}",
+                "train.loss_chunks=0")]
+    for bad, what, fix in refused:
+        if bad:
+            raise ConfigError(f"{what} with a task of your own",
+                              expected="data parallelism (ddp or fsdp) and bf16/fp16/fp32: "
+                              "the other transforms need a model-family spec",
+                              hint=f"set {fix}")
+    check_optimizer_sharding(cfg, pc.tp)
+    _, dp_replicate, dp_shard, _ = mesh_degrees(pc, world_size)
+    return ParallelLayout(1, dp_replicate, dp_shard, 1)
 
 
 def check_layout(cfg: JobConfig, world_size: int) -> ParallelLayout:

@@ -32,7 +32,7 @@ from hpctrain.data.samples import build_sample_loader, is_map_style, to_device
 from hpctrain.errors import ConfigError
 from hpctrain.observe.metrics import MetricsWriter
 from hpctrain.parallel.data import DTYPES, apply_ddp, broadcast_buffers, dp_mesh
-from hpctrain.parallel.layout import ParallelLayout, check_optimizer_sharding, mesh_degrees
+from hpctrain.parallel.layout import check_task_config
 from hpctrain.runtime.config import refuse_large_model_on_cpu
 from hpctrain.runtime.dist import Distributed
 from hpctrain.task import Task, TaskError, call_user, check_finite, load_task, reading_sample
@@ -53,31 +53,6 @@ def build_trainer(cfg: JobConfig, task: Task | None, dist_ctx: Distributed,
     if task is None:
         return Trainer(cfg, dist_ctx, metrics, **kwargs)
     return TaskTrainer(cfg, dist_ctx, metrics, task=task, **kwargs)
-
-
-def check_task_config(cfg: JobConfig, world_size: int) -> ParallelLayout:
-    """The layout a task trains in (data parallelism only), or a ConfigError naming the key."""
-    pc, tc = cfg.parallel, cfg.train
-    refused = [(pc.tp > 1, f"parallel.tp = {pc.tp}", "parallel.tp=1"),
-               (pc.pp > 1, f"parallel.pp = {pc.pp}", "parallel.pp=1"),
-               (tc.precision == "fp8", "train.precision = fp8", "train.precision=bf16"),
-               (tc.master_weights != "fp32", f"train.master_weights = {tc.master_weights}",
-                "train.master_weights=fp32"),
-               (pc.activation_checkpointing != "none",
-                f"parallel.activation_checkpointing = {pc.activation_checkpointing}",
-                "parallel.activation_checkpointing=none (or checkpoint inside your model "
-                "with torch.utils.checkpoint)"),
-               (tc.loss_chunks > 0, f"train.loss_chunks = {tc.loss_chunks}",
-                "train.loss_chunks=0")]
-    for bad, what, fix in refused:
-        if bad:
-            raise ConfigError(f"{what} with a task of your own",
-                              expected="data parallelism (ddp or fsdp) and bf16/fp16/fp32: "
-                              "the other transforms need a model-family spec",
-                              hint=f"set {fix}")
-    check_optimizer_sharding(cfg, pc.tp)
-    _, dp_replicate, dp_shard, _ = mesh_degrees(pc, world_size)
-    return ParallelLayout(1, dp_replicate, dp_shard, 1)
 
 
 def refuse_large_task_on_cpu(cfg: JobConfig, task: Task) -> None:
