@@ -53,6 +53,28 @@ def test_preflight_judges_a_task_by_the_task_rules() -> None:
                 data=torch.zeros(8, 4), loss=nn.functional.mse_loss))
 
 
+def test_the_size_check_calls_the_factory_as_the_real_build_does() -> None:
+    """A factory's own ConfigError (a bad task_args value) stops the run at the size check, not
+    swallowed there to be raised again by a second call; a factory that cannot build on the
+    meta device (it reads weights) is left for the real build to report."""
+    calls = []
+
+    def refusing() -> nn.Module:
+        calls.append(1)
+        raise ConfigError("task_args.width = -1 must be positive")
+
+    def reading() -> nn.Module:
+        return nn.Linear(2, 2).load_state_dict(torch.load("/nonexistent.pt"))
+
+    cfg = load_config(None, ["task=t.py"])
+    with pytest.raises(ConfigError, match="width = -1"):
+        refuse_large_task_on_cpu(cfg, Task(model=refusing, data=torch.zeros(8, 4),
+                                           loss=nn.functional.mse_loss))
+    assert calls == [1]
+    refuse_large_task_on_cpu(cfg, Task(model=reading, data=torch.zeros(8, 4),
+                                       loss=nn.functional.mse_loss))
+
+
 def test_a_task_of_srun_takes_its_world_size_from_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
     """srun sets no WORLD_SIZE: without Slurm's count a task file's run on 4 tasks would get
     no data-parallel strategy (`hpctrain train my_task.py` sets ddp for several ranks)."""

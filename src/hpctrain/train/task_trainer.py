@@ -60,13 +60,17 @@ def refuse_large_task_on_cpu(cfg: JobConfig, task: Task) -> None:
     visible), its parameters counted on the meta device before the real build."""
     if cfg.run.device != "auto" or torch.cuda.is_available():
         return
+    # The factory runs twice (here on meta, then for real): through build_model as the real
+    # build, so an HpctrainError it raises on purpose (a bad task_args value) stops the run here,
+    # once. Any other failure is a TaskError naming the user's line, kept for the log: a factory
+    # may not work with meta tensors (it reads weights), and the real build reports what fails.
     try:
         with torch.device("meta"):
-            model = task.model()
-        n_params = sum(p.numel() for p in model.parameters())
-    except Exception as e:  # e.g. a factory that reads weights: the real build will tell
+            model = task.build_model()
+    except TaskError as e:
         log.debug("the task's model could not be counted on the meta device: %s", e)
         return
+    n_params = sum(p.numel() for p in model.parameters())
     refuse_large_model_on_cpu(n_params, model=f"the task's model ({cfg.task})",
                               force="run.device=cpu")
 
