@@ -141,17 +141,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> None:
-    from hpctrain.config import load_config
+    from hpctrain.task import load_run_config
 
     if args.resume is not None:
         args.overrides = [*args.overrides, f"checkpoint.resume={args.resume}"]
-    if args.config.suffix == ".py":  # a task file: the run's config is defaults + overrides
-        from hpctrain.task import file_overrides
-
-        world = _world_size(args.nproc)
-        cfg = load_config(None, file_overrides(args.config, world, args.overrides))
-    else:
-        cfg = load_config(args.config, args.overrides)
+    # Only a task file's config depends on the world size (it picks ddp for several ranks).
+    world = _world_size(args.nproc) if args.config.suffix == ".py" else 1
+    cfg = load_run_config(args.config, args.overrides, world)
     if args.nproc is None:
         from hpctrain.train.job import run_training
 
@@ -165,14 +161,17 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _world_size(nproc: int | None) -> int:
-    """The ranks a task file's run will have: torchrun's WORLD_SIZE, srun's task count, else
-    --nproc."""
+    """The ranks a task file's run will have: --nproc (the ranks this command starts, even
+    inside an srun step of one task), else torchrun's WORLD_SIZE, else srun's task count, else
+    1."""
+    if nproc is not None:
+        return nproc
     value = os.environ.get("WORLD_SIZE")
     if value is None:
         from hpctrain.runtime.env import detect_env
 
         env = detect_env()  # a task of srun (a batch script's) sets no WORLD_SIZE
-        return env.world_size if env.launcher == "slurm" else nproc or 1
+        return env.world_size if env.launcher == "slurm" else 1
     try:
         return count(1, 1 << 20)(value)
     except argparse.ArgumentTypeError as e:

@@ -35,6 +35,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import json
 import logging
 import sys
 import sysconfig
@@ -270,7 +271,9 @@ def file_overrides(path: Path, world_size: int, overrides: list[str],
     """The overrides that train task file ``path`` (``seen_as``: its path where the ranks run):
     the task, a run named after the file, DDP on several ranks; the user's own ``overrides``
     come last and win."""
-    defaults = [f"task={seen_as or path}", f"run.name={path.stem}"]
+    # Values of overrides are parsed as YAML: quoted, a file named 123.py, on.py or "a #1.py"
+    # stays the string it is (not a number, a boolean or a comment).
+    defaults = [f"task={json.dumps(str(seen_as or path))}", f"run.name={json.dumps(path.stem)}"]
     if world_size > 1:
         defaults.append("parallel.strategy=ddp")
     return [*defaults, *overrides]

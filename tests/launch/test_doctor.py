@@ -278,9 +278,22 @@ def _doctor_rank(shown: Path, rank: int, port: int, queue) -> None:
     env = ProcessEnv(launcher="torchrun", rank=rank, local_rank=rank, world_size=2,
                      local_world_size=2, node_rank=0, master_addr="127.0.0.1",
                      master_port=port, hostname="localhost")
-    cfg = load_config(REPO / "configs" / "demo.yaml", [*TINY, "run.device=cpu"])
-    verdicts, who = d.run_doctor(cfg, env, allreduce_mb=0.01, gpu_health=False,
-                                 show=lambda v, w: shown.write_text(w))
+    # A short timeout: a rank left waiting at the closing barrier fails in seconds, not minutes.
+    cfg = load_config(REPO / "configs" / "demo.yaml", [*TINY, "run.device=cpu",
+                                                       "run.timeout_s=30"])
+    got = {}
+
+    def show(verdicts, who) -> None:  # shows, then fails as a broken terminal would
+        got.update(verdicts=verdicts, who=who)
+        shown.write_text(who)
+        raise OSError("the terminal went away")
+
+    try:
+        got["verdicts"], got["who"] = d.run_doctor(cfg, env, allreduce_mb=0.01,
+                                                   gpu_health=False, show=show)
+    except OSError:
+        assert rank == 0  # only rank 0 shows
+    verdicts, who = got["verdicts"], got["who"]
     threads = [p.read_text().strip() for p in Path("/proc/self/task").glob("*/comm")]
     queue.put((rank, [v.check for v in verdicts if v.problems], who, shown.is_file(),
                [t for t in threads if any(g in t for g in GROUP_THREADS)]))
@@ -288,9 +301,11 @@ def _doctor_rank(shown: Path, rank: int, port: int, queue) -> None:
 
 def test_two_ranks_agree_and_leave_no_group_running(tmp_path: Path) -> None:
     """The doctor on two real ranks: both get rank 0's verdicts, no rank returns before rank 0
-    showed the report, and destroy_process_group leaves nothing of the group running (rank 0's
-    `gpus` check imports training, which imports torch.distributed.nn while the group is up:
-    that used to pin the group, whose threads then aborted the process at exit)."""
+    showed the report, rank 0's report failing still releases rank 1 from the closing barrier
+    (it used to wait there until the timeout), and destroy_process_group leaves nothing of the
+    group running (rank 0's `gpus` check imports training, which imports torch.distributed.nn
+    while the group is up: that used to pin the group, whose threads then aborted the process
+    at exit)."""
     results = sorted(spawn_ranks(functools.partial(_doctor_rank, tmp_path / "shown"), 2))
     who = f"2 ranks on 1 node: {socket.gethostname()}"
     assert [r[0] for r in results] == [0, 1] and results[0][1:] == results[1][1:], results

@@ -40,13 +40,22 @@ def test_counts_and_flops_of_the_hugging_face_shapes() -> None:
     tests/pretrained/test_qwen_hf.py) and the worked example of flops.py."""
     assert QWEN.count_params(PRESETS["qwen3-0.6b"], include_embedding=True) == 596_049_920
     assert QWEN.count_params(PRESETS["qwen2.5-0.5b"], include_embedding=True) == 494_032_768
-    assert QWEN.flops_per_token(PRESETS["qwen3-0.6b"], 4096) == 5_461_377_024
+    assert QWEN.flops_per_token(PRESETS["qwen3-0.6b"], 4096) == 6_394_871_808
     # The stage costs of the blocks add up to the FLOPs but for the final norm and head.
     for args in (PRESETS["qwen3-0.6b"], dataclasses.replace(PRESETS["tiny-qwen2"],
                                                             tie_embeddings=False)):
         _, block, _ = QWEN.stage_costs(args, 1024, 4096)
-        head = 0 if args.tie_embeddings else args.vocab_size * args.dim
+        head = args.vocab_size * args.dim  # tied or not, the output matmul runs
         assert QWEN.flops_per_token(args, 1024) - args.n_layers * block == 6 * (args.dim + head)
+
+
+def test_tying_shares_the_output_weights_not_its_matmul() -> None:
+    """A tied head still multiplies every token by a V x dim matrix: FLOPs equal untied's."""
+    for name in ("qwen2.5-0.5b", "tiny-qwen2"):
+        tied = PRESETS[name]
+        untied = dataclasses.replace(tied, tie_embeddings=False)
+        assert tied.tie_embeddings
+        assert QWEN.flops_per_token(tied, 1024) == QWEN.flops_per_token(untied, 1024)
 
 
 def test_a_config_selects_the_family_and_its_presets() -> None:

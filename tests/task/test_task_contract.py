@@ -317,3 +317,33 @@ def test_a_streams_random_draws_repeat_after_a_resume() -> None:
     resumed.load_state_dict(first.state_dict())
     assert _read(resumed, 2) == expected[1:]
     assert len({round(v % 1, 6) for step in expected for v in step}) == 6  # fresh per sample
+
+
+def test_only_running_statistics_are_broadcast_after_a_step() -> None:
+    """The per-step broadcast carries what training updates (BatchNorm's and InstanceNorm's
+    tracked statistics), not constant buffers; nothing when no norm tracks statistics."""
+    from hpctrain.train.task_trainer import running_stats
+
+    class Net(nn.Module):
+        def __init__(self, track: bool) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(4, track_running_stats=track)
+            self.inorm = nn.InstanceNorm1d(4, track_running_stats=track)
+            self.register_buffer("table", torch.arange(8.0))  # e.g. a rotary table
+            self.register_buffer("mask", torch.ones(4), persistent=False)
+
+    net = Net(track=True)
+    expected = [net.bn.running_mean, net.bn.running_var, net.bn.num_batches_tracked,
+                net.inorm.running_mean, net.inorm.running_var, net.inorm.num_batches_tracked]
+    assert [id(b) for b in running_stats(net)] == [id(b) for b in expected]
+    assert running_stats(Net(track=False)) == []
+
+
+@pytest.mark.parametrize("stem", ["123", "true", "on", "a #1", "x: y"])
+def test_a_task_file_of_any_name_names_its_run(tmp_path: Path, stem: str) -> None:
+    """The file's stem and path reach the config as strings, whatever YAML would read them as."""
+    from hpctrain.task import load_run_config
+
+    path = tmp_path / f"{stem}.py"
+    cfg = load_run_config(path, [], 1)
+    assert (cfg.run.name, cfg.task) == (stem, str(path))

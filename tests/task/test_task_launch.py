@@ -53,6 +53,28 @@ def test_preflight_judges_a_task_by_the_task_rules() -> None:
                 data=torch.zeros(8, 4), loss=nn.functional.mse_loss))
 
 
+def test_the_size_check_calls_the_factory_as_the_real_build_does() -> None:
+    """A factory's own ConfigError (a bad task_args value) stops the run at the size check, not
+    swallowed there to be raised again by a second call; a factory that cannot build on the
+    meta device (it reads weights) is left for the real build to report."""
+    calls = []
+
+    def refusing() -> nn.Module:
+        calls.append(1)
+        raise ConfigError("task_args.width = -1 must be positive")
+
+    def reading() -> nn.Module:
+        return nn.Linear(2, 2).load_state_dict(torch.load("/nonexistent.pt"))
+
+    cfg = load_config(None, ["task=t.py"])
+    with pytest.raises(ConfigError, match="width = -1"):
+        refuse_large_task_on_cpu(cfg, Task(model=refusing, data=torch.zeros(8, 4),
+                                           loss=nn.functional.mse_loss))
+    assert calls == [1]
+    refuse_large_task_on_cpu(cfg, Task(model=reading, data=torch.zeros(8, 4),
+                                       loss=nn.functional.mse_loss))
+
+
 def test_a_task_of_srun_takes_its_world_size_from_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
     """srun sets no WORLD_SIZE: without Slurm's count a task file's run on 4 tasks would get
     no data-parallel strategy (`hpctrain train my_task.py` sets ddp for several ranks)."""
@@ -67,6 +89,13 @@ def test_a_task_of_srun_takes_its_world_size_from_slurm(monkeypatch: pytest.Monk
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "4")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "node1")
     assert _world_size(None) == 4
+    # `srun -n1 hpctrain train my_task.py --nproc 2`: the ranks are the ones --nproc starts.
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_LOCALID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "1")
+    assert _world_size(None) == 1
+    assert _world_size(2) == 2
 
 
 def test_sbatch_of_a_task_file_runs_it_as_written(project: Path) -> None:
@@ -117,3 +146,17 @@ def test_k8s_of_a_task_file_carries_it_in_the_configmap(project: Path, capsys) -
     assert config == {"task": "/etc/hpctrain/task.py", "run": {"name": "fit_me"},
                       "parallel": {"strategy": "ddp"}, "train": {"steps": 2}}
     assert "modules it imports must be in the image" in out.err
+
+
+def test_checking_a_tasks_placement_does_not_import_the_trainer() -> None:
+    """Writing an sbatch script for a task checks its layout without the training stack (the
+    Trainer pulls in models, checkpoints and compile machinery); one fresh interpreter, as the
+    test session's own has imported the Trainer long since."""
+    code = ("import sys\n"
+            "from hpctrain.config import load_config\n"
+            "from hpctrain.launch.sbatch import check_placement\n"
+            "check_placement(load_config(None, ['task=t.py', 'parallel.strategy=ddp']), 1, 2)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('hpctrain.train.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert "hpctrain.train.task_trainer" not in out and "hpctrain.train.trainer" not in out, out

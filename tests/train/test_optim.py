@@ -155,3 +155,37 @@ def test_scheduler_resume() -> None:
 def test_effective_lr(scale: str, global_batch: int, expected: float) -> None:
     cfg = OptimConfig(lr=3e-4, scale_lr=scale, base_batch=256)
     assert cfg.effective_lr(global_batch) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel.strategy=fsdp"], "optim.name = sgd with parallel.strategy = fsdp"),
+    (["parallel.strategy=none", "parallel.tp=2", "model.tie_embeddings=false"],
+     "optim.name = sgd with parallel.strategy = none, parallel.tp = 2"),
+])
+def test_sgd_on_sharded_parameters_is_refused(overrides: list[str], message: str) -> None:
+    """Fused SGD has no DTensor strategy: refused before training, not a NotImplementedError
+    at the first step; for a task too (FSDP2 shards its model the same way)."""
+    from conftest import DEMO, TINY
+    from hpctrain.config import load_config
+    from hpctrain.errors import ConfigError
+    from hpctrain.parallel.layout import check_layout, check_task_config
+
+    sgd = ["optim.name=sgd", "optim.weight_decay=1e-4"]
+    cfg = load_config(DEMO, [*TINY, *sgd, *overrides])
+    with pytest.raises(ConfigError, match=message):
+        check_layout(cfg, 2)
+    if "parallel.tp=2" not in overrides:
+        with pytest.raises(ConfigError, match=message):
+            check_task_config(cfg, 2)
+    check_layout(load_config(DEMO, [*TINY, *sgd, "parallel.strategy=ddp"]), 2)
+
+
+def test_sgd_with_adamw_default_weight_decay_is_refused() -> None:
+    """SGD's decay is coupled L2: AdamW's 0.1 left in place would be ~1000x an SGD recipe's."""
+    from hpctrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="AdamW's default") as err:
+        OptimConfig(name="sgd").validate()
+    assert "optim.weight_decay" in err.value.hint
+    OptimConfig(name="sgd", weight_decay=1e-4).validate()
+    OptimConfig(name="adamw").validate()

@@ -44,7 +44,7 @@ from hpctrain.errors import ConfigError
 from hpctrain.launch.containers import Container, default_runtime, job_binds
 from hpctrain.launch.output import write_output
 from hpctrain.numeric_args import count
-from hpctrain.parallel.layout import check_layout
+from hpctrain.parallel.layout import check_layout, check_task_config
 from hpctrain.runtime.exit_codes import PREEMPTED
 
 # #SBATCH lines are not shell: values there cannot be quoted, so they must not need it.
@@ -163,8 +163,6 @@ class SbatchParams:
 def check_placement(cfg: JobConfig, nodes: int, tasks_per_node: int) -> None:
     """Refuse a layout training would refuse, or one whose TP groups straddle two nodes."""
     if cfg.task:  # a task's layout is data parallelism only; its model is not the config's
-        from hpctrain.train.task_trainer import check_task_config
-
         check_task_config(cfg, nodes * tasks_per_node)
         return
     check_layout(cfg, nodes * tasks_per_node)

@@ -5,7 +5,8 @@ mesh); ``check_layout`` adds the rules that involve the model and the batch: eve
 model family's tensor-parallel plan splits (for Llama: heads, KV heads, FFN width, vocabulary,
 sequence length) divisible by ``tp``; layers enough for
 the stages; the data-parallel batch divisible into pipeline micro-batches the schedule accepts.
-Each refusal says what to change.
+``check_task_config`` is a user task's counterpart (data parallelism only), here so that launchers
+check a task without importing the Trainer. Each refusal says what to change.
 """
 
 from __future__ import annotations
@@ -89,6 +90,31 @@ def mesh_degrees(pc: ParallelConfig, world_size: int) -> tuple[int, int, int, in
     return (pc.pp, pc.dp_replicate, dp // pc.dp_replicate, pc.tp)
 
 
+def check_task_config(cfg: JobConfig, world_size: int) -> ParallelLayout:
+    """The layout a task trains in (data parallelism only), or a ConfigError naming the key."""
+    pc, tc = cfg.parallel, cfg.train
+    refused = [(pc.tp > 1, f"parallel.tp = {pc.tp}", "parallel.tp=1"),
+               (pc.pp > 1, f"parallel.pp = {pc.pp}", "parallel.pp=1"),
+               (tc.precision == "fp8", "train.precision = fp8", "train.precision=bf16"),
+               (tc.master_weights != "fp32", f"train.master_weights = {tc.master_weights}",
+                "train.master_weights=fp32"),
+               (pc.activation_checkpointing != "none",
+                f"parallel.activation_checkpointing = {pc.activation_checkpointing}",
+                "parallel.activation_checkpointing=none (or checkpoint inside your model "
+                "with torch.utils.checkpoint)"),
+               (tc.loss_chunks > 0, f"train.loss_chunks = {tc.loss_chunks}",
+                "train.loss_chunks=0")]
+    for bad, what, fix in refused:
+        if bad:
+            raise ConfigError(f"{what} with a task of your own",
+                              expected="data parallelism (ddp or fsdp) and bf16/fp16/fp32: "
+                              "the other transforms need a model-family spec",
+                              hint=f"set {fix}")
+    check_optimizer_sharding(cfg, pc.tp)
+    _, dp_replicate, dp_shard, _ = mesh_degrees(pc, world_size)
+    return ParallelLayout(1, dp_replicate, dp_shard, 1)
+
+
 def check_layout(cfg: JobConfig, world_size: int) -> ParallelLayout:
     """Every rule a layout must obey for this model and batch; the layout, or a ConfigError."""
     pc, tc = cfg.parallel, cfg.train
@@ -106,6 +132,7 @@ def check_layout(cfg: JobConfig, world_size: int) -> ParallelLayout:
             hint="set model.tie_embeddings=false",
         )
     check_loss_chunks(tc.loss_chunks, tp, pp)
+    check_optimizer_sharding(cfg, tp)
     family = family_of_args(args)
     if tc.loss_chunks and not family.chunked_loss:
         raise ConfigError(
@@ -223,3 +250,15 @@ def _check_microbatches(cfg: JobConfig, pp: int, stages_per_rank: int) -> int:
                 hint=f"use a multiple of pp ({pp}) micro-batches, or fewer than {pp}",
             )
     return m
+
+
+def check_optimizer_sharding(cfg: JobConfig, tp: int) -> None:
+    """Refuse SGD on sharded (DTensor) parameters: FSDP2's or tensor parallelism's."""
+    if cfg.optim.name == "sgd" and (cfg.parallel.strategy == "fsdp" or tp > 1):
+        # Fused SGD has no DTensor sharding strategy: the first step would end in a bare
+        # NotImplementedError. AdamW runs on the local shards (train.optim.LocalShardAdamW).
+        raise ConfigError(
+            f"optim.name = sgd with parallel.strategy = {cfg.parallel.strategy}, "
+            f"parallel.tp = {tp}",
+            expected="SGD with unsharded parameters (strategy ddp or none, tp 1), or AdamW",
+            hint="set parallel.strategy=ddp parallel.tp=1, or optim.name=adamw")

@@ -66,6 +66,10 @@ class TrainConfig:
             )
 
 
+# AdamW's decoupled decay for LLMs; refused for SGD, whose coupled decay it would overscale.
+ADAMW_WEIGHT_DECAY = 0.1
+
+
 @dataclass
 class OptimConfig:
     """AdamW (or SGD) hyper-parameters and a warmup + cosine (or constant) LR schedule."""
@@ -73,7 +77,7 @@ class OptimConfig:
     # adamw: decoupled weight decay (LLMs, ViT); sgd: momentum SGD, e.g. nesterov for ResNet.
     name: Literal["adamw", "sgd"] = "adamw"
     lr: float = 3e-4
-    weight_decay: float = 0.1
+    weight_decay: float = ADAMW_WEIGHT_DECAY
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -112,6 +116,14 @@ class OptimConfig:
             raise ConfigError(f"optim.min_lr_ratio = {self.min_lr_ratio} must lie in [0, 1]")
         if self.base_batch < 1:
             raise ConfigError(f"optim.base_batch = {self.base_batch} must be >= 1")
+        if self.name == "sgd" and self.weight_decay == ADAMW_WEIGHT_DECAY:
+            # SGD's decay is coupled L2 (added to the gradient, scaled by lr): AdamW's default
+            # is ~1000x what SGD recipes use, and it would crush the weights silently.
+            raise ConfigError(
+                f"optim.weight_decay = {self.weight_decay} (AdamW's default) with "
+                "optim.name = sgd",
+                expected="an SGD weight decay, typically 1e-4 to 5e-5 (coupled L2)",
+                hint="set optim.weight_decay (e.g. 1e-4; 0 for none)")
 
     def effective_lr(self, global_batch: int) -> float:
         """The peak learning rate after the scaling rule, for this global batch in samples."""

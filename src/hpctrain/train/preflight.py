@@ -24,11 +24,10 @@ from hpctrain.checkpoint.manifest import DamagedCheckpoint, read_manifest, step_
 from hpctrain.config import JobConfig, from_dict, to_dict
 from hpctrain.errors import ConfigError, HpctrainError
 from hpctrain.models.config import ModelConfig
-from hpctrain.parallel.layout import check_layout
+from hpctrain.parallel.layout import check_layout, check_task_config
 from hpctrain.runtime.dist import pick_device
 from hpctrain.runtime.rundir import RunDir
 from hpctrain.train.checkpointing import config_hashes
-from hpctrain.train.task_trainer import check_task_config
 
 
 def check_config(cfg: JobConfig, world_size: int) -> None:

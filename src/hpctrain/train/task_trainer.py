@@ -7,7 +7,7 @@ the bad-step guard, metrics and goodput are the Trainer's own, unchanged.
 
 The random generators are seeded from (run.seed, step, rank) before each step, so dropout and
 other random ops in user code draw the same numbers after a resume as in an uninterrupted run.
-Buffers a forward updates (BatchNorm's running statistics) are rank 0's on every rank after each
+Buffers a forward updates (BatchNorm-style running statistics) are rank 0's on every rank after each
 step (DDP's default semantics, one broadcast per dtype), so validation and checkpoints see one
 model.
 """
@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.flop_counter import FlopCounterMode
 
 from hpctrain import faults
@@ -31,7 +32,7 @@ from hpctrain.data.samples import build_sample_loader, is_map_style, to_device
 from hpctrain.errors import ConfigError
 from hpctrain.observe.metrics import MetricsWriter
 from hpctrain.parallel.data import DTYPES, apply_ddp, broadcast_buffers, dp_mesh
-from hpctrain.parallel.layout import ParallelLayout, mesh_degrees
+from hpctrain.parallel.layout import check_task_config
 from hpctrain.runtime.config import refuse_large_model_on_cpu
 from hpctrain.runtime.dist import Distributed
 from hpctrain.task import Task, TaskError, call_user, check_finite, load_task, reading_sample
@@ -54,44 +55,32 @@ def build_trainer(cfg: JobConfig, task: Task | None, dist_ctx: Distributed,
     return TaskTrainer(cfg, dist_ctx, metrics, task=task, **kwargs)
 
 
-def check_task_config(cfg: JobConfig, world_size: int) -> ParallelLayout:
-    """The layout a task trains in (data parallelism only), or a ConfigError naming the key."""
-    pc, tc = cfg.parallel, cfg.train
-    refused = [(pc.tp > 1, f"parallel.tp = {pc.tp}", "parallel.tp=1"),
-               (pc.pp > 1, f"parallel.pp = {pc.pp}", "parallel.pp=1"),
-               (tc.precision == "fp8", "train.precision = fp8", "train.precision=bf16"),
-               (tc.master_weights != "fp32", f"train.master_weights = {tc.master_weights}",
-                "train.master_weights=fp32"),
-               (pc.activation_checkpointing != "none",
-                f"parallel.activation_checkpointing = {pc.activation_checkpointing}",
-                "parallel.activation_checkpointing=none (or checkpoint inside your model "
-                "with torch.utils.checkpoint)"),
-               (tc.loss_chunks > 0, f"train.loss_chunks = {tc.loss_chunks}",
-                "train.loss_chunks=0")]
-    for bad, what, fix in refused:
-        if bad:
-            raise ConfigError(f"{what} with a task of your own",
-                              expected="data parallelism (ddp or fsdp) and bf16/fp16/fp32: "
-                              "the other transforms need a model-family spec",
-                              hint=f"set {fix}")
-    _, dp_replicate, dp_shard, _ = mesh_degrees(pc, world_size)
-    return ParallelLayout(1, dp_replicate, dp_shard, 1)
-
-
 def refuse_large_task_on_cpu(cfg: JobConfig, task: Task) -> None:
     """Refuse a GPU-sized task model that run.device=auto would put on the CPU (no GPU
     visible), its parameters counted on the meta device before the real build."""
     if cfg.run.device != "auto" or torch.cuda.is_available():
         return
+    # The factory runs twice (here on meta, then for real): through build_model as the real
+    # build, so an HpctrainError it raises on purpose (a bad task_args value) stops the run here,
+    # once. Any other failure is a TaskError naming the user's line, kept for the log: a factory
+    # may not work with meta tensors (it reads weights), and the real build reports what fails.
     try:
         with torch.device("meta"):
-            model = task.model()
-        n_params = sum(p.numel() for p in model.parameters())
-    except Exception as e:  # e.g. a factory that reads weights: the real build will tell
+            model = task.build_model()
+    except TaskError as e:
         log.debug("the task's model could not be counted on the meta device: %s", e)
         return
+    n_params = sum(p.numel() for p in model.parameters())
     refuse_large_model_on_cpu(n_params, model=f"the task's model ({cfg.task})",
                               force="run.device=cpu")
+
+
+def running_stats(model: nn.Module) -> list[torch.Tensor]:
+    """The buffers training updates: running statistics of BatchNorm-style norms that track
+    them (constant buffers, such as a rotary table, are the same on every rank already)."""
+    return [b for m in model.modules()
+            if isinstance(m, _NormBase) and m.track_running_stats
+            for b in m.buffers(recurse=False)]
 
 
 class TaskTrainer(Trainer):
@@ -125,7 +114,7 @@ class TaskTrainer(Trainer):
         self.signature = checkpointing.model_signature(model)  # before DDP/FSDP rename or shard
         # Buffers each rank updates from its own batch (BatchNorm's statistics): rank 0's are
         # broadcast after every step, so the ranks agree and a checkpoint holds what all hold.
-        self.buffers = list(model.buffers()) if self.dist.world_size > 1 else []
+        self.buffers = running_stats(model) if self.dist.world_size > 1 else []
         self.model = self._spread(model)
         self.pipeline = None
         self.after_update = _nothing

@@ -163,9 +163,11 @@ def run_doctor(cfg: JobConfig | None, env: ProcessEnv, *, expect_busbw: float | 
             box = [verdicts]
             dist.broadcast_object_list(box, src=0)
             verdicts = box[0]
+        # Every rank has the verdicts and goes to the closing barrier: rank 0 too when its
+        # show() fails (else the others would wait there until the timeout).
+        agreed = True
         if env.rank == 0 and show is not None:
             show(verdicts, who)
-        agreed = True
         return verdicts, who
     finally:
         if distributed:

@@ -5,13 +5,14 @@ FLOPs per token follow PaLM (Chowdhery et al. 2022, appendix B), as torchtitan d
 
     flops_per_token = 6 * N + 12 * L * H * Q * T
 
-    N  parameters excluding the token embedding table (forward 2N + backward 4N per token)
+    N  parameters a token's matmuls use, excluding the token embedding table (a lookup):
+       forward 2N + backward 4N per token
     L  layers, H  query heads, Q  head dim, T  sequence length (the attention score/value matmuls)
 
 `N = count_params(args, include_embedding=False)` subtracts only `tok_embeddings.weight` from the
-total of unique parameters, like torchtitan's `num_params - tok_embeddings.numel()`. So an untied
-output projection counts in N (it is a real vocab_size x dim matmul per token), while a tied one is
-the embedding table itself and counts in neither.
+total of unique parameters, like torchtitan's `num_params - tok_embeddings.numel()`. The output
+projection is a real vocab_size x dim matmul per token whether or not it is tied to the embedding
+table, so `flops_per_token` adds it back when tied (count_params, counting weights, does not).
 
 Worked example, preset `1b` (TinyLlama shape) at T = 2048::
 
@@ -52,6 +53,8 @@ def count_params(args: ModelArgs, *, include_embedding: bool) -> int:
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """Return training (forward + backward) FLOPs per token at `seq_len`, PaLM convention."""
     n = count_params(args, include_embedding=False)
+    if args.tie_embeddings:  # the tied output matmul runs as an untied one does
+        n += args.vocab_size * args.dim
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
     return float(6 * n + attention)
 

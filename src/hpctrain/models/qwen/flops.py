@@ -3,17 +3,18 @@ shape alone (PaLM's convention, as Llama's ``flops.py`` explains)::
 
     flops_per_token = 6 * N + 12 * L * H * Q * T
 
-N is every unique parameter but the input embedding table (a tied output layer is that table:
-counted in neither), Q the head width (Qwen3's is not dim / H). Worked example, preset
-``qwen3-0.6b`` (dim 1024, 28 layers, 16 heads of 128, 8 KV heads, FFN 3072, tied):
+N is every parameter a token's matmuls use but the input embedding table (a lookup): a tied
+output layer is that table, yet its V x dim matmul runs all the same, so it counts in N. Q is the
+head width (Qwen3's is not dim / H). Worked example, preset ``qwen3-0.6b`` (dim 1024, 28 layers,
+16 heads of 128, 8 KV heads, FFN 3072, tied):
 
     per layer: q, o 2 * 1024 * 2048 = 4,194,304;  k, v 2 * 1024 * 1024 = 2,097,152
                SwiGLU 3 * 1024 * 3072 = 9,437,184; q/k norms 2 * 128; block norms 2 * 1024
                -> 15,730,944
-    N = 28 * 15,730,944 + 1024 = 440,467,456   (+ 151,936 * 1024 embedding = 596,049,920,
-                                                 transformers' own count)
-    at T = 4096: 6N = 2,642,804,736;  12 * L * H * Q * T = 12 * 28 * 16 * 128 * 4096 =
-                 2,818,572,288;  flops_per_token = 5,461,377,024 (attention outweighs 6N)
+    N = 28 * 15,730,944 + 1024 + 151,936 * 1024 (tied output matmul) = 596,049,920
+        (transformers' own parameter count too: tied, the head's weights are the table's)
+    at T = 4096: 6N = 3,576,299,520;  12 * L * H * Q * T = 12 * 28 * 16 * 128 * 4096 =
+                 2,818,572,288;  flops_per_token = 6,394,871,808
 """
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ def count_params(args: QwenArgs, *, include_embedding: bool) -> int:
 def flops_per_token(args: QwenArgs, seq_len: int) -> float:
     """Training (forward + backward) FLOPs per token at ``seq_len``, PaLM convention."""
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
-    return float(6 * count_params(args, include_embedding=False) + attention)
+    # count_params leaves a tied output layer out (it is the embedding table), but its matmul
+    # runs for every token as an untied one's does.
+    tied_head = args.vocab_size * args.dim if args.tie_embeddings else 0
+    return float(6 * (count_params(args, include_embedding=False) + tied_head) + attention)
 
 
 def stage_costs(args: QwenArgs, seq_len: int, microbatch_tokens: int
