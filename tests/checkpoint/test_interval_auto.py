@@ -35,13 +35,20 @@ def test_cadence_vocabulary() -> None:
     assert (settled(every=5).cadence, settled(every=5).every_steps) == ("steps", 5)
     assert settled(every_minutes=30).cadence == "minutes"
     assert settled(interval="steps").every_steps == 100  # the old default cadence
-    assert settled(interval="none", every=3).cadence == "none"
+    assert settled(interval="none").cadence == "none"
     with pytest.raises(ConfigError) as e:
         settled(interval="minutes", every=30)  # the old way to say every 30 minutes
     assert "checkpoint.every_minutes=30" in e.value.hint
     with pytest.raises(ConfigError) as e:
         settled(interval="auto", every=30)  # the old way to set the first auto save
     assert "checkpoint.first_minutes=30" in e.value.hint
+    # A cadence key that the interval in force would ignore is refused, naming that key.
+    for interval, key, value in (("steps", "every_minutes", 5.0), ("auto", "every_minutes", 5.0),
+                                 ("none", "every", 10), ("none", "every_minutes", 5.0)):
+        with pytest.raises(ConfigError) as e:
+            settled(interval=interval, **{key: value})
+        assert f"checkpoint.{key} = {value}" in e.value.what
+        assert f"checkpoint.interval = {interval}" in e.value.what
     for bad in ({"every": 2, "every_minutes": 1.0}, {"max_overhead": 1.5},
                 {"max_overhead": 0.0}, {"every_minutes": -1.0}, {"limit_margin_minutes": -1}):
         with pytest.raises(ConfigError):
