@@ -104,13 +104,27 @@ def test_time_limit_save_once_and_only_for_runs_that_save() -> None:
     """Due once when the end is nearer than the longest save + margin; never for a run that
     saves nothing (interval=none, save_at_end=false: benchmarks)."""
     clock = Clock()
-    s = SaveSchedule(settled(limit_margin_minutes=1), 1, end_time=clock.t + 100, clock=clock)
+    s = SaveSchedule(settled(limit_margin_minutes=1), 1, end_time=clock.t + 100,
+                     wall_clock=clock)
     s.committed(30.0)
     assert not s.due_by_time()  # 100 s left > 30 s + 60 s
     clock.t += 15
     assert s.due_by_time(in_flight=True) and not s.due_by_time()
     quiet = settled(interval="none", save_at_end=False)
-    assert not SaveSchedule(quiet, 1, end_time=clock.t, clock=clock).due_by_time()
+    assert not SaveSchedule(quiet, 1, end_time=clock.t, wall_clock=clock).due_by_time()
+
+
+def test_intervals_follow_the_monotonic_clock_not_wall_clock_steps() -> None:
+    """An NTP step of the wall clock neither fires a save nor holds one back; the wall clock
+    is read only against the Slurm end time."""
+    assert SaveSchedule(settled(every_minutes=1), 1).clock is time.monotonic
+    steady, wall = Clock(), Clock()
+    s = SaveSchedule(settled(every_minutes=1), 1, clock=steady, wall_clock=wall)
+    wall.t += 3600  # stepped an hour ahead
+    assert not s.due_by_time()
+    wall.t -= 7200  # and back
+    steady.t += 60
+    assert s.due_by_time()
 
 
 def test_job_end_time_from_env_or_squeue(tmp_path: Path) -> None:
