@@ -139,6 +139,19 @@ def test_job_end_time_from_env_or_squeue(tmp_path: Path) -> None:
     assert job_end_time({"SLURM_JOB_ID": "8"}, squeue=str(squeue)) is None
 
 
+def test_a_failing_squeue_is_logged_with_its_exit_code(tmp_path: Path, caplog) -> None:
+    """Not silently None: the exit code and squeue's first line of stderr, escaped."""
+    squeue = tmp_path / "squeue"
+    squeue.write_text("#!/bin/sh\nprintf 'slurm_load_jobs error: \\033[31mdown\\n"
+                      "second line\\n' >&2\nexit 3\n")
+    squeue.chmod(squeue.stat().st_mode | stat.S_IEXEC)
+    with caplog.at_level(logging.WARNING, logger="hpctrain.runtime"):
+        assert job_end_time({"SLURM_JOB_ID": "7"}, squeue=str(squeue)) is None
+    assert "exit code 3" in caplog.text
+    assert "'slurm_load_jobs error: \\x1b[31mdown'" in caplog.text
+    assert "second line" not in caplog.text and "\x1b" not in caplog.text
+
+
 def test_saves_once_before_the_time_limit_and_times_the_final_save(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_faults) -> None:
     """A job ending within the margin saves once at the first control exchange, as a time-based
