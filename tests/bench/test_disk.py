@@ -76,3 +76,27 @@ def test_bench_checkpoint_reports_save_and_restore_beside_the_disk(tmp_path: Pat
         assert rows[op]["size"] > 20_000 * 10 and rows[op]["gbps"] > 0
         assert rows[op]["pct_of_disk"] > 0 and rows[op]["cpu_s"] >= 0
     assert list(tmp_path.iterdir()) == []  # checkpoints and disk files removed
+
+
+def test_bench_checkpoint_undoes_its_setup_when_it_fails(tmp_path: Path, monkeypatch) -> None:
+    """A manager that cannot be made leaves no process group behind; a restore that differs
+    from the save is a CheckpointError with a hint, not a bare AssertionError."""
+    import torch.distributed as dist
+
+    from hpctrain.bench.checkpoint import run_checkpoint_bench
+    from hpctrain.checkpoint.manager import CheckpointManager
+    from hpctrain.checkpoint.manifest import CheckpointError
+
+    def broken(*_a, **_k):
+        raise OSError("no space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(CheckpointManager, "__init__", broken)
+        with pytest.raises(OSError):
+            run_checkpoint_bench(tmp_path, 2_000, saves=1, writer="inline", disk=False)
+    assert not dist.is_initialized() and list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(CheckpointManager, "restore", lambda *_a, **_k: None)  # loads nothing
+    with pytest.raises(CheckpointError) as e:
+        run_checkpoint_bench(tmp_path, 2_000, saves=1, writer="inline", disk=False)
+    assert "restored with other values" in e.value.what and e.value.hint
+    assert not dist.is_initialized() and list(tmp_path.iterdir()) == []

@@ -35,13 +35,20 @@ def test_cadence_vocabulary() -> None:
     assert (settled(every=5).cadence, settled(every=5).every_steps) == ("steps", 5)
     assert settled(every_minutes=30).cadence == "minutes"
     assert settled(interval="steps").every_steps == 100  # the old default cadence
-    assert settled(interval="none", every=3).cadence == "none"
+    assert settled(interval="none").cadence == "none"
     with pytest.raises(ConfigError) as e:
         settled(interval="minutes", every=30)  # the old way to say every 30 minutes
     assert "checkpoint.every_minutes=30" in e.value.hint
     with pytest.raises(ConfigError) as e:
         settled(interval="auto", every=30)  # the old way to set the first auto save
     assert "checkpoint.first_minutes=30" in e.value.hint
+    # A cadence key that the interval in force would ignore is refused, naming that key.
+    for interval, key, value in (("steps", "every_minutes", 5.0), ("auto", "every_minutes", 5.0),
+                                 ("none", "every", 10), ("none", "every_minutes", 5.0)):
+        with pytest.raises(ConfigError) as e:
+            settled(interval=interval, **{key: value})
+        assert f"checkpoint.{key} = {value}" in e.value.what
+        assert f"checkpoint.interval = {interval}" in e.value.what
     for bad in ({"every": 2, "every_minutes": 1.0}, {"max_overhead": 1.5},
                 {"max_overhead": 0.0}, {"every_minutes": -1.0}, {"limit_margin_minutes": -1}):
         with pytest.raises(ConfigError):
@@ -97,13 +104,27 @@ def test_time_limit_save_once_and_only_for_runs_that_save() -> None:
     """Due once when the end is nearer than the longest save + margin; never for a run that
     saves nothing (interval=none, save_at_end=false: benchmarks)."""
     clock = Clock()
-    s = SaveSchedule(settled(limit_margin_minutes=1), 1, end_time=clock.t + 100, clock=clock)
+    s = SaveSchedule(settled(limit_margin_minutes=1), 1, end_time=clock.t + 100,
+                     wall_clock=clock)
     s.committed(30.0)
     assert not s.due_by_time()  # 100 s left > 30 s + 60 s
     clock.t += 15
     assert s.due_by_time(in_flight=True) and not s.due_by_time()
     quiet = settled(interval="none", save_at_end=False)
-    assert not SaveSchedule(quiet, 1, end_time=clock.t, clock=clock).due_by_time()
+    assert not SaveSchedule(quiet, 1, end_time=clock.t, wall_clock=clock).due_by_time()
+
+
+def test_intervals_follow_the_monotonic_clock_not_wall_clock_steps() -> None:
+    """An NTP step of the wall clock neither fires a save nor holds one back; the wall clock
+    is read only against the Slurm end time."""
+    assert SaveSchedule(settled(every_minutes=1), 1).clock is time.monotonic
+    steady, wall = Clock(), Clock()
+    s = SaveSchedule(settled(every_minutes=1), 1, clock=steady, wall_clock=wall)
+    wall.t += 3600  # stepped an hour ahead
+    assert not s.due_by_time()
+    wall.t -= 7200  # and back
+    steady.t += 60
+    assert s.due_by_time()
 
 
 def test_job_end_time_from_env_or_squeue(tmp_path: Path) -> None:
@@ -116,6 +137,19 @@ def test_job_end_time_from_env_or_squeue(tmp_path: Path) -> None:
     local = time.mktime((2026, 11, 28, 2, 30, 0, 0, 0, -1))
     assert job_end_time({"SLURM_JOB_ID": "7"}, squeue=str(squeue)) == local
     assert job_end_time({"SLURM_JOB_ID": "8"}, squeue=str(squeue)) is None
+
+
+def test_a_failing_squeue_is_logged_with_its_exit_code(tmp_path: Path, caplog) -> None:
+    """Not silently None: the exit code and squeue's first line of stderr, escaped."""
+    squeue = tmp_path / "squeue"
+    squeue.write_text("#!/bin/sh\nprintf 'slurm_load_jobs error: \\033[31mdown\\n"
+                      "second line\\n' >&2\nexit 3\n")
+    squeue.chmod(squeue.stat().st_mode | stat.S_IEXEC)
+    with caplog.at_level(logging.WARNING, logger="hpctrain.runtime"):
+        assert job_end_time({"SLURM_JOB_ID": "7"}, squeue=str(squeue)) is None
+    assert "exit code 3" in caplog.text
+    assert "'slurm_load_jobs error: \\x1b[31mdown'" in caplog.text
+    assert "second line" not in caplog.text and "\x1b" not in caplog.text
 
 
 def test_saves_once_before_the_time_limit_and_times_the_final_save(

@@ -122,3 +122,31 @@ def test_cpu_run_metered_through_a_stand_in_nvml(tmp_path: Path, monkeypatch: py
     assert "TOKENS/J" in out.getvalue() and f"{energy['tokens_per_j']:.4g}" in out.getvalue()
     html = build_report([load_run(tmp_path / "metered")], tmp_path / "report.html")
     assert f"{energy['kwh']:.4g} kWh on 1 GPU(s)" in html and "kg CO2e at 300 g/kWh" in html
+
+
+def test_a_task_run_counts_its_own_tokens_per_step(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    no_faults) -> None:
+    """A task's tokens are its samples x tokens_per_sample, not x data.seq_len (256 by
+    default, meaningless for an image model)."""
+    import sys
+
+    import torch
+    from torch import nn
+
+    import hpctrain
+    from hpctrain.task import Task
+
+    t0 = time.time()
+    monkeypatch.setitem(sys.modules, "pynvml",
+                        fake_nvml(lambda i, t: 200.0, lambda: time.time() - t0, gpus=1))
+    monkeypatch.setattr(power, "energy_devices", lambda device, local: [0])
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    x = torch.randn(16, 3)
+    task = Task(model=lambda: nn.Linear(3, 1), data=torch.utils.data.TensorDataset(x, x[:, :1]),
+                loss=nn.functional.mse_loss, flops_per_sample=1.0, tokens_per_sample=3)
+    hpctrain.fit(task, overrides=[*QUIET, "train.micro_batch=4", "train.steps=2",
+                                  "checkpoint.interval=none", "checkpoint.save_at_end=false",
+                                  f"run.out_dir={tmp_path}", "run.name=task"])
+    energy = json.loads((tmp_path / "task" / "goodput.json").read_text())["energy"]
+    assert energy["tokens"] == 2 * 4 * 3  # steps x samples per step x tokens_per_sample

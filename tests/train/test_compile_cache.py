@@ -24,9 +24,11 @@ PAYLOAD = b"\x80\x04compiled-artifacts" * 100
 
 
 @pytest.fixture
-def torch_cache(monkeypatch):
-    """torch.compiler's save/load, recorded: what was handed to the loader."""
+def torch_cache(monkeypatch, tmp_path_factory):
+    """torch.compiler's save/load, recorded: what was handed to the loader; this user's cache
+    key in a config folder of the test's own (outside the run directory)."""
     handed: list[bytes] = []
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("config")))
 
     def load(data: bytes):
         handed.append(data)
@@ -56,6 +58,51 @@ def test_saved_owner_only_and_loaded_by_the_next_attempt(tmp_path: Path, torch_c
     again = CompileCache(tmp_path, {"model": "tiny", "world_size": 1}, rank=0)
     assert again.load() and torch_cache == [PAYLOAD]
     assert not again.save()  # loaded: nothing new to write
+
+
+def test_the_cache_is_never_writable_by_the_group_even_while_written(tmp_path: Path,
+                                                                    torch_cache,
+                                                                    monkeypatch) -> None:
+    """The temp file is created 0600 (not 0666 less a umask of 002, chmod'ed after the rename):
+    a group member cannot open it for writing in that window and keep the handle."""
+    modes: dict[str, int] = {}
+    replace = os.replace
+
+    def recording_replace(src, dst, *, src_dir_fd=None, dst_dir_fd=None):
+        modes[dst] = os.stat(src, dir_fd=src_dir_fd).st_mode & 0o777
+        return replace(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+
+    monkeypatch.setattr(os, "replace", recording_replace)
+    before = os.umask(0o002)
+    try:
+        cache = _saved(tmp_path)
+    finally:
+        os.umask(before)
+    assert modes == {cache.data.name: 0o600, cache.record.name: 0o600}
+
+
+def test_a_cache_copied_from_another_user_is_refused(tmp_path: Path, torch_cache,
+                                                     monkeypatch, caplog) -> None:
+    """Owning the files is not enough: a colleague's run directory copied here is owned by
+    us, but its cache was authenticated with the colleague's key, not ours."""
+    _saved(tmp_path)  # under "the colleague's" key
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path.parent / f"{tmp_path.name}-mine"))
+    cache = CompileCache(tmp_path, {"model": "tiny", "world_size": 1}, rank=0)
+    with caplog.at_level(logging.WARNING, logger="hpctrain.compile_cache"):
+        assert not cache.load()
+    assert torch_cache == []
+    assert "HMAC" in caplog.text and "compiling from scratch" in caplog.text
+
+
+def test_a_key_others_can_read_is_refused(tmp_path: Path, torch_cache, caplog) -> None:
+    cache = _saved(tmp_path)
+    key = Path(os.environ["XDG_CONFIG_HOME"]) / "hpctrain" / "compile-cache.key"
+    assert key.stat().st_mode & 0o777 == 0o600
+    key.chmod(0o640)
+    with caplog.at_level(logging.WARNING, logger="hpctrain.compile_cache"):
+        assert not CompileCache(tmp_path, {"model": "tiny", "world_size": 1}, rank=0).load()
+    assert torch_cache == [] and "readable or writable by others" in caplog.text
+    assert not cache.save()  # nor is anything authenticated with it
 
 
 def _damage_payload(cache: CompileCache) -> None:

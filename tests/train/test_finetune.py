@@ -54,7 +54,8 @@ def _overrides(out: Path, name: str, init_from: str, data: Path) -> list[str]:
             "train.deterministic=true",
             "train.val_every=0", "optim.lr=3e-3", "optim.warmup_steps=2",
             "parallel.strategy=none", "run.device=cpu", "metrics.log_every=1",
-            "metrics.progress=false", "checkpoint.interval=none", "run.suffix=none",
+            "metrics.progress=false", "checkpoint.interval=none", "checkpoint.every=null",
+            "run.suffix=none",
             f"run.out_dir={out}", f"run.name={name}"]
 
 

@@ -59,6 +59,7 @@ def run_checkpoint_bench(path: Path, params: int, *, saves: int = 2, write_threa
     """Time ``saves`` saves and one restore of a ``params``-parameter state under ``path``."""
     from hpctrain.checkpoint.config import CheckpointConfig
     from hpctrain.checkpoint.manager import CheckpointManager
+    from hpctrain.checkpoint.manifest import CheckpointError
     from hpctrain.checkpoint.staging import tensors_of
     from hpctrain.checkpoint.store import state_bytes
     from hpctrain.checkpoint.store import write_threads as auto_threads
@@ -80,13 +81,16 @@ def run_checkpoint_bench(path: Path, params: int, *, saves: int = 2, write_threa
             res.add(op=f"disk {r.op}", size=r.size, seconds=r.seconds, gbps=r.gbps,
                     pct_of_disk=None, method=r.method)
     owned_group = not dist.is_initialized()
-    if owned_group:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    work = Path(tempfile.mkdtemp(prefix=".hpctrain-bench-checkpoint-", dir=path))
-    cfg = CheckpointConfig(keep_last=1, write_threads=threads)
-    manager = CheckpointManager(cfg, work, rank=0, world_size=1, device=torch.device("cpu"),
-                                group=dist.group.WORLD)
+    work: Path | None = None
+    manager: CheckpointManager | None = None
+    # Everything made from here on is undone in the finally, whichever step fails.
     try:
+        if owned_group:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        work = Path(tempfile.mkdtemp(prefix=".hpctrain-bench-checkpoint-", dir=path))
+        cfg = CheckpointConfig(keep_last=1, write_threads=threads)
+        manager = CheckpointManager(cfg, work, rank=0, world_size=1,
+                                    device=torch.device("cpu"), group=dist.group.WORLD)
         if writer == "process":
             manager.start_writer()
             manager.prepare(state)
@@ -119,16 +123,23 @@ def run_checkpoint_bench(path: Path, params: int, *, saves: int = 2, write_threa
         cpu = _cpu_s() - cpu
         for k, v in expected.items():
             if not torch.equal(state["model"][k], v):
-                raise AssertionError(f"bench checkpoint: {k} restored wrong")
+                raise CheckpointError(
+                    f"bench checkpoint: tensor {k} restored with other values than were saved",
+                    expected="a bit-exact round trip of the saved state",
+                    hint=f"the file system at {path} returned other bytes than were written, "
+                    "or the checkpoint code has a bug: run `hpctrain bench disk` on the same "
+                    "path and report it with this output")
         res.add(op="restore", size=written, seconds=seconds, gbps=written / seconds / 1e9,
                 pct_of_disk=_pct(written / seconds / 1e9, disk_gbps.get("read")), cpu_s=cpu,
                 method="verify + load, " + ("page cache (tmpfs)" if memory_fs
                                             else "page cache dropped first"))
         return res
     finally:
-        manager.close()
-        shutil.rmtree(work, ignore_errors=True)
-        if owned_group:
+        if manager is not None:
+            manager.close()
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+        if owned_group and dist.is_initialized():
             dist.destroy_process_group()
 
 

@@ -114,6 +114,17 @@ class CheckpointConfig:
                 "checkpoint.interval = minutes needs checkpoint.every_minutes"
                 + (f" (checkpoint.every = {self.every} counts steps)" if self.every else ""),
                 hint=f"write checkpoint.every_minutes={self.every or 60} instead")
+        # A cadence key the interval in force does not read would be silently ignored.
+        ignored = {"steps": ("every_minutes",), "auto": ("every_minutes",),
+                   "none": ("every", "every_minutes")}.get(self.interval or "", ())
+        for key in ignored:
+            if getattr(self, key) is not None:
+                raise ConfigError(
+                    f"checkpoint.{key} = {getattr(self, key)} is ignored under "
+                    f"checkpoint.interval = {self.interval}",
+                    expected=f"no checkpoint.{key} with interval={self.interval}",
+                    hint=f"drop checkpoint.{key} (checkpoint.{key}=null on the command line "
+                    f"when a config file sets it), or drop checkpoint.interval to save by it")
         if self.interval == "auto" and self.every is not None:
             raise ConfigError(
                 f"checkpoint.every = {self.every} counts steps, but checkpoint.interval = auto",

@@ -10,6 +10,10 @@ while the previous one is still writing: it is postponed until that one has comm
 
 Under Slurm one more save is due when the job's end time is nearer than the longest save
 measured so far (stall plus background write) plus ``limit_margin_minutes``.
+
+Intervals are measured on the monotonic clock: the wall clock jumps when NTP steps it, which
+would make a save come at once or not for hours. Only the Slurm end time, a wall-clock time,
+is compared with the wall clock.
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ class SaveSchedule:
     """Decides whether a step ends with a save."""
 
     def __init__(self, cfg: CheckpointConfig, n_gpus: int, *, end_time: float | None = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time):
         self.cfg = cfg
         self.n_gpus = n_gpus
-        self.clock = clock
+        self.clock = clock  # intervals
+        self.wall_clock = wall_clock  # only against end_time (Unix time)
         self.minutes = {"minutes": cfg.every_minutes,
                         "auto": cfg.first_minutes}.get(cfg.cadence)
         self.choice: AutoInterval | None = None  # the automatic interval, once a save is timed
@@ -53,12 +59,11 @@ class SaveSchedule:
     def due_by_time(self, in_flight: bool = False) -> bool:
         """Rank 0's time-based answer (shared with the others by the caller): the interval has
         passed and no save is still writing (``in_flight``), or the time limit is near."""
-        now = self.clock()
-        if self._near_limit(now):
+        if self._near_limit(self.wall_clock()):
             return True
         if self.minutes is None or in_flight:
             return False
-        return now - self._last >= self.minutes * 60
+        return self.clock() - self._last >= self.minutes * 60
 
     def _near_limit(self, now: float) -> bool:
         """Once: the job ends before a save started now would commit (with the margin)."""

@@ -11,7 +11,8 @@ of a run directory goes through this module:
 - only a regular file is written, and an existing one only if it has a single name (a FIFO, a
   device or a hard link to someone else's file is refused);
 - a whole file is replaced atomically: a temp file with an unpredictable name made with
-  ``O_CREAT | O_EXCL`` (mode 0o666 less the umask, like every other file the run writes),
+  ``O_CREAT | O_EXCL`` (mode 0o666 less the umask, like every other file the run writes, or
+  the caller's ``mode`` from the start, e.g. 0o600 for a file only its owner may write),
   then ``os.replace`` onto the final name, which replaces a link there instead of following it.
 
     with open_append(run_dir.rank_log(0)) as f: f.write("...")
@@ -119,18 +120,23 @@ def read_bytes(path: Path) -> bytes:
         return f.read()
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` so readers see the old file or the new one, never half."""
+def write_atomic(path: Path, data: bytes, *, mode: int | None = None) -> None:
+    """Replace ``path`` with ``data`` so readers see the old file or the new one, never half;
+    the new file gets exactly ``mode`` when given (else 0o666 less the umask)."""
     path = Path(path)
     folder = open_dir(path.parent)
     try:
         # The temp file must be in the same folder: os.replace is atomic only within one
         # filesystem. Its name is random, so nobody can plant a link there beforehand.
         tmp = f".{path.name}.{secrets.token_hex(8)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o666,
-                     dir_fd=folder)
+        # A private file is private from its creation: chmod'ed later, someone the umask let
+        # in could open it for writing meanwhile and keep the handle.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW,
+                     0o666 if mode is None else mode, dir_fd=folder)
         try:
             with os.fdopen(fd, "wb") as f:
+                if mode is not None:
+                    os.fchmod(f.fileno(), mode)  # exactly: the umask may have taken bits
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())

@@ -16,6 +16,8 @@ import subprocess
 from collections.abc import Mapping
 from datetime import datetime
 
+from hpctrain.shown import quoted
+
 log = logging.getLogger("hpctrain.runtime")
 
 END_TIME_ENV = "SLURM_JOB_END_TIME"
@@ -46,7 +48,12 @@ def job_end_time(environ: Mapping[str, str] | None = None, *, squeue: str | None
         log.warning("squeue could not say when job %s ends (%s): no save before the time "
                     "limit", job, e)
         return None
-    return _parse_end(done.stdout) if done.returncode == 0 else None
+    if done.returncode != 0:
+        first = (done.stderr.strip().splitlines() or [""])[0]
+        log.warning("squeue could not say when job %s ends (exit code %d: %s): no save before "
+                    "the time limit", job, done.returncode, quoted(first))
+        return None
+    return _parse_end(done.stdout)
 
 
 def _parse_end(text: str) -> float | None:

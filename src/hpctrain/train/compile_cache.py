@@ -7,33 +7,40 @@ first steps have compiled, each rank saves ``torch.compiler.save_cache_artifacts
 ``torch.compiler.load_cache_artifacts`` before its first step::
 
     <run>/cache/compile-<torch version>-<key>-rank<NNNNN>.bin    the artifacts
-    <run>/cache/compile-<torch version>-<key>-rank<NNNNN>.json   {"size", "xxh3", "torch", "key"}
+    <run>/cache/compile-<torch version>-<key>-rank<NNNNN>.json   {"size", "hmac", "torch", "key"}
 
 ``key`` hashes what shapes the compiled graphs (model, parallel layout, precision, batch and
 sequence shape, world size, device type): another config compiles other graphs, and its
 cache is never loaded.
 
 These bytes are code: ``load_cache_artifacts`` unpickles them and the caches they fill hold
-compiled kernels and pickled graphs that run. So only files this run wrote are loaded: both
-files owned by this user and writable by nobody else (written 0600 while the run's lock is
-held; another user cannot make a file owned by us), the record's torch version and key equal
-to this process's, and the artifacts' size and xxh3 equal to the record's (a partial or
-damaged write). Anything else is ignored with a warning, and the run compiles as usual.
+compiled kernels and pickled graphs that run. So only files this user's hpctrain wrote are
+loaded: both files owned by this user and writable by nobody else (created 0600, never wider
+for a moment, while the run's lock is held), the record's torch version and key equal to this
+process's, and the artifacts' size and HMAC-SHA256 equal to the record's. The HMAC's key is
+this user's, kept outside every run directory (``$XDG_CONFIG_HOME/hpctrain/compile-cache.key``,
+else ``~/.config/hpctrain/compile-cache.key``, 0600): owning the files is not enough, since
+whoever copies a colleague's run directory owns the copies, but a cache authenticated with
+the colleague's key fails ours. Anything else is ignored with a warning, and the run compiles
+as usual.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
+import hmac
 import json
 import logging
 import os
+import secrets
 import stat
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 
 from hpctrain.config import JobConfig
 from hpctrain.runtime.safe_open import UnsafeRunPath, make_dir, open_read, write_atomic
@@ -41,6 +48,7 @@ from hpctrain.runtime.safe_open import UnsafeRunPath, make_dir, open_read, write
 log = logging.getLogger("hpctrain.compile_cache")
 
 CACHE_DIR = "cache"
+KEY_BYTES = 32
 
 
 def shape_key(shape: dict[str, Any]) -> str:
@@ -90,9 +98,17 @@ class CompileCache:
                                  f"{torch.__version__}")
         if record.get("key") != self.key:
             return self._ignored("written for another model or layout")
-        if record.get("size") != len(data) or record.get("xxh3") != _xxh3(data):
+        if record.get("size") != len(data):
             return self._ignored(f"{self.data.name} does not match its record (a partial or "
                                  "damaged write)")
+        try:
+            mac = _hmac(data)
+        except (OSError, UnsafeRunPath) as e:
+            return self._ignored(f"no cache key to check it with: {e}")
+        if not hmac.compare_digest(str(record.get("hmac")), mac):
+            return self._ignored(f"{self.data.name} does not match its record's HMAC (damaged, "
+                                 "or written under another user's key, e.g. a copied run "
+                                 "directory)")
         try:
             info = torch.compiler.load_cache_artifacts(data)
         except Exception as e:  # noqa: BLE001 - a cache that cannot be used costs a compile
@@ -112,13 +128,14 @@ class CompileCache:
             return False
         data = artifacts[0]
         try:
+            mac = _hmac(data)
             make_dir(self.folder)
             # The record last: a record names only artifacts that are completely written.
             self.record.unlink(missing_ok=True)
-            _write_private(self.data, data)
-            _write_private(self.record, json.dumps({
-                "size": len(data), "xxh3": _xxh3(data), "torch": torch.__version__,
-                "key": self.key}).encode())
+            write_atomic(self.data, data, mode=0o600)
+            write_atomic(self.record, json.dumps({
+                "size": len(data), "hmac": mac, "torch": torch.__version__,
+                "key": self.key}).encode(), mode=0o600)
         except (OSError, UnsafeRunPath) as e:
             log.warning("compile cache not saved to %s: %s (a resumed run compiles again)",
                         self.folder, e)
@@ -141,12 +158,61 @@ class CompileCache:
         return False
 
 
-def _xxh3(data: bytes) -> str:
-    return xxhash.xxh3_64(data).hexdigest()
+def key_path() -> Path:
+    """Where this user's compile-cache key lives: in their config folder, outside any run."""
+    config = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(config) / "hpctrain" / "compile-cache.key"
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    """Write atomically, then make the file owner-only (whatever the umask says)."""
-    write_atomic(path, data)
-    with open_read(path) as f:
-        os.fchmod(f.fileno(), 0o600)
+def _hmac(data: bytes) -> str:
+    return hmac.new(_user_key(), data, hashlib.sha256).hexdigest()
+
+
+def _user_key() -> bytes:
+    """This user's key, made on first use; UnsafeRunPath if it is a link, not ours or not
+    0600 (a key others can read lets them forge caches we load)."""
+    path = key_path()
+    try:
+        return _read_key(path)
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # Made whole under a random name (O_EXCL, 0600), then linked in: os.link never replaces,
+    # so ranks racing to make it all end up with the one key that won.
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(KEY_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path, follow_symlinks=False)
+    finally:
+        os.unlink(tmp)
+    return _read_key(path)
+
+
+def _read_key(path: Path) -> bytes:
+    try:
+        # O_NONBLOCK: a FIFO planted there would block the open until someone writes it.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafeRunPath(f"the compile-cache key {path} is a symbolic link",
+                                hint="remove it; hpctrain makes a new one") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        why = ("not a regular file" if not stat.S_ISREG(info.st_mode)
+               else "owned by another user" if info.st_uid != os.geteuid()
+               else "readable or writable by others" if info.st_mode & 0o077 else None)
+        key = f.read() if why is None else b""
+    if why is None and len(key) != KEY_BYTES:
+        why = f"{len(key)} bytes long, not {KEY_BYTES}"
+    if why is not None:
+        raise UnsafeRunPath(f"the compile-cache key {path} is {why}",
+                            hint=f"remove it (hpctrain makes a new one) and keep "
+                                 f"{path.parent} private (chmod 700)")
+    return key

@@ -411,8 +411,10 @@ class Trainer:
         """Count the GPUs' energy in goodput from here (none on a CPU run or without NVML)."""
         meter = start_energy_meter(self.device, self.dist.env.local_world_size)
         if meter is not None:
+            # tokens_per_step is per GPU and the trainer's own (a task's tokens_per_sample,
+            # not data.seq_len): the job's tokens per step are that times the GPUs.
             self.goodput.meter_energy(
-                meter, tokens_per_step=self.layout.global_batch * self.cfg.data.seq_len,
+                meter, tokens_per_step=self.tokens_per_step * self.dist.world_size,
                 gpus=self.dist.world_size, grid_gco2_per_kwh=self.cfg.metrics.grid_gco2_per_kwh)
 
     def _hang(self, seconds: float) -> None:
