@@ -101,6 +101,14 @@ def fork_spawn(fn, args: tuple, nprocs: int, timeout: float = 300) -> None:
                 forked.finish(p, logs[r])
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_config_home(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Runs with compile on create the user's compile-cache key under $XDG_CONFIG_HOME: the
+    tests' runs (and the processes they start, which inherit it) use a folder of their own,
+    never the real ~/.config of whoever runs the suite."""
+    os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("config-home"))
+
+
 @pytest.fixture
 def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A newcomer's project folder holding configs/demo.yaml, as the working directory."""
