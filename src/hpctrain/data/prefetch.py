@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any
 
 from hpctrain.data.order import GlobalOrderSampler
@@ -72,9 +73,15 @@ class Prefetcher:
         self.sampler.load_state_dict(state)
         self.consumed = self.sampler.step
 
-    def close(self) -> None:
-        """Stop the prefetch thread."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the prefetch thread and wait for it, so that the dataset can be closed after
+        this returns without the thread still reading it (it would find its files closed
+        mid-read, or change their table while the closer walks it)."""
         self._stop.set()
-        if self._queue is not None:
+        if self._thread is None:
+            return
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and time.monotonic() < deadline:
             while not self._queue.empty():  # unblock a worker waiting on a full queue
                 self._queue.get_nowait()
+            self._thread.join(0.05)
