@@ -52,16 +52,16 @@ demo: $(BASE_STAMP)
 # (.ci/run sets it) it fails instead.
 # scripts/install-browser.sh does the same for Debian's chromium and chromedriver, which the
 # browser test of `hpctrain report` drives headless.
-# Three pytest-xdist workers on 2 cores: tests/conftest.py keeps each file (and all of tests/slurm)
-# on one worker, and the Slurm group mostly waits on its jobs (~200 s); with two workers one core
-# idled through those waits, a third computes meanwhile. The 25 slowest tests are listed at the end, then the time pytest took and the
+# Two pytest-xdist workers: many tests wait on child processes (ranks, Slurm, signals) rather than
+# compute, so two keep 2 cores busy; tests/conftest.py keeps each file (and all of tests/slurm) on
+# one worker. The 25 slowest tests are listed at the end, then the time pytest took and the
 # time of the whole `make test` (installs included), to keep the suite's time in view.
 test: $(STAMP)
 	bash scripts/install-slurm.sh
 	bash scripts/install-browser.sh
 	$(BIN)/ruff check src tests benchmarks
 	@start=$$(date +%s); \
-	$(BIN)/python -m pytest -q -n 3 --dist loadgroup --durations=25; rc=$$?; \
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25; rc=$$?; \
 	end=$$(date +%s); \
 	echo "make test: pytest took $$((end - start)) s; make test in all $$((end - $(MAKE_START))) s"; \
 	exit $$rc
