@@ -17,10 +17,10 @@ attention on sequences no longer than the window: ``max_seq_len`` is capped at t
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from hpctrain.errors import ConfigError
+from hpctrain.models.hf_values import positive_int, positive_number
 from hpctrain.models.hf_weights import CONFIG
 from hpctrain.models.llama.sizes import ModelArgs, RopeScaling
 
@@ -57,20 +57,6 @@ def _refuse(where: str, key: str, value: Any, expected: str) -> ConfigError:
                        hint=_HINT)
 
 
-def _int(raw: dict, key: str, where: str, default: int | None = None) -> int:
-    value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{where}: {key} = {value!r} is not a positive integer")
-    return value
-
-
-def _number(value: Any, key: str, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(
-            value) or value <= 0:
-        raise ConfigError(f"{where}: {key} = {value!r} is not a positive number")
-    return float(value)
-
-
 def _rope(raw: dict, where: str, max_pos: int) -> tuple[float, RopeScaling | None]:
     """(theta, scaling) from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
     ``rope_scaling`` (transformers 4, most configs on the Hub)."""
@@ -83,7 +69,7 @@ def _rope(raw: dict, where: str, max_pos: int) -> tuple[float, RopeScaling | Non
                       "only rope_type default or llama3 with its four parameters")
     kind = params.get("rope_type", params.get("type", "default"))
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    theta = _number(theta, "rope_theta", where)
+    theta = positive_number(theta, "rope_theta", where)
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise _refuse(where, "partial_rotary_factor", partial, "1.0 (RoPE on every channel)")
@@ -93,12 +79,12 @@ def _rope(raw: dict, where: str, max_pos: int) -> tuple[float, RopeScaling | Non
         raise _refuse(where, "rope_type", kind, "'default' or 'llama3'")
     try:
         scaling = RopeScaling(
-            factor=_number(params["factor"], "factor", where),
-            low_freq_factor=_number(params["low_freq_factor"], "low_freq_factor", where),
-            high_freq_factor=_number(params["high_freq_factor"], "high_freq_factor", where),
-            original_max_seq_len=int(_number(params.get("original_max_position_embeddings",
-                                                        max_pos),
-                                             "original_max_position_embeddings", where)))
+            factor=positive_number(params["factor"], "factor", where),
+            low_freq_factor=positive_number(params["low_freq_factor"], "low_freq_factor", where),
+            high_freq_factor=positive_number(params["high_freq_factor"], "high_freq_factor", where),
+            original_max_seq_len=int(positive_number(
+                params.get("original_max_position_embeddings", max_pos),
+                "original_max_position_embeddings", where)))
     except KeyError as e:
         raise ConfigError(f"{where}: the llama3 RoPE scaling lacks {e.args[0]}") from None
     if scaling.high_freq_factor <= scaling.low_freq_factor:
@@ -151,24 +137,24 @@ def args_from_hf_config(raw: dict[str, Any], where: str = CONFIG) -> ModelArgs:
                                 ("attention_dropout", raw.get("attention_dropout", 0.0), (0,))):
         if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
             raise _refuse(where, key, value, " or ".join(repr(a) for a in allowed))
-    dim = _int(raw, "hidden_size", where)
-    heads = _int(raw, "num_attention_heads", where)
-    kv_heads = _int(raw, "num_key_value_heads", where, default=heads)
+    dim = positive_int(raw, "hidden_size", where)
+    heads = positive_int(raw, "num_attention_heads", where)
+    kv_heads = positive_int(raw, "num_key_value_heads", where, default=heads)
     head_dim = raw.get("head_dim")
     if head_dim is not None and head_dim != dim // heads:
         raise _refuse(where, "head_dim", head_dim,
                       f"hidden_size / num_attention_heads = {dim // heads}")
-    max_pos = _int(raw, "max_position_embeddings", where, default=2048)
+    max_pos = positive_int(raw, "max_position_embeddings", where, default=2048)
     theta, scaling = _rope(raw, where, max_pos)
     window = _window(raw, model_type, where)
     tie = raw.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
         raise _refuse(where, "tie_word_embeddings", tie, "true or false")
     return ModelArgs(
-        dim=dim, n_layers=_int(raw, "num_hidden_layers", where), n_heads=heads,
-        n_kv_heads=kv_heads, ffn_dim=_int(raw, "intermediate_size", where),
-        vocab_size=_int(raw, "vocab_size", where), rope_theta=theta,
-        norm_eps=_number(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
+        dim=dim, n_layers=positive_int(raw, "num_hidden_layers", where), n_heads=heads,
+        n_kv_heads=kv_heads, ffn_dim=positive_int(raw, "intermediate_size", where),
+        vocab_size=positive_int(raw, "vocab_size", where), rope_theta=theta,
+        norm_eps=positive_number(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
         tie_embeddings=tie, max_seq_len=min(max_pos, window) if window else max_pos,
         qkv_bias=model_type == "qwen2", rope_scaling=scaling)
 

@@ -14,10 +14,10 @@ attention hpctrain computes, so ``max_seq_len`` is capped at the window.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from hpctrain.errors import ConfigError
+from hpctrain.models.hf_values import positive_int, positive_number
 from hpctrain.models.hf_weights import CONFIG
 from hpctrain.models.qwen.sizes import QwenArgs
 
@@ -47,20 +47,6 @@ def _refuse(where: str, key: str, value: Any, expected: str) -> ConfigError:
                        hint=_HINT)
 
 
-def _int(raw: dict, key: str, where: str, default: int | None = None) -> int:
-    value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{where}: {key} = {value!r} is not a positive integer")
-    return value
-
-
-def _number(value: Any, key: str, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(
-            value) or value <= 0:
-        raise ConfigError(f"{where}: {key} = {value!r} is not a positive number")
-    return float(value)
-
-
 def _rope_theta(raw: dict, where: str) -> float:
     """RoPE's base from ``rope_parameters`` (transformers 5) or ``rope_theta`` (4); only the
     default RoPE (no YaRN or other scaling)."""
@@ -71,7 +57,7 @@ def _rope_theta(raw: dict, where: str) -> float:
     if kind != "default" or set(params) - {"rope_type", "type", "rope_theta"}:
         raise _refuse(where, "rope_parameters", params,
                       "the default RoPE (rope_type 'default', no scaling)")
-    return _number(params.get("rope_theta", raw.get("rope_theta", 10000.0)), "rope_theta",
+    return positive_number(params.get("rope_theta", raw.get("rope_theta", 10000.0)), "rope_theta",
                    where)
 
 
@@ -87,7 +73,7 @@ def _window(raw: dict, n_layers: int, where: str) -> int | None:
                           "a list of 'full_attention' / 'sliding_attention'")
         slides = "sliding_attention" in layer_types
     else:  # transformers 4: the layers from max_window_layers (default 28) on slide
-        slides = bool(raw.get("use_sliding_window")) and _int(
+        slides = bool(raw.get("use_sliding_window")) and positive_int(
             raw, "max_window_layers", where, default=28) < n_layers
     if not slides:
         return None
@@ -126,29 +112,30 @@ def args_from_hf_config(raw: dict[str, Any], where: str = CONFIG) -> QwenArgs:
     for key, value, allowed in checks:
         if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
             raise _refuse(where, key, value, " or ".join(repr(a) for a in allowed))
-    dim = _int(raw, "hidden_size", where)
-    heads = _int(raw, "num_attention_heads", where)
-    n_layers = _int(raw, "num_hidden_layers", where)
+    dim = positive_int(raw, "hidden_size", where)
+    heads = positive_int(raw, "num_attention_heads", where)
+    n_layers = positive_int(raw, "num_hidden_layers", where)
     # transformers takes head_dim from the config when it is there, for both generations.
-    head_dim = dim // heads if raw.get("head_dim") is None else _int(raw, "head_dim", where)
-    max_pos = _int(raw, "max_position_embeddings", where, default=32768)
+    head_dim = dim // heads if raw.get("head_dim") is None else positive_int(raw, "head_dim", where)
+    max_pos = positive_int(raw, "max_position_embeddings", where, default=32768)
     window = _window(raw, n_layers, where)
     tie = raw.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
         raise _refuse(where, "tie_word_embeddings", tie, "true or false")
     return QwenArgs(
         dim=dim, n_layers=n_layers, n_heads=heads,
-        n_kv_heads=_int(raw, "num_key_value_heads", where, default=heads), head_dim=head_dim,
-        ffn_dim=_int(raw, "intermediate_size", where), vocab_size=_int(raw, "vocab_size", where),
+        n_kv_heads=positive_int(raw, "num_key_value_heads", where, default=heads),
+        head_dim=head_dim, ffn_dim=positive_int(raw, "intermediate_size", where),
+        vocab_size=positive_int(raw, "vocab_size", where),
         rope_theta=_rope_theta(raw, where),
-        norm_eps=_number(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
+        norm_eps=positive_number(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
         tie_embeddings=tie, max_seq_len=min(max_pos, window) if window else max_pos,
         qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3")
 
 
 def max_seq_len_limit(raw: dict[str, Any]) -> int | None:
     """The sliding window of a config whose layers slide: longer sequences are refused."""
-    return _window(raw, _int(raw, "num_hidden_layers", CONFIG), CONFIG)
+    return _window(raw, positive_int(raw, "num_hidden_layers", CONFIG), CONFIG)
 
 
 def hf_config_from_args(args: QwenArgs, base: dict[str, Any] | None, dtype: str,
