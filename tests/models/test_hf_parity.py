@@ -124,13 +124,13 @@ def test_greedy_generation_picks_transformers_tokens(folders, arch: str) -> None
 
 
 def test_the_kv_cache_gives_the_full_forward_logits(folders) -> None:
-    from hpctrain.models.llama import KVCache
+    from hpctrain.models.llama.model import kv_cache
 
     model = load_model(InitSource("hf", folders["mistral"]))
     tokens = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(tokens)
-        cache = KVCache.for_model(model, batch=2, max_len=30)
+        cache = kv_cache(model, batch=2, max_len=30)
         parts = [model(tokens[:, :12], cache=cache), model(tokens[:, 12:20], cache=cache)]
         parts += [model(tokens[:, i:i + 1], cache=cache) for i in range(20, 30)]
     torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=0, atol=1e-5)

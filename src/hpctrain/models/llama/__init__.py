@@ -14,7 +14,7 @@ Everything the rest of hpctrain knows about it is `FAMILY`.
 from __future__ import annotations
 
 from hpctrain.models.llama import flops, hf_config, hf_names, sizes, tp_plan
-from hpctrain.models.llama.model import KVCache, Transformer
+from hpctrain.models.llama.model import KVCache, Transformer, kv_cache
 from hpctrain.models.llama.sizes import PRESETS, ModelArgs
 from hpctrain.models.spec import HFMapping, ModelFamily
 
@@ -51,7 +51,7 @@ FAMILY = ModelFamily(
         derived=hf_names.is_derived,
         tied=("output.weight",),
     ),
-    kv_cache=KVCache.for_model,
+    kv_cache=kv_cache,
 )
 
 __all__ = ["FAMILY", "PRESETS", "KVCache", "ModelArgs", "Transformer"]

@@ -14,7 +14,7 @@ Meta-device construction is supported::
     torch.manual_seed(seed)
     model.init_weights()   # parameters and the RoPE table, on whatever device they now live
 
-For sampling, ``model(tokens, cache=KVCache.for_model(model, batch, max_len))`` keeps each
+For sampling, ``model(tokens, cache=kv_cache(model, batch, max_len))`` keeps each
 block's keys and values, so every later call feeds only the new tokens
 (``hpctrain.models.generate``). Training never passes a cache.
 """
@@ -29,6 +29,7 @@ from torch import nn
 
 from hpctrain.errors import ConfigError
 from hpctrain.models.chunked_loss import chunked_linear_cross_entropy
+from hpctrain.models.kv_cache import KVCache, LayerKV
 from hpctrain.models.llama.sizes import ModelArgs, RopeScaling
 
 INIT_STD = 0.02
@@ -75,42 +76,11 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
-class LayerKV:
-    """One block's view of a `KVCache`: its key and value buffers and the position reached."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, pos: int):
-        self.keys, self.values, self.pos = keys, values, pos
-
-    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new positions' `k`, `v` `[B, T, kv_heads, head_dim]`; return all so far."""
-        end = self.pos + k.shape[1]
-        self.keys[:, self.pos:end] = k
-        self.values[:, self.pos:end] = v
-        return self.keys[:, :end], self.values[:, :end]
-
-
-class KVCache:
-    """Keys and values of every block for the positions fed so far (incremental decoding)."""
-
-    def __init__(self, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
-                 device: torch.device | str, dtype: torch.dtype):
-        shape = (batch, max_len, n_kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.max_len = max_len
-        self.pos = 0
-
-    @classmethod
-    def for_model(cls, model: Transformer, batch: int, max_len: int) -> KVCache:
-        """An empty cache for `batch` sequences of at most `max_len` positions of `model`."""
-        args = model.args
-        weight = model.tok_embeddings.weight
-        return cls(args.n_layers, batch, max_len, args.n_kv_heads, args.head_dim, weight.device,
+def kv_cache(model: Transformer, batch: int, max_len: int) -> KVCache:
+    """An empty cache for `batch` sequences of at most `max_len` positions of `model`."""
+    args, weight = model.args, model.tok_embeddings.weight
+    return KVCache(args.n_layers, batch, max_len, args.n_kv_heads, args.head_dim, weight.device,
                    weight.dtype)
-
-    def layer(self, i: int) -> LayerKV:
-        """Block `i`'s buffers at the current position."""
-        return LayerKV(self.keys[i], self.values[i], self.pos)
 
 
 class Attention(nn.Module):

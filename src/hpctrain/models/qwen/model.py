@@ -24,7 +24,7 @@ from torch import nn
 
 from hpctrain.errors import ConfigError
 from hpctrain.models.chunked_loss import chunked_linear_cross_entropy
-from hpctrain.models.llama.model import KVCache, LayerKV
+from hpctrain.models.kv_cache import KVCache, LayerKV
 from hpctrain.models.qwen.sizes import QwenArgs
 
 INIT_STD = 0.02
