@@ -28,6 +28,7 @@ from pathlib import Path
 
 from hpctrain.bench.common import Results
 from hpctrain.errors import ConfigError
+from hpctrain.runtime.mounts import filesystem
 
 COLUMNS = ["op", "size", "threads", "block", "seconds", "gbps", "method"]
 _DIRECT = getattr(os, "O_DIRECT", 0)
@@ -67,22 +68,9 @@ def check_folder(path: Path) -> None:
 
 
 def fs_type(path: Path) -> str | None:
-    """The file system type of ``path`` from /proc/self/mounts (longest mount prefix), if known."""
-    try:
-        lines = Path("/proc/self/mounts").read_text().splitlines()
-    except OSError:
-        return None
-    best, kind = "", None
-    target = str(path.resolve())
-    for line in lines:
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        mount = parts[1].replace("\\040", " ")
-        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
-        if inside and len(mount) >= len(best):
-            best, kind = mount, parts[2]
-    return kind
+    """The file system type of ``path`` (`runtime.mounts`), or None if the table is unreadable."""
+    kind = filesystem(path)
+    return None if kind == "unknown" else kind
 
 
 def run_disk(path: Path, size: int, *, threads: int = 4, block: int = 16 << 20,

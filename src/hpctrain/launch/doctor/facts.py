@@ -17,6 +17,7 @@ import torch
 import hpctrain
 from hpctrain.config import JobConfig
 from hpctrain.runtime.env import ProcessEnv
+from hpctrain.runtime.mounts import filesystem, nearest_existing
 
 SMALL_FILE = 1 << 20
 BIG_FILE = 1 << 30
@@ -140,29 +141,6 @@ def gather_facts(env: ProcessEnv, sys_root: Path = Path("/sys")) -> Facts:
     return f
 
 
-def _existing(path: Path) -> Path:
-    """`path`, or its nearest ancestor that exists."""
-    path = path.absolute()
-    while not path.exists():
-        path = path.parent
-    return path
-
-
-def filesystem(path: Path, mounts: Path = Path("/proc/mounts")) -> str:
-    """The type of the filesystem holding `path` (longest mount point that contains it)."""
-    real = os.path.realpath(_existing(path))
-    best, kind = "", "unknown"
-    for line in (_read(mounts) or "").splitlines():
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        point = parts[1].replace("\\040", " ")
-        inside = real == point or real.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):
-            best, kind = point, parts[2]
-    return kind
-
-
 def stripe_count(folder: Path) -> int | str:
     """The default stripe count of a Lustre folder (``lfs getstripe -d -c``), or an error."""
     lfs = shutil.which("lfs")
@@ -188,7 +166,7 @@ def gather_storage(cfg: JobConfig, world_size: int, mounts: Path = Path("/proc/m
     params = count_params(cfg.model.resolve(), include_embedding=True)
     s = Storage(ckpt_dir=str(ckpt), params=params, ckpt_bytes=params * CKPT_BYTES_PER_PARAM,
                 keep=cfg.checkpoint.keep_last + 1)
-    s.free_bytes = shutil.disk_usage(_existing(ckpt)).free
+    s.free_bytes = shutil.disk_usage(nearest_existing(ckpt)).free
     folders = {"checkpoints": (ckpt, s.ckpt_bytes // max(world_size, 1))}
     data = cfg.data.path if cfg.data.source == "shards" else None
     if data:
@@ -207,7 +185,7 @@ def gather_storage(cfg: JobConfig, world_size: int, mounts: Path = Path("/proc/m
         kind = filesystem(folder, mounts)
         entry: dict = {"path": str(folder.absolute()), "fs": kind, "file_bytes": file_bytes}
         if kind == "lustre":
-            entry["stripes"] = stripe_count(_existing(folder))
+            entry["stripes"] = stripe_count(nearest_existing(folder))
         s.fs[label] = entry
     return s
 
