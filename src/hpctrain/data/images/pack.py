@@ -58,7 +58,12 @@ from hpctrain.data.images.listing import (
     from_table,
     tar_keys,
 )
-from hpctrain.data.images.reader import IMAGES_FORMAT, IMAGES_VERSION, PACK_IMAGES_HINT
+from hpctrain.data.images.reader import (
+    IMAGES_FORMAT,
+    IMAGES_VERSION,
+    PACK_IMAGES_HINT,
+    read_manifest,
+)
 from hpctrain.data.images.sniff import HEAD_BYTES, image_ext
 from hpctrain.data.inputs import InputFile, suffix
 from hpctrain.data.prepare import _Progress
@@ -347,11 +352,7 @@ def _pack_split(out: Path, split: str, entries: list[Entry], index: dict[str, in
 def verify_images(root: str | Path) -> dict:
     """Check every split's shards (checksums) and counts against the manifests; the manifest."""
     root = Path(root)
-    try:
-        raw = json.loads((root / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
-        raise DataError(f"cannot read {str(root / MANIFEST)!r}: {e}",
-                        hint=PACK_IMAGES_HINT) from None
+    raw = read_manifest(root)
     if raw.get("format") != IMAGES_FORMAT or raw.get("version") != IMAGES_VERSION:
         raise DataError(f"{str(root / MANIFEST)!r} is not a version-{IMAGES_VERSION} image "
                         "manifest", hint=PACK_IMAGES_HINT)

@@ -77,14 +77,19 @@ def collate_images(samples: list) -> tuple[EncodedImages, torch.Tensor]:
             torch.tensor([int(s[1]) for s in samples], dtype=torch.int64))
 
 
-def split_dir(path: str | Path, split: str) -> Path:
-    """The directory of ``split`` in a `pack_images` output (or ``path`` if it is one split)."""
-    root = Path(path)
+def read_manifest(root: Path) -> dict:
+    """``root/manifest.json`` as JSON (a pack's or one split's), or a DataError saying why not."""
     try:
-        raw = json.loads((root / MANIFEST).read_text())
+        return json.loads((root / MANIFEST).read_text())
     except (OSError, ValueError) as e:
         raise DataError(f"cannot read {str(root / MANIFEST)!r}: {e}",
                         hint=PACK_IMAGES_HINT) from None
+
+
+def split_dir(path: str | Path, split: str) -> Path:
+    """The directory of ``split`` in a `pack_images` output (or ``path`` if it is one split)."""
+    root = Path(path)
+    raw = read_manifest(root)
     if raw.get("format") != IMAGES_FORMAT:  # a split directory itself (hpctrain-tar + classes)
         if raw.get("split", split) != split:
             raise DataError(f"{str(root)!r} is the {raw['split']!r} split, not {split!r}",
