@@ -44,6 +44,17 @@ CORPUS = ("the cat sat on the mat. what is two plus two? four. name a colour: re
           "hello world, how are you today? fine thanks. ") * 20
 
 
+def randomize_(model: torch.nn.Module) -> None:
+    """Weights far from transformers' init (norm gains around 1, biases and matrices spread),
+    so a parity check sees every parameter act."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.2 if name.endswith("bias") else 0.08)
+
+
 def hf_model(folder: Path, arch: str, seed: int = 0, *, vocab: int = VOCAB,
              randomize: bool = True, **overrides) -> Path:
     """Save a tiny random ``arch`` model (see ARCHS) into ``folder``; returns the folder."""
@@ -55,12 +66,7 @@ def hf_model(folder: Path, arch: str, seed: int = 0, *, vocab: int = VOCAB,
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config)
     if randomize:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.copy_(1 + 0.2 * torch.randn_like(p))
-                else:
-                    p.normal_(0.0, 0.2 if name.endswith("bias") else 0.08)
+        randomize_(model)
     kwargs = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(folder, **kwargs)
     return folder

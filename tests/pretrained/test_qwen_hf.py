@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_models import chat_tokenizer  # noqa: E402
+from hf_models import chat_tokenizer, randomize_  # noqa: E402
 from hpctrain.cli import main  # noqa: E402
 from hpctrain.errors import ConfigError  # noqa: E402
 from hpctrain.models import get_family  # noqa: E402
@@ -48,12 +48,7 @@ def _hf_model(arch: str, dtype: torch.dtype = torch.float32, folder: Path | None
         return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     torch.manual_seed(len(arch) + len(extra))
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**SHAPE, **extra))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.2 if name.endswith("bias") else 0.08)
+    randomize_(model)
     return model.eval()
 
 
