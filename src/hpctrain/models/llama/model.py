@@ -29,7 +29,7 @@ from torch import nn
 
 from hpctrain.errors import ConfigError
 from hpctrain.models.chunked_loss import chunked_linear_cross_entropy
-from hpctrain.models.kv_cache import KVCache, LayerKV
+from hpctrain.models.kv_cache import KVCache, LayerKV, causal_attention
 from hpctrain.models.llama.sizes import ModelArgs, RopeScaling
 
 INIT_STD = 0.02
@@ -113,27 +113,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        mask, causal = None, True
-        if cache is not None:
-            past = cache.pos
-            k, v = cache.extend(k, v)
-            if past and seqlen == 1:
-                causal = False  # one new query sees every cached position
-            elif past:
-                # New query i sits at position past + i and sees keys up to there.
-                mask = torch.ones(seqlen, past + seqlen, dtype=torch.bool,
-                                  device=x.device).tril(diagonal=past)
-                causal = False
-        # SDPA wants [B, heads, T, head_dim]; enable_gqa shares each kv head across its q group.
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask,
-            is_causal=causal,
-            enable_gqa=True,
-        )
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        out = causal_attention(q, k, v, cache)
+        return self.wo(out.reshape(bsz, seqlen, -1))
 
 
 class FeedForward(nn.Module):

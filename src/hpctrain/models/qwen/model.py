@@ -24,7 +24,7 @@ from torch import nn
 
 from hpctrain.errors import ConfigError
 from hpctrain.models.chunked_loss import chunked_linear_cross_entropy
-from hpctrain.models.kv_cache import KVCache, LayerKV
+from hpctrain.models.kv_cache import KVCache, LayerKV, causal_attention
 from hpctrain.models.qwen.sizes import QwenArgs
 
 INIT_STD = 0.02
@@ -88,20 +88,8 @@ class Attention(nn.Module):
         k = self.k(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.v(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(self.q_norm(q), rope), apply_rope(self.k_norm(k), rope)
-        mask, causal = None, True
-        if cache is not None:
-            past = cache.pos
-            k, v = cache.extend(k, v)
-            if past and seqlen == 1:
-                causal = False  # one new query sees every cached position
-            elif past:
-                mask = torch.ones(seqlen, past + seqlen, dtype=torch.bool,
-                                  device=x.device).tril(diagonal=past)
-                causal = False
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), attn_mask=mask,
-                                             is_causal=causal, enable_gqa=True)
-        return self.o(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        out = causal_attention(q, k, v, cache)
+        return self.o(out.reshape(bsz, seqlen, -1))
 
 
 class MLP(nn.Module):
