@@ -146,9 +146,7 @@ class TaskTrainer(Trainer):
             mp = MixedPrecisionPolicy(param_dtype=DTYPES[tc.precision],
                                       reduce_dtype=DTYPES[pc.reduce_precision])
             reshard = pc.reshard_after_forward is not False
-            units = (list(self.task.shard_units(model)) if self.task.shard_units else
-                     [m for m in model.children() if any(True for _ in m.parameters())])
-            for unit in units:
+            for unit in self.task.fsdp_units(model):
                 fully_shard(unit, mesh=dp_mesh(mesh), mp_policy=mp, reshard_after_forward=reshard)
             fully_shard(model, mesh=dp_mesh(mesh), mp_policy=mp, reshard_after_forward=reshard)
         return model

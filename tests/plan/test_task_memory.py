@@ -1,0 +1,111 @@
+"""``plan memory`` for a user's own task (hpctrain.plan.task_memory), on CPU: the counted states
+against a real optimizer step, FSDP's shards and gathered units counted by hand, the
+extrapolation from two measured peaks, and the CPU report saying it measured nothing. (The
+measured step itself needs a CUDA GPU: the lead runs it on the device machine.)"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpctrain.config import load_config
+from hpctrain.plan.task_memory import extrapolate, print_task_memory, task_memory
+from hpctrain.task import load_task
+
+TASK = """\
+import torch
+from torch import nn
+from hpctrain.task import Task
+
+def task():
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+    return Task(model=lambda: nn.Sequential(nn.Linear(16, 10), nn.ReLU(), nn.Linear(10, 3)),
+                data=torch.utils.data.TensorDataset(x, x[:, :3]),
+                loss=nn.functional.mse_loss)
+"""
+# The model's parameters: (10, 16), (10,), (3, 10), (3,).
+PARAMS = 16 * 10 + 10 + 10 * 3 + 3
+
+
+@pytest.fixture(scope="module")
+def task_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("task") / "mem_task.py"
+    path.write_text(textwrap.dedent(TASK))
+    return path
+
+
+def _cfg(task_file: Path, *overrides: str):
+    return load_config(None, [f"task={task_file}", "train.micro_batch=4", *overrides])
+
+
+@pytest.mark.parametrize("optim", ["adamw", "sgd"])
+def test_states_are_what_a_real_optimizer_step_holds(task_file: Path, optim: str) -> None:
+    cfg = _cfg(task_file, f"optim.name={optim}", "optim.weight_decay=0.0001",
+               "parallel.strategy=none")
+    report = task_memory(cfg, gpus=1, device=torch.device("cpu"))
+    assert report.n_params == PARAMS
+    model = load_task(str(task_file)).build_model()
+    opt = (torch.optim.AdamW(model.parameters(), fused=True) if optim == "adamw" else
+           torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True))
+    model(torch.randn(4, 16)).square().mean().backward()
+    opt.step()
+    held = [*model.parameters(), *(p.grad for p in model.parameters()),
+            *(t for s in opt.state.values() for t in s.values())]
+    assert report.states == sum(t.numel() * t.element_size() for t in held)
+    assert report.params == report.grads == 4 * PARAMS and report.gathered == 0
+    assert report.peak is None and report.working is None  # nothing measured on CPU
+
+
+def test_fsdp_shards_each_tensor_and_gathers_units(task_file: Path) -> None:
+    cfg = _cfg(task_file, "parallel.strategy=fsdp", "train.precision=bf16")
+    report = task_memory(cfg, gpus=4, device=torch.device("cpu"))
+    # Dim 0 padded to a multiple of 4: 10 rows -> 3 per rank, 3 rows -> 1 per rank.
+    local = 3 * 16 + 3 + 1 * 10 + 1
+    assert (report.params, report.grads) == (4 * local, 4 * local)
+    assert report.optimizer == 2 * 4 * local + 4 * 4  # two fp32 moments, a step per tensor
+    # Both Linear units gathered in bf16 (running + prefetched), the larger one's fp32
+    # gradients before their reduce-scatter; the root holds no parameters of its own.
+    assert report.gathered == 2 * PARAMS + 4 * (16 * 10 + 10)
+    kept = task_memory(_cfg(task_file, "parallel.strategy=fsdp", "train.precision=bf16",
+                            "parallel.reshard_after_forward=false"), gpus=4,
+                       device=torch.device("cpu"))
+    assert kept.gathered == report.gathered  # two units: all of them either way
+
+
+def test_activations_grow_by_the_measured_slope() -> None:
+    working, activations, per_sample = extrapolate({1: 1000.0, 2: 1300.0}, 500.0, 8)
+    assert (working, activations, per_sample) == (200.0, 2400.0, 300.0)
+
+
+def test_the_cpu_report_says_it_measured_nothing(task_file: Path, capsys) -> None:
+    cfg = _cfg(task_file, "parallel.strategy=ddp")
+    report = task_memory(cfg, gpus=2, gpu_bytes=80e9, device=torch.device("cpu"))
+    print_task_memory(cfg, report, 2, as_json=False)
+    out = capsys.readouterr().out
+    assert "not measured" in out and "CPU: nothing measured" in out
+    assert "fits: states alone" in out
+    print_task_memory(cfg, report, 2, as_json=True)
+    data = json.loads(capsys.readouterr().out)
+    assert data["peak"] is None and data["activations"] is None and data["gpus"] == 2
+    assert data["params"] == 4 * PARAMS  # DDP: whole on every rank
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures a step on a CUDA GPU")
+def test_cuda_prediction_matches_a_measured_step(tmp_path: Path) -> None:
+    """On a GPU: the peak extrapolated from micro-batches 1 and 2 is the peak a step at 16
+    reaches (same model, precision and optimizer), within 5%."""
+    from hpctrain.plan.task_memory import measure_peaks
+
+    path = tmp_path / "wide_task.py"
+    path.write_text(TASK.replace("16, 10), nn.ReLU(), nn.Linear(10, 3)",
+                                 "16, 4096), nn.GELU(), nn.Linear(4096, 4096), nn.GELU(), "
+                                 "nn.Linear(4096, 3)"))
+    cfg = _cfg(path, "train.micro_batch=16", "parallel.strategy=none", "train.precision=bf16")
+    report = task_memory(cfg, gpus=1)
+    real, _ = measure_peaks(load_task(str(path)), cfg, torch.device("cuda"), sizes=(16,))
+    assert report.measured_on and report.per_sample > 0
+    assert abs(report.peak - real[16]) <= 0.05 * real[16], (report, real)
