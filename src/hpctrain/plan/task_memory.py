@@ -39,6 +39,7 @@ from hpctrain.data.order import BatchLayout
 from hpctrain.data.samples import build_sample_loader
 from hpctrain.parallel.data import DTYPES
 from hpctrain.parallel.layout import check_task_config
+from hpctrain.plan.memory_options import gpu_memory_bytes
 from hpctrain.task import Task, TaskError, load_task
 
 MEASURED_BATCHES = (1, 2)  # the micro-batches whose peaks give the per-sample slope
@@ -267,3 +268,10 @@ def print_task_memory(cfg: JobConfig, report: TaskMemory, gpus: int, as_json: bo
         verdict = "fits" if report.fits else "does NOT fit"
         what = "peak" if report.peak is not None else "states alone"
         console.print(f"{verdict}: {what} + 10% headroom vs {report.gpu_bytes / 1e9:.0f} GB")
+
+
+def plan_task_memory(cfg: JobConfig, gpus: int, gpu: str | None, as_json: bool) -> None:
+    """``hpctrain plan memory`` of a config with ``task:`` on ``gpus`` GPUs (``gpu``: h100,
+    80, ... to say whether it fits)."""
+    gpu_bytes = gpu_memory_bytes(gpu) if gpu else None
+    print_task_memory(cfg, task_memory(cfg, gpus, gpu_bytes), gpus, as_json)
