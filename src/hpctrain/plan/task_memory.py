@@ -164,7 +164,7 @@ def measure_peaks(task: Task, cfg: JobConfig, device: torch.device,
     model.to(device).train()
     if fsdp and cfg.train.precision != "fp32":
         model.to(dtype)  # FSDP's MixedPrecisionPolicy computes in the parameters' dtype
-    autocast = (torch.autocast("cuda", dtype=dtype) if cfg.train.precision != "fp32"
+    autocast = (torch.autocast(device.type, dtype=dtype) if cfg.train.precision != "fp32"
                 and not fsdp else contextlib.nullcontext())
     opt = _optimizer(model, cfg)
     loader = build_sample_loader(task.data, BatchLayout(max(sizes), 1, 1, 0), cfg.run.seed,
