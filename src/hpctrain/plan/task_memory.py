@@ -2,11 +2,13 @@
 
 hpctrain has no model of a task's activations (its code is the user's), so on a CUDA GPU it
 measures them: one real training step (the task's step, backward, the optimizer's update, in the
-config's precision) at micro-batch 1 and at 2 on the GPU at hand, each peak read with
-``torch.cuda.max_memory_allocated`` after a warm-up step. Between the two the peak grows by one
-sample's activations, so at the configured micro-batch b::
+config's precision) at micro-batch 1 and at 2 on the GPU at hand, after a warm-up step, the
+peaks read with ``torch.cuda.max_memory_allocated``: one over forward and backward, one over the
+update (activations freed, the optimizer's temporaries allocated; at a small micro-batch this
+one can be the larger, so the two are kept apart). Between micro-batch 1 and 2 the forward and
+backward peak grows by one sample's activations, so at the configured micro-batch b::
 
-    peak(b) = states + working + b * (peak(2) - peak(1))
+    peak(b) = max(states + working + b * (fb(2) - fb(1)), states + update working)
 
 The states (parameters, gradients, optimizer state) are counted from the model's own
 parameters, as the config's strategy spreads them: DDP and one GPU hold them whole; FSDP2 shards
@@ -27,6 +29,7 @@ On a CPU nothing is measured: the states alone are reported, and labelled so.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -55,9 +58,10 @@ class TaskMemory:
     grads: float
     optimizer: float
     gathered: float  # FSDP's gathered parameters and unsharded gradients (0 without FSDP)
-    working: float | None
+    working: float | None  # beside the states at forward and backward's peak
     activations: float | None
     per_sample: float | None  # activation bytes of one sample (the measured slope)
+    update_working: float | None  # beside the states at the optimizer update's peak
     measured_on: str | None  # the GPU the step ran on
     gpu_bytes: float | None = None
 
@@ -67,11 +71,21 @@ class TaskMemory:
         return self.params + self.grads + self.optimizer
 
     @property
+    def peak_moment(self) -> str | None:
+        """Where the step peaks: in forward and backward, or in the optimizer's update."""
+        if self.working is None or self.activations is None or self.update_working is None:
+            return None
+        backward = self.gathered + self.working + self.activations
+        return "backward" if backward >= self.update_working else "optimizer update"
+
+    @property
     def peak(self) -> float | None:
         """The step's peak, or None where it was not measured."""
-        if self.working is None or self.activations is None:
+        if self.peak_moment is None:
             return None
-        return self.states + self.gathered + self.working + self.activations
+        if self.peak_moment == "backward":
+            return self.states + self.gathered + self.working + self.activations
+        return self.states + self.update_working
 
     @property
     def fits(self) -> bool | None:
@@ -126,13 +140,22 @@ def _states(model: nn.Module, cfg: JobConfig, shards: int) -> tuple[float, float
     return float(params), float(grads), optimizer_bytes(trained, cfg, shards)
 
 
-def extrapolate(peaks: dict[int, float], measured_states: float, micro_batch: int
-                ) -> tuple[float, float, float]:
-    """(working, activations at ``micro_batch``, per-sample activations) from the peaks
-    measured at micro-batch 1 and 2 with ``measured_states`` resident."""
-    per_sample = max(0.0, peaks[2] - peaks[1])
-    working = max(0.0, peaks[1] - per_sample - measured_states)
-    return working, per_sample * micro_batch, per_sample
+@dataclass
+class MeasuredStep:
+    """Peak bytes of measured training steps, and of the states resident in them."""
+
+    forward_backward: dict[int, float]  # by micro-batch
+    update: float  # the optimizer's update (the same at any micro-batch)
+    states: float
+
+
+def extrapolate(m: MeasuredStep, micro_batch: int) -> tuple[float, float, float, float]:
+    """(working, activations at ``micro_batch``, per-sample activations, update working) from
+    the steps measured at micro-batch 1 and 2."""
+    fb = m.forward_backward
+    per_sample = max(0.0, fb[2] - fb[1])
+    working = max(0.0, fb[1] - per_sample - m.states)
+    return working, per_sample * micro_batch, per_sample, max(0.0, m.update - m.states)
 
 
 def _optimizer(model: nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
@@ -152,10 +175,10 @@ def _resident(model: nn.Module, opt: torch.optim.Optimizer) -> float:
     return float(sum(t.numel() * t.element_size() for t in tensors))
 
 
-def measure_peaks(task: Task, cfg: JobConfig, device: torch.device,
-                  sizes: tuple[int, ...] = MEASURED_BATCHES) -> tuple[dict[int, float], float]:
-    """Peak bytes of one training step at each micro-batch of ``sizes`` on CUDA ``device``
-    (after a warm-up step at the first), and the bytes of the states resident in it."""
+def measure_step(task: Task, cfg: JobConfig, device: torch.device,
+                 sizes: tuple[int, ...] = MEASURED_BATCHES) -> MeasuredStep:
+    """The peaks of one training step at each micro-batch of ``sizes`` on CUDA ``device``
+    (after a warm-up step at the first)."""
     fsdp = cfg.parallel.strategy == "fsdp"
     dtype = DTYPES[cfg.train.precision]
     torch.manual_seed(cfg.run.seed)
@@ -170,19 +193,24 @@ def measure_peaks(task: Task, cfg: JobConfig, device: torch.device,
     loader = build_sample_loader(task.data, BatchLayout(max(sizes), 1, 1, 0), cfg.run.seed,
                                  device, task.collate, prefetch=0)
     batches = {b: loader.peek(b) for b in sizes}
-    peaks, states = {}, 0.0
-    for b in (sizes[0], *sizes):  # the first allocates the optimizer's state
-        opt.zero_grad(set_to_none=True)
+    def peak_of(work) -> float:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        with autocast:
-            loss, _ = task.run_step(model, batches[b])
-        loss.backward()
-        opt.step()
+        work()
         torch.cuda.synchronize(device)
-        peaks[b] = float(torch.cuda.max_memory_allocated(device))
-        states = _resident(model, opt)
-    return peaks, states
+        return float(torch.cuda.max_memory_allocated(device))
+
+    def forward_backward(batch) -> None:
+        with autocast:
+            loss, _ = task.run_step(model, batch)
+        loss.backward()
+
+    fb, update = {}, 0.0
+    for b in (sizes[0], *sizes):  # the first allocates the optimizer's state
+        opt.zero_grad(set_to_none=True)  # as the trainer does after each update
+        fb[b] = peak_of(functools.partial(forward_backward, batches[b]))
+        update = max(update, peak_of(opt.step))
+    return MeasuredStep(fb, update, _resident(model, opt))
 
 
 def _count_model(task: Task) -> nn.Module:
@@ -208,14 +236,13 @@ def task_memory(cfg: JobConfig, gpus: int, gpu_bytes: float | None = None,
     report = TaskMemory(n_params=sum(p.numel() for p in model.parameters()), params=params,
                         grads=grads, optimizer=optimizer,
                         gathered=gathered_bytes(task, model, cfg, shards), working=None,
-                        activations=None, per_sample=None, measured_on=None,
-                        gpu_bytes=gpu_bytes)
+                        activations=None, per_sample=None, update_working=None,
+                        measured_on=None, gpu_bytes=gpu_bytes)
     if device is None or device.type != "cuda":
         return report
     del model
-    peaks, measured = measure_peaks(task, cfg, device)
-    report.working, report.activations, report.per_sample = extrapolate(
-        peaks, measured, cfg.train.micro_batch)
+    (report.working, report.activations, report.per_sample,
+     report.update_working) = extrapolate(measure_step(task, cfg, device), cfg.train.micro_batch)
     report.measured_on = torch.cuda.get_device_name(device)
     return report
 
@@ -223,7 +250,8 @@ def task_memory(cfg: JobConfig, gpus: int, gpu_bytes: float | None = None,
 def print_task_memory(cfg: JobConfig, report: TaskMemory, gpus: int, as_json: bool) -> None:
     """Print ``report`` as ``plan memory`` prints the built-in model's (or as JSON)."""
     if as_json:
-        print(json.dumps({**asdict(report), "peak": report.peak, "fits": report.fits,
+        print(json.dumps({**asdict(report), "peak": report.peak,
+                          "peak_moment": report.peak_moment, "fits": report.fits,
                           "gpus": gpus}, indent=2))
         return
     from rich.console import Console
@@ -254,7 +282,10 @@ def print_task_memory(cfg: JobConfig, report: TaskMemory, gpus: int, as_json: bo
         table.add_row("working buffers (measured)", f"{report.working / scale:.2f}")
         table.add_row(f"activations (measured: {report.per_sample / scale:.3g} {unit} per "
                       "sample)", f"{report.activations / scale:.2f}")
-        table.add_row("peak", f"{report.peak / scale:.2f}", style="bold")
+        table.add_row("optimizer update's working memory (measured)",
+                      f"{report.update_working / scale:.2f}")
+        table.add_row(f"peak ({report.peak_moment})", f"{report.peak / scale:.2f}",
+                      style="bold")
     console.print(table)
     if report.peak is None:
         console.print("CPU: nothing measured. The states above are counted from the model's "
