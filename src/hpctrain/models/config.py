@@ -205,8 +205,9 @@ def origin(src: InitSource, depth: int = 0, family: str | None = None) -> Origin
         raise ConfigError(
             f"model.family = {family!r}, but model.init_from = {str(src)!r} holds a {held!r} "
             "model", expected=f"the family the checkpoint was trained or imported as ({held!r})",
-            hint=f"remove model.family (a checkpoint names its own), or import the Hugging "
-            f"Face folder again with `hpctrain import hf --family {family}`")
+            hint=f"set model.family to {held!r} or leave it out (a checkpoint names its own); "
+            f"a Hugging Face folder imported with `hpctrain import hf --family {family}` is "
+            f"read as {family!r}")
     return found
 
 

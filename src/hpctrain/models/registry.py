@@ -123,7 +123,7 @@ def _named_family_for_hf(raw: dict[str, Any], where: str, arch: object, name: st
         f"{raw.get('model_type')!r}), which the {name!r} family does not read",
         expected=(f"one of {', '.join(reads)}" if reads else
                   f"a family with a Hugging Face mapping (the {name!r} family has none)"),
-        hint=(f"remove {asked_by}: this folder's architecture belongs to the {own!r} family"
+        hint=(f"the {own!r} family reads it: set {asked_by} to {own!r}, or leave it out"
               if own else "convert the model with its own tools, or train it with them"))
 
 
