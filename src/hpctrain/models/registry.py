@@ -40,10 +40,20 @@ def _load_builtin() -> None:
 
 
 def register(family: ModelFamily) -> ModelFamily:
-    """Make ``family`` known by its name (a second family of that name is refused)."""
+    """Make ``family`` known by its name (a second family of that name is refused, as is one
+    routing a Hugging Face architecture another family routes)."""
+    _load_builtin()  # a user's family is checked against the built-in ones
     known = _FAMILIES.get(family.name)
     if known is not None and known is not family:
         raise ValueError(f"a model family named {family.name!r} is registered already")
+    # Which family an unnamed folder imports into must not depend on the registration order.
+    for other in _FAMILIES.values():
+        if other is family or other.hf is None or family.hf is None:
+            continue
+        for arch in set(family.hf.architectures) & set(other.hf.architectures):
+            raise ValueError(f"family {family.name!r} routes {arch}, which the {other.name!r} "
+                             "family routes already; list it in its HFMapping.also_reads (read "
+                             "when the family is named) instead")
     _FAMILIES[family.name] = family
     return family
 
