@@ -28,7 +28,17 @@ limit). What its model must do:
   summed token loss (``hpctrain.models.chunked_loss``).
 
 Adding a family is a folder ``models/<name>/`` defining its `ModelFamily` and one line in
-``registry.BUILTIN`` (or a call to ``registry.register`` from the user's code).
+``registry.BUILTIN`` (or a call to ``registry.register`` from the user's code); parallelism,
+planning, training and the pretrained tools need no change (``tests/models/test_toy_family.py``
+trains a family registered from a test file alone). Three limits:
+
+- a Hugging Face architecture is routed to one family (``HFMapping.architectures``; a second
+  claim is refused at registration): another family reads it when named
+  (``HFMapping.also_reads``, ``model.family`` / ``import hf --family``);
+- the config overrides shape fields ``ModelConfig`` has (``model.dim``, ``model.n_layers``,
+  ...); a field only the family's shape has (Qwen's ``head_dim``) comes from its presets.
+- ``plan memory`` models a pre-norm GQA decoder with a gated FFN (``plan_memory``); a family
+  of another structure is refused there, saying so.
 """
 
 from __future__ import annotations
