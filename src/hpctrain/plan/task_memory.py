@@ -13,10 +13,10 @@ backward peak grows by one sample's activations, so at the configured micro-batc
 The states (parameters, gradients, optimizer state) are counted from the model's own
 parameters, as the config's strategy spreads them: DDP and one GPU hold them whole; FSDP2 shards
 each tensor along its first dimension (padded to a multiple of the shard group) over the
-data-parallel shard ranks and gathers units in the compute dtype: the root's parameters for the
-whole step, the unit running and the one prefetched (all units with
-``parallel.reshard_after_forward=false``), and one unit's unsharded gradients before their
-reduce-scatter. What the measured peak holds beyond the measured step's own states and
+data-parallel shard ranks and gathers units in the compute dtype: the root's own parameters
+(those of no unit: backward starts with them), the unit running and the one prefetched (all
+units with ``parallel.reshard_after_forward=false``), and one unit's unsharded gradients before
+their reduce-scatter. What the measured peak holds beyond the measured step's own states and
 activations (autocast's weight copies, workspaces, the update's temporaries) is the working
 memory, kept as measured. The step is measured as the trainer computes: under autocast on one
 GPU and DDP, with the model in the compute dtype for FSDP (whose casts compute so).
@@ -125,7 +125,7 @@ def gathered_bytes(task: Task, model: nn.Module, cfg: JobConfig, shards: int) ->
     in_units = {id(p) for u in units for p in u.parameters()}
     root = compute * sum(p.numel() for p in model.parameters() if id(p) not in in_units)
     sizes = sorted((sum(p.numel() for p in u.parameters()) for u in units), reverse=True)
-    if shards == 1 or cfg.parallel.reshard_after_forward is False:
+    if cfg.parallel.reshard_after_forward is False:
         held = compute * sum(sizes)  # every unit stays gathered
     else:
         held = compute * sum(sizes[:2])  # the unit running and the one prefetched
