@@ -82,6 +82,18 @@ def test_fsdp_shards_each_tensor_and_gathers_units(task_file: Path) -> None:
     assert kept.gathered == report.gathered  # two units: all of them either way
 
 
+def test_fsdp_holds_two_of_three_units_unless_told_to_keep_them(tmp_path: Path) -> None:
+    path = tmp_path / "wide_task.py"
+    path.write_text(WIDE_TASK)
+    big, first, last = 2048 * 2048 + 2048, 64 * 2048 + 2048, 2048 * 64 + 64
+    for keep, held in (("true", big + first), ("false", big + first + last)):
+        cfg = _cfg(path, "parallel.strategy=fsdp", "train.precision=bf16",
+                   f"parallel.reshard_after_forward={keep}")
+        # One rank shards nothing, yet its units are freed after their forward all the same.
+        report = task_memory(cfg, gpus=1, device=torch.device("cpu"))
+        assert report.gathered == 2 * held + 4 * big
+
+
 def test_activations_grow_by_the_measured_slope() -> None:
     measured = MeasuredStep({1: 1000.0, 2: 1300.0}, update=900.0, states=500.0)
     assert extrapolate(measured, 8) == (200.0, 2400.0, 300.0, 400.0)
