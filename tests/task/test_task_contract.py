@@ -353,8 +353,9 @@ def test_the_model_is_built_before_any_sample_is_collated(tmp_path: Path) -> Non
     """A collate may need the device the model was built on (the image task decodes there):
     the loader's first read (the global-generator check) once came before the model factory,
     and the image task decoded every batch of a GPU run on the CPU, then failed in the model."""
-    import hpctrain
     from torch.utils.data import TensorDataset, default_collate
+
+    import hpctrain
 
     calls = []
 
