@@ -13,7 +13,9 @@ Each micro-batch arrives as encoded JPEG bytes (`ImageShards` through hpctrain's
 order, equal per-rank counts, exact resume) and is decoded, cropped, flipped and normalised on
 the model's device (`ImagePipeline`: nvJPEG on CUDA, Pillow on the CPU), ``channels_last``, bf16
 on the GPU, in the loader's prefetch thread (`DecodeAhead`), overlapping the training step. The
-crops are seeded by the batch's sample keys, so a resume crops bit-identically. Validation is the
+crops are seeded by the batch's sample keys, so a resume crops bit-identically. An image that
+does not decode is skipped (counted, and named in a warning): a step's loss is the mean over the
+images that decoded in all its micro-batches and ranks, each weighing the same. Validation is the
 centre crop, every sample of the ``val`` split counted once over all ranks (top-1/top-5 exact,
 `hpctrain.train.exact_eval`).
 
@@ -226,7 +228,13 @@ def classifier(build: Callable[[int, int], nn.Module] | None = None, **task_args
     return Task(model=parts.model, data=train, eval_data=_val_split(cfg), step=parts.step,
                 collate=parts.collate, eval_collate=parts.eval_collate,
                 flops_per_sample=vision.flops_per_sample(cfg.model, cfg.image_size, num_classes),
-                shard_units=_blocks)
+                shard_units=_blocks, samples_in_batch=_labels)
+
+
+def _labels(batch: tuple[Any, torch.Tensor]) -> int:
+    """The images a micro-batch's loss is the mean over: those that decoded (decoding ahead;
+    ``decode_ahead: false`` decodes in the step, after the weights are set: all offered)."""
+    return len(batch[1])
 
 
 def _timings(prepared: PreparedImages, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -196,6 +196,7 @@ class TaskTrainer(Trainer):
         torch.manual_seed((self.cfg.run.seed * 1_000_003 + self.step) * 65_537 + self.dist.rank)
         total = torch.zeros((), device=self.device, dtype=torch.float32)
         poison = faults.active("nan", self.step + 1)
+        weights = self._sample_weights(micro_batches)
         for i, batch in enumerate(micro_batches):
             with self._grad_sync(last=i == n - 1), self._autocast():
                 loss, metrics = self.task.run_step(self.model, batch)
@@ -203,7 +204,8 @@ class TaskTrainer(Trainer):
                 self._first_loss_finite(loss)
             if poison:
                 loss = loss * float("nan")
-            share = loss.float() / n  # DDP and FSDP average the gradients over the ranks
+            # DDP and FSDP average the gradients over the ranks.
+            share = loss.float() / n if weights is None else loss.float() * weights[i]
             if self.scaler is not None:
                 self.scaler.scale(share).backward()
             else:
@@ -213,6 +215,21 @@ class TaskTrainer(Trainer):
         if self.buffers:
             broadcast_buffers(self.buffers)
         return total / dp
+
+    def _sample_weights(self, micro_batches: list) -> list[torch.Tensor] | None:
+        """Each micro-batch's weight when the task counts its samples: its count x ranks /
+        the count over all micro-batches and ranks (1/n when none was dropped), so the ranks'
+        averaged gradient is that of the mean over every counted sample. None: 1/n each."""
+        if self.task.samples_in_batch is None:
+            return None
+        counts = [call_user(self.task.samples_in_batch, "Task.samples_in_batch", b)
+                  for b in micro_batches]
+        # A fill, not a copy from the host: the all-reduce stays queued on the device.
+        total = torch.full((), float(sum(counts)), device=self.device, dtype=torch.float32)
+        if self.dist.world_size > 1:
+            dist.all_reduce(total)
+        scale = self.layout.world_size / total.clamp_min(1)  # none kept anywhere: weight 0
+        return [scale * c for c in counts]
 
     def _add_metrics(self, metrics: dict, n: int) -> None:
         """Sum the step's own metrics on the device (read with the window's line)."""
