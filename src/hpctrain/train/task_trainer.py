@@ -20,7 +20,7 @@ import logging
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -146,11 +146,18 @@ class TaskTrainer(Trainer):
             mp = MixedPrecisionPolicy(param_dtype=DTYPES[tc.precision],
                                       reduce_dtype=DTYPES[pc.reduce_precision])
             reshard = pc.reshard_after_forward is not False
+            # FSDP2 shards contiguous parameters only: a channels_last model's conv weights
+            # become contiguous (channels_last inputs still run channels_last convolutions:
+            # either operand in that layout picks it).
+            with torch.no_grad():
+                for p in model.parameters():
+                    if not p.is_contiguous():
+                        p.data = p.data.contiguous()
             units = (list(self.task.shard_units(model)) if self.task.shard_units else
                      [m for m in model.children() if any(True for _ in m.parameters())])
-            for unit in units:
+            for unit in [*units, model]:
+                _norms_in_fp32(unit, dp_mesh(mesh), mp, reshard)
                 fully_shard(unit, mesh=dp_mesh(mesh), mp_policy=mp, reshard_after_forward=reshard)
-            fully_shard(model, mesh=dp_mesh(mesh), mp_policy=mp, reshard_after_forward=reshard)
         return model
 
     def _count_flops(self, model: nn.Module) -> float:
@@ -291,6 +298,21 @@ class TaskTrainer(Trainer):
 
     def _described(self, record: dict) -> str:
         return f"loss {record['val_loss']:.4f} over {record['val_samples']} samples"
+
+
+def _norms_in_fp32(unit: nn.Module, mesh, mp: MixedPrecisionPolicy, reshard: bool) -> None:
+    """Shard ``unit``'s BatchNorm-style layers (those with running statistics, not sharded yet)
+    as one FSDP group that keeps fp32 parameters and leaves its inputs' dtype alone: their
+    fp32 statistics with bf16/fp16 weights are refused by the kernels, while bf16 activations
+    with fp32 weights and statistics are what autocast runs too (one all-gather per unit)."""
+    if mp.param_dtype in (None, torch.float32):
+        return
+    norms = [m for m in unit.modules() if isinstance(m, _NormBase) and m.track_running_stats
+             and m.affine and not isinstance(m, FSDPModule)]
+    if norms:
+        fully_shard(norms, mesh=mesh, reshard_after_forward=reshard,
+                    mp_policy=MixedPrecisionPolicy(reduce_dtype=mp.reduce_dtype,
+                                                   cast_forward_inputs=False))
 
 
 def _nothing() -> None:
