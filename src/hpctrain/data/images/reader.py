@@ -158,16 +158,6 @@ class ImageShards:
         data = torch.frombuffer(bytearray(raw[exts[0]]), dtype=torch.uint8)
         return ImageSample(data, label, shard, key, int(self.shard_sample_counts[s]))
 
-    def __getstate__(self) -> dict:
-        """Pickled (DataLoader workers) without the open shard files: they are reopened."""
-        state = self.__dict__.copy()
-        state["_tar"] = None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._tar = TarSamples(self.root, window_shards=self.window_shards)
-
     def close(self) -> None:
         """Close the open shard files."""
         self._tar.close()
