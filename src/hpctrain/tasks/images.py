@@ -15,7 +15,9 @@ the model's device (`ImagePipeline`: nvJPEG on CUDA, Pillow on the CPU), ``chann
 on the GPU, in the loader's prefetch thread (`DecodeAhead`), overlapping the training step. The
 crops are seeded by the batch's sample keys, so a resume crops bit-identically. An image that
 does not decode is skipped (counted, and named in a warning): a step's loss is the mean over the
-images that decoded in all its micro-batches and ranks, each weighing the same. Validation is the
+images that decoded in all its micro-batches and ranks, each weighing the same. ``mixup``
+(none by default; mixup, cutmix or both) mixes each training batch on the device and its loss
+mixes the labels alike; top-1/top-5 count the images' own labels. Validation is the
 centre crop, every sample of the ``val`` split counted once over all ranks (top-1/top-5 exact,
 `hpctrain.train.exact_eval`).
 
@@ -34,7 +36,7 @@ import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +51,7 @@ from hpctrain.data.images import (
     PreparedImages,
     collate_images,
 )
+from hpctrain.data.images.mix import Mixing, MixMode
 from hpctrain.data.images.reader import IMAGES_FORMAT
 from hpctrain.data.tar_samples import MANIFEST
 from hpctrain.errors import ConfigError
@@ -75,8 +78,13 @@ class ImageTaskConfig:
     crop_scale_min: float = 0.08
     # Random horizontal flips (off for images whose class changes when mirrored: text, digits).
     hflip: bool = True
-    # Only "none" so far: mixup/cutmix would mix the labels of the batch.
-    mixup: Literal["none"] = "none"
+    # Mixup/CutMix of each training batch on the device (`hpctrain.data.images.mix`): none,
+    # mixup, cutmix, or both (one of the two per batch, DeiT's way), with Beta(alpha, alpha)
+    # weights drawn from the batch's sample keys (a resume mixes the same way). The loss mixes
+    # the labels with the same weight; top-1/top-5 count the images' own labels.
+    mixup: MixMode = "none"
+    mixup_alpha: float = 0.8
+    cutmix_alpha: float = 1.0
     # ResNet: each block's last BatchNorm gain starts at 0 (Goyal et al. 2017).
     zero_init_residual: bool = True
     channels_last: bool = True
@@ -131,6 +139,9 @@ class ImageTaskConfig:
             raise ConfigError(f"task_args.decode_threads = {self.decode_threads}, "
                               f"cpu_fraction = {self.cpu_fraction}",
                               expected="decode_threads >= 1 and 0 <= cpu_fraction <= 1")
+        if self.mixup_alpha <= 0 or self.cutmix_alpha <= 0:
+            raise ConfigError(f"task_args.mixup_alpha = {self.mixup_alpha}, cutmix_alpha = "
+                              f"{self.cutmix_alpha}", expected="both > 0 (DeiT: 0.8 and 1.0)")
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"task_args.label_smoothing = {self.label_smoothing}",
                               expected="0 <= value < 1 (0.1 is the usual)")
@@ -172,8 +183,10 @@ class ImageClassifier:
                                  flip=cfg.hflip, threads=cfg.decode_threads,
                                  cpu_fraction=cfg.cpu_fraction,
                                  min_side=cfg.decode_min_side or None)
+            mixing = (Mixing(cfg.mixup, cfg.mixup_alpha, cfg.cutmix_alpha)
+                      if train and cfg.mixup != "none" else None)
             self._decoders[train] = DecodeAhead(pipe, cfg.augment_seed,
-                                                side_stream=cfg.decode_ahead)
+                                                side_stream=cfg.decode_ahead, mixing=mixing)
         return self._decoders[train]
 
     def _collate(self, train: bool, samples: list) -> tuple[Any, torch.Tensor]:
@@ -209,6 +222,9 @@ class ImageClassifier:
             return (logits.sum() * 0,
                     {**topk_correct(logits.detach(), labels), **_timings(prepared, model)})
         loss = F.cross_entropy(logits.float(), labels, label_smoothing=smoothing)
+        if model.training and prepared.lam is not None:  # mixed images: mixed labels
+            partners = F.cross_entropy(logits.float(), labels.flip(0), label_smoothing=smoothing)
+            loss = prepared.lam * loss + (1 - prepared.lam) * partners
         return loss, {**topk_correct(logits.detach(), labels), **_timings(prepared, model)}
 
 

@@ -69,6 +69,8 @@ class PreparedImages:
     # on CUDA; None where not measured (augmenting in the step on CUDA would need a sync).
     decode_ms: float | None = None
     augment_ms: float | None = None
+    # Mixup/CutMix (`Mixing`): the weight of the batch's own labels (their partners' is 1 - it).
+    lam: float | None = None
 
     def __len__(self) -> int:
         return self.tensor.shape[0]
