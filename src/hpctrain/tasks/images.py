@@ -273,7 +273,10 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
         return [getattr(model, f"layer{i}") for i in range(1, 5)]
     if hasattr(model, "blocks"):
         return model.blocks()
-    return list(model.encoder.layers)  # torchvision's VisionTransformer
+    if hasattr(model, "encoder"):  # torchvision's VisionTransformer
+        return list(model.encoder.layers)
+    # A model of the user's own (classifier(build=...)): its children that hold parameters.
+    return [m for m in model.children() if any(True for _ in m.parameters())]
 
 
 def _val_split(cfg: ImageTaskConfig) -> ImageShards | None:
