@@ -10,6 +10,7 @@
 
     python benchmarks/images.py --models resnet50 vit_b_16            # 1 GPU, (a)-(c)
     python benchmarks/images.py --paths b --nproc 8                    # (b) DDP on 8 GPUs
+    python benchmarks/images.py --paths b --nproc 8 --strategy fsdp --models vit_b_16
     python benchmarks/images.py --paths a b loader --b-variants gpu,serial,split0.25t8,cpu16
     torchrun --nproc-per-node 8 benchmarks/images.py --paths a c       # (a), (c) DDP
     python benchmarks/images.py --device cpu --tiny                    # a CPU smoke run
@@ -112,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=256, help="images per GPU per step")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--nproc", type=int, default=1, help="ranks of path (b)")
+    p.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"],
+                   help="how path (b) spreads over --nproc > 1 ranks (fsdp: ViT-B/16; the "
+                   "ResNet-50 recipe's SGD is refused with sharded parameters)")
     p.add_argument("--workers", type=int, default=0,
                    help="DataLoader workers per GPU of path (c) (0: the cores per GPU)")
     p.add_argument("--images", type=int, default=20_000, help="synthetic JPEGs to write")
@@ -252,7 +256,7 @@ def path_c(args: argparse.Namespace, model: str, variant: Variant | None = None)
 def path_b(args: argparse.Namespace, model: str, variant: Variant) -> dict:
     """(b) hpctrain from the tar shards: the recipe trained by `hpctrain train`, decoding as
     ``variant`` says."""
-    out = args.out.parent / f"b-{model}-{args.nproc}-{variant.name}"
+    out = args.out.parent / f"b-{model}-{args.nproc}-{args.strategy}-{variant.name}"
     overrides = [f"task_args.data={args.shards}", f"task_args.model={model_name(args, model)}",
                  f"task_args.image_size={image_size(args)}", f"train.micro_batch={args.batch}",
                  f"train.steps={args.steps}", "train.val_every=0", f"run.out_dir={out}",
@@ -262,8 +266,8 @@ def path_b(args: argparse.Namespace, model: str, variant: Variant) -> dict:
                  *variant.task_args(), f"run.device={args.device}", "optim.warmup_steps=1"]
     if args.device == "cpu":
         overrides += ["train.precision=fp32", "parallel.compile=false"]
+    overrides.append(f"parallel.strategy={args.strategy if args.nproc > 1 else 'none'}")
     if args.nproc == 1:
-        overrides.append("parallel.strategy=none")
         from hpctrain import fit  # in this process: no second start-up to pay
 
         fit(config=str(REPO / RECIPES[model]), overrides=overrides, fresh=True)
@@ -281,6 +285,7 @@ def path_b(args: argparse.Namespace, model: str, variant: Variant) -> dict:
         return statistics.median(values) if values else None
 
     return {"path": "b", "images_per_s_per_gpu": median("samples_per_s"), "ranks": args.nproc,
+            "strategy": args.strategy if args.nproc > 1 else "none",
             **_setting(variant),
             "data_time_pct": statistics.median(100 * r["data_time_s"] / r["step_time_s"]
                                                for r in late),
@@ -377,10 +382,16 @@ def table(rows: list[dict]) -> str:
         frac = f"{r['images_per_s_per_gpu'] / a:.2f}" if a else "-"
         cores = f"{r['decode_threads']} / {r['cores']}" if "cores" in r else "-"
         lines.append(f"| {r['model']} | ({r['path']}) | {r.get('setting', '-')} | "
-                     f"{r['ranks']} | {r['images_per_s_per_gpu']:,.0f} | {frac} | {cores} | "
+                     f"{_ranks(r)} | {r['images_per_s_per_gpu']:,.0f} | {frac} | {cores} | "
                      f"{_ms(r.get('decode_ms_per_image'))} | "
                      f"{_ms(r.get('augment_ms_per_image'))} |")
     return "\n".join(lines)
+
+
+def _ranks(row: dict) -> str:
+    """The row's ranks, and the strategy of (b) on several."""
+    strategy = row.get("strategy", "none")
+    return f"{row['ranks']}" if strategy == "none" else f"{row['ranks']} {strategy}"
 
 
 def _ms(value: float | None) -> str:

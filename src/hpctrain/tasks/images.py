@@ -13,7 +13,11 @@ Each micro-batch arrives as encoded JPEG bytes (`ImageShards` through hpctrain's
 order, equal per-rank counts, exact resume) and is decoded, cropped, flipped and normalised on
 the model's device (`ImagePipeline`: nvJPEG on CUDA, Pillow on the CPU), ``channels_last``, bf16
 on the GPU, in the loader's prefetch thread (`DecodeAhead`), overlapping the training step. The
-crops are seeded by the batch's sample keys, so a resume crops bit-identically. Validation is the
+crops are seeded by the batch's sample keys, so a resume crops bit-identically. An image that
+does not decode is skipped (counted, and named in a warning): a step's loss is the mean over the
+images that decoded in all its micro-batches and ranks, each weighing the same. ``mixup``
+(none by default; mixup, cutmix or both) mixes each training batch on the device and its loss
+mixes the labels alike; top-1/top-5 count the images' own labels. Validation is the
 centre crop, every sample of the ``val`` split counted once over all ranks (top-1/top-5 exact,
 `hpctrain.train.exact_eval`).
 
@@ -32,7 +36,7 @@ import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +51,7 @@ from hpctrain.data.images import (
     PreparedImages,
     collate_images,
 )
+from hpctrain.data.images.mix import Mixing, MixMode
 from hpctrain.data.images.reader import IMAGES_FORMAT
 from hpctrain.data.tar_samples import MANIFEST
 from hpctrain.errors import ConfigError
@@ -73,8 +78,13 @@ class ImageTaskConfig:
     crop_scale_min: float = 0.08
     # Random horizontal flips (off for images whose class changes when mirrored: text, digits).
     hflip: bool = True
-    # Only "none" so far: mixup/cutmix would mix the labels of the batch.
-    mixup: Literal["none"] = "none"
+    # Mixup/CutMix of each training batch on the device (`hpctrain.data.images.mix`): none,
+    # mixup, cutmix, or both (one of the two per batch, DeiT's way), with Beta(alpha, alpha)
+    # weights drawn from the batch's sample keys (a resume mixes the same way). The loss mixes
+    # the labels with the same weight; top-1/top-5 count the images' own labels.
+    mixup: MixMode = "none"
+    mixup_alpha: float = 0.8
+    cutmix_alpha: float = 1.0
     # ResNet: each block's last BatchNorm gain starts at 0 (Goyal et al. 2017).
     zero_init_residual: bool = True
     channels_last: bool = True
@@ -129,6 +139,9 @@ class ImageTaskConfig:
             raise ConfigError(f"task_args.decode_threads = {self.decode_threads}, "
                               f"cpu_fraction = {self.cpu_fraction}",
                               expected="decode_threads >= 1 and 0 <= cpu_fraction <= 1")
+        if self.mixup_alpha <= 0 or self.cutmix_alpha <= 0:
+            raise ConfigError(f"task_args.mixup_alpha = {self.mixup_alpha}, cutmix_alpha = "
+                              f"{self.cutmix_alpha}", expected="both > 0 (DeiT: 0.8 and 1.0)")
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"task_args.label_smoothing = {self.label_smoothing}",
                               expected="0 <= value < 1 (0.1 is the usual)")
@@ -170,8 +183,10 @@ class ImageClassifier:
                                  flip=cfg.hflip, threads=cfg.decode_threads,
                                  cpu_fraction=cfg.cpu_fraction,
                                  min_side=cfg.decode_min_side or None)
+            mixing = (Mixing(cfg.mixup, cfg.mixup_alpha, cfg.cutmix_alpha)
+                      if train and cfg.mixup != "none" else None)
             self._decoders[train] = DecodeAhead(pipe, cfg.augment_seed,
-                                                side_stream=cfg.decode_ahead)
+                                                side_stream=cfg.decode_ahead, mixing=mixing)
         return self._decoders[train]
 
     def _collate(self, train: bool, samples: list) -> tuple[Any, torch.Tensor]:
@@ -207,6 +222,9 @@ class ImageClassifier:
             return (logits.sum() * 0,
                     {**topk_correct(logits.detach(), labels), **_timings(prepared, model)})
         loss = F.cross_entropy(logits.float(), labels, label_smoothing=smoothing)
+        if model.training and prepared.lam is not None:  # mixed images: mixed labels
+            partners = F.cross_entropy(logits.float(), labels.flip(0), label_smoothing=smoothing)
+            loss = prepared.lam * loss + (1 - prepared.lam) * partners
         return loss, {**topk_correct(logits.detach(), labels), **_timings(prepared, model)}
 
 
@@ -226,7 +244,13 @@ def classifier(build: Callable[[int, int], nn.Module] | None = None, **task_args
     return Task(model=parts.model, data=train, eval_data=_val_split(cfg), step=parts.step,
                 collate=parts.collate, eval_collate=parts.eval_collate,
                 flops_per_sample=vision.flops_per_sample(cfg.model, cfg.image_size, num_classes),
-                shard_units=_blocks)
+                shard_units=_blocks, samples_in_batch=_labels)
+
+
+def _labels(batch: tuple[Any, torch.Tensor]) -> int:
+    """The images a micro-batch's loss is the mean over: those that decoded (decoding ahead;
+    ``decode_ahead: false`` decodes in the step, after the weights are set: all offered)."""
+    return len(batch[1])
 
 
 def _timings(prepared: PreparedImages, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -241,12 +265,18 @@ def _timings(prepared: PreparedImages, model: nn.Module) -> dict[str, torch.Tens
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    """FSDP's units: the residual or encoder blocks (torchvision's models have the same)."""
+    """FSDP's units: a ResNet's four stages (its 16 blocks of ResNet-50 are small: per-stage
+    all-gathers are 4 instead of 16 latency-bound ones), a ViT's encoder blocks (torchvision's
+    models have the same names). Each unit's BatchNorms are one more group that keeps fp32
+    parameters (`TaskTrainer`)."""
+    if all(hasattr(model, f"layer{i}") for i in range(1, 5)):
+        return [getattr(model, f"layer{i}") for i in range(1, 5)]
     if hasattr(model, "blocks"):
         return model.blocks()
     if hasattr(model, "encoder"):  # torchvision's VisionTransformer
         return list(model.encoder.layers)
-    return [b for name in ("layer1", "layer2", "layer3", "layer4") for b in getattr(model, name)]
+    # A model of the user's own (classifier(build=...)): its children that hold parameters.
+    return [m for m in model.children() if any(True for _ in m.parameters())]
 
 
 def _val_split(cfg: ImageTaskConfig) -> ImageShards | None:

@@ -24,6 +24,7 @@ import time
 import torch
 
 from hpctrain.data.images.augment import ImagePipeline
+from hpctrain.data.images.mix import Mixing
 from hpctrain.data.images.reader import EncodedImages, PreparedImages, collate_images
 
 
@@ -43,12 +44,15 @@ class DecodeAhead:
 
     ``side_stream=False`` is for `prepare` called in the training step itself (decoding on the
     step's own stream, serially: the baseline that decoding ahead is measured against).
+    ``mixing`` (training only) mixes each batch after its crops, from the same generator.
     """
 
-    def __init__(self, pipeline: ImagePipeline, seed: int, *, side_stream: bool = True):
+    def __init__(self, pipeline: ImagePipeline, seed: int, *, side_stream: bool = True,
+                 mixing: Mixing | None = None):
         self.pipeline = pipeline
         self.seed = seed
         self.side_stream = side_stream
+        self.mixing = mixing
         self._stream = None
 
     def __call__(self, samples: list) -> tuple[PreparedImages, torch.Tensor]:
@@ -67,10 +71,12 @@ class DecodeAhead:
             out = pipe.decode(encoded)
             t1 = time.perf_counter()
             x, kept = pipe.augment(out, g)
+            x, lam = self._mix(x, g)
             # On CUDA the augment's kernels are still queued here: timing them would need a
             # sync of the step's stream, so only the decode (nvJPEG returns when done) counts.
             augment = (time.perf_counter() - t1) * per_image if x.device.type == "cpu" else None
-            return PreparedImages(x, (t1 - t0) * per_image, augment), _kept(labels, kept)
+            return (PreparedImages(x, (t1 - t0) * per_image, augment, lam),
+                    _kept(labels, kept))
         device = pipe.device
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
@@ -82,6 +88,7 @@ class DecodeAhead:
             begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             begin.record()
             x, kept = pipe.augment(out, g)
+            x, lam = self._mix(x, g)
             end.record()
         # The step reads x on the default stream: the allocator must not hand its memory back
         # to this stream before that stream is done with it.
@@ -89,8 +96,14 @@ class DecodeAhead:
         # Waits for this side stream only (never the step's): the batch is complete when the
         # step gets it, so the step's stream needs no event to wait on.
         self._stream.synchronize()
-        return (PreparedImages(x, (t1 - t0) * per_image, begin.elapsed_time(end) * per_image),
-                _kept(labels, kept))
+        return (PreparedImages(x, (t1 - t0) * per_image, begin.elapsed_time(end) * per_image,
+                              lam), _kept(labels, kept))
+
+    def _mix(self, x: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, float | None]:
+        if self.mixing is None or not self.pipeline.train:
+            return x, None
+        x, lam = self.mixing(x, g)
+        return x.contiguous(memory_format=torch.channels_last), lam
 
 
 def _kept(labels: torch.Tensor, kept: list[int]) -> torch.Tensor:
