@@ -23,6 +23,7 @@ from hpctrain.models.registry import count_params
 from hpctrain.observe.goodput import GoodputClock, summary
 from hpctrain.observe.metrics import MetricsWriter
 from hpctrain.observe.profile import write_oom_snapshot
+from hpctrain.plan.auto import resolve_auto
 from hpctrain.runtime.config import refuse_large_model_on_cpu
 from hpctrain.runtime.dist import Distributed, init_distributed, shutdown
 from hpctrain.runtime.env import ProcessEnv, detect_env
@@ -89,6 +90,7 @@ def claim_run_dir(cfg: JobConfig, env: ProcessEnv, *, fresh: bool = False,
     ``world_size``: the ranks the run will have (default: this process's job).
     ``ranks``: the caller is the local launcher, whose ranks heartbeat the lock too.
     """
+    resolve_auto(cfg, world_size or env.world_size)  # as the ranks will (a no-op once resolved)
     preflight.check_config(cfg, world_size or env.world_size)  # before --fresh moves anything
     run_dir = resolve_run_dir(cfg, env)
     # Before anything is written there: links planted in it are refused (safe_open.py), and
@@ -143,6 +145,8 @@ def run_training(cfg: JobConfig, source: Path | None = None, *, fresh: bool = Fa
     if task is None:
         check_device_fits(cfg)  # before anything is allocated
     env = detect_env()
+    # The values left to `auto`, for this run's GPUs; config.yaml records them.
+    chosen = resolve_auto(cfg, env.world_size)
     # Installed first: a signal that arrives during start-up is answered at the first step.
     preempt = PreemptionFlag(cfg.preempt)
     enable_flight_recorder(cfg.watchdog)  # before any process group: read when one starts
@@ -153,6 +157,8 @@ def run_training(cfg: JobConfig, source: Path | None = None, *, fresh: bool = Fa
         setup_rank_logging(run_dir, env, console=env.rank == 0)
         for note in notes:
             log.info("%s", note)
+        if chosen is not None:
+            chosen.log()
         return _train(cfg, env, run_dir, ctx, preempt, source, task)
     finally:
         preempt.restore()
