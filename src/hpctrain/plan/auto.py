@@ -130,10 +130,12 @@ def this_gpu(cfg) -> Gpu:
     return Gpu("cpu", CPU_MEM_BYTES, cpu=True)
 
 
-def resolve_auto(cfg, world_size: int, gpu: Gpu | None = None) -> Resolution | None:
+def resolve_auto(cfg, world_size: int, gpu: Gpu | None = None, *, must_fit: bool = True
+                 ) -> Resolution | None:
     """Set every ``auto`` value of ``cfg`` (and grad_accum from ``train.global_batch_tokens``)
     for ``world_size`` ranks on ``gpu`` (default: this machine's), in place; None when the
-    config leaves nothing to choose. Raises ConfigError where the batch cannot be split."""
+    config leaves nothing to choose. Raises ConfigError where the batch cannot be split, and
+    where no setting fits unless ``must_fit`` is false (tune's baseline: then the smallest)."""
     keys = auto_keys(cfg)
     if not keys and cfg.train.global_batch_tokens is None:
         return None
@@ -148,8 +150,8 @@ def resolve_auto(cfg, world_size: int, gpu: Gpu | None = None) -> Resolution | N
     elif cfg.task or not family_of_args(cfg.model.resolve()).plan_memory:
         pick = _fallback(cfg, dp, replica, reasons)
     else:
-        pick = (_from_tune(cfg, world_size, gpu, replica, dp, reasons)
-                or _from_model(cfg, world_size, gpu, replica, dp, reasons))
+        pick = (_from_tune(cfg, world_size, gpu, replica, dp, reasons, must_fit)
+                or _from_model(cfg, world_size, gpu, replica, dp, reasons, must_fit=must_fit))
     values = _values(cfg, pick, dp, gpu, reasons)
     _check_grad_accum(cfg, pick, dp)
     for key, value in values.items():
@@ -322,12 +324,14 @@ def predict(cfg, pick: Pick, world_size: int, gpu: Gpu, group_blocks: int = 1
 
 
 def _from_model(cfg, world_size: int, gpu: Gpu, replica: int, dp: int,
-                reasons: list[str], failed: frozenset = frozenset()) -> Pick:
-    """The memory model's choice (module docstring, 2.)."""
+                reasons: list[str], failed: frozenset = frozenset(), *, must_fit: bool = True
+                ) -> Pick:
+    """The memory model's choice (module docstring, 2.); where nothing fits, the smallest
+    peak unless ``must_fit``."""
     pc = cfg.parallel
     acs = AC_ORDER if pc.activation_checkpointing == AUTO else (pc.activation_checkpointing,)
     mbs = _micro_batches(cfg, replica, gpu)
-    fits, tried = [], 0
+    fits, tried, smallest = [], 0, None
     for strategy in _strategies(cfg, dp):
         for zero in _zeros(cfg, strategy):
             for ac in acs:
@@ -342,6 +346,12 @@ def _from_model(cfg, world_size: int, gpu: Gpu, replica: int, dp: int,
                         continue
                     if peak * HEADROOM <= gpu.bytes:
                         fits.append((pick, peak, tps))
+                    if smallest is None or peak < smallest[1]:
+                        smallest = (pick, peak)
+    if not fits and smallest is not None and not must_fit:
+        reasons.append(f"nothing fits {_gib(gpu.bytes)}: the smallest predicted peak, "
+                       f"{_gib(smallest[1])}")
+        return smallest[0]
     if not fits:
         raise ConfigError(
             f"auto: none of the {tried} settings tried fits {world_size} x "
@@ -409,7 +419,7 @@ def _key(pick: Pick) -> tuple:
 
 
 def _from_tune(cfg, world_size: int, gpu: Gpu, replica: int, dp: int,
-               reasons: list[str]) -> Pick | None:
+               reasons: list[str], must_fit: bool = True) -> Pick | None:
     """The fastest measured setting of tune's results that this run may take (module
     docstring, 1.); None (said in ``reasons``) where there are none."""
     path = cfg.parallel.tune_results
@@ -431,7 +441,8 @@ def _from_tune(cfg, world_size: int, gpu: Gpu, replica: int, dp: int,
     if not allowed:
         reasons.append(f"tune results {path}: no measured setting fits the config's fixed "
                        "values; the memory model chooses")
-        return _from_model(cfg, world_size, gpu, replica, dp, reasons, frozenset(failed))
+        return _from_model(cfg, world_size, gpu, replica, dp, reasons, frozenset(failed),
+                           must_fit=must_fit)
     tps, _, pick = max(allowed)
     reasons.append(f"tune's measurements ({path}, {world_size} x {gpu.name}): the fastest of "
                    f"{len(allowed)} measured settings this config allows, {tps:,.0f} tokens/s "

@@ -218,7 +218,7 @@ def _resolved(config: Path | None, overrides: list[str], gpus: int, gpu: Gpu):
     from hpctrain.config import load_config
 
     cfg = load_config(config, overrides)
-    resolve_auto(cfg, gpus, gpu)
+    resolve_auto(cfg, gpus, gpu, must_fit=False)  # a baseline that does not fit is said so
     return cfg
 
 
