@@ -95,10 +95,14 @@ class Resolution:
     values: dict[str, Any]
     reasons: list[str] = field(default_factory=list)
 
+    def summary(self) -> str:
+        """'parallel.strategy=fsdp, train.micro_batch=4, ...' (as overrides would say it)."""
+        return ", ".join(f"{k}={_yaml(v)}" for k, v in self.values.items())
+
     def log(self, logger: logging.Logger = log) -> None:
         """Log the chosen values and the reasons."""
         if self.values:
-            logger.info("auto: %s", ", ".join(f"{k}={_yaml(v)}" for k, v in self.values.items()))
+            logger.info("auto: %s", self.summary())
         for line in self.reasons:
             logger.info("auto: %s", line)
 
@@ -143,6 +147,8 @@ def resolve_auto(cfg, world_size: int, gpu: Gpu | None = None, *, must_fit: bool
     dp = _data_parallel(pc, world_size)
     replica = _replica_batch(cfg, dp)
     gpu = gpu or this_gpu(cfg)
+    # The CPU's memory is the host's, which the stand-in's 16 GB only guesses: never refuse.
+    must_fit = must_fit and not gpu.cpu
     reasons: list[str] = []
     if not keys:  # only grad_accum to derive
         pick = Pick(pc.strategy, 3, pc.activation_checkpointing, tc.micro_batch,
@@ -346,10 +352,13 @@ def _from_model(cfg, world_size: int, gpu: Gpu, replica: int, dp: int,
                         continue
                     if peak * HEADROOM <= gpu.bytes:
                         fits.append((pick, peak, tps))
-                    if smallest is None or peak < smallest[1]:
-                        smallest = (pick, peak)
+                    # The CPU's stand-in: no recomputation before a smaller peak.
+                    rank = (AC_ORDER.index(ac) if gpu.cpu and ac in AC_ORDER else 0, peak)
+                    if smallest is None or rank < smallest[2]:
+                        smallest = (pick, peak, rank)
     if not fits and smallest is not None and not must_fit:
-        reasons.append(f"nothing fits {_gib(gpu.bytes)}: the smallest predicted peak, "
+        least = "the least recomputation, then " if gpu.cpu else ""
+        reasons.append(f"nothing fits {_gib(gpu.bytes)}: {least}the smallest predicted peak, "
                        f"{_gib(smallest[1])}")
         return smallest[0]
     if not fits:
