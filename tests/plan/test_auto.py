@@ -142,3 +142,17 @@ def test_tune_measurements_on_this_gpu_are_preferred(tmp_path: Path) -> None:
     assert cfg.train.micro_batch == 4 and "no measured setting" in res.reasons[0]
     cfg, res = _resolved([*fixed, f"parallel.tune_results={tmp_path}"], 4, H100)
     assert "another GPU count (2, this run: 4)" in res.reasons[0]
+
+
+def test_a_resume_on_another_gpu_count_is_the_same_training_config() -> None:
+    """With the batch in tokens, the split (micro_batch, grad_accum) is not the mathematics:
+    the checkpoint's config hash stays, so a resume on 2 ranks of a 1-rank run does not warn of
+    a changed training config."""
+    from hpctrain.train.checkpointing import config_hashes
+
+    hashes = []
+    for ranks in (1, 2):
+        cfg = load_config(DEMO, [*TINY, *AUTO, "train.global_batch_tokens=256"])
+        resolve_auto(cfg, ranks, Gpu("cpu", 16e9, cpu=True))
+        hashes.append(config_hashes(cfg))
+    assert hashes[0] == hashes[1]
