@@ -283,7 +283,9 @@ def _options(cfg, pick: Pick, dp: int, ac: str, group_blocks: int = 1) -> Memory
     else:
         kw = {"grad_accum": pick.grad_accum, "micro_batch": pick.micro_batch}
     fixed_group = pc.fsdp_group_blocks if pc.fsdp_group_blocks != AUTO else group_blocks
-    return MemoryOptions(strategy=pick.strategy, gpus=dp, zero=pick.zero, tp=pc.tp, pp=pc.pp,
+    # FSDP shards over dp_shard (HSDP replicates the shards); DDP and none hold it whole.
+    shard = dp // pc.dp_replicate if pick.strategy == "fsdp" else dp
+    return MemoryOptions(strategy=pick.strategy, gpus=shard, zero=pick.zero, tp=pc.tp, pp=pc.pp,
                          precision=tc.precision, fp8_recipe=tc.fp8_recipe, ac=ac,
                          ac_save_mm=pc.ac_save_mm, loss_chunks=tc.loss_chunks,
                          seq_len=cfg.data.seq_len, compile=pc.compile,
@@ -473,7 +475,7 @@ def _tune_doc(cfg, path: Path, world_size: int, gpu: Gpu, samples: int
         raise ConfigError(f"parallel.tune_results = {path}: cannot be read ({e})",
                           expected="the --out folder of `hpctrain tune` (results.json, "
                           "best.yaml)", hint="rerun tune, or drop parallel.tune_results") from None
-    model = {k: v for k, v in dataclasses.asdict(cfg.model).items()}
+    model = dataclasses.asdict(cfg.model)
     for what, theirs, ours in (("GPU", meta.get("device_name"), gpu.name),
                                ("GPU count", meta.get("gpus"), world_size),
                                ("global batch (samples)", meta.get("global_batch"), samples),
