@@ -99,6 +99,13 @@ def test_fixed_values_are_kept_and_a_task_falls_back_with_a_message() -> None:
     assert (cfg.parallel.strategy, cfg.parallel.activation_checkpointing) == ("fsdp", "full")
     assert "parallel.strategy" not in res.values and cfg.parallel.reshard_after_forward in (
         True, False)
+    # HSDP (dp_replicate) takes FSDP only, sized over its shard degree: 8 GPUs, 2 replicas.
+    from hpctrain.plan.auto import _options
+
+    cfg, _ = _resolved(["parallel.dp_replicate=2"], 8, H100)
+    pick = Pick(cfg.parallel.strategy, 3, cfg.parallel.activation_checkpointing,
+                cfg.train.micro_batch, cfg.train.grad_accum)
+    assert cfg.parallel.strategy == "fsdp" and _options(cfg, pick, 8, "none").gpus == 4
     task = ["task=hpctrain.tasks.images:classifier", "train.global_batch_tokens=null"]
     with pytest.raises(ConfigError, match="with a task"):  # a task's samples have no tokens
         _resolved([*task, "train.micro_batch=auto", "train.global_batch_tokens=4096"], 2,
