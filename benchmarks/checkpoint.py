@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from as_measured import AS_MEASURED  # benchmarks/: the llama configs' former values
 from hpctrain.bench.common import run_command
 from hpctrain.observe.metrics import read_metrics
 from hpctrain.runtime.env import MULTICAST_OFF
@@ -64,7 +65,8 @@ WARMUP = 20
 BASE = ["metrics.log_every=10", "metrics.progress=false", "run.suffix=none",
         "optim.schedule=constant", "optim.warmup_steps=2", "checkpoint.keep_last=1",
         "watchdog.timeout=1800"]
-CONFIG = {"gpu": ["configs/llama-1b.yaml", "data.max_bytes=200000000"],
+CONFIG = {"gpu": ["configs/llama-1b.yaml", *AS_MEASURED["configs/llama-1b.yaml"],
+                  "data.max_bytes=200000000"],
           "cpu": ["configs/demo.yaml", "run.device=cpu", "train.precision=fp32",
                   "data.seq_len=64", "train.micro_batch=2", "data.max_bytes=2000000"]}
 LAYOUTS = {"1gpu": (1, ["parallel.strategy=none"]),
