@@ -79,6 +79,16 @@ def test_auto_on_the_cpu_is_small_and_a_run_records_what_it_chose(
     assert (two.train.micro_batch, two.train.grad_accum, two.parallel.strategy) == (4, 1, "ddp")
 
 
+def test_a_gpu_named_on_a_login_node_is_sized_from_the_tables() -> None:
+    from hpctrain.plan.auto import named_gpu
+
+    assert named_gpu("h200").bytes == 141e9 and named_gpu("80").bytes == 80e9
+    cfg, res = _resolved(EIGHT_B, 4, named_gpu("h100"))
+    assert res.summary().startswith("parallel.strategy=fsdp, ")
+    with pytest.raises(ConfigError, match="unknown GPU"):
+        named_gpu("rtx9")
+
+
 def test_a_batch_that_cannot_be_split_is_refused_with_a_hint() -> None:
     with pytest.raises(ConfigError, match="cannot be split over 4") as e:
         _resolved(["train.global_batch_tokens=6144"], 4, H100)  # 3 samples of 2048

@@ -134,6 +134,20 @@ def this_gpu(cfg) -> Gpu:
     return Gpu("cpu", CPU_MEM_BYTES, cpu=True)
 
 
+def named_gpu(name: str) -> Gpu:
+    """A GPU given by name (``h100``, ``h200``...) or memory in GB, from the planner's tables:
+    what `plan memory --gpu` and a login node choose for."""
+    from hpctrain.observe.peaks import peak_tflops
+    from hpctrain.plan.memory_options import gpu_memory_bytes
+
+    try:
+        float(name)
+        peak = None
+    except ValueError:
+        peak = peak_tflops(name, "bf16")
+    return Gpu(name, gpu_memory_bytes(name), peak or DEFAULT_PEAK_TFLOPS)
+
+
 def resolve_auto(cfg, world_size: int, gpu: Gpu | None = None, *, must_fit: bool = True
                  ) -> Resolution | None:
     """Set every ``auto`` value of ``cfg`` (and grad_accum from ``train.global_batch_tokens``)
