@@ -99,6 +99,8 @@ def test_a_batch_that_cannot_be_split_is_refused_with_a_hint() -> None:
     with pytest.raises(ConfigError, match="grad_accum 2") as e:
         _resolved(["train.micro_batch=4", "train.grad_accum=3"], 2, H100)
     assert "drop train.grad_accum" in e.value.hint
+    with pytest.raises(ConfigError, match="strategy = 'none' with 2 ranks"):  # the mesh's words
+        _resolved(["parallel.strategy=none"], 2, H100)
     cfg, _ = _resolved(["train.grad_accum=4"], 1, H100)  # fixes the micro-batch: 16 / 4
     assert (cfg.train.micro_batch, cfg.train.grad_accum) == (4, 4)
 

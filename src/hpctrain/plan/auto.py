@@ -182,12 +182,12 @@ def resolve_auto(cfg, world_size: int, gpu: Gpu | None = None, *, must_fit: bool
 
 
 def _data_parallel(pc, world_size: int) -> int:
-    model_ranks = pc.tp * pc.pp
-    if world_size % model_ranks:
-        raise ConfigError(
-            f"{world_size} ranks with parallel.tp {pc.tp} x parallel.pp {pc.pp}",
-            expected=f"a multiple of {model_ranks} ranks", hint="change --nproc, tp or pp")
-    return world_size // model_ranks
+    """Data-parallel ranks; a mesh training refuses (strategy none on several replicas, a
+    world size tp x pp x dp_replicate does not divide) is refused in training's words."""
+    from hpctrain.parallel.layout import mesh_degrees
+
+    mesh_degrees(pc, world_size)
+    return world_size // (pc.tp * pc.pp)
 
 
 def _replica_batch(cfg, dp: int) -> int:
