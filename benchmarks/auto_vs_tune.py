@@ -15,7 +15,8 @@ GPUs of this node:
 It prints auto's resolved values, tune's winner and the ratios, and writes them as JSON to
 ``OUT/auto_vs_tune.json``.
 
-    python benchmarks/auto_vs_tune.py --config configs/llama-8b-fsdp.yaml --gpus 4
+    python benchmarks/auto_vs_tune.py --config configs/llama-8b-fsdp.yaml --gpus 4 \
+        --max-candidates 4 --steps 20
     python benchmarks/auto_vs_tune.py --config configs/llama-1b.yaml --gpus 1 --also-tuned
     python benchmarks/auto_vs_tune.py --cpu-smoke        # 2 CPU ranks, a tiny model (~minutes)
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -31,6 +33,7 @@ import yaml
 
 from hpctrain.bench.model import run_model_bench
 from hpctrain.errors import HpctrainError
+from hpctrain.runtime.env import MULTICAST_OFF
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = 0.95
@@ -52,6 +55,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--max-candidates", type=int, default=6, help="tune's --max-candidates")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    p.add_argument("--with-fp8", action="store_true",
+                   help="let tune try fp8 too (auto keeps the config's precision)")
     p.add_argument("--also-tuned", action="store_true",
                    help="also train with parallel.tune_results=OUT/tune")
     p.add_argument("--cpu-smoke", action="store_true",
@@ -77,7 +82,9 @@ def tune(args: argparse.Namespace) -> dict:
     out = args.out / "tune"
     argv = ["tune", str(args.config), *args.overrides, "--gpus", str(args.gpus), "--steps",
             str(args.steps), "--log-every", str(args.log_every), "--max-candidates",
-            str(args.max_candidates), "--timeout", str(args.timeout), "--out", str(out)]
+            str(args.max_candidates), "--timeout", str(args.timeout), "--out", str(out),
+            # auto never changes the precision: tune's best is compared in the config's own.
+            *([] if args.with_fp8 else ["--no-fp8"])]
     try:
         main(argv)
     except SystemExit as e:  # tune exits 1 when every candidate failed: reported below
@@ -102,6 +109,7 @@ def train(args: argparse.Namespace, name: str, extra: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Tune, train with auto, compare; 0 when auto reached the target (or --cpu-smoke ran)."""
     args = parse(argv)
+    os.environ.update(MULTICAST_OFF)  # tune's runs and ours inherit it (benchmarks/peers)
     args.out.mkdir(parents=True, exist_ok=True)
     results = tune(args)
     ok = [c for c in results["candidates"] if c["status"] == "ok"]
