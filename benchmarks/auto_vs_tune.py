@@ -59,6 +59,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="let tune try fp8 too (auto keeps the config's precision)")
     p.add_argument("--also-tuned", action="store_true",
                    help="also train with parallel.tune_results=OUT/tune")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the tune candidates an earlier call measured into OUT/tune (a call "
+                   "split to fit a time limit)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="2 CPU ranks, a tiny model, 4 steps, --also-tuned: checks the script, "
                    "measures nothing")
@@ -84,7 +87,7 @@ def tune(args: argparse.Namespace) -> dict:
             str(args.steps), "--log-every", str(args.log_every), "--max-candidates",
             str(args.max_candidates), "--timeout", str(args.timeout), "--out", str(out),
             # auto never changes the precision: tune's best is compared in the config's own.
-            *([] if args.with_fp8 else ["--no-fp8"])]
+            *([] if args.with_fp8 else ["--no-fp8"]), *(["--resume"] if args.resume else [])]
     try:
         main(argv)
     except SystemExit as e:  # tune exits 1 when every candidate failed: reported below
