@@ -399,12 +399,14 @@ def _from_model(cfg, world_size: int, gpu: Gpu, replica: int, dp: int,
 def _explain(cfg, pick: Pick, fits: list, gpu: Gpu, reasons: list[str]) -> None:
     pc, tc = cfg.parallel, cfg.train
     if tc.micro_batch == AUTO:
-        bigger = [f for f in fits if f[0].micro_batch > pick.micro_batch]
+        same = (pick.strategy, pick.zero, pick.ac)
+        bigger = [f for f in fits if f[0].micro_batch > pick.micro_batch
+                  and (f[0].strategy, f[0].zero, f[0].ac) == same]
         cap = CPU_MICRO_TOKENS if gpu.cpu else MAX_MICRO_TOKENS
         why = (f"the largest that fits {_gib(gpu.bytes)} with 10% headroom" if not bigger
-               else "larger ones fit only with more recomputation or are predicted slower")
-        reasons.append(f"micro_batch {pick.micro_batch}: {why} (at most {cap} tokens per "
-                       "micro-batch)")
+               else "larger ones fit but are predicted slower (a pipeline's bubble)")
+        reasons.append(f"micro_batch {pick.micro_batch}: {why} (with strategy {pick.strategy}, "
+                       f"AC {pick.ac}; at most {cap} tokens per micro-batch)")
     if pc.activation_checkpointing == AUTO:
         why = {"none": "no recomputation needed: it fits without",
                "selective": "nothing fits without checkpointing; selective does",
