@@ -175,3 +175,37 @@ def test_a_resume_on_another_gpu_count_is_the_same_training_config() -> None:
         resolve_auto(cfg, ranks, Gpu("cpu", 16e9, cpu=True))
         hashes.append(config_hashes(cfg))
     assert hashes[0] == hashes[1]
+
+
+def _rank_seeing_another_gpu(rank: int, port: int, out: str) -> None:
+    """One rank of a 2-rank run whose rank 1 sees a GPU of another size: both must refuse."""
+    import os
+
+    from hpctrain.plan import auto
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE="2", GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.pop("TORCHELASTIC_RUN_ID", None)
+    if rank == 1:  # nothing fits 1 MB: the CPU's stand-in then takes micro-batch 1
+        auto.this_gpu = lambda cfg: Gpu("cpu", 1e6, cpu=True)
+    from hpctrain.train.job import run_training
+
+    cfg = load_config(DEMO, [*TINY, *QUIET, *AUTO, "train.global_batch_tokens=512",
+                             "train.steps=2", "checkpoint.interval=none",
+                             f"run.out_dir={out}", "run.name=odd"])
+    try:
+        run_training(cfg)
+    except ConfigError as e:
+        Path(out, f"rank-{rank}.txt").write_text(e.what)
+
+
+def test_ranks_that_chose_differently_are_refused(tmp_path: Path) -> None:
+    """Each rank resolves auto alone from its own GPU: a rank that chose otherwise (another
+    GPU kind or memory) would train another split of the batch, so every rank refuses."""
+    from conftest import fork_spawn, free_port
+
+    fork_spawn(_rank_seeing_another_gpu, (free_port(), str(tmp_path)), 2)
+    for rank in (0, 1):
+        text = (tmp_path / f"rank-{rank}.txt").read_text()
+        assert "auto chose differently on rank 1" in text and "train.micro_batch=1" in text

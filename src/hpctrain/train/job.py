@@ -23,7 +23,7 @@ from hpctrain.models.registry import count_params
 from hpctrain.observe.goodput import GoodputClock, summary
 from hpctrain.observe.metrics import MetricsWriter
 from hpctrain.observe.profile import write_oom_snapshot
-from hpctrain.plan.auto import resolve_auto
+from hpctrain.plan.auto import Resolution, resolve_auto
 from hpctrain.runtime.config import refuse_large_model_on_cpu
 from hpctrain.runtime.dist import Distributed, init_distributed, shutdown
 from hpctrain.runtime.env import ProcessEnv, detect_env
@@ -159,7 +159,7 @@ def run_training(cfg: JobConfig, source: Path | None = None, *, fresh: bool = Fa
             log.info("%s", note)
         if chosen is not None:
             chosen.log()
-        return _train(cfg, env, run_dir, ctx, preempt, source, task)
+        return _train(cfg, env, run_dir, ctx, preempt, source, task, chosen)
     finally:
         preempt.restore()
         if lock is not None:
@@ -210,7 +210,8 @@ def _claim(cfg: JobConfig, env: ProcessEnv, fresh: bool
 
 
 def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | None,
-           preempt: PreemptionFlag, source: Path | None, task: Task | None) -> TrainResult:
+           preempt: PreemptionFlag, source: Path | None, task: Task | None,
+           chosen: Resolution | None = None) -> TrainResult:
     """Everything after the lock: process group, Trainer, exit info."""
     started = time.time()
     watchdog = trainer = None
@@ -224,6 +225,8 @@ def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | 
             ctx = init_distributed(cfg.run, env, cfg.parallel)
             goodput.startup_part("process_group")
         log_device_binding(log, env, ctx.device)
+        if chosen is not None and env.world_size > 1:
+            _same_choice_everywhere(chosen, ctx.control_group)
         hosts = _gather_hosts(env.world_size)
         watchdog = Watchdog(cfg.watchdog, run_dir, env.rank, hosts, _store())
         ckpt = CheckpointManager(cfg.checkpoint, run_dir.checkpoints_dir, rank=env.rank,
@@ -296,6 +299,20 @@ def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | 
                  _rate(result.tokens_per_s, env.world_size),
                  f"; {summary(result.goodput)}" if result.goodput else "")
     return result
+
+
+def _same_choice_everywhere(chosen: Resolution, group: dist.ProcessGroup | None) -> None:
+    """Refuse a run whose ranks resolved `auto` differently: each chose alone, before the group
+    was up, from its own GPU; a node with another GPU kind or memory would train another split
+    of the batch."""
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, chosen.summary(), group=group)
+    odd = next((r for r, values in enumerate(every) if values != every[0]), None)
+    if odd is not None:
+        raise ConfigError(
+            f"auto chose differently on rank {odd} ({every[odd]}) than on rank 0 ({every[0]})",
+            expected="one choice on every rank: GPUs of one kind and memory in a job",
+            hint="give rank 0's values as overrides, or run on one kind of GPU")
 
 
 def _rate(tokens_per_s: float | None, world_size: int) -> str:
