@@ -32,6 +32,7 @@ def run_lightning(args: argparse.Namespace, model: str) -> dict:
     A process of its own: Lightning's DDP launcher starts the other ranks by re-running the
     script it was started from."""
     out = args.out.parent / f"d-{model}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, __file__, "--model", model, "--jpegs", str(args.jpegs),
                     "--devices", str(args.nproc), "--batch", str(args.batch), "--steps",
                     str(args.steps), "--workers", str(args.workers), "--out", str(out),

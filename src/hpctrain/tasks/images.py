@@ -6,6 +6,8 @@
       data: /scratch/imagenet    # `hpctrain data pack-images` output (train/ and val/ splits)
       image_size: 224
       label_smoothing: 0.1
+      decode_threads: 1          # how images are decoded: see "Decode choices" below
+      cpu_fraction: 0.0
 
 Each micro-batch arrives as encoded JPEG bytes (`ImageShards` through hpctrain's loader: global
 order, equal per-rank counts, exact resume) and is decoded, cropped, flipped and normalised on
@@ -14,6 +16,14 @@ on the GPU, in the loader's prefetch thread (`DecodeAhead`), overlapping the tra
 crops are seeded by the batch's sample keys, so a resume crops bit-identically. Validation is the
 centre crop, every sample of the ``val`` split counted once over all ranks (top-1/top-5 exact,
 `hpctrain.train.exact_eval`).
+
+Decode choices (``task_args``; `benchmarks/images.py --b-variants` trains once per choice):
+nvJPEG on a side stream ahead of the step is the default on CUDA; ``cpu_fraction`` (0..1) of
+each batch's JPEGs go to Pillow on ``decode_threads`` host threads while nvJPEG decodes the
+rest (1: all on the host); ``decode_min_side`` lets Pillow decode at reduced size;
+``decode_ahead: false`` decodes in the step on its own stream (serially: the baseline). Training
+metrics carry ``decode_ms_per_image`` (and ``augment_ms_per_image`` where measured without a
+sync: on the side stream's events, or on the CPU).
 """
 
 from __future__ import annotations
@@ -29,7 +39,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.config import from_dict
-from hpctrain.data.images import DecodeAhead, ImagePipeline, ImageShards, PreparedImages
+from hpctrain.data.images import (
+    DecodeAhead,
+    EncodedImages,
+    ImagePipeline,
+    ImageShards,
+    PreparedImages,
+    collate_images,
+)
 from hpctrain.data.images.reader import IMAGES_FORMAT
 from hpctrain.data.tar_samples import MANIFEST
 from hpctrain.errors import ConfigError
@@ -61,10 +78,18 @@ class ImageTaskConfig:
     # ResNet: each block's last BatchNorm gain starts at 0 (Goyal et al. 2017).
     zero_init_residual: bool = True
     channels_last: bool = True
+    # How images are decoded (the GPU benchmark measures which wins; see the module docstring):
     # Pillow decoding threads per rank, and (on CUDA) the share of each batch they decode
     # while nvJPEG decodes the rest: a knob for the balance of CPU and GPU per machine.
     decode_threads: int = 1
     cpu_fraction: float = 0.0
+    # Decode + augment in the loader's prefetch thread (on CUDA: a side stream), overlapping
+    # the step; false: in the step, on its own stream (serially: the baseline).
+    decode_ahead: bool = True
+    # Training: Pillow decodes a JPEG at 1/2, 1/4 or 1/8 size while its shorter side stays
+    # >= this (0: full size). nvJPEG always decodes at full size: this acts on the images
+    # Pillow decodes (all on the CPU, ``cpu_fraction`` of them on CUDA).
+    decode_min_side: int = 0
     # Seeds the crops (with each batch's sample keys: the same crops after a resume).
     augment_seed: int = 0
     # Copy each split once per node to this node-local folder first (e.g. $SLURM_TMPDIR).
@@ -96,6 +121,10 @@ class ImageTaskConfig:
         if not 0 < self.crop_scale_min <= 1:
             raise ConfigError(f"task_args.crop_scale_min = {self.crop_scale_min}",
                               expected="0 < value <= 1 (0.08 is torchvision's)")
+        if self.decode_min_side < 0:
+            raise ConfigError(f"task_args.decode_min_side = {self.decode_min_side}",
+                              expected="0 (decode at full size) or the shorter side to keep, "
+                              "e.g. 160")
         if self.decode_threads < 1 or not 0 <= self.cpu_fraction <= 1:
             raise ConfigError(f"task_args.decode_threads = {self.decode_threads}, "
                               f"cpu_fraction = {self.cpu_fraction}",
@@ -118,7 +147,7 @@ class ImageClassifier:
                  build: Callable[[int, int], nn.Module] | None = None) -> None:
         self.cfg, self.num_classes, self.build = cfg, num_classes, build
         self.device = torch.device("cpu")
-        self._collates: dict[bool, DecodeAhead] = {}
+        self._decoders: dict[bool, DecodeAhead] = {}
 
     def model(self) -> nn.Module:
         """The classifier, on the trainer's device (which it remembers for the pipelines)."""
@@ -131,29 +160,40 @@ class ImageClassifier:
                               zero_init_residual=cfg.zero_init_residual))
         return model.to(memory_format=torch.channels_last) if cfg.channels_last else model
 
-    def _collate(self, train: bool, samples: list) -> tuple[PreparedImages, torch.Tensor]:
-        if train not in self._collates:
+    def _decoder(self, train: bool) -> DecodeAhead:
+        if train not in self._decoders:
             cfg = self.cfg
             # bf16 on the GPU (half the bytes; the step casts for an fp32 run), fp32 on the CPU.
             dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
             pipe = ImagePipeline(cfg.image_size, train=train, device=self.device, dtype=dtype,
                                  resize=cfg.eval_resize or None, scale=(cfg.crop_scale_min, 1.0),
                                  flip=cfg.hflip, threads=cfg.decode_threads,
-                                 cpu_fraction=cfg.cpu_fraction)
-            self._collates[train] = DecodeAhead(pipe, cfg.augment_seed)
-        return self._collates[train](samples)
+                                 cpu_fraction=cfg.cpu_fraction,
+                                 min_side=cfg.decode_min_side or None)
+            self._decoders[train] = DecodeAhead(pipe, cfg.augment_seed,
+                                                side_stream=cfg.decode_ahead)
+        return self._decoders[train]
 
-    def collate(self, samples: list) -> tuple[PreparedImages, torch.Tensor]:
+    def _collate(self, train: bool, samples: list) -> tuple[Any, torch.Tensor]:
+        if not self.cfg.decode_ahead:
+            return collate_images(samples)  # the step decodes
+        return self._decoder(train)(samples)
+
+    def collate(self, samples: list) -> tuple[Any, torch.Tensor]:
         """Training batches: random-resized crops and flips, seeded by the batch's keys."""
         return self._collate(True, samples)
 
-    def eval_collate(self, samples: list) -> tuple[PreparedImages, torch.Tensor]:
+    def eval_collate(self, samples: list) -> tuple[Any, torch.Tensor]:
         """Validation batches: resize and centre crop."""
         return self._collate(False, samples)
 
     def step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict]:
-        """Cross entropy (label smoothing in training) and per-sample top-1/top-5 hits."""
+        """Cross entropy (label smoothing in training), per-sample top-1/top-5 hits and, in
+        training, the milliseconds per image spent decoding (and augmenting, where known)."""
         prepared, labels = batch
+        if isinstance(prepared, EncodedImages):  # decode_ahead=false: decode here, serially
+            prepared, labels = self._decoder(model.training).prepare(prepared, labels)
+            labels = labels.to(prepared.tensor.device, non_blocking=True)
         images = prepared.tensor
         if not torch.is_autocast_enabled(images.device.type):
             # fp32 runs (and FSDP, whose mixed precision casts its inputs itself).
@@ -164,9 +204,10 @@ class ImageClassifier:
             # Every image failed to decode: no loss to add, but a zero still tied to the graph
             # (the backward and DDP's gradient sync run as on every rank), never cross
             # entropy's NaN mean of nothing.
-            return logits.sum() * 0, topk_correct(logits.detach(), labels)
+            return (logits.sum() * 0,
+                    {**topk_correct(logits.detach(), labels), **_timings(prepared, model)})
         loss = F.cross_entropy(logits.float(), labels, label_smoothing=smoothing)
-        return loss, topk_correct(logits.detach(), labels)
+        return loss, {**topk_correct(logits.detach(), labels), **_timings(prepared, model)}
 
 
 def classifier(build: Callable[[int, int], nn.Module] | None = None, **task_args: Any) -> Task:
@@ -186,6 +227,17 @@ def classifier(build: Callable[[int, int], nn.Module] | None = None, **task_args
                 collate=parts.collate, eval_collate=parts.eval_collate,
                 flops_per_sample=vision.flops_per_sample(cfg.model, cfg.image_size, num_classes),
                 shard_units=_blocks)
+
+
+def _timings(prepared: PreparedImages, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The batch's decode (and augment) milliseconds per image, as metrics of training steps
+    (made on the device by a fill, not copied: no sync)."""
+    if not model.training:
+        return {}
+    device = prepared.tensor.device
+    return {f"{name}_ms_per_image": torch.full((), ms, device=device)
+            for name, ms in (("decode", prepared.decode_ms), ("augment", prepared.augment_ms))
+            if ms is not None}
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:

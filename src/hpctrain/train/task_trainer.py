@@ -99,16 +99,18 @@ class TaskTrainer(Trainer):
         self.par = check_task_config(cfg, self.dist.world_size)
         dp_rank, dp_size = self.dist.dp
         self.layout = BatchLayout(tc.micro_batch, tc.grad_accum, dp_size, dp_rank)
+        # The model first: a collate may use the device the factory was called under (the
+        # image task decodes there), and the loader reads and collates a sample at once.
+        refuse_large_task_on_cpu(cfg, task)
+        with self.device:
+            model = task.build_model()
+        model.to(self.device).train()
         self.loader = build_sample_loader(task.data, self.layout, cfg.run.seed, self.device,
                                           task.collate, cfg.data.prefetch)
         self.val_dataset = task.eval_data
         # One GPU and DDP compute bf16/fp16 through autocast; FSDP casts the parameters itself.
         self.autocast = (DTYPES[tc.precision] if tc.precision != "fp32"
                          and pc.strategy != "fsdp" else None)
-        refuse_large_task_on_cpu(cfg, task)
-        with self.device:
-            model = task.build_model()
-        model.to(self.device).train()
         self.n_params = sum(p.numel() for p in model.parameters())
         self.flops_per_sample = task.flops_per_sample or self._count_flops(model)
         self.signature = checkpointing.model_signature(model)  # before DDP/FSDP rename or shard

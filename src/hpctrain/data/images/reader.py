@@ -64,6 +64,11 @@ class PreparedImages:
     `EncodedImages` it is no tensor container, so the loader hands it over untouched."""
 
     tensor: torch.Tensor
+    # Milliseconds per image (of the encoded batch) spent decoding and augmenting it: wall
+    # time of the decode (nvJPEG returns when done), the side stream's events for the augment
+    # on CUDA; None where not measured (augmenting in the step on CUDA would need a sync).
+    decode_ms: float | None = None
+    augment_ms: float | None = None
 
     def __len__(self) -> int:
         return self.tensor.shape[0]
