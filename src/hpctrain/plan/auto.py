@@ -27,9 +27,16 @@ How the values are chosen, in order:
 3. A model the memory model does not know (a user's task, a family without one): DDP (or none)
    without checkpointing, said in the log; ``micro_batch: auto`` is refused there.
 
+Where nothing fits a GPU, the run is refused before anything is allocated (with the hint of
+`plan memory`); on the CPU, whose 16 GB per rank is only a guess, never: it takes no
+recomputation and the smallest predicted peak.
+
 The choice is deterministic (the same config, GPU kind and count give the same values), so a
-resumed run re-resolves to what it ran with, and on another GPU count keeps the batch in tokens.
-The run's ``config.yaml`` holds the resolved values.
+resumed run re-resolves to what it ran with, and on another GPU count keeps the batch in tokens
+(the checkpoint's config hash leaves the split out). Every rank chooses alone, from its own GPU,
+before the process group is up; once it is, the ranks compare their choices and refuse to train
+different splits (``train/job.py``). The run's ``config.yaml`` holds the resolved values;
+``hpctrain doctor CONFIG`` shows them for its ranks.
 """
 
 from __future__ import annotations
