@@ -52,13 +52,15 @@ from pathlib import Path
 
 import torch
 
+from as_measured import AS_MEASURED  # the llama configs' values before auto
 from ckpt_runs import CPU_TINY, events, run_train, step_records
 
 # Steps 1..WARMUP hold compilation, the writer's buffer allocation and the first windows.
 WARMUP = 20
 BASE = ["metrics.log_every=10", "optim.schedule=constant", "optim.warmup_steps=2",
         "checkpoint.keep_last=1"]
-CONFIG = {"gpu": ["configs/llama-1b.yaml", "data.max_bytes=200000000"], "cpu": CPU_TINY}
+CONFIG = {"gpu": ["configs/llama-1b.yaml", *AS_MEASURED["configs/llama-1b.yaml"],
+                  "data.max_bytes=200000000"], "cpu": CPU_TINY}
 LAYOUTS = {"1gpu": (1, ["parallel.strategy=none"]),
            "fsdp2": (2, ["parallel.strategy=fsdp"])}
 VARIANTS = {

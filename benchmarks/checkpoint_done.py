@@ -55,13 +55,16 @@ import threading
 import time
 from pathlib import Path
 
+from as_measured import AS_MEASURED  # the llama configs' values before auto
 from ckpt_runs import CPU_TINY, all_ranks, events, run_train, step_records
 from hpctrain.bench.disk import disk_results, drop_cached, run_disk
 
 WARMUP = {"gpu": 50, "cpu": 10}  # steps 1..WARMUP hold compilation and the first windows
 PHASES = ("default", "none", "resume", "8b", "disk")
-MODELS = {"gpu": {"1b": ["configs/llama-1b.yaml", "data.max_bytes=200000000"],
-                  "8b": ["configs/llama-8b-fsdp.yaml", "data.max_bytes=200000000"]},
+MODELS = {"gpu": {"1b": ["configs/llama-1b.yaml", *AS_MEASURED["configs/llama-1b.yaml"],
+                         "data.max_bytes=200000000"],
+                  "8b": ["configs/llama-8b-fsdp.yaml", *AS_MEASURED["configs/llama-8b-fsdp.yaml"],
+                         "data.max_bytes=200000000"]},
           "cpu": {"1b": CPU_TINY, "8b": [*CPU_TINY, "parallel.strategy=fsdp"]}}
 OFF = ["checkpoint.interval=none", "checkpoint.save_at_end=false"]
 RESUME_STEPS = {"1b": 20, "8b": 10}
