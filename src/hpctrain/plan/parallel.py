@@ -125,12 +125,12 @@ def rank_layouts(args: ModelArgs, base: MemoryOptions | None = None, *, gpus_per
     batch = global_batch or 4 * total
     peak = peak or DEFAULT_PEAK_TFLOPS
     plans = []
-    for tp in _tp_degrees(args, gpus_per_node, base.seq_len):
-        for pp in _pp_degrees(args, total // tp):
+    for tp in tp_degrees(args, gpus_per_node, base.seq_len):
+        for pp in pp_degrees(args, total // tp):
             dp = total // (tp * pp)
             if batch % dp:
                 continue
-            for strategy in _strategies(tp, pp, dp):
+            for strategy in strategies(tp, pp, dp):
                 layout, resets = _layout(base, strategy, dp, tp, pp)
                 best = None
                 for opts, mem in _fitting(args, gpu_bytes, batch // dp, layout):
@@ -192,17 +192,22 @@ def gpu_peak_tflops(gpu: str, precision: str) -> float | None:
         return peak_tflops(gpu, "bf16" if precision == "fp8" else precision)
 
 
-def _tp_degrees(args: ModelArgs, gpus_per_node: int, seq_len: int) -> list[int]:
-    return [t for t in range(1, gpus_per_node + 1) if gpus_per_node % t == 0
+def tp_degrees(args: ModelArgs, gpus: int, seq_len: int) -> list[int]:
+    """Tensor-parallel degrees that divide ``gpus`` and every size tensor parallelism splits
+    (heads, KV heads, FFN width, vocabulary, sequence): the ones plan parallel and tune try."""
+    return [t for t in range(1, gpus + 1) if gpus % t == 0
             and all(x % t == 0 for x in (args.n_heads, args.n_kv_heads, args.ffn_dim,
                                          args.vocab_size, seq_len))]
 
 
-def _pp_degrees(args: ModelArgs, ranks: int) -> list[int]:
+def pp_degrees(args: ModelArgs, ranks: int) -> list[int]:
+    """Pipeline degrees plan parallel and tune try: powers of two dividing ``ranks``, one layer
+    per stage at least."""
     return [p for p in (1, 2, 4, 8, 16, 32, 64) if p <= args.n_layers and ranks % p == 0]
 
 
-def _strategies(tp: int, pp: int, dp: int) -> list[str]:
+def strategies(tp: int, pp: int, dp: int) -> list[str]:
+    """The data-parallel strategies the trainer accepts for a dp x tp x pp layout."""
     if dp == 1:
         return ["none"]
     if tp == 1 and pp == 1:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpctrain.errors import ConfigError
-from hpctrain.plan.parallel import global_batch
+from hpctrain.plan.parallel import global_batch, pp_degrees, strategies, tp_degrees
 
 MAX_MICRO_BATCH = 64
 AC_EVERY = 2  # every_k's k unless the config sets one
@@ -142,13 +142,8 @@ def enumerate_settings(cfg, gpus: int, *, precisions: tuple[str, ...]) -> Iterat
     batch, _ = global_batch(cfg, gpus)
     k = cfg.parallel.ac_every if cfg.parallel.activation_checkpointing == "every_k" else AC_EVERY
     acs = ac_modes(cfg)
-    split = (args.n_heads, args.n_kv_heads, args.ffn_dim, args.vocab_size, cfg.data.seq_len)
-    for tp in range(1, gpus + 1):
-        if gpus % tp or any(x % tp for x in split):
-            continue
-        for pp in (p for p in (1, 2, 4, 8, 16, 32, 64) if p <= args.n_layers):
-            if (gpus // tp) % pp:
-                continue
+    for tp in tp_degrees(args, gpus, cfg.data.seq_len):
+        for pp in pp_degrees(args, gpus // tp):
             dp = gpus // (tp * pp)
             if batch % dp:
                 continue
@@ -173,14 +168,14 @@ def enumerate_settings(cfg, gpus: int, *, precisions: tuple[str, ...]) -> Iterat
 
 
 def _strategies(tp: int, pp: int, dp: int) -> list[tuple[str, int]]:
-    if dp == 1:
-        return [("none", 3)]
-    if tp == 1 and pp == 1:
-        return [("ddp", 3), ("fsdp", 3), ("fsdp", 2)]
-    # The trainer refuses DDP with TP or PP. Inside a pipeline only ZeRO-2, the trainer's
-    # default there: resharding after each micro-batch's forward would gather the stage twice a
-    # micro-batch, and the memory and step models size a stage kept gathered.
-    return [("fsdp", 3), ("fsdp", 2)] if pp == 1 else [("fsdp", 2)]
+    """The planner's strategies, FSDP as ZeRO-3 and ZeRO-2. Inside a pipeline only ZeRO-2, the
+    trainer's default there: resharding after each micro-batch's forward would gather the stage
+    twice a micro-batch, and the memory and step models size a stage kept gathered."""
+    out: list[tuple[str, int]] = []
+    for strategy in strategies(tp, pp, dp):
+        out += ([(strategy, 3)] if strategy != "fsdp"
+                else [("fsdp", 3), ("fsdp", 2)] if pp == 1 else [("fsdp", 2)])
+    return out
 
 
 def predict(cfg, s: Setting, gpus: int, peak_tflops: float) -> tuple[float, float]:
