@@ -94,6 +94,17 @@ def test_every_layout_sets_back_what_it_cannot_take(llama_8b: str) -> None:
         _check_as_train_would(plan.command(llama_8b, [*over, "parallel.dp_replicate=1"], 4, 1))
 
 
+def test_layouts_training_refuses_are_left_out(capsys) -> None:
+    """Qwen ties its embeddings, which tp and pp refuse: the memory model would fit them, the
+    ranking leaves them out and says why."""
+    main(["plan", "parallel", "model.family=qwen", "model.size=qwen3-0.6b", "data.seq_len=2048",
+          "--gpu", "16", "--gpus-per-node", "4"])
+    out = capsys.readouterr().out
+    listed = [line for line in out.splitlines() if line.startswith("  1. ")]
+    assert listed and "x tp 1 x pp 1" in listed[0] and "x tp 2" not in out
+    assert "more fit but training refuses them, e.g.: model.tie_embeddings = true" in out
+
+
 def test_deprecated_flags_are_the_overrides_they_name(llama_8b: str, capsys) -> None:
     """The README's `plan memory` line sizes what its overrides (and the config) size."""
     main(["plan", "memory", "--model", "8b", "--strategy", "fsdp", "--gpus", "4", "--ac",

@@ -276,7 +276,13 @@ def _parallel(args: argparse.Namespace) -> None:
     from hpctrain.config import load_config
     from hpctrain.parallel.layout import check_layout
     from hpctrain.plan.memory_options import MemoryOptions, gpu_memory_bytes
-    from hpctrain.plan.parallel import describe, global_batch, gpu_peak_tflops, rank_layouts
+    from hpctrain.plan.parallel import (
+        ParallelPlan,
+        describe,
+        global_batch,
+        gpu_peak_tflops,
+        rank_layouts,
+    )
 
     if not args.gpu:
         raise ConfigError("plan parallel needs the GPU memory", expected="--gpu h100 or --gpu 80")
@@ -287,14 +293,24 @@ def _parallel(args: argparse.Namespace) -> None:
     # What every layout keeps of the config: sized on the fewest ranks its own layout needs.
     base = MemoryOptions.from_config(cfg, pc.tp * pc.pp * pc.dp_replicate)
     peak = gpu_peak_tflops(args.gpu, cfg.train.precision)
-    plans = rank_layouts(cfg.model.resolve(), base, gpus_per_node=args.gpus_per_node,
-                         nodes=args.nodes, gpu_bytes=gpu_memory_bytes(args.gpu), peak=peak,
-                         global_batch=batch)
-    best = plans[0]
     if pc.dp_replicate != 1:  # the layouts shard over all data-parallel ranks (no HSDP)
         overrides = [*overrides, "parallel.dp_replicate=1"]
-    # The printed command is checked as `hpctrain train` would check it before it is shown.
-    check_layout(load_config(config, [*overrides, *best.overrides()]), total)
+    refused: dict[str, str] = {}
+
+    def refusal(plan: ParallelPlan) -> str | None:
+        """Why `hpctrain train` would refuse the layout's command (rules the memory model
+        does not know, e.g. tied embeddings with tp/pp), checked as it checks it first."""
+        try:
+            check_layout(load_config(config, [*overrides, *plan.overrides()]), total)
+        except ConfigError as e:
+            refused[describe(plan)] = e.what
+            return e.what
+        return None
+
+    plans = rank_layouts(cfg.model.resolve(), base, gpus_per_node=args.gpus_per_node,
+                         nodes=args.nodes, gpu_bytes=gpu_memory_bytes(args.gpu), peak=peak,
+                         global_batch=batch, refusal=refusal)
+    best = plans[0]
     print(f"strategy {best.strategy}: data {best.dp} x tensor {best.tp} x pipeline {best.pp}, "
           f"micro-batch {best.micro_batch}, activation checkpointing {best.ac}, "
           f"~{best.memory.peak / 1e9:.1f} GB per GPU, global batch {batch} samples")
@@ -312,6 +328,9 @@ def _parallel(args: argparse.Namespace) -> None:
           "tokens/s per GPU:")
     for i, plan in enumerate(plans[: args.top], start=1):
         print(f"  {i}. {describe(plan)}")
+    if refused:
+        why = next(iter(refused.values()))
+        print(f"({len(refused)} more fit but training refuses them, e.g.: {why})")
 
 
 def _budget(args: argparse.Namespace) -> None:

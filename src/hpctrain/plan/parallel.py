@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hpctrain.errors import ConfigError
@@ -107,12 +108,15 @@ class ParallelPlan:
 
 def rank_layouts(args: ModelArgs, base: MemoryOptions | None = None, *, gpus_per_node: int,
                  nodes: int, gpu_bytes: float, peak: float | None = None,
-                 global_batch: int | None = None) -> list[ParallelPlan]:
+                 global_batch: int | None = None,
+                 refusal: Callable[[ParallelPlan], str | None] | None = None
+                 ) -> list[ParallelPlan]:
     """Every layout that fits, fastest first (predicted tokens/s per GPU).
 
     ``base`` is the training setup the layouts vary (``MemoryOptions.from_config`` of the
     config: sequence, precision, compile, ...); each layout sets its strategy, degrees,
-    micro-batch and checkpointing, and sets back what that layout cannot take.
+    micro-batch and checkpointing, and sets back what that layout cannot take. ``refusal``
+    says why training would refuse a layout (None: it accepts it); those are left out.
     """
     base = base or MemoryOptions()
     if gpus_per_node < 1 or nodes < 1:
@@ -142,6 +146,12 @@ def rank_layouts(args: ModelArgs, base: MemoryOptions | None = None, *, gpus_per
                         best = plan
                 if best is not None:
                     plans.append(best)
+    refused = {describe(p): why for p in plans if refusal and (why := refusal(p))}
+    if refused and len(refused) == len(plans):
+        raise ConfigError("every layout that fits is refused by training",
+                          lines=[f"  {layout}: {why}" for layout, why in refused.items()],
+                          hint="change the config where the reasons point")
+    plans = [p for p in plans if describe(p) not in refused]
     if not plans:
         raise ConfigError(
             f"no layout fits: {nodes} nodes x {gpus_per_node} GPUs of {fmt_gb(gpu_bytes)} at a "
