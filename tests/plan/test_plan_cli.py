@@ -155,3 +155,21 @@ def test_a_key_plan_cannot_use_says_why(argv: list[str], message: str, llama_8b:
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
+
+
+def test_interval_and_goodput_read_the_checkpoint_keys(tmp_path: Path, capsys) -> None:
+    """checkpoint.mttf_gpu_hours and checkpoint.max_overhead, from a config file or as
+    overrides, as the training schedule reads them (its default MTTF without either)."""
+    config = tmp_path / "ckpt.yaml"
+    config.write_text("checkpoint: {mttf_gpu_hours: 5000, max_overhead: 0.02}\n")
+    main(["plan", "interval", str(config), "--save-min", "1", "--gpus", "64"])
+    from_file = capsys.readouterr().out
+    main(["plan", "interval", "checkpoint.mttf_gpu_hours=5000", "checkpoint.max_overhead=0.02",
+          "--save-min", "1", "--gpus", "64"])
+    assert capsys.readouterr().out == from_file and "job MTTF 78.12 h" in from_file
+    main(["plan", "goodput", "--gpus", "1000", "--save-s", "20", "--restart-s", "300"])
+    assert "job MTTF 50.00 h" in capsys.readouterr().out  # 50,000 GPU-hours per GPU
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "interval", "checkpoint.mttf=5", "--gpus", "8", "--save-min", "1"])
+    assert exc.value.code == 2
+    assert "unknown config key 'checkpoint.mttf'" in capsys.readouterr().err

@@ -595,7 +595,7 @@ def test_generate_missing_eos_hint_names_real_options(tmp_path: Path, capsys) ->
      "train.micro_batch=1048576", "parallel.strategy=fsdp", "--gpus", "16777216", "--gpu",
      "h100"],
     # Daly's formula overflowed math.exp (OverflowError traceback)
-    ["plan", "goodput", "--save-s", "1", "--restart-s", "1", "--gpu-mttf-h", "1e-300",
+    ["plan", "goodput", "--save-s", "1", "--restart-s", "1", "checkpoint.mttf_gpu_hours=1e-300",
      "--gpus", "16777216"],
     ["plan", "goodput", "--save-s", "1e9", "--restart-s", "1e9", "--mttf-h", "1e-300",
      "--interval-min", "1e9"],

@@ -8,13 +8,14 @@
     hpctrain plan budget --tokens 1T --from-bench runs/bench/model-X --gpus 256 \
         --price-per-gpu-hour 2.5 --grid-gco2-per-kwh 400 --pue 1.2
     hpctrain plan interval --save-min 5 --mttf-h 24
-    hpctrain plan interval --from-run runs/pilot --gpu-mttf-h 50000 --gpus 1024
-    hpctrain plan goodput --gpu-mttf-h 50000 --gpus 1024 --save-s 20 --restart-s 300
+    hpctrain plan interval configs/llama-8b-fsdp.yaml --from-run runs/pilot --gpus 1024
+    hpctrain plan goodput checkpoint.mttf_gpu_hours=50000 --gpus 1024 --save-s 20 --restart-s 300
 
 ``memory`` and ``parallel`` size what ``hpctrain train`` runs: the same CONFIG and KEY=VALUE
 overrides, read and checked by the same loader (``hpctrain.config``), mapped onto the memory
 model in one place (``MemoryOptions.from_config``). ``plan parallel`` prints the ``hpctrain
-train`` line of the layout it recommends.
+train`` line of the layout it recommends. ``interval`` and ``goodput`` read the checkpoint
+schedule's keys (``checkpoint.mttf_gpu_hours``, ``checkpoint.max_overhead``) the same way.
 """
 
 from __future__ import annotations
@@ -110,13 +111,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--pue", type=real(1, 10), default=1.0,
                    help="data-centre power usage effectiveness (1.0 = GPUs only)")
 
-    def mttf_args(q: argparse.ArgumentParser) -> None:
+    def mttf_args(q: argparse.ArgumentParser, keys: str) -> None:
+        q.add_argument("job", nargs="*", metavar="[CONFIG] KEY=VALUE",
+                       help=f"the training config and its overrides, as `hpctrain train` takes "
+                       f"them: {keys} as the training schedule reads them (no CONFIG: train's "
+                       "defaults)")
         q.add_argument("--mttf-h", type=real(0, 1e9, open_min=True), default=None,
                        help="MTTF of the whole job, hours")
-        q.add_argument("--gpu-mttf-h", type=real(0, 1e12, open_min=True), default=None,
-                       help="MTTF of one GPU, hours (e.g. 50000); with --gpus")
         q.add_argument("--gpus", type=count(1, 1 << 24), default=None,
-                       help="GPUs in the job (with --gpu-mttf-h)")
+                       help="GPUs in the job: its MTTF is checkpoint.mttf_gpu_hours over them")
         q.add_argument("--from-run", type=Path, default=None,
                        help="run directory: what a save (and a restart) cost it, measured "
                        "(its goodput ledgers: stall plus the slowdown beside background "
@@ -125,10 +128,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     i = psub.add_parser("interval", help="Young/Daly checkpoint interval")
     i.add_argument("--save-min", type=real(0, 1e7, open_min=True), default=None,
                    help="what a save costs the run, minutes (or --from-run)")
-    i.add_argument("--max-overhead", type=real(0, 1, open_min=True), default=0.01,
-                   help="largest share of the run saves may cost, as checkpoint.max_overhead "
-                   "(default 0.01)")
-    mttf_args(i)
+    mttf_args(i, "checkpoint.mttf_gpu_hours and checkpoint.max_overhead")
 
     g = psub.add_parser("goodput", help="expected goodput under failures (Daly's model)")
     g.add_argument("--save-s", type=real(0, 1e9, open_min=True), default=None,
@@ -137,7 +137,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="what a restart costs: gap and start-up, seconds (or --from-run)")
     g.add_argument("--interval-min", type=real(0, 1e9, open_min=True), default=None,
                    help="training time between saves, minutes (default: Daly's optimum)")
-    mttf_args(g)
+    mttf_args(g, "checkpoint.mttf_gpu_hours")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -378,15 +378,19 @@ def _budget(args: argparse.Namespace) -> None:
         print(f"WARNING: {b.warning}")
 
 
-def _mttf_hours(args: argparse.Namespace) -> float:
+def _mttf_s(args: argparse.Namespace, cfg: JobConfig) -> float:
+    """The job's MTTF in seconds: --mttf-h, else checkpoint.mttf_gpu_hours over --gpus GPUs
+    (the expression the training schedule uses, so both give the same interval)."""
     from hpctrain.plan.interval import job_mttf
 
     if args.mttf_h is not None:
-        return args.mttf_h
-    if args.gpu_mttf_h is not None and args.gpus is not None:
-        return job_mttf(args.gpu_mttf_h, args.gpus)
-    raise ConfigError("no MTTF given", expected="--mttf-h H, or --gpu-mttf-h H with --gpus N",
-                      hint="Llama 3 saw ~50,000 GPU-hours per GPU: --gpu-mttf-h 50000")
+        return args.mttf_h * 3600
+    if args.gpus is not None:
+        return job_mttf(cfg.checkpoint.mttf_gpu_hours * 3600, args.gpus)
+    raise ConfigError("no MTTF given", expected="--mttf-h H (the whole job's), or --gpus N: "
+                      f"checkpoint.mttf_gpu_hours ({cfg.checkpoint.mttf_gpu_hours:g}) over N GPUs",
+                      hint="Llama 3 saw ~50,000 GPU-hours per GPU, the default; "
+                      "checkpoint.mttf_gpu_hours=H sets another")
 
 
 def _measured(args: argparse.Namespace, given: float | None, key: str, flag: str) -> float:
@@ -407,13 +411,10 @@ def _measured(args: argparse.Namespace, given: float | None, key: str, flag: str
 
 
 def _interval(args: argparse.Namespace) -> None:
-    from hpctrain.plan.interval import auto_interval, daly_interval, job_mttf, young_interval
+    from hpctrain.plan.interval import auto_interval, daly_interval, young_interval
 
-    if args.mttf_h is None and args.gpu_mttf_h is not None and args.gpus is not None:
-        # The expression the training schedule uses, so both give the same interval.
-        mttf_s = job_mttf(args.gpu_mttf_h * 3600, args.gpus)
-    else:
-        mttf_s = _mttf_hours(args) * 3600
+    _, _, cfg = _job(args, "interval")
+    mttf_s = _mttf_s(args, cfg)
     if args.save_min is not None:
         save_s, source = args.save_min * 60, "given"
     else:
@@ -422,7 +423,7 @@ def _interval(args: argparse.Namespace) -> None:
     print(f"job MTTF {mttf_s / 3600:.2f} h, checkpoint save {_seconds(save_s)} ({source})")
     print(f"Young: checkpoint every {young_interval(save_s, mttf_s) / 60:.1f} min")
     print(f"Daly:  checkpoint every {daly_interval(save_s, mttf_s) / 60:.1f} min")
-    auto = auto_interval(save_s, mttf_s, args.max_overhead)
+    auto = auto_interval(save_s, mttf_s, cfg.checkpoint.max_overhead)
     print(f"auto:  checkpoint every {auto.reason()} (checkpoint.interval=auto)")
 
 
@@ -433,7 +434,8 @@ def _seconds(s: float) -> str:
 def _goodput(args: argparse.Namespace) -> None:
     from hpctrain.plan.goodput import predict_goodput
 
-    mttf_s = _mttf_hours(args) * 3600
+    _, _, cfg = _job(args, "goodput")
+    mttf_s = _mttf_s(args, cfg)
     save_s = _measured(args, args.save_s, "checkpoint_cost_s", "--save-s")
     restart_s = _measured(args, args.restart_s, "restart_cost_s", "--restart-s")
     interval = args.interval_min * 60 if args.interval_min is not None else None
