@@ -48,6 +48,7 @@ LEGACY_DEFAULTS = {
 # What plan parallel chooses itself (the config's own values are what the layouts replace).
 CHOSEN_BY_PLAN = ("parallel.strategy", "parallel.activation_checkpointing")
 
+
 def _tokens(text: str) -> float:
     """--tokens: '300B' -> 3e11, '1T' -> 1e12, '2e9' -> 2e9 (up to 1e18)."""
     try:
@@ -160,8 +161,8 @@ def _job_args(q: argparse.ArgumentParser, legacy: tuple[str, ...]) -> None:
 
 
 def _job(args: argparse.Namespace, command: str) -> tuple[Path | None, list[str], JobConfig]:
-    """(CONFIG, overrides, the loaded config) of ``plan memory`` / ``plan parallel``: read
-    and checked by the loader ``hpctrain train`` uses."""
+    """(CONFIG, overrides, the loaded config) of ``plan <command>``: read and checked by the
+    loader ``hpctrain train`` uses; deprecated flags become the overrides they stand for."""
     from hpctrain.config import load_config
 
     words = list(args.job)
