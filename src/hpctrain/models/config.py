@@ -108,8 +108,8 @@ class ModelConfig:
         if self.size not in family.presets:
             others = [name for name, f in families().items() if self.size in f.presets]
             raise ConfigError(
-                f"model.size={self.size!r} is not a known model size of the {family.name} "
-                "family", expected=f"one of {', '.join(family.presets)}",
+                f"model.size={self.size!r} is not a known model size",
+                expected=f"one of {', '.join(family.presets)} ({family.name})",
                 hint=f"model.family={others[0]} has it" if others else
                 "pick a preset and override single fields (e.g. model.n_layers) if needed",
             )
