@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEMO, QUIET, TINY, run_cli
+from conftest import DEMO, QUIET, REPO, TINY, run_cli
 from hpctrain.bench.tune.space import config_setting, predict
 from hpctrain.cli import main, parse_args
 from hpctrain.config import load_config
@@ -173,3 +173,20 @@ def test_interval_and_goodput_read_the_checkpoint_keys(tmp_path: Path, capsys) -
         main(["plan", "interval", "checkpoint.mttf=5", "--gpus", "8", "--save-min", "1"])
     assert exc.value.code == 2
     assert "unknown config key 'checkpoint.mttf'" in capsys.readouterr().err
+
+
+def test_auto_values_are_chosen_for_the_gpus_planned(capsys) -> None:
+    """A config with auto values (the shipped 8b): plan memory sizes what training would pick
+    on --gpus of --gpu, and needs --gpu to pick; plan parallel's line keeps a batch in tokens."""
+    config = str(REPO / "configs" / "llama-8b-fsdp.yaml")
+    main(["plan", "memory", config, "--gpus", "4", "--gpu", "h100"])
+    out = capsys.readouterr().out
+    assert "auto on 4 x h100: parallel.strategy=fsdp" in out and "fits:" in out
+    with pytest.raises(SystemExit):
+        main(["plan", "memory", config, "--gpus", "4"])
+    assert "expected: --gpu TYPE" in capsys.readouterr().err
+    main(["plan", "parallel", config, "--gpus-per-node", "8", "--gpu", "h100",
+          "--global-batch", "64"])
+    command = _command(capsys.readouterr().out)
+    assert "train.global_batch_tokens=131072" in command  # 64 samples of 2048 tokens
+    _check_as_train_would(command)

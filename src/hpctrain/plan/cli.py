@@ -209,6 +209,9 @@ def _memory(args: argparse.Namespace) -> None:
     _, _, cfg = _job(args, "memory")
     pc = cfg.parallel
     gpus = args.gpus or pc.tp * pc.pp * pc.dp_replicate
+    chosen = _resolve_auto(cfg, gpus, args.gpu)
+    if chosen and not args.json:
+        print(f"auto on {gpus} x {args.gpu}: {chosen}")
     opts = MemoryOptions.from_config(cfg, gpus)
     model = cfg.model.resolve()
     gpu = gpu_memory_bytes(args.gpu) if args.gpu else None
@@ -260,6 +263,27 @@ def _memory(args: argparse.Namespace) -> None:
             console.print(f"  - {s}")
 
 
+def _resolve_auto(cfg: JobConfig, gpus: int, gpu: str | None, *, must_fit: bool = True
+                  ) -> str | None:
+    """Choose the config's ``auto`` values for ``gpus`` GPUs of type ``gpu`` as training does
+    at start (hpctrain.plan.auto); what they became, as overrides (None: nothing was auto)."""
+    from hpctrain.plan.auto import Gpu, auto_keys, resolve_auto
+    from hpctrain.plan.memory_options import gpu_memory_bytes
+    from hpctrain.plan.parallel import DEFAULT_PEAK_TFLOPS, gpu_peak_tflops
+
+    keys = auto_keys(cfg)
+    if keys and gpu is None:
+        raise ConfigError(f"{', '.join(keys)} = auto: chosen at start for the GPUs the run has",
+                          expected="--gpu TYPE (or GB) to choose them for",
+                          hint="add --gpu h100 (for example), or give the values as overrides")
+    if not keys and cfg.train.global_batch_tokens is None:
+        return None
+    peak = gpu_peak_tflops(gpu, cfg.train.precision) if gpu else None
+    chosen = resolve_auto(cfg, gpus, Gpu(gpu or "gpu", gpu_memory_bytes(gpu) if gpu else 0.0,
+                                         peak or DEFAULT_PEAK_TFLOPS), must_fit=must_fit)
+    return chosen.summary() if chosen is not None and keys else None
+
+
 # How the title names each mixed-precision path (``MemoryOptions.mixed_precision_path``).
 _PATHS = {"none": "", "autocast": " (autocast)", "fsdp": " (FSDP casts)",
           "pure": " (pure bf16: bf16 parameters, gradients and AdamW moments)"}
@@ -291,18 +315,25 @@ def _parallel(args: argparse.Namespace) -> None:
     pc = cfg.parallel
     total = args.gpus_per_node * args.nodes
     batch = args.global_batch or global_batch(cfg, total)[0]
-    # What every layout keeps of the config: sized on the fewest ranks its own layout needs.
+    # What every layout keeps of the config: sized on the fewest ranks its own layout needs
+    # (its auto values chosen there; the layouts choose strategy, batch shape and AC again).
+    _resolve_auto(cfg, pc.tp * pc.pp * pc.dp_replicate, args.gpu, must_fit=False)
     base = MemoryOptions.from_config(cfg, pc.tp * pc.pp * pc.dp_replicate)
     peak = gpu_peak_tflops(args.gpu, cfg.train.precision)
     if pc.dp_replicate != 1:  # the layouts shard over all data-parallel ranks (no HSDP)
         overrides = [*overrides, "parallel.dp_replicate=1"]
+    if args.global_batch and cfg.train.global_batch_tokens is not None:  # the batch compared
+        overrides = [*overrides,
+                     f"train.global_batch_tokens={args.global_batch * cfg.data.seq_len}"]
     refused: dict[str, str] = {}
 
     def refusal(plan: ParallelPlan) -> str | None:
         """Why `hpctrain train` would refuse the layout's command (rules the memory model
         does not know, e.g. tied embeddings with tp/pp), checked as it checks it first."""
         try:
-            check_layout(load_config(config, [*overrides, *plan.overrides()]), total)
+            job = load_config(config, [*overrides, *plan.overrides()])
+            _resolve_auto(job, total, args.gpu, must_fit=False)  # what is left to auto
+            check_layout(job, total)
         except ConfigError as e:
             refused[describe(plan)] = e.what
             return e.what

@@ -186,6 +186,8 @@ def global_batch(cfg, gpus: int) -> tuple[int, int]:
             hint=f"plan or tune for a multiple of {model_ranks} GPUs, or pass parallel.tp=1 "
             "parallel.pp=1 (plan parallel and tune try tp and pp themselves)")
     dp = gpus // model_ranks
+    if tc.global_batch_tokens is not None:  # fixed in tokens, whatever the GPUs
+        return tc.global_batch_tokens // cfg.data.seq_len, dp
     return tc.micro_batch * tc.grad_accum * dp, dp
 
 
