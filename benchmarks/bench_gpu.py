@@ -24,6 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+from as_measured import pin  # noqa: E402  (benchmarks/, the script's own folder)
 from hpctrain.runtime.env import MULTICAST_OFF  # noqa: E402
 
 # name -> (config, ranks, train overrides, plan memory options)
@@ -40,6 +41,8 @@ MEMORY_VARIANTS: dict[str, tuple[str, int, list[str], dict]] = {
     "8b-fsdp4-ac": ("configs/llama-8b-fsdp.yaml", 4, [],
                     dict(model="8b", strategy="fsdp", gpus=4, micro_batch=2, ac="full")),
 }
+for _config, _, _overrides, _ in MEMORY_VARIANTS.values():
+    pin(_config, _overrides)  # the shapes the names and the plan memory options describe
 
 
 def env() -> dict[str, str]:

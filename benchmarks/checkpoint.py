@@ -45,8 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import shutil
 import statistics
 import sys
 import time
@@ -54,19 +52,15 @@ from pathlib import Path
 
 import torch
 
-from hpctrain.bench.common import run_command
-from hpctrain.observe.metrics import read_metrics
-from hpctrain.runtime.env import MULTICAST_OFF
+from as_measured import AS_MEASURED  # the llama configs' values before auto
+from ckpt_runs import CPU_TINY, events, run_train, step_records
 
-REPO = Path(__file__).resolve().parents[1]
 # Steps 1..WARMUP hold compilation, the writer's buffer allocation and the first windows.
 WARMUP = 20
-BASE = ["metrics.log_every=10", "metrics.progress=false", "run.suffix=none",
-        "optim.schedule=constant", "optim.warmup_steps=2", "checkpoint.keep_last=1",
-        "watchdog.timeout=1800"]
-CONFIG = {"gpu": ["configs/llama-1b.yaml", "data.max_bytes=200000000"],
-          "cpu": ["configs/demo.yaml", "run.device=cpu", "train.precision=fp32",
-                  "data.seq_len=64", "train.micro_batch=2", "data.max_bytes=2000000"]}
+BASE = ["metrics.log_every=10", "optim.schedule=constant", "optim.warmup_steps=2",
+        "checkpoint.keep_last=1"]
+CONFIG = {"gpu": ["configs/llama-1b.yaml", *AS_MEASURED["configs/llama-1b.yaml"],
+                  "data.max_bytes=200000000"], "cpu": CPU_TINY}
 LAYOUTS = {"1gpu": (1, ["parallel.strategy=none"]),
            "fsdp2": (2, ["parallel.strategy=fsdp"])}
 VARIANTS = {
@@ -90,19 +84,8 @@ class Bench:
 
     def train(self, name: str, *overrides: str) -> Path:
         """Run `hpctrain train` afresh; return its run directory (raise with the log tail)."""
-        run_dir = self.out / name
-        shutil.rmtree(run_dir, ignore_errors=True)
-        cmd = [sys.executable, "-m", "hpctrain", "train", *CONFIG[self.mode], *BASE,
-               *self.extra, f"run.out_dir={self.out}", f"run.name={name}", *overrides]
-        if self.ranks > 1:
-            cmd += ["--nproc", str(self.ranks)]
-        print("$", " ".join(cmd[2:]), flush=True)
-        code, tail, wall = run_command(cmd, timeout=1800, env={**os.environ, **MULTICAST_OFF},
-                                       cwd=REPO)
-        if code != 0:
-            raise RuntimeError(f"{name} failed ({code}):\n{tail}")
-        print(f"  {wall:.0f} s", flush=True)
-        return run_dir
+        return run_train(self.out, name, [*CONFIG[self.mode], *BASE, *self.extra, *overrides],
+                         ranks=self.ranks)
 
     def probe(self) -> tuple[float, float]:
         """(background write seconds, undisturbed step seconds) from a short run with saves by
@@ -140,17 +123,6 @@ class Bench:
         account = json.loads((run / "goodput.json").read_text())
         result["goodput_checkpoint_cost_s"] = account.get("checkpoint_cost_s")
         return result
-
-
-def events(run_dir: Path, kind: str) -> list[dict]:
-    """Metrics events of one kind from rank 0."""
-    return [r for r in read_metrics(run_dir / "metrics" / "rank-000.jsonl")
-            if r.get("event") == kind]
-
-
-def step_records(run_dir: Path) -> list[dict]:
-    """Rank 0's step records."""
-    return [r for r in read_metrics(run_dir / "metrics" / "rank-000.jsonl") if "loss" in r]
 
 
 def run_variants(bench: Bench, variants: list[str]) -> None:

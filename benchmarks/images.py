@@ -10,6 +10,8 @@
 
     python benchmarks/images.py --models resnet50 vit_b_16            # 1 GPU, (a)-(c)
     python benchmarks/images.py --paths b --nproc 8                    # (b) DDP on 8 GPUs
+    python benchmarks/images.py --paths b --nproc 8 --strategy fsdp --models vit_b_16
+    python benchmarks/images.py --paths a b loader --b-variants gpu,serial,split0.25t8,cpu16
     torchrun --nproc-per-node 8 benchmarks/images.py --paths a c       # (a), (c) DDP
     python benchmarks/images.py --device cpu --tiny                    # a CPU smoke run
 
@@ -18,6 +20,15 @@ SGD with momentum, the batch per GPU of ``--batch``. JPEGs are synthetic ImageNe
 (500x375, quality 90; `hpctrain.data.images.synthetic`) written once into ``--jpegs`` and packed
 into ``--shards``; both are reused by later runs. It prints a Markdown table (paste it into
 benchmarks/RESULTS.md with the card and the date) and writes the rows as JSON to ``--out``.
+
+Path (b) and the loader row run once per ``--b-variants`` entry, each a decode setting of the
+image task (`hpctrain.tasks.images`): ``gpu`` (nvJPEG on a side stream, ahead of the step),
+``serial`` (nvJPEG in the step, on its stream), ``split<F>`` (the share F of each batch to
+Pillow threads, the rest to nvJPEG), ``cpu<N>`` (all on N Pillow threads); a suffix ``t<N>``
+sets the Pillow threads, ``r<S>`` decodes at reduced size (Pillow keeps the shorter side >= S).
+Each row says its setting, the decode threads and cores of the process, and the milliseconds
+per image spent decoding (wall time: nvJPEG returns when done) and augmenting (on the side
+stream's events).
 """
 
 from __future__ import annotations
@@ -26,10 +37,12 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,6 +54,44 @@ from hpctrain.models.vision import build
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {"resnet50": "configs/resnet50-images.yaml", "vit_b_16": "configs/vit-b16-images.yaml"}
 TINY_MODELS = {"resnet50": "resnet_tiny", "vit_b_16": "vit_tiny"}
+VARIANT = re.compile(r"(?P<base>gpu|serial|split(?P<frac>[0-9.]+)|cpu(?P<cpus>[0-9]+))"
+                     r"(?:t(?P<threads>[0-9]+))?(?:r(?P<side>[0-9]+))?")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One decode setting of path (b) and the loader row: its name and the task_args."""
+
+    name: str
+    decode_threads: int
+    cpu_fraction: float = 0.0
+    decode_ahead: bool = True
+    decode_min_side: int = 0
+
+    def task_args(self) -> list[str]:
+        """The ``task_args.KEY=VALUE`` overrides of this setting."""
+        return [f"task_args.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                for k, v in (("decode_threads", self.decode_threads),
+                             ("cpu_fraction", self.cpu_fraction),
+                             ("decode_ahead", self.decode_ahead),
+                             ("decode_min_side", self.decode_min_side))]
+
+
+def parse_variant(name: str, threads: int) -> Variant:
+    """A ``--b-variants`` entry (see the module docstring); ``threads``: the default Pillow
+    threads (``--decode-threads``)."""
+    m = VARIANT.fullmatch(name)
+    if m is None:
+        raise ValueError(f"decode setting {name!r}: expected gpu, serial, split<F> or cpu<N>, "
+                         "then optionally t<threads> and r<min side>, e.g. split0.25t8")
+    fraction = 1.0 if m["cpus"] else float(m["frac"] or 0)
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"decode setting {name!r}: the split {fraction} is not in [0, 1]")
+    threads = int(m["threads"] or m["cpus"] or threads)
+    if threads < 1:
+        raise ValueError(f"decode setting {name!r}: needs at least 1 thread")
+    return Variant(name, threads, fraction, decode_ahead=m["base"] != "serial",
+                   decode_min_side=int(m["side"] or 0))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,13 +102,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--paths", nargs="+", default=["a", "b", "c", "d", "loader"],
                    choices=["a", "b", "c", "d", "loader"])
     p.add_argument("--decode-threads", type=int, default=1,
-                   help="Pillow threads per rank of (b) and the loader row")
+                   help="Pillow threads per rank of (b) and the loader row (unless a "
+                   "--b-variants entry says)")
+    p.add_argument("--b-variants", default="gpu",
+                   help="comma-separated decode settings; (b) and the loader row run once "
+                   "per setting, e.g. gpu,serial,split0.25t8,cpu16,cpu16r160")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true",
                    help="tiny models, 32-pixel images, few steps: checks the paths run")
     p.add_argument("--batch", type=int, default=256, help="images per GPU per step")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--nproc", type=int, default=1, help="ranks of path (b)")
+    p.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"],
+                   help="how path (b) spreads over --nproc > 1 ranks (fsdp: ViT-B/16; the "
+                   "ResNet-50 recipe's SGD is refused with sharded parameters)")
     p.add_argument("--workers", type=int, default=0,
                    help="DataLoader workers per GPU of path (c) (0: the cores per GPU)")
     p.add_argument("--images", type=int, default=20_000, help="synthetic JPEGs to write")
@@ -65,6 +123,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shards", type=Path, default=REPO / "runs" / "bench-images" / "shards")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench-images" / "results.json")
     args = p.parse_args(argv)
+    try:
+        args.variants = [parse_variant(v, args.decode_threads)
+                         for v in args.b_variants.split(",") if v]
+    except ValueError as e:
+        p.error(str(e))
     if args.tiny:
         args.batch, args.steps = min(args.batch, 8), min(args.steps, 6)
         args.images = min(args.images, 48)
@@ -149,7 +212,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def path_a(args: argparse.Namespace, model: str) -> dict:
+def path_a(args: argparse.Namespace, model: str, variant: Variant | None = None) -> dict:
     """(a) synthetic tensors already on the device: the ceiling."""
     net, device, world = _setup(args, model)
     s = image_size(args)
@@ -181,7 +244,7 @@ def _forever(loader):
         yield from loader
 
 
-def path_c(args: argparse.Namespace, model: str) -> dict:
+def path_c(args: argparse.Namespace, model: str, variant: Variant | None = None) -> dict:
     """(c) ImageFolder + DataLoader + Pillow, plain PyTorch."""
     net, device, world = _setup(args, model)
     loader = imagefolder_loader(args, world)
@@ -190,21 +253,21 @@ def path_c(args: argparse.Namespace, model: str) -> dict:
             "workers_per_gpu": loader.num_workers}
 
 
-def path_b(args: argparse.Namespace, model: str) -> dict:
-    """(b) hpctrain from the tar shards: the recipe trained by `hpctrain train`."""
-    out = args.out.parent / f"b-{model}-{args.nproc}"
+def path_b(args: argparse.Namespace, model: str, variant: Variant) -> dict:
+    """(b) hpctrain from the tar shards: the recipe trained by `hpctrain train`, decoding as
+    ``variant`` says."""
+    out = args.out.parent / f"b-{model}-{args.nproc}-{args.strategy}-{variant.name}"
     overrides = [f"task_args.data={args.shards}", f"task_args.model={model_name(args, model)}",
                  f"task_args.image_size={image_size(args)}", f"train.micro_batch={args.batch}",
                  f"train.steps={args.steps}", "train.val_every=0", f"run.out_dir={out}",
                  "run.name=train", "run.suffix=none", "checkpoint.interval=none",
                  "checkpoint.save_at_end=false", "checkpoint.resume=never",
                  "metrics.progress=false", f"metrics.log_every={max(1, args.steps // 6)}",
-                 f"task_args.decode_threads={args.decode_threads}",
-                 f"run.device={args.device}", "optim.warmup_steps=1"]
+                 *variant.task_args(), f"run.device={args.device}", "optim.warmup_steps=1"]
     if args.device == "cpu":
         overrides += ["train.precision=fp32", "parallel.compile=false"]
+    overrides.append(f"parallel.strategy={args.strategy if args.nproc > 1 else 'none'}")
     if args.nproc == 1:
-        overrides.append("parallel.strategy=none")
         from hpctrain import fit  # in this process: no second start-up to pay
 
         fit(config=str(REPO / RECIPES[model]), overrides=overrides, fresh=True)
@@ -216,14 +279,30 @@ def path_b(args: argparse.Namespace, model: str) -> dict:
     records = [r for r in read_metrics(out / "train" / "metrics" / "rank-000.jsonl")
                if "samples_per_s" in r]
     late = records[len(records) // 3:] or records  # the first windows compile and warm up
-    return {"path": "b", "images_per_s_per_gpu": statistics.median(
-        r["samples_per_s"] for r in late), "ranks": args.nproc,
-        "data_time_pct": statistics.median(100 * r["data_time_s"] / r["step_time_s"]
-                                           for r in late),
-        "mfu_pct": statistics.median(100 * (r["mfu"] or 0.0) for r in late)}
+
+    def median(key: str) -> float | None:
+        values = [r[key] for r in late if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    return {"path": "b", "images_per_s_per_gpu": median("samples_per_s"), "ranks": args.nproc,
+            "strategy": args.strategy if args.nproc > 1 else "none",
+            **_setting(variant),
+            "data_time_pct": statistics.median(100 * r["data_time_s"] / r["step_time_s"]
+                                               for r in late),
+            "mfu_pct": statistics.median(100 * (r["mfu"] or 0.0) for r in late),
+            "decode_ms_per_image": median("decode_ms_per_image"),
+            "augment_ms_per_image": median("augment_ms_per_image")}
 
 
-def path_d(args: argparse.Namespace, model: str) -> dict:
+def _setting(variant: Variant) -> dict:
+    """The columns that say a row's decode setting and the cores it had."""
+    return {"setting": variant.name, "decode_threads": variant.decode_threads,
+            "cpu_fraction": variant.cpu_fraction, "decode_ahead": variant.decode_ahead,
+            "decode_min_side": variant.decode_min_side,
+            "cores": len(os.sched_getaffinity(0))}
+
+
+def path_d(args: argparse.Namespace, model: str, variant: Variant | None = None) -> dict:
     """(d) PyTorch Lightning 2.6 on the same model and loader."""
     sys.path.insert(0, str(Path(__file__).parent / "peers"))
     from lightning_images import run_lightning
@@ -231,7 +310,7 @@ def path_d(args: argparse.Namespace, model: str) -> dict:
     return {"path": "d", **run_lightning(args, model)}
 
 
-def path_loader(args: argparse.Namespace, model: str) -> dict:
+def path_loader(args: argparse.Namespace, model: str, variant: Variant) -> dict:
     """hpctrain's loader alone: images/s read, decoded and augmented (no model)."""
     from hpctrain.data.images.throughput import loader_throughput
 
@@ -239,14 +318,17 @@ def path_loader(args: argparse.Namespace, model: str) -> dict:
     row = loader_throughput(args.shards, batch=args.batch, steps=max(2, args.steps // 2),
                             size=image_size(args), device=args.device,
                             dtype=torch.bfloat16 if gpu else torch.float32,
-                            threads=args.decode_threads, ahead=True, timed=True)
+                            threads=variant.decode_threads, cpu_fraction=variant.cpu_fraction,
+                            min_side=variant.decode_min_side or None,
+                            ahead=variant.decode_ahead, timed=True)
     return {"path": "loader", "images_per_s_per_gpu": row.pop("images_per_s"), "ranks": 1,
-            **{k: row[k] for k in ("decode_ms_per_image", "augment_ms_per_image", "cpus",
-                                   "threads")}}
+            **_setting(variant),
+            **{k: row[k] for k in ("decode_ms_per_image", "augment_ms_per_image")}}
 
 
 PATHS = {"a": path_a, "b": path_b, "c": path_c, "d": path_d, "loader": path_loader}
 NEEDS = {"c": "torchvision", "d": "lightning"}
+PER_VARIANT = {"b", "loader"}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -262,10 +344,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print(f"skipping ({path}) for {model}: {missing} does not import here "
                       f"(it does on the GPU image)", file=sys.stderr)
                 continue
-            row = {"model": model_name(args, model), "device": _device_name(args),
-                   "batch_per_gpu": args.batch, **PATHS[path](args, model)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            for variant in args.variants if path in PER_VARIANT else [None]:
+                row = {"model": model_name(args, model), "device": _device_name(args),
+                       "batch_per_gpu": args.batch, **PATHS[path](args, model, variant)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     if _world()[0] == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=1))
@@ -291,13 +374,28 @@ def table(rows: list[dict]) -> str:
     """The rows as a Markdown table, with each path as a fraction of (a) for its model."""
     ceiling = {(r["model"], r["ranks"]): r["images_per_s_per_gpu"] for r in rows
                if r["path"] == "a"}
-    lines = ["| model | path | ranks | images/s per GPU | of (a) |", "|---|---|---|---|---|"]
+    lines = ["| model | path | decode setting | ranks | images/s per GPU | of (a) | "
+             "decode threads / cores | decode ms/img | augment ms/img |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         a = ceiling.get((r["model"], r["ranks"]))
         frac = f"{r['images_per_s_per_gpu'] / a:.2f}" if a else "-"
-        lines.append(f"| {r['model']} | ({r['path']}) | {r['ranks']} | "
-                     f"{r['images_per_s_per_gpu']:,.0f} | {frac} |")
+        cores = f"{r['decode_threads']} / {r['cores']}" if "cores" in r else "-"
+        lines.append(f"| {r['model']} | ({r['path']}) | {r.get('setting', '-')} | "
+                     f"{_ranks(r)} | {r['images_per_s_per_gpu']:,.0f} | {frac} | {cores} | "
+                     f"{_ms(r.get('decode_ms_per_image'))} | "
+                     f"{_ms(r.get('augment_ms_per_image'))} |")
     return "\n".join(lines)
+
+
+def _ranks(row: dict) -> str:
+    """The row's ranks, and the strategy of (b) on several."""
+    strategy = row.get("strategy", "none")
+    return f"{row['ranks']}" if strategy == "none" else f"{row['ranks']} {strategy}"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 if __name__ == "__main__":

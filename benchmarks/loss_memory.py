@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from as_measured import AS_MEASURED  # benchmarks/: the llama configs' former values
 from hpctrain.models.chunked_loss import chunked_linear_cross_entropy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,7 +93,8 @@ def measure_train(steps: int, out: Path, timeout: float) -> list[dict]:
     for mb in (4, 8):
         for chunks in (0, 8):
             name = f"1b mb{mb} loss_chunks={chunks}"
-            overrides = [f"train.micro_batch={mb}", f"train.loss_chunks={chunks}"]
+            overrides = [*AS_MEASURED["configs/llama-1b.yaml"], f"train.micro_batch={mb}",
+                         f"train.loss_chunks={chunks}"]
             try:
                 row, _ = run_model_bench(REPO / "configs/llama-1b.yaml", overrides, nproc=1,
                                          out=out / f"loss-mb{mb}-c{chunks}", steps=steps,

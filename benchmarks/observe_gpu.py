@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from as_measured import AS_MEASURED  # benchmarks/: the llama configs' former values
 from hpctrain.bench.common import run_command
 from hpctrain.bench.model import run_model_bench, summarise
 from hpctrain.runtime.env import MULTICAST_OFF
@@ -70,8 +71,9 @@ def overhead(out: Path, steps: int, repeat: int) -> dict:
     order = [v for i in range(repeat) for v in (("off", "on") if i % 2 == 0 else ("on", "off"))]
     for i, variant in enumerate(order):
         run_out = out / f"overhead-{i}-{variant}"
-        row, cfg = run_model_bench(REPO / "configs/llama-1b.yaml", OBSERVE[variant], nproc=1,
-                                   out=run_out, steps=steps, log_every=10, env=_env())
+        row, cfg = run_model_bench(REPO / "configs/llama-1b.yaml",
+                                   [*AS_MEASURED["configs/llama-1b.yaml"], *OBSERVE[variant]],
+                                   nproc=1, out=run_out, steps=steps, log_every=10, env=_env())
         res = summarise(run_out / "train", 1)
         (first, last), (t0, t1) = res.measured_steps, res.measured_span_s
         tokens = cfg.train.micro_batch * cfg.train.grad_accum * cfg.data.seq_len
@@ -89,7 +91,8 @@ def oom(out: Path) -> dict:
     """A 1b run far past the GPU's memory: the OOM snapshot and the exit account."""
     run_dir = out / "oom"
     argv = [sys.executable, "-m", "hpctrain", "train", str(REPO / "configs/llama-1b.yaml"),
-            "train.micro_batch=64", "train.steps=3", "parallel.compile=false",
+            *AS_MEASURED["configs/llama-1b.yaml"], "train.micro_batch=64", "train.steps=3",
+            "parallel.compile=false",
             "data.source=stdlib", "checkpoint.interval=none", "checkpoint.save_at_end=false",
             "checkpoint.resume=never", f"run.out_dir={out}", "run.name=oom", "run.suffix=none",
             "metrics.progress=false"]

@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from as_measured import AS_MEASURED  # benchmarks/: the llama configs' former values
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 from hpctrain.bench.common import run_command  # noqa: E402
@@ -59,7 +61,7 @@ TARGETS = {
 BASE = ["metrics.log_every=1", "metrics.progress=false", "run.suffix=none",
         "optim.schedule=constant", "optim.warmup_steps=2", "checkpoint.async_save=false",
         "watchdog.timeout=1800", "parallel.compile=false"]
-GPU = ["configs/llama-1b.yaml", "data.max_bytes=200000000"]
+GPU = ["configs/llama-1b.yaml", *AS_MEASURED["configs/llama-1b.yaml"], "data.max_bytes=200000000"]
 # The CPU smoke: tests/conftest.py's TINY shape with 4 layers (two pipeline stages of two).
 CPU = ["configs/demo.yaml", "run.device=cpu", "model.dim=64", "model.n_layers=4",
        "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128", "data.seq_len=32",

@@ -182,7 +182,7 @@ def test_optional_field_accepts_null_and_number() -> None:
 def test_literal_lists_choices() -> None:
     err = _error(["parallel.strategy=zero3"])
     assert err.what == "parallel.strategy = 'zero3' is not a valid choice"
-    assert err.expected == "one of: 'none', 'ddp', 'fsdp'"
+    assert err.expected == "one of: 'none', 'ddp', 'fsdp', 'auto'"
 
 
 def test_section_must_be_mapping() -> None:

@@ -44,9 +44,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: as_measured
 from torchtitan_peer import PEER_SCHEDULES, PeerRun, run_peer  # noqa: E402
 from tuned import peer_run, read_tuned  # noqa: E402
 
+from as_measured import pin  # noqa: E402
 from hpctrain.bench.model import run_model_bench  # noqa: E402
 from hpctrain.errors import HpctrainError  # noqa: E402
 from hpctrain.runtime.env import MULTICAST_OFF  # noqa: E402
@@ -144,6 +146,10 @@ for _size, _config in (("1b", _1B), ("8b", _8B)):
             PeerRun(size=_size, gpus=4, pp=4, dp_shard=1, pp_schedule=_theirs, local_batch=8,
                     pp_microbatch_size=1, dtype="bfloat16", compile=not _zb),
             "no AC, 8 micro-batches of 1; peer: pure bf16" + ("; eager" if _zb else ""))
+# The configs leave the batch shape and strategy to `auto`; each layout keeps the values it was
+# written and measured with, so both sides run the shapes named above.
+for _layout in LAYOUTS.values():
+    pin(_layout.config, _layout.overrides)
 
 
 def run_ours(name: str, layout: Layout, steps: int, out: Path, timeout: float) -> dict:

@@ -32,6 +32,7 @@ def run_lightning(args: argparse.Namespace, model: str) -> dict:
     A process of its own: Lightning's DDP launcher starts the other ranks by re-running the
     script it was started from."""
     out = args.out.parent / f"d-{model}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, __file__, "--model", model, "--jpegs", str(args.jpegs),
                     "--devices", str(args.nproc), "--batch", str(args.batch), "--steps",
                     str(args.steps), "--workers", str(args.workers), "--out", str(out),
@@ -94,7 +95,11 @@ def main(argv: list[str] | None = None) -> None:
                         precision="bf16-mixed" if gpu else "32-true", max_steps=args.steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[rate])
-    trainer.fit(module, imagefolder_loader(args, args.devices))
+    # Lightning spreads the loader over its ranks itself (a DistributedSampler needs the process
+    # group, which Lightning starts inside fit): the loader is built as for one process, with the
+    # cores shared among the ranks.
+    args.workers = args.workers or max(1, len(os.sched_getaffinity(0)) // args.devices)
+    trainer.fit(module, imagefolder_loader(args, 1))
     if gpu:
         torch.cuda.synchronize()
     images_per_s = rate.seen / (time.perf_counter() - rate.start)

@@ -24,6 +24,7 @@ from torchtitan_peer import FLAVORS, PEER_SCHEDULES, PeerRun
 
 from hpctrain.config import load_config
 from hpctrain.errors import ConfigError
+from hpctrain.plan.auto import resolve_auto
 
 
 @dataclass
@@ -65,6 +66,7 @@ def peer_run(config: Path, gpus: int, overrides: list[str] | None = None
     """torchtitan's run for ``config`` (with ``overrides``) trained on ``gpus`` GPUs, and notes
     on what differs."""
     cfg = load_config(config, overrides or [])
+    resolve_auto(cfg, gpus)  # the values training picks for its `auto` keys on these GPUs
     par, train = cfg.parallel, cfg.train
     if cfg.model.size not in FLAVORS:
         raise ConfigError(f"model.size = {cfg.model.size}: the peer has no flavor for it",

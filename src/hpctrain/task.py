@@ -88,6 +88,11 @@ class Task:
     counter on one micro-batch when not given. ``tokens_per_sample`` makes tokens/s mean tokens
     (1: a sample is a token, tokens/s is samples/s). ``shard_units(model)`` lists the modules
     FSDP shards one by one (default: the model's top-level children that hold parameters).
+
+    ``samples_in_batch(batch)`` counts the samples a micro-batch's loss is the mean over, for
+    batches whose size varies (a collate that skips samples it cannot read, as the image task's
+    skips corrupt JPEGs): a step's loss is then the mean over every counted sample of its
+    micro-batches and ranks, each weighing the same, not the mean of the micro-batch means.
     """
 
     model: Callable[[], nn.Module]
@@ -100,6 +105,7 @@ class Task:
     flops_per_sample: float | None = None
     tokens_per_sample: int = 1
     shard_units: Callable[[nn.Module], Iterable[nn.Module]] | None = None
+    samples_in_batch: Callable[[Any], int] | None = None
 
     def __post_init__(self) -> None:
         if (self.loss is None) == (self.step is None):

@@ -21,6 +21,11 @@ from hpctrain.errors import ConfigError
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.yaml"
 LLAMA_8B = REPO / "configs" / "llama-8b-fsdp.yaml"
+# The 8b config's values before it left them to auto (hpctrain.plan.auto), which these short
+# lists were worked out for: FSDP ZeRO-3, full AC, micro-batch 2, no batch in tokens.
+AS_BEFORE = ["train.global_batch_tokens=null", "train.micro_batch=2", "parallel.strategy=fsdp",
+             "parallel.activation_checkpointing=full", "parallel.reshard_after_forward=null",
+             "parallel.fsdp_group_blocks=1"]
 # The conftest TINY model: ~50k parameters, 32-token samples, a 200 kB corpus.
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
         "model.ffn_dim=128", "data.seq_len=32", "data.max_bytes=200000"]
@@ -131,7 +136,7 @@ def test_fsdp_schedule_is_kept_for_fsdp_candidates_and_dropped_for_the_others() 
 
 def _shortlist(gpu_gb: float, overrides: tuple[str, ...] = (), **kw
                ) -> tuple[list, list[str], int]:
-    return candidates.build_candidates(LLAMA_8B, list(overrides), 2, device="cuda",
+    return candidates.build_candidates(LLAMA_8B, [*AS_BEFORE, *overrides], 2, device="cuda",
                                        gpu_bytes=gpu_gb * 1e9, peak_tflops=989.0,
                                        fp8=kw.pop("fp8", False), **kw)
 
@@ -198,7 +203,7 @@ def test_fp8_settings_are_sized_as_fp8_and_tried_where_only_fp8_fits() -> None:
     """8b without AC, micro-batch 4, on 4 GPUs of 80 GB: ZeRO-2 in bf16 needs ~81 GB, in fp8
     (float8 all-gather and saved inputs) ~67 GB, so only its fp8 form is on the list (measured
     on H200s: 68.0 GB, the fastest of tune's candidates)."""
-    overrides = ["parallel.activation_checkpointing=none", "train.micro_batch=4"]
+    overrides = [*AS_BEFORE, "parallel.activation_checkpointing=none", "train.micro_batch=4"]
     cands, _, _ = candidates.build_candidates(LLAMA_8B, overrides, 4, device="cuda",
                                               gpu_bytes=80e9, peak_tflops=989.0, fp8=True,
                                               max_candidates=4)
@@ -257,7 +262,7 @@ def test_a_pure_bf16_config_is_sized_and_ranked_in_bf16() -> None:
             assert c.predicted_tokens_per_s == pytest.approx(
                 by_setting[c.setting].predicted_tokens_per_s)
     # The config's own setting says nothing of master weights: every run inherits bf16.
-    cfg = load_config(LLAMA_8B, ["train.master_weights=bf16", *pure[0].overrides])
+    cfg = load_config(LLAMA_8B, [*AS_BEFORE, "train.master_weights=bf16", *pure[0].overrides])
     assert cfg.train.master_weights == "bf16"
 
 

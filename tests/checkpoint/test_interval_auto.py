@@ -93,8 +93,8 @@ def test_plan_interval_gives_the_training_answer(capsys: pytest.CaptureFixture) 
     cfg = settled(mttf_gpu_hours=5000.0, max_overhead=0.02)
     s = SaveSchedule(cfg, n_gpus=64)
     s.saved(42.0)
-    main(["plan", "interval", "--save-min", str(42.0 / 60), "--gpu-mttf-h", "5000",
-          "--gpus", "64", "--max-overhead", "0.02"])
+    main(["plan", "interval", "--save-min", str(42.0 / 60), "checkpoint.mttf_gpu_hours=5000",
+          "--gpus", "64", "checkpoint.max_overhead=0.02"])
     out = capsys.readouterr().out
     assert f"auto:  checkpoint every {s.choice.reason()}" in out
     assert s.choice == auto_interval(42.0, job_mttf(5000.0 * 3600, 64), 0.02)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +83,35 @@ def test_tar_samples_random_access_and_decode(packed) -> None:
         assert ds[i] == int(keys[i][-3:])
     with pytest.raises(IndexError):
         ds.sample(N_SAMPLES)
+    ds.close()
+
+
+def test_tar_samples_pickle_without_their_open_files(packed) -> None:
+    """A DataLoader worker started by spawn (or Lightning) gets the dataset pickled: it opens
+    the shards itself rather than reusing descriptor numbers that mean nothing there (or
+    another file), and a forked child does not share the parent's."""
+    out, want = packed
+    ds = TarSamples(out)
+    first = ds.sample(N_SAMPLES - 1)  # opens the last shard
+    blob = pickle.dumps(ds)
+    ds.close()  # its descriptor numbers are free again: the next open may reuse them
+    decoy = os.open(out / "manifest.json", os.O_RDONLY)
+    try:
+        copy = pickle.loads(blob)
+        assert copy.sample(N_SAMPLES - 1) == first
+        assert copy.sample(0).pop("__key__").decode() == sorted(want)[0]
+        copy.close()
+    finally:
+        os.close(decoy)
+    ds = TarSamples(out)
+    ds.sample(0)
+    pid = os.fork()
+    if pid == 0:  # the child opens its own files, reads, closes them
+        ok = ds.sample(1) == TarSamples(out).sample(1)
+        ds.close()
+        os._exit(0 if ok else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert ds.sample(1)  # the parent's descriptors survive the child's exit
     ds.close()
 
 

@@ -18,29 +18,59 @@ REPO = Path(__file__).resolve().parents[2]
 pytest.importorskip("PIL")
 
 
-def test_tiny_cpu_run_of_paths_a_and_b(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+@pytest.fixture
+def bench():
+    """benchmarks/images.py as a module."""
     spec = importlib.util.spec_from_file_location("bench_images", REPO / "benchmarks" / "images.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def test_decode_settings_parse_to_the_task_args(bench) -> None:
+    parse = bench.parse_variant
+    assert parse("gpu", 3) == bench.Variant("gpu", 3)
+    assert parse("serial", 1).decode_ahead is False
+    assert parse("split0.25t8", 1) == bench.Variant("split0.25t8", 8, 0.25)
+    assert parse("cpu16r160", 1) == bench.Variant("cpu16r160", 16, 1.0, decode_min_side=160)
+    assert parse("split0.5", 1).task_args() == [
+        "task_args.decode_threads=1", "task_args.cpu_fraction=0.5",
+        "task_args.decode_ahead=true", "task_args.decode_min_side=0"]
+    for bad in ("split1.5", "cpu0", "nvjpeg", "gpu8"):
+        with pytest.raises(ValueError, match="decode setting"):
+            parse(bad, 1)
+
+
+def test_tiny_cpu_run_of_paths_a_and_b(bench, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        spec.loader.exec_module(bench)
+        # Two decode settings: ahead of the step (the default), and in the step at reduced size.
         rows = bench.main(["--device", "cpu", "--tiny", "--models", "resnet50", "--paths",
                            "a", "b", "c", "d", "loader", "--jpegs", str(tmp_path / "jpegs"),
+                           "--b-variants", "gpu,serialr16",
                            "--shards", str(tmp_path / "shards"),
                            "--out", str(tmp_path / "rows.json")])
     finally:
         torch.set_num_threads(threads)
-        sys.modules.pop(spec.name, None)
-    assert [(r["path"], r["model"], r["ranks"]) for r in rows][:2] == [
-        ("a", "resnet_tiny", 1), ("b", "resnet_tiny", 1)]
+    assert [(r["path"], r["model"], r["ranks"], r.get("setting")) for r in rows][:3] == [
+        ("a", "resnet_tiny", 1, None), ("b", "resnet_tiny", 1, "gpu"),
+        ("b", "resnet_tiny", 1, "serialr16")]
     assert all(r["images_per_s_per_gpu"] > 0 for r in rows)
-    (loader,) = [r for r in rows if r["path"] == "loader"]
-    assert loader["decode_ms_per_image"] > 0 and loader["augment_ms_per_image"] > 0
+    for r in rows:
+        if r["path"] in ("b", "loader"):  # each says its setting, cores and decode time
+            assert r["cores"] >= 1 and r["decode_threads"] == 1, r
+            assert r["decode_ms_per_image"] > 0 and r["augment_ms_per_image"] > 0, r
+    assert [r["decode_ahead"] for r in rows if r["path"] == "loader"] == [True, False]
     assert json.loads((tmp_path / "rows.json").read_text()) == rows
     out = capsys.readouterr()
-    assert "| resnet_tiny | (b) | 1 |" in out.out
+    assert "| resnet_tiny | (b) | gpu | 1 |" in out.out
+    assert "| resnet_tiny | (b) | serialr16 | 1 |" in out.out
     for path, module in (("c", "torchvision"), ("d", "lightning")):
         ran = path in {r["path"] for r in rows}
         said = f"skipping ({path}) for resnet50: {module} does not import" in out.err

@@ -2,8 +2,12 @@
 10 classes), upsampled to 32x32, encoded as JPEGs and packed into shards with a held-out split.
 
 A tiny ResNet trained in this process reaches >= 90% top-1 on the held-out split (exact over
-all of it); then examples/resnet50_images.py on 2 DDP ranks is killed with kill -9 mid-run and
-rerun: the steps it redoes after the resume log bit-identical losses.
+all of it); then examples/resnet50_images.py on 2 FSDP ranks in bf16 (stages sharded, BatchNorm
+kept in fp32, channels_last inputs) is killed with kill -9 mid-run and rerun: the steps it redoes
+after the resume log bit-identical losses, and its losses are those of one process that runs
+the same micro-batches as gradient accumulation. Three images of its first steps are corrupt
+(two on one rank, one on the other): they are skipped, and both runs train on the mean over the
+images that decoded.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import REPO
 from lifecycle import kill_tree_of, start
-from run_records import logged
+from run_records import assert_close, logged
 
 sklearn_datasets = pytest.importorskip("sklearn.datasets")
 Image = pytest.importorskip("PIL.Image")
@@ -66,15 +71,45 @@ def test_tiny_resnet_reaches_90_percent_on_held_out_digits(shards: Path, tmp_pat
     assert val["val_top5"] >= val["val_top1"]
 
 
-def test_example_killed_and_rerun_on_2_ranks_resumes_bit_identically(shards: Path,
-                                                                     tmp_path: Path) -> None:
+def _corrupt_first_steps(shards: Path) -> list[str]:
+    """Zero the bytes after the JPEG marker (in place) of two images rank 1 reads at step 1 and
+    one rank 0 reads at step 2 (micro-batches of 8 on 2 ranks, run.seed 0); their keys."""
+    from hpctrain.data.images.reader import ImageShards
+    from hpctrain.data.order import BatchLayout, GlobalOrderSampler
+
+    root = shards / "train"
+    ds = ImageShards(root)
+    starts = np.cumsum(ds.shard_sample_counts) - ds.shard_sample_counts
+    shards_meta = json.loads((root / "manifest.json").read_text())["shards"]
+    keys = []
+    for rank, step, count in ((1, 1, 2), (0, 2, 1)):
+        sampler = GlobalOrderSampler(len(ds), BatchLayout(8, 1, 2, rank), seed=0)
+        for _ in range(step):
+            (indices,) = sampler.next_step()
+        for i in indices[:count].tolist():
+            s = int(np.searchsorted(starts, i, side="right")) - 1
+            index = json.loads((root / shards_meta[s]["idx"]).read_text())
+            j = i - int(starts[s])
+            (offset, size), = [(o, n) for ext, o, n in index["members"][j] if ext == "jpg"]
+            with open(root / shards_meta[s]["tar"], "r+b") as f:
+                f.seek(offset + 4)
+                f.write(bytes(size - 4))
+            keys.append(index["keys"][j])
+    ds.close()
+    return keys
+
+
+def test_example_killed_and_rerun_on_2_fsdp_ranks_resumes_bit_identically(
+        shards: Path, tmp_path: Path) -> None:
     """Hang before step 6 once step 3's checkpoint is committed; kill -9 it all; rerun."""
+    bad = _corrupt_first_steps(shards)
     args = [f"task_args.{k}={json.dumps(v)}" for k, v in {**TASK, "data": str(shards)}.items()]
+    common = ["train.precision=bf16", "train.deterministic=true", "metrics.log_every=1",
+              "metrics.progress=false", "optim.warmup_steps=2", "optim.lr=3e-3",
+              f"run.out_dir={tmp_path}"]
     argv = ["train", "examples/resnet50_images.py", "--nproc", "2", *args, "train.steps=6",
-            "train.micro_batch=8", "train.precision=fp32", "train.deterministic=true",
-            "metrics.log_every=1", "metrics.progress=false", "run.suffix=none",
-            "checkpoint.every=3", "optim.warmup_steps=2", "optim.lr=3e-3",
-            f"run.out_dir={tmp_path}", "run.name=killed"]
+            "train.micro_batch=8", "parallel.strategy=fsdp", *common, "run.suffix=none",
+            "checkpoint.every=3", "run.name=killed"]
     run = start(argv, tmp_path / "killed.log", tmp_path / "killed",
                 env={"HPCTRAIN_FAULTS": "hang@step=6,seconds=600"}, fresh=True)
     try:
@@ -90,6 +125,28 @@ def test_example_killed_and_rerun_on_2_ranks_resumes_bit_identically(shards: Pat
     assert [after[s] for s in (4, 5)] == [before[s] for s in (4, 5)]
     (val,) = [r for r in _records(tmp_path / "killed") if "val_top1" in r]
     assert val["val_samples"] == 256  # train.val_max_samples of the 359 held out
+    logs = {r: (tmp_path / "killed" / "logs" / f"rank-00{r}.log").read_text(errors="replace")
+            for r in (0, 1)}
+    assert all(f"skipping image {k!r}" in logs[0] + logs[1] for k in bad), bad
+
+    # One process, the same 16 images a step as two micro-batches of 8 (rank 0's, rank 1's):
+    # the same BatchNorm batches, crops and weights, so the same losses (bf16: to rounding,
+    # 5e-4 seen).
+    from hpctrain import fit
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fit(overrides=[*args, *common, f"task={REPO / 'examples' / 'resnet50_images.py'}",
+                       "train.steps=5", "train.micro_batch=8", "train.grad_accum=2",
+                       "run.name=one",
+                       "checkpoint.interval=none", "checkpoint.save_at_end=false",
+                       "train.val_every=0"], fresh=True)
+    finally:
+        torch.set_num_threads(threads)
+    one = logged(tmp_path, "one")
+    for step in range(1, 6):
+        assert_close(before[step], one[step], 2e-3, f"FSDP on 2 ranks vs one process, step {step}")
 
 
 def _records(run_dir: Path) -> list[dict]:

@@ -234,7 +234,7 @@ def test_this_machine_passes(tmp_path: Path, monkeypatch, capsys) -> None:
     main(["doctor", str(REPO / "configs" / "demo.yaml"), *TINY])
     out = capsys.readouterr().out
     assert out.count("\nok      ") == len(checks.CHECKS), out
-    assert out.rstrip().endswith("doctor: 10 checks, no problems")
+    assert out.rstrip().endswith("doctor: 11 checks, no problems")
 
 
 def test_a_problem_exits_1_with_its_fix(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -265,7 +265,10 @@ def test_a_config_train_refuses_here_is_a_problem(tmp_path: Path, monkeypatch, c
     # The same config with the CPU forced is what train accepts, and so does doctor.
     main(["doctor", str(REPO / "configs" / "llama-1b.yaml"), "run.device=cpu",
           "--no-gpu-health"])
-    assert capsys.readouterr().out.rstrip().endswith("no problems")
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("no problems")
+    # What the config's auto values resolve to here (hpctrain.plan.auto), as train would.
+    assert "ok      auto: on 1 rank(s): parallel.strategy=none, " in out
 
 
 # Threads a process group runs (gloo's I/O loop and workers, rank 0's TCPStore server): left

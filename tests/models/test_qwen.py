@@ -114,12 +114,12 @@ def test_the_q_k_norms_and_the_biases_change_the_output() -> None:
 def test_the_planner_sizes_a_qwen_preset(capsys: pytest.CaptureFixture[str]) -> None:
     from hpctrain.cli import main
 
-    main(["plan", "memory", "--family", "qwen", "--model", "qwen3-0.6b", "--strategy", "fsdp",
-          "--gpus", "2", "--seq-len", "4096"])
+    main(["plan", "memory", "model.family=qwen", "model.size=qwen3-0.6b",
+          "parallel.strategy=fsdp", "--gpus", "2", "data.seq_len=4096"])
     assert "GB" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        main(["plan", "memory", "--model", "qwen3-0.6b"])  # a llama size by default
-    assert "HINT: --family qwen has it" in capsys.readouterr().err
+        main(["plan", "memory", "model.size=qwen3-0.6b"])  # a llama size by default
+    assert "HINT: model.family=qwen has it" in capsys.readouterr().err
 
 
 def test_the_planner_sizes_queries_by_heads_times_head_dim() -> None:

@@ -32,6 +32,23 @@ def test_forward_timer_counts_training_forwards_only(monkeypatch) -> None:
         faults._specs.cache_clear()
 
 
+def test_forward_timer_hooks_stay_out_of_a_compiled_module() -> None:
+    """``module.compile()`` (the task trainer's) compiles the module's hooks with it: traced,
+    the timer guarded on its own clock readings and list length, recompiled at every step, and
+    on CUDA its events were never recorded (an H200 run failed "Both events must be recorded")."""
+    import torch._dynamo
+
+    model = torch.nn.Linear(4, 4)
+    timer = ForwardTimer(model, torch.device("cpu"), rank=0)
+    model.compile(backend="eager")
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            model(torch.ones(2, 4)).sum().backward()
+    assert timer.take() > 0.0
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("override, message", [
     ("profile.steps=[5]", "is not [first, last]"),
     ("profile.steps=[6,5]", "is not [first, last]"),

@@ -140,14 +140,14 @@ def test_planner_matches_the_measured_peak() -> None:
 def test_plan_memory_command_takes_the_option(capsys: pytest.CaptureFixture) -> None:
     from hpctrain.cli import main
 
-    base = ["plan", "memory", "--strategy", "none", "--pp", "2", "--micro-batch", "1",
-            "--pp-microbatches", "8"]
-    main([*base, "--model", "8b", "--reduce-precision", "bf16"])
+    base = ["plan", "memory", "parallel.strategy=none", "parallel.pp=2", "train.micro_batch=1",
+            "train.grad_accum=8", "data.seq_len=2048", "parallel.compile=true"]
+    main([*base, "model.size=8b", "parallel.reduce_precision=bf16"])
     out = capsys.readouterr().out
     assert "gradients (bf16)" in out and "77.4" in out
-    main([*base, "--model", "8b"])
+    main([*base, "model.size=8b"])
     assert "gradients (fp32)" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:  # 1b: autocast, nothing reduces in bf16
-        main([*base, "--model", "1b", "--reduce-precision", "bf16"])
+        main([*base, "model.size=1b", "parallel.reduce_precision=bf16"])
     assert exit_info.value.code != 0
     assert "computes through autocast" in capsys.readouterr().err

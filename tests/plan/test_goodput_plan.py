@@ -66,7 +66,7 @@ def test_cli_goodput_and_interval_from_a_run(tmp_path: Path, monkeypatch: pytest
     out = capsys.readouterr().out
     expected = predict_goodput(m, 4.0, 60.0, 3600).goodput  # restart: the 60 s start-up
     assert f"expected goodput {expected:.1%}" in out and "save 4 s, restart 60 s" in out
-    main(["plan", "goodput", "--gpu-mttf-h", "50000", "--gpus", "1024", "--save-s", "20",
+    main(["plan", "goodput", "checkpoint.mttf_gpu_hours=50000", "--gpus", "1024", "--save-s", "20",
           "--restart-s", "300"])
     assert "(Daly's optimum)" in capsys.readouterr().out
 

@@ -93,16 +93,18 @@ def test_fp8_under_a_pipeline_gathers_its_stage_in_float8() -> None:
 
 
 def test_cli_sizes_fp8_and_refuses_an_unknown_recipe(capsys) -> None:
-    base = ["plan", "memory", "--model", "1b", "--strategy", "fsdp", "--gpus", "2", "--zero",
-            "2", "--micro-batch", "4", "--json"]
-    main([*base, "--precision", "fp8"])
+    base = ["plan", "memory", "model.size=1b", "parallel.strategy=fsdp", "--gpus", "2",
+            "parallel.reshard_after_forward=false", "train.micro_batch=4", "data.seq_len=2048",
+            "parallel.compile=true", "--json"]
+    main([*base, "train.precision=fp8"])
     tensorwise = json.loads(capsys.readouterr().out)
-    main([*base, "--precision", "fp8", "--fp8-recipe", "rowwise"])
+    main([*base, "train.precision=fp8", "train.fp8_recipe=rowwise"])
     rowwise = json.loads(capsys.readouterr().out)
     assert tensorwise["peak"] < rowwise["peak"]
     assert tensorwise["peak"] / 1e9 == pytest.approx(17.10, rel=0.10)  # measured, 2 H200s
     with pytest.raises(SystemExit) as exc:
-        main([*base, "--precision", "fp8", "--fp8-recipe", "blockwise"])
+        main([*base, "train.precision=fp8", "train.fp8_recipe=blockwise"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "fp8 recipe 'blockwise' is not known" in err and "Traceback" not in err
+    assert "train.fp8_recipe = 'blockwise' is not a valid choice" in err
+    assert "Traceback" not in err

@@ -199,24 +199,25 @@ def test_refused_combinations(opts: dict, message: str) -> None:
 
 
 def test_cli_plan_memory_master_weights(capsys: pytest.CaptureFixture) -> None:
-    base = ["plan", "memory", "--model", "1b", "--strategy", "none", "--micro-batch", "4"]
-    main([*base, "--master-weights", "bf16"])
+    base = ["plan", "memory", "model.size=1b", "parallel.strategy=none", "train.micro_batch=4",
+            "data.seq_len=2048", "parallel.compile=true"]
+    main([*base, "train.master_weights=bf16"])
     out = capsys.readouterr().out
     assert "bf16 (pure bf16: bf16 parameters, gradients and AdamW moments)" in out
     assert "parameters (bf16)" in out and "gradients (bf16)" in out
     assert "AdamW state (bf16)" in out
-    main([*base, "--master-weights", "bf16", "--json"])
+    main([*base, "train.master_weights=bf16", "--json"])
     got = json.loads(capsys.readouterr().out)
     plan = estimate_memory(PRESETS["1b"], MemoryOptions(strategy="none", micro_batch=4, **BF16))
     assert got["mixed_precision"] == "pure" and got["master_weights"] == "bf16"
     assert got["peak"] == plan.peak and got["working"] == 0.0
-    main([*base, "--strategy", "fsdp", "--gpus", "4", "--master-weights", "bf16"])
+    main([*base, "parallel.strategy=fsdp", "--gpus", "4", "train.master_weights=bf16"])
     assert "FSDP reduces in fp32" in capsys.readouterr().out
     main(base)  # the default: fp32 masters through autocast
     out = capsys.readouterr().out
     assert "bf16 (autocast)" in out and "parameters (fp32)" in out
     with pytest.raises(SystemExit) as exit_info:
-        main([*base, "--precision", "fp16", "--master-weights", "bf16"])
+        main([*base, "train.precision=fp16", "train.master_weights=bf16"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "train.master_weights = bf16 with train.precision = fp16" in err

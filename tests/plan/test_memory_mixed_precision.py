@@ -133,16 +133,17 @@ def test_plan_parallel_sizes_tp_and_pp_with_fsdp_casts() -> None:
 
 
 def test_cli_plan_memory_names_the_path(capsys) -> None:
-    base = ["plan", "memory", "--strategy", "none", "--tp", "2", "--micro-batch", "4"]
-    main([*base, "--model", "8b"])
+    base = ["plan", "memory", "parallel.strategy=none", "parallel.tp=2", "train.micro_batch=4",
+            "data.seq_len=2048"]
+    main([*base, "model.size=8b"])
     assert "bf16 (FSDP casts)" in capsys.readouterr().out
-    main([*base, "--model", "8b", "--mixed-precision", "autocast"])
+    main([*base, "model.size=8b", "parallel.mixed_precision=autocast"])
     assert "bf16 (autocast)" in capsys.readouterr().out
-    main([*base, "--model", "8b", "--json"])
+    main([*base, "model.size=8b", "--json"])
     assert '"mixed_precision": "fsdp"' in capsys.readouterr().out
-    main([*base, "--model", "1b", "--json"])  # 0.55B parameters per rank: autocast
+    main([*base, "model.size=1b", "--json"])  # 0.55B parameters per rank: autocast
     assert '"mixed_precision": "autocast"' in capsys.readouterr().out
-    main([*base, "--model", "1b", "--mixed-precision", "fsdp"])
+    main([*base, "model.size=1b", "parallel.mixed_precision=fsdp"])
     assert "bf16 (FSDP casts)" in capsys.readouterr().out
 
 

@@ -90,7 +90,7 @@ def test_layouts_are_ranked_and_each_fits() -> None:
     assert all(p.memory.fits for p in plans)
     assert all(p.dp * p.tp * p.pp == 16 for p in plans)
     best = plans[0]
-    command = best.command("config.yaml", "8b", 8, 2)
+    command = best.command("config.yaml", ["model.size=8b"], 8, 2)
     assert command.startswith("hpctrain sbatch config.yaml model.size=8b")
     assert f"parallel.strategy={best.strategy}" in command and "--nodes 2" in command
 
@@ -102,16 +102,19 @@ def test_small_model_on_one_node_gets_data_parallel() -> None:
 
 
 def test_cli_plan_parallel_prints_the_command_and_ranking(capsys) -> None:
+    """The README's form of it: --model, deprecated, says the override it stands for."""
     main(["plan", "parallel", "--model", "1b", "--gpus-per-node", "2", "--nodes", "1",
           "--gpu", "h100"])
-    out = capsys.readouterr().out
-    assert "hpctrain train config.yaml model.size=1b" in out and "--nproc 2" in out
-    assert "layouts fit" in out and "tokens/s per GPU" in out
+    out, err = capsys.readouterr()
+    assert "hpctrain train CONFIG data.seq_len=2048 parallel.compile=true model.size=1b" in out
+    assert "--nproc 2" in out and "layouts fit" in out and "tokens/s per GPU" in out
+    assert "--model 1b: deprecated, write model.size=1b" in err
 
 
 def test_cli_plan_memory_with_pipeline(capsys) -> None:
-    main(["plan", "memory", "--model", "8b", "--strategy", "none", "--tp", "2", "--pp", "2",
-          "--pp-microbatches", "8", "--gpu", "h100"])
+    main(["plan", "memory", "model.size=8b", "parallel.strategy=none", "parallel.tp=2",
+          "parallel.pp=2", "train.micro_batch=1", "train.grad_accum=8", "data.seq_len=2048",
+          "parallel.compile=true", "--gpu", "h100"])
     out = capsys.readouterr().out
     assert "largest on pipeline rank" in out and "bubble 11.1%" in out
 
@@ -210,15 +213,15 @@ def test_pure_bf16_layouts_are_sized_as_such_and_their_command_says_so(capsys) -
     """8b on 2 x 80 GB: bf16 master weights fit more layouts, with smaller peaks, and the
     printed command trains what was sized; a bad choice is refused as such."""
     masters = rank_layouts(PRESETS["8b"], gpus_per_node=2, nodes=1, gpu_bytes=H100)
-    pure = rank_layouts(PRESETS["8b"], gpus_per_node=2, nodes=1, gpu_bytes=H100,
-                        master_weights="bf16")
+    pure = rank_layouts(PRESETS["8b"], MemoryOptions(master_weights="bf16"), gpus_per_node=2,
+                        nodes=1, gpu_bytes=H100)
     assert len(pure) >= len(masters)
     assert min(p.memory.peak for p in pure) < min(p.memory.peak for p in masters)
-    assert "train.master_weights=bf16" in pure[0].command("c.yaml", "8b", 2, 1)
-    assert not any("master_weights" in o for o in masters[0].overrides())
-    main(["plan", "parallel", "--model", "8b", "--gpus-per-node", "2", "--gpu", "h100",
-          "--master-weights", "bf16"])
-    assert "train.precision=bf16 train.master_weights=bf16" in capsys.readouterr().out
+    assert all(p.options.master_weights == "bf16" for p in pure)
+    main(["plan", "parallel", "model.size=8b", "train.master_weights=bf16", "data.seq_len=2048",
+          "parallel.compile=true", "--gpus-per-node", "2", "--gpu", "h100"])
+    assert "hpctrain train CONFIG model.size=8b train.master_weights=bf16" in (
+        capsys.readouterr().out)
     with pytest.raises(ConfigError, match="master_weights = bf16 with train.precision = fp32"):
-        rank_layouts(PRESETS["1b"], gpus_per_node=2, nodes=1, gpu_bytes=H100,
-                     precision="fp32", master_weights="bf16")
+        rank_layouts(PRESETS["1b"], MemoryOptions(precision="fp32", master_weights="bf16"),
+                     gpus_per_node=2, nodes=1, gpu_bytes=H100)

@@ -90,8 +90,8 @@ def test_cli_plan_commands(capsys) -> None:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["plan", "memory", "--model", "3b"], "unknown model size"),
-    (["plan", "memory", "--model", "1b", "--gpu", "v100x"], "unknown GPU"),
+    (["plan", "memory", "model.size=3b"], "is not a known model size"),
+    (["plan", "memory", "model.size=1b", "--gpu", "v100x"], "unknown GPU"),
     (["plan", "budget", "--tokens", "lots", "--tokens-per-s", "1", "--gpus", "1"],
      "not a count"),
     (["plan", "interval", "--save-min", "5"], "no MTTF"),

@@ -416,7 +416,7 @@ BAD_NUMBERS = [
     ["plan", "budget", "--tokens", "1T", "--tokens-per-s", "1000", "--gpus", "8", "--pue", "0"],
     ["plan", "goodput", "--save-s", "1e309", "--restart-s", "1", "--mttf-h", "24"],
     ["plan", "memory", "--model", "1b", "--gpus", "0"],
-    ["plan", "memory", "--model", "1b", "--layers", "1000000000"],
+    ["plan", "parallel", "model.size=1b", "--gpu", "h100", "--gpus-per-node", "0"],
     ["plan", "parallel", "--model", "1b", "--gpu", "h100", "--nodes", "-1"],
     ["bench", "collective", "-f", "nan"],
     ["bench", "gemm", "-n", "0"],
@@ -591,10 +591,11 @@ def test_generate_missing_eos_hint_names_real_options(tmp_path: Path, capsys) ->
 
 @pytest.mark.parametrize("argv", [
     # micro-batch suggestions searched every smaller micro-batch one by one (minutes)
-    ["plan", "memory", "--model", "1b", "--seq-len", "16777216", "--micro-batch", "1048576",
-     "--gpus", "16777216", "--gpu", "h100"],
+    ["plan", "memory", "model.size=1b", "model.max_seq_len=16777216", "data.seq_len=16777216",
+     "train.micro_batch=1048576", "parallel.strategy=fsdp", "--gpus", "16777216", "--gpu",
+     "h100"],
     # Daly's formula overflowed math.exp (OverflowError traceback)
-    ["plan", "goodput", "--save-s", "1", "--restart-s", "1", "--gpu-mttf-h", "1e-300",
+    ["plan", "goodput", "--save-s", "1", "--restart-s", "1", "checkpoint.mttf_gpu_hours=1e-300",
      "--gpus", "16777216"],
     ["plan", "goodput", "--save-s", "1e9", "--restart-s", "1e9", "--mttf-h", "1e-300",
      "--interval-min", "1e9"],

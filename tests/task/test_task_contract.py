@@ -347,3 +347,29 @@ def test_a_task_file_of_any_name_names_its_run(tmp_path: Path, stem: str) -> Non
     path = tmp_path / f"{stem}.py"
     cfg = load_run_config(path, [], 1)
     assert (cfg.run.name, cfg.task) == (stem, str(path))
+
+
+def test_the_model_is_built_before_any_sample_is_collated(tmp_path: Path) -> None:
+    """A collate may need the device the model was built on (the image task decodes there):
+    the loader's first read (the global-generator check) once came before the model factory,
+    and the image task decoded every batch of a GPU run on the CPU, then failed in the model."""
+    from torch.utils.data import TensorDataset, default_collate
+
+    import hpctrain
+
+    calls = []
+
+    def model() -> nn.Module:
+        calls.append("model")
+        return nn.Linear(3, 1)
+
+    def collate(items):
+        calls.append("collate")
+        return default_collate(items)
+
+    x = torch.zeros(8, 3)
+    task = Task(model=model, data=TensorDataset(x, x.sum(1, keepdim=True)),
+                loss=nn.functional.mse_loss, collate=collate)
+    hpctrain.fit(task, overrides={"run.out_dir": tmp_path, "train.steps": 1,
+                                  "train.micro_batch": 2, "metrics.progress": False})
+    assert calls[0] == "model", calls

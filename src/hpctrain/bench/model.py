@@ -273,6 +273,7 @@ def run_model_bench(config: Path | None, overrides: list[str], *, nproc: int, ou
     import shutil
 
     from hpctrain.config import dump_yaml, load_config
+    from hpctrain.plan.auto import resolve_auto
 
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}", expected="at least 1 rank")
@@ -286,6 +287,7 @@ def run_model_bench(config: Path | None, overrides: list[str], *, nproc: int, ou
              "checkpoint.interval=none", "checkpoint.save_at_end=false",
              "checkpoint.resume=never", "metrics.progress=false"]
     cfg = load_config(config, [*overrides, *fixed])
+    resolve_auto(cfg, nproc)  # the values its `auto` keys take on these ranks, as training's
     # One replica may span tp x pp ranks without a strategy; several replicas need one.
     if nproc > cfg.parallel.tp * cfg.parallel.pp and cfg.parallel.strategy == "none":
         raise ConfigError(f"{nproc} ranks with parallel.strategy=none",

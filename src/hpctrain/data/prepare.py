@@ -37,6 +37,7 @@ import numpy as np
 
 from hpctrain.data.chat import FORMATS, ExampleEncoder, ExampleFields, load_template
 from hpctrain.data.inputs import InputFile, expand_inputs, read_documents
+from hpctrain.data.progress import BytesProgress
 from hpctrain.data.shards import (
     DTYPES,
     FORMAT_VERSION,
@@ -269,7 +270,7 @@ def prepare(inputs: list[str] | list[Path], out: str | Path, settings: PrepareSe
     jobs = [(f, settings.text_field, skip_first if i == done_files else 0)
             for i, f in enumerate(files)][done_files:]
     with _map(workers, settings, jobs) as results, \
-            _Progress(progress, sum(r["bytes"] for r in records[done_files:])) as bar:
+            BytesProgress(progress, sum(r["bytes"] for r in records[done_files:])) as bar:
         for i, result in enumerate(results, start=done_files):
             if isinstance(result, DataError):
                 raise result
@@ -364,7 +365,7 @@ def prepare_task(inputs: list[str] | list[Path], out: str | Path, settings: Prep
     jobs = [(f, settings.text_field, 0) for f in files[lo:hi]]
     with open(tok_tmp, "wb") as ft, open(starts_tmp, "wb") as fs, \
             _map(workers, settings, jobs) as results, \
-            _Progress(progress, sum(r["bytes"] for r in records[lo:hi])) as bar:
+            BytesProgress(progress, sum(r["bytes"] for r in records[lo:hi])) as bar:
         for i, result in enumerate(results, start=lo):
             if isinstance(result, DataError):
                 raise result
@@ -468,39 +469,6 @@ class _map:
         if self.pool is not None:
             self.pool.terminate()
             self.pool.join()
-
-
-class _Progress:
-    """A rich progress bar over input bytes (only on a terminal, only when asked)."""
-
-    def __init__(self, enabled: bool, total: int, label: str = "prepare"):
-        self.enabled = enabled and sys.stderr.isatty()
-        self.total = total
-        self.label = label
-
-    def __enter__(self):
-        if self.enabled:
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                Progress,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
-            )
-
-            self._p = Progress(f"[bold]{self.label}", BarColumn(), DownloadColumn(),
-                               TransferSpeedColumn(), TimeRemainingColumn(), transient=True)
-            self._p.__enter__()
-            self._task = self._p.add_task(self.label, total=self.total)
-        return self
-
-    def advance(self, n: int) -> None:
-        if self.enabled:
-            self._p.advance(self._task, n)
-
-    def __exit__(self, *exc) -> None:
-        if self.enabled:
-            self._p.__exit__(*exc)
 
 
 def default_workers() -> int:

@@ -184,7 +184,11 @@ def verify_tar(root: str | Path) -> dict:
 
 
 class TarSamples:
-    """Sample ``i`` of a packed directory (shards in order), read directly from its tar."""
+    """Sample ``i`` of a packed directory (shards in order), read directly from its tar.
+
+    Shard files are opened on first read by each process and never pickled: a DataLoader
+    worker started by spawn (or Lightning's) opens its own, and a forked child leaves the
+    parent's alone (a descriptor number from another process would read some other file)."""
 
     def __init__(self, root: str | Path, decode: Decode | None = None, window_shards: int = 4):
         self.root = Path(root)
@@ -197,11 +201,19 @@ class TarSamples:
         self._starts = np.concatenate([[0], np.cumsum(self.shard_sample_counts)])
         self._index: dict[int, dict] = {}
         self._fds: dict[int, int] = {}
+        self._pid = os.getpid()
+
+    def __getstate__(self) -> dict:
+        """Pickled without the open shard files (the copy opens its own)."""
+        return {**self.__dict__, "_index": {}, "_fds": {}}
 
     def __len__(self) -> int:
         return int(self._starts[-1])
 
     def _shard_index(self, s: int) -> dict:
+        if self._pid != os.getpid():  # a forked child: its copies of the parent's descriptors
+            self.close()
+            self._pid = os.getpid()
         if s not in self._index:
             if len(self._index) >= 8:  # a window's worth of shards stays open
                 old = next(iter(self._index))

@@ -39,7 +39,7 @@ from hpctrain.models.init_source import (
     read_checkpoint_manifest,
     run_model_section,
 )
-from hpctrain.models.registry import DEFAULT, family_of_args, get_family
+from hpctrain.models.registry import DEFAULT, families, family_of_args, get_family
 
 # Override fields that must be strictly positive when given.
 _POSITIVE_FIELDS = (
@@ -113,10 +113,12 @@ class ModelConfig:
         family = get_family(self.family or DEFAULT)
         self.family = family.name
         if self.size not in family.presets:
+            others = [name for name, f in families().items() if self.size in f.presets]
             raise ConfigError(
                 f"model.size={self.size!r} is not a known model size",
-                expected=f"one of {', '.join(family.presets)}",
-                hint="pick a preset and override single fields (e.g. model.n_layers) if needed",
+                expected=f"one of {', '.join(family.presets)} ({family.name})",
+                hint=f"model.family={others[0]} has it" if others else
+                "pick a preset and override single fields (e.g. model.n_layers) if needed",
             )
         for name in _POSITIVE_FIELDS:
             value = getattr(self, name)

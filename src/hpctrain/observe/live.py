@@ -49,8 +49,10 @@ class ForwardTimer:
         self._open: Any = None
         self._pairs: list[tuple[Any, Any]] = []
         self._spare: list[Any] = []
-        module.register_forward_pre_hook(self._before)
-        module.register_forward_hook(self._after)
+        # Never traced: `module.compile()` (the task trainer's) compiles a module's hooks with
+        # its forward, which recorded no CUDA event and recompiled on every clock reading.
+        module.register_forward_pre_hook(torch.compiler.disable(self._before))
+        module.register_forward_hook(torch.compiler.disable(self._after))
 
     def _event(self) -> Any:
         event = self._spare.pop() if self._spare else torch.cuda.Event(enable_timing=True)

@@ -101,14 +101,16 @@ ZERO_BUBBLE_SCHEDULES = ("interleaved_zb", "zbv")
 class ParallelConfig:
     """How the model is spread over ranks and which memory/speed transforms apply to it."""
 
-    strategy: Literal["none", "ddp", "fsdp"] = "none"
+    # auto (like every ``auto`` below): chosen at start from the memory model, the GPU and
+    # `hpctrain tune`'s measurements (hpctrain.plan.auto); the run's config.yaml holds the choice.
+    strategy: Literal["none", "ddp", "fsdp", "auto"] = "none"
     # FSDP only. True frees the gathered parameters after forward (ZeRO-3: least memory, one more
     # all-gather in backward); false keeps them until backward (ZeRO-2 behaviour). Unset: true,
     # except inside a pipeline (``reshards_after_forward``).
-    reshard_after_forward: bool | None = None
+    reshard_after_forward: bool | Literal["auto"] | None = None
     # selective: every block keeps its matmul and attention outputs and recomputes only the
     # pointwise ops (parallel/selective_ac.py); full/every_k keep only block inputs.
-    activation_checkpointing: Literal["none", "full", "every_k", "selective"] = "none"
+    activation_checkpointing: Literal["none", "full", "every_k", "selective", "auto"] = "none"
     # With every_k: recompute every k-th block only, trading memory for less recomputation.
     ac_every: int = 2
     # With selective: keep every other matmul output (the rest recomputed) or all of them.
@@ -137,7 +139,10 @@ class ParallelConfig:
     # FSDP: blocks whose all-gathers each block issues ahead of use (module docstring); 0: FSDP2's.
     fsdp_prefetch: int = 0
     # FSDP: consecutive blocks per FSDP unit (module docstring); 1: each block its own unit.
-    fsdp_group_blocks: int = 1
+    fsdp_group_blocks: int | Literal["auto"] = 1
+    # `hpctrain tune`'s results (its --out folder or results.json) that ``auto`` prefers to the
+    # memory model where they were measured on this GPU kind and count for this model and batch.
+    tune_results: str | None = None
 
     def validate(self) -> None:
         """Check the values that a type alone cannot."""
@@ -147,14 +152,14 @@ class ParallelConfig:
                 hint="ac_every=1 is the same as activation_checkpointing=full",
             )
         for key in ("tp", "pp", "dp_replicate", "fsdp_group_blocks"):
-            if getattr(self, key) < 1:
+            if getattr(self, key) != "auto" and getattr(self, key) < 1:
                 raise ConfigError(f"parallel.{key} = {getattr(self, key)} must be >= 1",
                                   hint="1 leaves that axis unused")
         for key in ("pp_microbatches", "pp_stages_per_rank", "fsdp_prefetch"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"parallel.{key} = {getattr(self, key)} must be >= 0",
                                   hint="0 picks the default")
-        if self.dp_replicate > 1 and self.strategy != "fsdp":
+        if self.dp_replicate > 1 and self.strategy not in ("fsdp", "auto"):
             raise ConfigError(
                 f"parallel.dp_replicate = {self.dp_replicate} with strategy "
                 f"{self.strategy!r}",
@@ -165,7 +170,8 @@ class ParallelConfig:
             )
 
         for key, default in (("fsdp_prefetch", 0), ("fsdp_group_blocks", 1)):
-            if getattr(self, key) != default and self.strategy != "fsdp":
+            if getattr(self, key) not in (default, "auto") and self.strategy not in ("fsdp",
+                                                                                      "auto"):
                 raise ConfigError(
                     f"parallel.{key} = {getattr(self, key)} with strategy {self.strategy!r}",
                     expected=f"{key} with strategy fsdp: it schedules FSDP's collectives",
@@ -224,7 +230,8 @@ class ParallelConfig:
                 "fp16 needs fp32 masters for its loss scaling, fp8's float8 Linears and fp32 "
                 "training keep fp32 weights",
                 hint="set train.precision=bf16, or drop train.master_weights (fp32)")
-        if master == "bf16" and self.mixed_precision != "auto" and self.strategy != "fsdp":
+        if (master == "bf16" and self.mixed_precision != "auto"
+                and self.strategy not in ("fsdp", "auto")):
             raise ConfigError(
                 f"parallel.mixed_precision = {self.mixed_precision} with train.master_weights "
                 f"= bf16 and strategy {self.strategy!r}",
@@ -239,7 +246,8 @@ class ParallelConfig:
                 "gradients are bf16); fp32 training reduces in fp32, fp16 needs fp32 "
                 "reductions for its loss scaling",
                 hint="drop parallel.reduce_precision (fp32)")
-        unsharded_casts = self.mixed_precision == "fsdp" and self.strategy != "fsdp"
+        unsharded_casts = self.mixed_precision == "fsdp" and self.strategy not in ("fsdp",
+                                                                                  "auto")
         if unsharded_casts and precision == "fp8":
             raise ConfigError(
                 f"parallel.mixed_precision = fsdp with train.precision = fp8 and strategy "
@@ -258,6 +266,8 @@ class ParallelConfig:
                 hint="use train.precision=bf16 (no loss scaling needed), or drop "
                 "parallel.mixed_precision",
             )
+        if self.strategy == "auto":
+            return  # the rest depends on the strategy: checked again once auto chose it
         # bf16 reductions need an FSDP policy to reduce through: the autocast path's gradients
         # belong to fp32 parameters (auto takes it for models under FSDP_CASTS_MIN_PARAMS per
         # model-parallel rank, which only the size tells).
@@ -288,7 +298,7 @@ class ParallelConfig:
         parameters give wrong weight gradients there (measured, PyTorch 2.13)."""
         if self.pp > 1 and self.pp_schedule in ZERO_BUBBLE_SCHEDULES:
             return False
-        if self.reshard_after_forward is not None:
+        if isinstance(self.reshard_after_forward, bool):  # not None nor an unresolved auto
             return self.reshard_after_forward
         return self.pp == 1
 

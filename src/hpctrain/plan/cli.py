@@ -1,20 +1,28 @@
 """``hpctrain plan ...``: memory per GPU, parallel layout, GPU-hours budget, checkpoint interval.
 
-    hpctrain plan memory --model 8b --strategy fsdp --gpus 4 --ac full --micro-batch 2 --gpu h100
-    hpctrain plan memory --model 8b --strategy none --tp 2 --pp 2 --pp-microbatches 8 --gpu h100
-    hpctrain plan parallel --model 8b --gpus-per-node 8 --nodes 4 --gpu h100
+    hpctrain plan memory configs/llama-8b-fsdp.yaml --gpus 4 --gpu h100
+    hpctrain plan memory configs/llama-8b-fsdp.yaml parallel.strategy=none parallel.tp=2 \
+        parallel.pp=2 train.grad_accum=8 --gpu h100
+    hpctrain plan parallel configs/llama-8b-fsdp.yaml --gpus-per-node 8 --nodes 4 --gpu h100
     hpctrain plan budget --tokens 1T --tokens-per-s 8600 --gpus 256
     hpctrain plan budget --tokens 1T --from-bench runs/bench/model-X --gpus 256 \
         --price-per-gpu-hour 2.5 --grid-gco2-per-kwh 400 --pue 1.2
     hpctrain plan interval --save-min 5 --mttf-h 24
-    hpctrain plan interval --from-run runs/pilot --gpu-mttf-h 50000 --gpus 1024
-    hpctrain plan goodput --gpu-mttf-h 50000 --gpus 1024 --save-s 20 --restart-s 300
+    hpctrain plan interval configs/llama-8b-fsdp.yaml --from-run runs/pilot --gpus 1024
+    hpctrain plan goodput checkpoint.mttf_gpu_hours=50000 --gpus 1024 --save-s 20 --restart-s 300
+
+``memory`` and ``parallel`` size what ``hpctrain train`` runs: the same CONFIG and KEY=VALUE
+overrides, read and checked by the same loader (``hpctrain.config``), mapped onto the memory
+model in one place (``MemoryOptions.from_config``). ``plan parallel`` prints the ``hpctrain
+train`` line of the layout it recommends. ``interval`` and ``goodput`` read the checkpoint
+schedule's keys (``checkpoint.mttf_gpu_hours``, ``checkpoint.max_overhead``) the same way.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,7 +30,24 @@ from hpctrain.errors import ConfigError
 from hpctrain.numeric_args import big_count, count, real
 
 if TYPE_CHECKING:
+    from hpctrain.config import JobConfig
     from hpctrain.plan.memory_options import MemoryOptions
+
+# The flags ``plan memory`` and ``plan parallel`` took before they took the training config,
+# kept (deprecated) for the commands the README showed: each is the override it stands for.
+LEGACY_FLAGS = {"model": ("--model", "model.size"), "family": ("--family", "model.family"),
+                "strategy": ("--strategy", "parallel.strategy"),
+                "ac": ("--ac", "parallel.activation_checkpointing"),
+                "micro_batch": ("--micro-batch", "train.micro_batch")}
+# What those commands assumed, without a CONFIG, where train's defaults differ.
+LEGACY_DEFAULTS = {
+    "memory": ["parallel.strategy=fsdp", "train.micro_batch=1", "data.seq_len=2048",
+               "parallel.compile=true"],
+    # 4 samples per GPU: the global batch plan parallel compared layouts at.
+    "parallel": ["train.micro_batch=4", "data.seq_len=2048", "parallel.compile=true"]}
+# What plan parallel chooses itself (the config's own values are what the layouts replace).
+CHOSEN_BY_PLAN = ("parallel.strategy", "parallel.activation_checkpointing")
+
 
 def _tokens(text: str) -> float:
     """--tokens: '300B' -> 3e11, '1T' -> 1e12, '2e9' -> 2e9 (up to 1e18)."""
@@ -40,71 +65,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "the checkpoint interval and the goodput it buys.")
     psub = p.add_subparsers(dest="plan_command", required=True, metavar="PLAN")
 
-    def model_args(q: argparse.ArgumentParser) -> None:
-        q.add_argument("--model", default=None, help="size: tiny, 125m, 1b, 8b (llama); "
-                       "tiny, qwen2.5-0.5b, qwen3-0.6b, ... (--family qwen)")
-        q.add_argument("--family", default="llama", help="the model family of --model")
-        q.add_argument("--dim", type=count(1, 1 << 20), help="model width (default: the size's)")
-        q.add_argument("--layers", type=count(1, 100_000),
-                       help="transformer blocks (default: the size's)")
-        q.add_argument("--heads", type=count(1, 1 << 16),
-                       help="attention heads (default: the size's)")
-        q.add_argument("--kv-heads", type=count(1, 1 << 16),
-                       help="key/value heads, fewer for GQA (default: the size's)")
-        q.add_argument("--ffn-dim", type=count(1, 1 << 22),
-                       help="feed-forward width (default: the size's)")
-        q.add_argument("--vocab", type=count(1, 1 << 31),
-                       help="vocabulary size (default: the size's)")
-        q.add_argument("--seq-len", type=count(1, 1 << 24), default=2048, help="tokens per sample")
-        q.add_argument("--precision", default="bf16", help="bf16, fp16, fp32 or fp8")
-        q.add_argument("--master-weights", default="fp32",
-                       help="train.master_weights: fp32 or bf16 (with --precision bf16: pure "
-                       "bf16 training, parameters, gradients and AdamW moments in bf16)")
-        q.add_argument("--gpu", default=None, help="h100, h200, a100-40, ... or memory in GB")
-
-    m = psub.add_parser("memory", help="per-GPU memory for a model, strategy and batch")
-    model_args(m)
-    m.add_argument("--strategy", default="fsdp", help="none, ddp or fsdp")
-    m.add_argument("--gpus", type=count(1, 1 << 24), default=1, help="data-parallel GPUs")
-    m.add_argument("--zero", type=count(2, 3), default=3, help="FSDP: 3 (reshard) or 2")
-    m.add_argument("--tp", type=count(1, 1 << 16), default=1, help="tensor-parallel degree")
-    m.add_argument("--pp", type=count(1, 1 << 16), default=1, help="pipeline-parallel degree")
-    m.add_argument("--pp-schedule", default="1f1b",
-                   help="gpipe, 1f1b, interleaved_1f1b, interleaved_zb or zbv")
-    m.add_argument("--pp-microbatches", type=count(0, 1 << 20), default=0,
-                   help="micro-batches per step through the pipeline (0: pp x stages per rank)")
-    m.add_argument("--pp-stages-per-rank", type=count(0, 1 << 10), default=0,
-                   help="stages per rank for interleaved schedules (0: 2)")
-    m.add_argument("--ac", default="none",
-                   help="activation checkpointing: none, selective or full")
-    m.add_argument("--micro-batch", type=count(1, 1 << 20), default=1,
-                   help="samples per micro-batch (per pipeline micro-batch with --pp)")
-    m.add_argument("--grad-accum", type=count(1, 1 << 20), default=1,
-                   help="micro-batches accumulated per step")
-    m.add_argument("--no-compile", action="store_true", help="eager (more activations)")
-    m.add_argument("--mixed-precision", default="auto",
-                   help="parallel.mixed_precision: auto (as training picks), autocast or fsdp "
-                   "(FSDP's parameter casts, also without sharding)")
-    m.add_argument("--reduce-precision", default="fp32",
-                   help="parallel.reduce_precision: fp32 or bf16 (FSDP's path: the dtype "
-                   "gradients are reduced and accumulated over micro-batches in)")
-    m.add_argument("--fsdp-prefetch", type=count(0, 1 << 10), default=0,
-                   help="parallel.fsdp_prefetch: blocks FSDP gathers ahead (0: its own, one)")
-    m.add_argument("--fsdp-group-blocks", type=count(1, 1 << 16), default=1,
-                   help="parallel.fsdp_group_blocks: consecutive blocks per FSDP unit")
-    m.add_argument("--fp8-recipe", default="tensorwise",
-                   help="train.fp8_recipe with --precision fp8: tensorwise or rowwise")
+    m = psub.add_parser("memory", help="per-GPU memory of a training config on N GPUs",
+                        description="Per-GPU memory of what `hpctrain train CONFIG KEY=VALUE ...` "
+                        "runs on --gpus GPUs (parameters, gradients, optimizer state, working "
+                        "buffers, activations, the peak), and whether it fits --gpu.")
+    _job_args(m, legacy=("model", "family", "strategy", "ac", "micro_batch"))
+    m.add_argument("--gpus", type=count(1, 1 << 24), default=None,
+                   help="GPUs the job trains on, as train's --nproc (default: the fewest the "
+                   "config's layout needs, tp x pp x dp_replicate)")
     m.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    q = psub.add_parser("parallel", help="recommend dp/fsdp/tp/pp degrees for a cluster shape")
-    model_args(q)
+    q = psub.add_parser("parallel", help="recommend a layout for a cluster shape, as a command",
+                        description="Rank the layouts of CONFIG (strategy, tp, pp, micro-batch, "
+                        "activation checkpointing) that fit --nodes x --gpus-per-node GPUs by "
+                        "predicted tokens/s per GPU, and print the `hpctrain train` (or sbatch) "
+                        "command of the fastest.")
+    _job_args(q, legacy=("model", "family"))
     q.add_argument("--gpus-per-node", type=count(1, 1024), default=8, help="GPUs in each node")
     q.add_argument("--nodes", type=count(1, 1 << 20), default=1, help="nodes of the cluster shape")
     q.add_argument("--global-batch", type=count(1, 1 << 30), default=None,
-                   help="samples per optimizer step all layouts are compared at (default: 4 per "
-                   "GPU)")
+                   help="samples per optimizer step all layouts are compared at (default: the "
+                   "config's, train.micro_batch x train.grad_accum x its data-parallel degree "
+                   "on these GPUs)")
     q.add_argument("--top", type=count(1, 10_000), default=5, help="how many layouts to list")
-    q.add_argument("--config", default="config.yaml", help="config file named in the command")
 
     b = psub.add_parser("budget", help="walltime and GPU-hours from tokens and tokens/s")
     b.add_argument("--tokens", type=_tokens, required=True, help="tokens to train, e.g. 300B or 1T")
@@ -129,13 +112,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--pue", type=real(1, 10), default=1.0,
                    help="data-centre power usage effectiveness (1.0 = GPUs only)")
 
-    def mttf_args(q: argparse.ArgumentParser) -> None:
+    def mttf_args(q: argparse.ArgumentParser, keys: str) -> None:
+        q.add_argument("job", nargs="*", metavar="[CONFIG] KEY=VALUE",
+                       help=f"the training config and its overrides, as `hpctrain train` takes "
+                       f"them: {keys} as the training schedule reads them (no CONFIG: train's "
+                       "defaults)")
         q.add_argument("--mttf-h", type=real(0, 1e9, open_min=True), default=None,
                        help="MTTF of the whole job, hours")
-        q.add_argument("--gpu-mttf-h", type=real(0, 1e12, open_min=True), default=None,
-                       help="MTTF of one GPU, hours (e.g. 50000); with --gpus")
         q.add_argument("--gpus", type=count(1, 1 << 24), default=None,
-                       help="GPUs in the job (with --gpu-mttf-h)")
+                       help="GPUs in the job: its MTTF is checkpoint.mttf_gpu_hours over them")
         q.add_argument("--from-run", type=Path, default=None,
                        help="run directory: what a save (and a restart) cost it, measured "
                        "(its goodput ledgers: stall plus the slowdown beside background "
@@ -144,10 +129,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     i = psub.add_parser("interval", help="Young/Daly checkpoint interval")
     i.add_argument("--save-min", type=real(0, 1e7, open_min=True), default=None,
                    help="what a save costs the run, minutes (or --from-run)")
-    i.add_argument("--max-overhead", type=real(0, 1, open_min=True), default=0.01,
-                   help="largest share of the run saves may cost, as checkpoint.max_overhead "
-                   "(default 0.01)")
-    mttf_args(i)
+    mttf_args(i, "checkpoint.mttf_gpu_hours and checkpoint.max_overhead")
 
     g = psub.add_parser("goodput", help="expected goodput under failures (Daly's model)")
     g.add_argument("--save-s", type=real(0, 1e9, open_min=True), default=None,
@@ -156,7 +138,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="what a restart costs: gap and start-up, seconds (or --from-run)")
     g.add_argument("--interval-min", type=real(0, 1e9, open_min=True), default=None,
                    help="training time between saves, minutes (default: Daly's optimum)")
-    mttf_args(g)
+    mttf_args(g, "checkpoint.mttf_gpu_hours")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -165,12 +147,55 @@ def run(args: argparse.Namespace) -> None:
      "interval": _interval, "goodput": _goodput}[args.plan_command](args)
 
 
-def _model(args: argparse.Namespace):
-    from hpctrain.plan.memory_options import resolve_model
+def _job_args(q: argparse.ArgumentParser, legacy: tuple[str, ...]) -> None:
+    """CONFIG and KEY=VALUE overrides as ``hpctrain train`` takes them, --gpu, and the
+    deprecated flags of ``legacy`` (hidden; each prints the override it stands for)."""
+    q.add_argument("job", nargs="*", metavar="[CONFIG] KEY=VALUE",
+                   help="the training config (YAML) and its overrides, exactly as `hpctrain "
+                   "train` takes them, e.g. configs/llama-8b-fsdp.yaml train.micro_batch=4 "
+                   "(no CONFIG: train's defaults)")
+    q.add_argument("--gpu", default=None, help="h100, h200, a100-40, ... or memory in GB")
+    for dest in legacy:
+        q.add_argument(LEGACY_FLAGS[dest][0], dest=f"legacy_{dest}", default=None,
+                       help=argparse.SUPPRESS)
 
-    return resolve_model(args.model, args.family, dim=args.dim, n_layers=args.layers,
-                         n_heads=args.heads,
-                         n_kv_heads=args.kv_heads, ffn_dim=args.ffn_dim, vocab_size=args.vocab)
+
+def _job(args: argparse.Namespace, command: str) -> tuple[Path | None, list[str], JobConfig]:
+    """(CONFIG, overrides, the loaded config) of ``plan <command>``: read and checked by the
+    loader ``hpctrain train`` uses; deprecated flags become the overrides they stand for."""
+    from hpctrain.config import load_config
+
+    words = list(args.job)
+    config = None
+    if words and ("=" not in words[0] or Path(words[0]).exists()):
+        config = Path(words.pop(0))
+    stray = [w for w in words if "=" not in w]
+    if stray:
+        raise ConfigError(f"plan {command}: {stray[0]!r} is not a KEY=VALUE override",
+                          expected="[CONFIG] KEY=VALUE ...: one config file first, then "
+                          "dotted overrides as `hpctrain train` takes them",
+                          hint="e.g. hpctrain plan memory configs/llama-8b-fsdp.yaml "
+                          "train.micro_batch=4 --gpus 4 --gpu h100")
+    legacy = [(LEGACY_FLAGS[dest][0], value, f"{LEGACY_FLAGS[dest][1]}={value}")
+              for dest in LEGACY_FLAGS
+              if (value := getattr(args, f"legacy_{dest}", None)) is not None]
+    if legacy:
+        assumed = LEGACY_DEFAULTS[command] if config is None else []
+        words = [*assumed, *(o for _, _, o in legacy), *words]
+        print(f"hpctrain: note: {', '.join(f'{f} {v}' for f, v, _ in legacy)}: deprecated, "
+              f"write {' '.join(o for _, _, o in legacy)}"
+              + (f" (without a CONFIG these flags also assume {' '.join(assumed)})"
+                 if assumed else ""), file=sys.stderr)
+    if command == "parallel":
+        chosen = [w for w in words if w.partition("=")[0].strip() in CHOSEN_BY_PLAN]
+        if chosen:
+            raise ConfigError(f"plan parallel: {chosen[0]!r} is what plan parallel chooses",
+                              expected="overrides of what the layouts keep (model, data, "
+                              "precision, compile, ...): each layout sets its strategy, tp, "
+                              "pp, micro-batch and activation checkpointing",
+                              hint="drop it; `hpctrain plan memory CONFIG "
+                              f"{chosen[0]}` sizes that choice")
+    return config, words, load_config(config, words)
 
 
 def _memory(args: argparse.Namespace) -> None:
@@ -181,31 +206,28 @@ def _memory(args: argparse.Namespace) -> None:
     from hpctrain.plan.memory import estimate_memory, fmt_gb
     from hpctrain.plan.memory_options import MemoryOptions, gpu_memory_bytes
 
-    model = _model(args)
-    opts = MemoryOptions(strategy=args.strategy, gpus=args.gpus, zero=args.zero, tp=args.tp,
-                         pp=args.pp, precision=args.precision, ac=args.ac,
-                         micro_batch=args.micro_batch, seq_len=args.seq_len,
-                         compile=not args.no_compile, grad_accum=args.grad_accum,
-                         pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
-                         pp_stages_per_rank=args.pp_stages_per_rank,
-                         mixed_precision=args.mixed_precision,
-                         reduce_precision=args.reduce_precision,
-                         master_weights=args.master_weights,
-                         fsdp_prefetch=args.fsdp_prefetch,
-                         fsdp_group_blocks=args.fsdp_group_blocks, fp8_recipe=args.fp8_recipe)
+    _, _, cfg = _job(args, "memory")
+    pc = cfg.parallel
+    gpus = args.gpus or pc.tp * pc.pp * pc.dp_replicate
+    chosen = _resolve_auto(cfg, gpus, args.gpu)
+    if chosen and not args.json:
+        print(f"auto on {gpus} x {args.gpu}: {chosen}")
+    opts = MemoryOptions.from_config(cfg, gpus)
+    model = cfg.model.resolve()
     gpu = gpu_memory_bytes(args.gpu) if args.gpu else None
     plan = estimate_memory(model, opts, gpu)
     path = opts.mixed_precision_path(model)
     if args.json:
         print(json.dumps({**plan.__dict__, "fits": plan.fits, "mixed_precision": path,
-                          "master_weights": opts.master_weights}, indent=2))
+                          "master_weights": opts.master_weights, "gpus": gpus}, indent=2))
         return
     n = count_params(model, include_embedding=True)
     layout = f"{opts.strategy}" + (f" ZeRO-{opts.zero}" if opts.strategy == "fsdp" else "")
     pipeline = (f" ({opts.pp_schedule}, {opts.microbatches} micro-batches, "
                 f"{opts.stages_per_rank} stage{'s' if opts.stages_per_rank > 1 else ''} per rank)"
                 if opts.pp > 1 else "")
-    title = (f"{args.model or 'custom'} ({n / 1e9:.2f}B params), {layout} over {opts.gpus} GPU"
+    name = cfg.model.init_from or cfg.model.size
+    title = (f"{name} ({n / 1e9:.2f}B params), {layout} over {opts.gpus} GPU"
              f"{'s' if opts.gpus > 1 else ''}, tp {opts.tp}, pp {opts.pp}{pipeline}, "
              f"{opts.precision}{_path_title(opts, path)}, AC {opts.ac}, micro-batch "
              f"{opts.micro_batch} x {opts.seq_len}"
@@ -241,6 +263,27 @@ def _memory(args: argparse.Namespace) -> None:
             console.print(f"  - {s}")
 
 
+def _resolve_auto(cfg: JobConfig, gpus: int, gpu: str | None, *, must_fit: bool = True
+                  ) -> str | None:
+    """Choose the config's ``auto`` values for ``gpus`` GPUs of type ``gpu`` as training does
+    at start (hpctrain.plan.auto); what they became, as overrides (None: nothing was auto)."""
+    from hpctrain.plan.auto import Gpu, auto_keys, resolve_auto
+    from hpctrain.plan.memory_options import gpu_memory_bytes
+    from hpctrain.plan.parallel import DEFAULT_PEAK_TFLOPS, gpu_peak_tflops
+
+    keys = auto_keys(cfg)
+    if keys and gpu is None:
+        raise ConfigError(f"{', '.join(keys)} = auto: chosen at start for the GPUs the run has",
+                          expected="--gpu TYPE (or GB) to choose them for",
+                          hint="add --gpu h100 (for example), or give the values as overrides")
+    if not keys and cfg.train.global_batch_tokens is None:
+        return None
+    peak = gpu_peak_tflops(gpu, cfg.train.precision) if gpu else None
+    chosen = resolve_auto(cfg, gpus, Gpu(gpu or "gpu", gpu_memory_bytes(gpu) if gpu else 0.0,
+                                         peak or DEFAULT_PEAK_TFLOPS), must_fit=must_fit)
+    return chosen.summary() if chosen is not None and keys else None
+
+
 # How the title names each mixed-precision path (``MemoryOptions.mixed_precision_path``).
 _PATHS = {"none": "", "autocast": " (autocast)", "fsdp": " (FSDP casts)",
           "pure": " (pure bf16: bf16 parameters, gradients and AdamW moments)"}
@@ -255,30 +298,71 @@ def _path_title(opts: MemoryOptions, path: str) -> str:
 
 
 def _parallel(args: argparse.Namespace) -> None:
-    from hpctrain.plan.memory_options import gpu_memory_bytes
-    from hpctrain.plan.parallel import describe, gpu_peak_tflops, rank_layouts
+    from hpctrain.config import load_config
+    from hpctrain.parallel.layout import check_layout
+    from hpctrain.plan.memory_options import MemoryOptions, gpu_memory_bytes
+    from hpctrain.plan.parallel import (
+        ParallelPlan,
+        describe,
+        global_batch,
+        gpu_peak_tflops,
+        rank_layouts,
+    )
 
     if not args.gpu:
         raise ConfigError("plan parallel needs the GPU memory", expected="--gpu h100 or --gpu 80")
-    peak = gpu_peak_tflops(args.gpu, args.precision)
-    plans = rank_layouts(_model(args), gpus_per_node=args.gpus_per_node, nodes=args.nodes,
-                         gpu_bytes=gpu_memory_bytes(args.gpu), seq_len=args.seq_len,
-                         precision=args.precision, peak=peak, global_batch=args.global_batch,
-                         master_weights=args.master_weights)
+    config, overrides, cfg = _job(args, "parallel")
+    pc = cfg.parallel
+    total = args.gpus_per_node * args.nodes
+    batch = args.global_batch or global_batch(cfg, total)[0]
+    # What every layout keeps of the config: sized on the fewest ranks its own layout needs
+    # (its auto values chosen there; the layouts choose strategy, batch shape and AC again).
+    _resolve_auto(cfg, pc.tp * pc.pp * pc.dp_replicate, args.gpu, must_fit=False)
+    base = MemoryOptions.from_config(cfg, pc.tp * pc.pp * pc.dp_replicate)
+    peak = gpu_peak_tflops(args.gpu, cfg.train.precision)
+    if pc.dp_replicate != 1:  # the layouts shard over all data-parallel ranks (no HSDP)
+        overrides = [*overrides, "parallel.dp_replicate=1"]
+    if args.global_batch and cfg.train.global_batch_tokens is not None:  # the batch compared
+        overrides = [*overrides,
+                     f"train.global_batch_tokens={args.global_batch * cfg.data.seq_len}"]
+    refused: dict[str, str] = {}
+
+    def refusal(plan: ParallelPlan) -> str | None:
+        """Why `hpctrain train` would refuse the layout's command (rules the memory model
+        does not know, e.g. tied embeddings with tp/pp), checked as it checks it first."""
+        try:
+            job = load_config(config, [*overrides, *plan.overrides()])
+            _resolve_auto(job, total, args.gpu, must_fit=False)  # what is left to auto
+            check_layout(job, total)
+        except ConfigError as e:
+            refused[describe(plan)] = e.what
+            return e.what
+        return None
+
+    plans = rank_layouts(cfg.model.resolve(), base, gpus_per_node=args.gpus_per_node,
+                         nodes=args.nodes, gpu_bytes=gpu_memory_bytes(args.gpu), peak=peak,
+                         global_batch=batch, refusal=refusal)
     best = plans[0]
     print(f"strategy {best.strategy}: data {best.dp} x tensor {best.tp} x pipeline {best.pp}, "
           f"micro-batch {best.micro_batch}, activation checkpointing {best.ac}, "
-          f"~{best.memory.peak / 1e9:.1f} GB per GPU")
+          f"~{best.memory.peak / 1e9:.1f} GB per GPU, global batch {batch} samples")
     for line in best.explanation:
         print(f"  {line}")
     if peak is None:
         print("  (GPU given by memory only: speeds assume an H100's 989 TFLOP/s)")
-    command = best.command(args.config, args.model or "custom", args.gpus_per_node, args.nodes)
+    command = best.command(str(config) if config else None, overrides, args.gpus_per_node,
+                           args.nodes)
     print(f"\n  {command}")
+    if config is None:
+        print("  (CONFIG: your config; the overrides above state everything this plan "
+              "assumed beyond train's defaults)")
     print(f"\n{len(plans)} layouts fit; the fastest {min(args.top, len(plans))} by predicted "
           "tokens/s per GPU:")
     for i, plan in enumerate(plans[: args.top], start=1):
         print(f"  {i}. {describe(plan)}")
+    if refused:
+        why = next(iter(refused.values()))
+        print(f"({len(refused)} more fit but training refuses them, e.g.: {why})")
 
 
 def _budget(args: argparse.Namespace) -> None:
@@ -326,15 +410,19 @@ def _budget(args: argparse.Namespace) -> None:
         print(f"WARNING: {b.warning}")
 
 
-def _mttf_hours(args: argparse.Namespace) -> float:
+def _mttf_s(args: argparse.Namespace, cfg: JobConfig) -> float:
+    """The job's MTTF in seconds: --mttf-h, else checkpoint.mttf_gpu_hours over --gpus GPUs
+    (the expression the training schedule uses, so both give the same interval)."""
     from hpctrain.plan.interval import job_mttf
 
     if args.mttf_h is not None:
-        return args.mttf_h
-    if args.gpu_mttf_h is not None and args.gpus is not None:
-        return job_mttf(args.gpu_mttf_h, args.gpus)
-    raise ConfigError("no MTTF given", expected="--mttf-h H, or --gpu-mttf-h H with --gpus N",
-                      hint="Llama 3 saw ~50,000 GPU-hours per GPU: --gpu-mttf-h 50000")
+        return args.mttf_h * 3600
+    if args.gpus is not None:
+        return job_mttf(cfg.checkpoint.mttf_gpu_hours * 3600, args.gpus)
+    raise ConfigError("no MTTF given", expected="--mttf-h H (the whole job's), or --gpus N: "
+                      f"checkpoint.mttf_gpu_hours ({cfg.checkpoint.mttf_gpu_hours:g}) over N GPUs",
+                      hint="Llama 3 saw ~50,000 GPU-hours per GPU, the default; "
+                      "checkpoint.mttf_gpu_hours=H sets another")
 
 
 def _measured(args: argparse.Namespace, given: float | None, key: str, flag: str) -> float:
@@ -355,13 +443,10 @@ def _measured(args: argparse.Namespace, given: float | None, key: str, flag: str
 
 
 def _interval(args: argparse.Namespace) -> None:
-    from hpctrain.plan.interval import auto_interval, daly_interval, job_mttf, young_interval
+    from hpctrain.plan.interval import auto_interval, daly_interval, young_interval
 
-    if args.mttf_h is None and args.gpu_mttf_h is not None and args.gpus is not None:
-        # The expression the training schedule uses, so both give the same interval.
-        mttf_s = job_mttf(args.gpu_mttf_h * 3600, args.gpus)
-    else:
-        mttf_s = _mttf_hours(args) * 3600
+    _, _, cfg = _job(args, "interval")
+    mttf_s = _mttf_s(args, cfg)
     if args.save_min is not None:
         save_s, source = args.save_min * 60, "given"
     else:
@@ -370,7 +455,7 @@ def _interval(args: argparse.Namespace) -> None:
     print(f"job MTTF {mttf_s / 3600:.2f} h, checkpoint save {_seconds(save_s)} ({source})")
     print(f"Young: checkpoint every {young_interval(save_s, mttf_s) / 60:.1f} min")
     print(f"Daly:  checkpoint every {daly_interval(save_s, mttf_s) / 60:.1f} min")
-    auto = auto_interval(save_s, mttf_s, args.max_overhead)
+    auto = auto_interval(save_s, mttf_s, cfg.checkpoint.max_overhead)
     print(f"auto:  checkpoint every {auto.reason()} (checkpoint.interval=auto)")
 
 
@@ -381,7 +466,8 @@ def _seconds(s: float) -> str:
 def _goodput(args: argparse.Namespace) -> None:
     from hpctrain.plan.goodput import predict_goodput
 
-    mttf_s = _mttf_hours(args) * 3600
+    _, _, cfg = _job(args, "goodput")
+    mttf_s = _mttf_s(args, cfg)
     save_s = _measured(args, args.save_s, "checkpoint_cost_s", "--save-s")
     restart_s = _measured(args, args.restart_s, "restart_cost_s", "--restart-s")
     interval = args.interval_min * 60 if args.interval_min is not None else None

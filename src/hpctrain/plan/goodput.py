@@ -13,7 +13,7 @@ so goodput = τ / (M · e^(R/M) · (e^((τ+δ)/M) − 1)). To first order the lo
 printed scales these to the exact total. Start-up of the first attempt, data waits and
 validation are not failures and are left out (see ``hpctrain plan budget`` for the whole run).
 
-    hpctrain plan goodput --gpu-mttf-h 50000 --gpus 1024 --save-s 20 --restart-s 300
+    hpctrain plan goodput --gpus 1024 --save-s 20 --restart-s 300   # checkpoint.mttf_gpu_hours
     hpctrain plan goodput --mttf-h 24 --from-run runs/pilot --interval-min 30
 """
 

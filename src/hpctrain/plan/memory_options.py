@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from hpctrain.errors import ConfigError
 from hpctrain.models import ModelArgs, count_params, get_family
@@ -20,8 +21,11 @@ from hpctrain.parallel.config import (
     mixed_precision_path,
 )
 from hpctrain.parallel.float8 import FP8_RECIPES, Float8Training, float8_all_gather
-from hpctrain.parallel.layout import check_loss_chunks, check_tensor_parallel
+from hpctrain.parallel.layout import check_layout, check_loss_chunks, check_tensor_parallel
 from hpctrain.parallel.selective_ac import SAVE_MM
+
+if TYPE_CHECKING:
+    from hpctrain.config import JobConfig
 
 STRATEGIES = ("none", "ddp", "fsdp")
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
@@ -71,6 +75,46 @@ class MemoryOptions:
     fsdp_group_blocks: int = 1
     # train.fp8_recipe, with precision fp8: tensorwise or rowwise scales (module docstring).
     fp8_recipe: str = "tensorwise"
+
+    @classmethod
+    def from_config(cls, cfg: JobConfig, gpus: int) -> MemoryOptions:
+        """What the memory model sizes of the job ``cfg`` trained on ``gpus`` ranks.
+
+        The one mapping from the training config onto the memory model: ``plan memory``,
+        ``plan parallel`` and ``tune`` all size through it, and the layout is the trainer's own
+        (``check_layout``: refused with training's words where training refuses it).
+        """
+        pc, tc = cfg.parallel, cfg.train
+        if cfg.task:
+            raise ConfigError(
+                f"task = {cfg.task!r}: the memory model sizes the model families' models, not "
+                "a task's own model", expected="a config whose model section names the model",
+                hint="measure the task's peak instead: hpctrain bench model CONFIG")
+        if pc.activation_checkpointing == "every_k":
+            raise ConfigError(
+                "parallel.activation_checkpointing = every_k: the memory model sizes none, "
+                "selective and full only",
+                expected="none, selective or full (every_k's peak lies between none's and "
+                "full's)", hint="size both ends: parallel.activation_checkpointing=none, "
+                "then =full")
+        layout = check_layout(cfg, gpus)
+        if layout.pp > 1:
+            # Each data-parallel rank's batch is cut into the pipeline's micro-batches.
+            batch = {"micro_batch": tc.micro_batch * tc.grad_accum // layout.microbatches,
+                     "pp_microbatches": layout.microbatches}
+        else:
+            batch = {"micro_batch": tc.micro_batch, "grad_accum": tc.grad_accum}
+        return cls(strategy=pc.strategy,
+                   # FSDP shards over dp_shard (HSDP replicates the shards); DDP replicates all.
+                   gpus=layout.dp_shard if pc.strategy == "fsdp" else layout.dp,
+                   zero=3 if pc.strategy != "fsdp" or pc.reshards_after_forward else 2,
+                   tp=layout.tp, pp=layout.pp, precision=tc.precision,
+                   ac=pc.activation_checkpointing, ac_save_mm=pc.ac_save_mm,
+                   loss_chunks=tc.loss_chunks, seq_len=cfg.data.seq_len, compile=pc.compile,
+                   pp_schedule=pc.pp_schedule, pp_stages_per_rank=pc.pp_stages_per_rank,
+                   mixed_precision=pc.mixed_precision, reduce_precision=pc.reduce_precision,
+                   master_weights=tc.master_weights, fsdp_prefetch=pc.fsdp_prefetch,
+                   fsdp_group_blocks=pc.fsdp_group_blocks, fp8_recipe=tc.fp8_recipe, **batch)
 
     def mixed_precision_path(self, args: ModelArgs) -> str:
         """'fsdp', 'autocast', 'pure' (bf16 master weights without FSDP) or 'none' (fp32): how

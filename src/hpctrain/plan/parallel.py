@@ -35,6 +35,8 @@ ranks layouts; its absolute numbers are estimates.
 from __future__ import annotations
 
 import dataclasses
+import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hpctrain.errors import ConfigError
@@ -71,71 +73,92 @@ class ParallelPlan:
     microbatches: int = 1  # per step: accumulated, or the pipeline's
     tokens_per_s: float = 0.0  # predicted, per GPU
     step_parts: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds
-    master_weights: str = "fp32"  # train.master_weights the layout was sized with
+    options: MemoryOptions = dataclasses.field(default_factory=MemoryOptions)  # as sized
+    # (key, value) the layout sets back from the config's own: what the planner's layouts
+    # cannot take (the chunked loss with tp/pp, FSDP's schedule without FSDP) or assume.
+    resets: list[tuple[str, object]] = dataclasses.field(default_factory=list)
 
     def overrides(self) -> list[str]:
-        """The config overrides that train this layout."""
-        out = [f"parallel.strategy={self.strategy}", f"train.micro_batch={self.micro_batch}",
+        """The config overrides that train this layout on top of the config it was planned
+        for: every key the planner chose, and the ones it set back (``self.options``)."""
+        o = self.options
+        out = [f"parallel.strategy={self.strategy}", f"parallel.tp={self.tp}",
+               f"parallel.pp={self.pp}", f"train.micro_batch={self.micro_batch}",
+               f"train.grad_accum={self.microbatches}",
                f"parallel.activation_checkpointing={self.ac}"]
-        if self.master_weights == "bf16":  # sized as pure bf16: train it so
-            out += ["train.precision=bf16", "train.master_weights=bf16"]
-        if self.microbatches > 1:  # accumulated, or the pipeline's micro-batches
-            out.append(f"train.grad_accum={self.microbatches}")
-        if self.tp > 1:
-            out.append(f"parallel.tp={self.tp}")
-        if self.pp > 1:
-            out += [f"parallel.pp={self.pp}", "parallel.pp_schedule=1f1b"]
+        if self.pp > 1:  # the micro-batch above is the pipeline's; one per accumulated one
+            out += [f"parallel.pp_schedule={o.pp_schedule}", "parallel.pp_microbatches=0"]
+        out += [f"{key}={value}" for key, value in self.resets]
         return out
 
-    def command(self, config: str, model: str, gpus_per_node: int, nodes: int) -> str:
-        """The command line that trains this layout."""
-        overrides = " ".join([f"model.size={model}", *self.overrides()])
+    def command(self, config: str | None, overrides: list[str], gpus_per_node: int,
+                nodes: int) -> str:
+        """The command line that trains this layout: ``config`` (None: the word CONFIG, for the
+        user's), the ``overrides`` it was planned with (less those the layout sets), then the
+        layout's."""
+        mine = self.overrides()
+        keys = {o.partition("=")[0] for o in mine}
+        kept = [o for o in overrides if o.partition("=")[0].strip() not in keys]
+        words = " ".join(shlex.quote(w) for w in [config or "CONFIG", *kept, *mine])
         if nodes == 1:
-            return f"hpctrain train {config} {overrides} --nproc {gpus_per_node}"
-        return (f"hpctrain sbatch {config} {overrides} --nodes {nodes} "
+            return f"hpctrain train {words} --nproc {gpus_per_node}"
+        return (f"hpctrain sbatch {words} --nodes {nodes} "
                 f"--tasks-per-node {gpus_per_node} --gpus-per-node {gpus_per_node}")
 
 
-def rank_layouts(args: ModelArgs, *, gpus_per_node: int, nodes: int, gpu_bytes: float,
-                 seq_len: int = 2048, precision: str = "bf16", peak: float | None = None,
-                 global_batch: int | None = None, master_weights: str = "fp32"
+def rank_layouts(args: ModelArgs, base: MemoryOptions | None = None, *, gpus_per_node: int,
+                 nodes: int, gpu_bytes: float, peak: float | None = None,
+                 global_batch: int | None = None,
+                 refusal: Callable[[ParallelPlan], str | None] | None = None
                  ) -> list[ParallelPlan]:
-    """Every layout that fits, fastest first (predicted tokens/s per GPU)."""
+    """Every layout that fits, fastest first (predicted tokens/s per GPU).
+
+    ``base`` is the training setup the layouts vary (``MemoryOptions.from_config`` of the
+    config: sequence, precision, compile, ...); each layout sets its strategy, degrees,
+    micro-batch and checkpointing, and sets back what that layout cannot take. ``refusal``
+    says why training would refuse a layout (None: it accepts it); those are left out.
+    """
+    base = base or MemoryOptions()
     if gpus_per_node < 1 or nodes < 1:
         raise ConfigError(f"{nodes} nodes x {gpus_per_node} GPUs", expected="positive counts")
     # A bad precision or master-weights choice is said as such, not as "no layout fits".
-    MemoryOptions(precision=precision, master_weights=master_weights, seq_len=seq_len
-                  ).validate(args)
+    dataclasses.replace(base, strategy="none", gpus=1, tp=1, pp=1, loss_chunks=0,
+                        fsdp_prefetch=0, fsdp_group_blocks=1, mixed_precision="auto",
+                        reduce_precision="fp32").validate(args)
     total = gpus_per_node * nodes
     batch = global_batch or 4 * total
     peak = peak or DEFAULT_PEAK_TFLOPS
     plans = []
-    for tp in _tp_degrees(args, gpus_per_node, seq_len):
-        for pp in _pp_degrees(args, total // tp):
+    for tp in tp_degrees(args, gpus_per_node, base.seq_len):
+        for pp in pp_degrees(args, total // tp):
             dp = total // (tp * pp)
             if batch % dp:
                 continue
-            for strategy in _strategies(tp, pp, dp):
+            for strategy in strategies(tp, pp, dp):
+                layout, resets = _layout(base, strategy, dp, tp, pp)
                 best = None
-                for opts, mem in _fitting(args, gpu_bytes, batch // dp, strategy=strategy,
-                                          gpus=dp, tp=tp, pp=pp, seq_len=seq_len,
-                                          precision=precision,
-                                          master_weights=master_weights):
+                for opts, mem in _fitting(args, gpu_bytes, batch // dp, layout):
                     accum = batch // dp // opts.micro_batch
                     plan = ParallelPlan(strategy, dp, tp, pp, opts.micro_batch, opts.ac, mem,
-                                        [], accum, master_weights=master_weights)
+                                        [], accum, options=opts, resets=resets)
                     predict_step(plan, args, opts, gpus_per_node, peak)
                     if best is None or plan.tokens_per_s > best.tokens_per_s:
                         best = plan
                 if best is not None:
                     plans.append(best)
+    refused = {describe(p): why for p in plans if refusal and (why := refusal(p))}
+    if refused and len(refused) == len(plans):
+        raise ConfigError("every layout that fits is refused by training",
+                          lines=[f"  {layout}: {why}" for layout, why in refused.items()],
+                          hint="change the config where the reasons point")
+    plans = [p for p in plans if describe(p) not in refused]
     if not plans:
         raise ConfigError(
             f"no layout fits: {nodes} nodes x {gpus_per_node} GPUs of {fmt_gb(gpu_bytes)} at a "
             f"global batch of {batch} samples",
             expected="enough GPU memory for the model's states and activations",
-            hint="use more nodes, GPUs with more memory, a shorter sequence, or another "
-            "--global-batch",
+            hint="use more nodes, GPUs with more memory, a shorter sequence (data.seq_len), or "
+            "another --global-batch",
         )
     plans.sort(key=lambda p: -p.tokens_per_s)
     for plan in plans:
@@ -143,13 +166,29 @@ def rank_layouts(args: ModelArgs, *, gpus_per_node: int, nodes: int, gpu_bytes: 
     return plans
 
 
-def plan_parallel(args: ModelArgs, *, gpus_per_node: int, nodes: int, gpu_bytes: float,
-                  seq_len: int = 2048, precision: str = "bf16", peak: float | None = None,
-                  global_batch: int | None = None, master_weights: str = "fp32") -> ParallelPlan:
+def plan_parallel(args: ModelArgs, base: MemoryOptions | None = None, *, gpus_per_node: int,
+                  nodes: int, gpu_bytes: float, peak: float | None = None,
+                  global_batch: int | None = None) -> ParallelPlan:
     """The fastest layout that fits ``nodes`` x ``gpus_per_node`` GPUs."""
-    return rank_layouts(args, gpus_per_node=gpus_per_node, nodes=nodes, gpu_bytes=gpu_bytes,
-                        seq_len=seq_len, precision=precision, peak=peak,
-                        global_batch=global_batch, master_weights=master_weights)[0]
+    return rank_layouts(args, base, gpus_per_node=gpus_per_node, nodes=nodes,
+                        gpu_bytes=gpu_bytes, peak=peak, global_batch=global_batch)[0]
+
+
+def global_batch(cfg, gpus: int) -> tuple[int, int]:
+    """(samples per step, data-parallel degree) of the config on ``gpus`` GPUs."""
+    pc, tc = cfg.parallel, cfg.train
+    model_ranks = pc.tp * pc.pp
+    if gpus % model_ranks:
+        raise ConfigError(
+            f"{gpus} GPUs with the config's parallel.tp {pc.tp} x parallel.pp {pc.pp}",
+            expected=f"a multiple of {model_ranks} GPUs: the global batch is the config's "
+            f"micro_batch x grad_accum x data-parallel degree on the {gpus} GPUs",
+            hint=f"plan or tune for a multiple of {model_ranks} GPUs, or pass parallel.tp=1 "
+            "parallel.pp=1 (plan parallel and tune try tp and pp themselves)")
+    dp = gpus // model_ranks
+    if tc.global_batch_tokens is not None:  # fixed in tokens, whatever the GPUs
+        return tc.global_batch_tokens // cfg.data.seq_len, dp
+    return tc.micro_batch * tc.grad_accum * dp, dp
 
 
 def gpu_peak_tflops(gpu: str, precision: str) -> float | None:
@@ -165,17 +204,22 @@ def gpu_peak_tflops(gpu: str, precision: str) -> float | None:
         return peak_tflops(gpu, "bf16" if precision == "fp8" else precision)
 
 
-def _tp_degrees(args: ModelArgs, gpus_per_node: int, seq_len: int) -> list[int]:
-    return [t for t in range(1, gpus_per_node + 1) if gpus_per_node % t == 0
+def tp_degrees(args: ModelArgs, gpus: int, seq_len: int) -> list[int]:
+    """Tensor-parallel degrees that divide ``gpus`` and every size tensor parallelism splits
+    (heads, KV heads, FFN width, vocabulary, sequence): the ones plan parallel and tune try."""
+    return [t for t in range(1, gpus + 1) if gpus % t == 0
             and all(x % t == 0 for x in (args.n_heads, args.n_kv_heads, args.ffn_dim,
                                          args.vocab_size, seq_len))]
 
 
-def _pp_degrees(args: ModelArgs, ranks: int) -> list[int]:
+def pp_degrees(args: ModelArgs, ranks: int) -> list[int]:
+    """Pipeline degrees plan parallel and tune try: powers of two dividing ``ranks``, one layer
+    per stage at least."""
     return [p for p in (1, 2, 4, 8, 16, 32, 64) if p <= args.n_layers and ranks % p == 0]
 
 
-def _strategies(tp: int, pp: int, dp: int) -> list[str]:
+def strategies(tp: int, pp: int, dp: int) -> list[str]:
+    """The data-parallel strategies the trainer accepts for a dp x tp x pp layout."""
     if dp == 1:
         return ["none"]
     if tp == 1 and pp == 1:
@@ -183,18 +227,44 @@ def _strategies(tp: int, pp: int, dp: int) -> list[str]:
     return ["fsdp"]  # the trainer refuses DDP with TP or PP
 
 
-def _fitting(args: ModelArgs, gpu_bytes: float, replica_batch: int, **kw):
+def _layout(base: MemoryOptions, strategy: str, dp: int, tp: int, pp: int
+            ) -> tuple[MemoryOptions, list[tuple[str, object]]]:
+    """``base`` laid out as ``strategy`` over dp x tp x pp, and the config keys set back for it
+    (the trainer refuses the chunked loss with tp/pp and FSDP's schedule without FSDP)."""
+    changes: dict[str, object] = {}
+    if tp * pp > 1 and base.loss_chunks:
+        changes["loss_chunks"] = 0
+    if strategy != "fsdp":
+        changes.update({k: v for k, v in (("fsdp_prefetch", 0), ("fsdp_group_blocks", 1))
+                        if getattr(base, k) != v})
+    if base.mixed_precision == "autocast" and strategy == "fsdp" or (
+            base.mixed_precision == "fsdp" and strategy == "ddp"):
+        changes["mixed_precision"] = "auto"  # the casts this strategy refuses
+    if strategy == "fsdp" and pp == 1 and base.zero == 2:
+        changes["zero"] = 3  # sized, and the step model timed, resharding after forward
+    keys = {"loss_chunks": "train.loss_chunks", "zero": "parallel.reshard_after_forward"}
+    resets = [(keys.get(k, f"parallel.{k}"), "true" if k == "zero" else v)
+              for k, v in changes.items()]
+    layout = dataclasses.replace(base, strategy=strategy, gpus=dp, tp=tp, pp=pp,
+                                 zero=3 if pp == 1 else 2, grad_accum=1, pp_microbatches=0,
+                                 **{"pp_schedule": "1f1b", "pp_stages_per_rank": 0}
+                                 if pp > 1 else {},
+                                 **{k: v for k, v in changes.items() if k != "zero"})
+    return layout, resets
+
+
+def _fitting(args: ModelArgs, gpu_bytes: float, replica_batch: int, layout: MemoryOptions):
     """(options, memory) of each micro-batch that fits, without recomputation where possible."""
-    pp = kw["pp"]
+    pp = layout.pp
     for ac in ("none", "full"):
         found = False
         for mb in MICRO_BATCHES:
             if replica_batch % mb or (pp > 1 and replica_batch // mb < pp):
                 continue
             accum = replica_batch // mb
-            opts = MemoryOptions(ac=ac, micro_batch=mb, **kw,
-                                 **({"pp_microbatches": accum} if pp > 1
-                                    else {"grad_accum": accum}))
+            opts = dataclasses.replace(layout, ac=ac, micro_batch=mb,
+                                       **({"pp_microbatches": accum} if pp > 1
+                                          else {"grad_accum": accum}))
             try:
                 plan = estimate_memory(args, opts, gpu_bytes, suggest=False)
             except ConfigError:
@@ -257,7 +327,7 @@ def predict_step(plan: ParallelPlan, args: ModelArgs, opts: MemoryOptions, gpus_
 
 def _rank_params(memory: MemoryPlan, plan: ParallelPlan, opts: MemoryOptions) -> float:
     """Parameters a GPU holds before data-parallel sharding (from the master weights' bytes)."""
-    shard = plan.dp if plan.strategy == "fsdp" else 1
+    shard = opts.gpus if plan.strategy == "fsdp" else 1  # FSDP's shard group (HSDP: dp_shard)
     return memory.params / opts.master_bytes * shard
 
 

@@ -6,14 +6,28 @@
       data: /scratch/imagenet    # `hpctrain data pack-images` output (train/ and val/ splits)
       image_size: 224
       label_smoothing: 0.1
+      decode_threads: 1          # how images are decoded: see "Decode choices" below
+      cpu_fraction: 0.0
 
 Each micro-batch arrives as encoded JPEG bytes (`ImageShards` through hpctrain's loader: global
 order, equal per-rank counts, exact resume) and is decoded, cropped, flipped and normalised on
 the model's device (`ImagePipeline`: nvJPEG on CUDA, Pillow on the CPU), ``channels_last``, bf16
 on the GPU, in the loader's prefetch thread (`DecodeAhead`), overlapping the training step. The
-crops are seeded by the batch's sample keys, so a resume crops bit-identically. Validation is the
+crops are seeded by the batch's sample keys, so a resume crops bit-identically. An image that
+does not decode is skipped (counted, and named in a warning): a step's loss is the mean over the
+images that decoded in all its micro-batches and ranks, each weighing the same. ``mixup``
+(none by default; mixup, cutmix or both) mixes each training batch on the device and its loss
+mixes the labels alike; top-1/top-5 count the images' own labels. Validation is the
 centre crop, every sample of the ``val`` split counted once over all ranks (top-1/top-5 exact,
 `hpctrain.train.exact_eval`).
+
+Decode choices (``task_args``; `benchmarks/images.py --b-variants` trains once per choice):
+nvJPEG on a side stream ahead of the step is the default on CUDA; ``cpu_fraction`` (0..1) of
+each batch's JPEGs go to Pillow on ``decode_threads`` host threads while nvJPEG decodes the
+rest (1: all on the host); ``decode_min_side`` lets Pillow decode at reduced size;
+``decode_ahead: false`` decodes in the step on its own stream (serially: the baseline). Training
+metrics carry ``decode_ms_per_image`` (and ``augment_ms_per_image`` where measured without a
+sync: on the side stream's events, or on the CPU).
 """
 
 from __future__ import annotations
@@ -22,14 +36,22 @@ import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.config import from_dict
-from hpctrain.data.images import DecodeAhead, ImagePipeline, ImageShards, PreparedImages
+from hpctrain.data.images import (
+    DecodeAhead,
+    EncodedImages,
+    ImagePipeline,
+    ImageShards,
+    PreparedImages,
+    collate_images,
+)
+from hpctrain.data.images.mix import Mixing, MixMode
 from hpctrain.data.images.reader import IMAGES_FORMAT
 from hpctrain.data.tar_samples import MANIFEST
 from hpctrain.errors import ConfigError
@@ -56,15 +78,28 @@ class ImageTaskConfig:
     crop_scale_min: float = 0.08
     # Random horizontal flips (off for images whose class changes when mirrored: text, digits).
     hflip: bool = True
-    # Only "none" so far: mixup/cutmix would mix the labels of the batch.
-    mixup: Literal["none"] = "none"
+    # Mixup/CutMix of each training batch on the device (`hpctrain.data.images.mix`): none,
+    # mixup, cutmix, or both (one of the two per batch, DeiT's way), with Beta(alpha, alpha)
+    # weights drawn from the batch's sample keys (a resume mixes the same way). The loss mixes
+    # the labels with the same weight; top-1/top-5 count the images' own labels.
+    mixup: MixMode = "none"
+    mixup_alpha: float = 0.8
+    cutmix_alpha: float = 1.0
     # ResNet: each block's last BatchNorm gain starts at 0 (Goyal et al. 2017).
     zero_init_residual: bool = True
     channels_last: bool = True
+    # How images are decoded (the GPU benchmark measures which wins; see the module docstring):
     # Pillow decoding threads per rank, and (on CUDA) the share of each batch they decode
     # while nvJPEG decodes the rest: a knob for the balance of CPU and GPU per machine.
     decode_threads: int = 1
     cpu_fraction: float = 0.0
+    # Decode + augment in the loader's prefetch thread (on CUDA: a side stream), overlapping
+    # the step; false: in the step, on its own stream (serially: the baseline).
+    decode_ahead: bool = True
+    # Training: Pillow decodes a JPEG at 1/2, 1/4 or 1/8 size while its shorter side stays
+    # >= this (0: full size). nvJPEG always decodes at full size: this acts on the images
+    # Pillow decodes (all on the CPU, ``cpu_fraction`` of them on CUDA).
+    decode_min_side: int = 0
     # Seeds the crops (with each batch's sample keys: the same crops after a resume).
     augment_seed: int = 0
     # Copy each split once per node to this node-local folder first (e.g. $SLURM_TMPDIR).
@@ -96,10 +131,17 @@ class ImageTaskConfig:
         if not 0 < self.crop_scale_min <= 1:
             raise ConfigError(f"task_args.crop_scale_min = {self.crop_scale_min}",
                               expected="0 < value <= 1 (0.08 is torchvision's)")
+        if self.decode_min_side < 0:
+            raise ConfigError(f"task_args.decode_min_side = {self.decode_min_side}",
+                              expected="0 (decode at full size) or the shorter side to keep, "
+                              "e.g. 160")
         if self.decode_threads < 1 or not 0 <= self.cpu_fraction <= 1:
             raise ConfigError(f"task_args.decode_threads = {self.decode_threads}, "
                               f"cpu_fraction = {self.cpu_fraction}",
                               expected="decode_threads >= 1 and 0 <= cpu_fraction <= 1")
+        if self.mixup_alpha <= 0 or self.cutmix_alpha <= 0:
+            raise ConfigError(f"task_args.mixup_alpha = {self.mixup_alpha}, cutmix_alpha = "
+                              f"{self.cutmix_alpha}", expected="both > 0 (DeiT: 0.8 and 1.0)")
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"task_args.label_smoothing = {self.label_smoothing}",
                               expected="0 <= value < 1 (0.1 is the usual)")
@@ -118,7 +160,7 @@ class ImageClassifier:
                  build: Callable[[int, int], nn.Module] | None = None) -> None:
         self.cfg, self.num_classes, self.build = cfg, num_classes, build
         self.device = torch.device("cpu")
-        self._collates: dict[bool, DecodeAhead] = {}
+        self._decoders: dict[bool, DecodeAhead] = {}
 
     def model(self) -> nn.Module:
         """The classifier, on the trainer's device (which it remembers for the pipelines)."""
@@ -131,29 +173,42 @@ class ImageClassifier:
                               zero_init_residual=cfg.zero_init_residual))
         return model.to(memory_format=torch.channels_last) if cfg.channels_last else model
 
-    def _collate(self, train: bool, samples: list) -> tuple[PreparedImages, torch.Tensor]:
-        if train not in self._collates:
+    def _decoder(self, train: bool) -> DecodeAhead:
+        if train not in self._decoders:
             cfg = self.cfg
             # bf16 on the GPU (half the bytes; the step casts for an fp32 run), fp32 on the CPU.
             dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
             pipe = ImagePipeline(cfg.image_size, train=train, device=self.device, dtype=dtype,
                                  resize=cfg.eval_resize or None, scale=(cfg.crop_scale_min, 1.0),
                                  flip=cfg.hflip, threads=cfg.decode_threads,
-                                 cpu_fraction=cfg.cpu_fraction)
-            self._collates[train] = DecodeAhead(pipe, cfg.augment_seed)
-        return self._collates[train](samples)
+                                 cpu_fraction=cfg.cpu_fraction,
+                                 min_side=cfg.decode_min_side or None)
+            mixing = (Mixing(cfg.mixup, cfg.mixup_alpha, cfg.cutmix_alpha)
+                      if train and cfg.mixup != "none" else None)
+            self._decoders[train] = DecodeAhead(pipe, cfg.augment_seed,
+                                                side_stream=cfg.decode_ahead, mixing=mixing)
+        return self._decoders[train]
 
-    def collate(self, samples: list) -> tuple[PreparedImages, torch.Tensor]:
+    def _collate(self, train: bool, samples: list) -> tuple[Any, torch.Tensor]:
+        if not self.cfg.decode_ahead:
+            return collate_images(samples)  # the step decodes
+        return self._decoder(train)(samples)
+
+    def collate(self, samples: list) -> tuple[Any, torch.Tensor]:
         """Training batches: random-resized crops and flips, seeded by the batch's keys."""
         return self._collate(True, samples)
 
-    def eval_collate(self, samples: list) -> tuple[PreparedImages, torch.Tensor]:
+    def eval_collate(self, samples: list) -> tuple[Any, torch.Tensor]:
         """Validation batches: resize and centre crop."""
         return self._collate(False, samples)
 
     def step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict]:
-        """Cross entropy (label smoothing in training) and per-sample top-1/top-5 hits."""
+        """Cross entropy (label smoothing in training), per-sample top-1/top-5 hits and, in
+        training, the milliseconds per image spent decoding (and augmenting, where known)."""
         prepared, labels = batch
+        if isinstance(prepared, EncodedImages):  # decode_ahead=false: decode here, serially
+            prepared, labels = self._decoder(model.training).prepare(prepared, labels)
+            labels = labels.to(prepared.tensor.device, non_blocking=True)
         images = prepared.tensor
         if not torch.is_autocast_enabled(images.device.type):
             # fp32 runs (and FSDP, whose mixed precision casts its inputs itself).
@@ -164,9 +219,13 @@ class ImageClassifier:
             # Every image failed to decode: no loss to add, but a zero still tied to the graph
             # (the backward and DDP's gradient sync run as on every rank), never cross
             # entropy's NaN mean of nothing.
-            return logits.sum() * 0, topk_correct(logits.detach(), labels)
+            return (logits.sum() * 0,
+                    {**topk_correct(logits.detach(), labels), **_timings(prepared, model)})
         loss = F.cross_entropy(logits.float(), labels, label_smoothing=smoothing)
-        return loss, topk_correct(logits.detach(), labels)
+        if model.training and prepared.lam is not None:  # mixed images: mixed labels
+            partners = F.cross_entropy(logits.float(), labels.flip(0), label_smoothing=smoothing)
+            loss = prepared.lam * loss + (1 - prepared.lam) * partners
+        return loss, {**topk_correct(logits.detach(), labels), **_timings(prepared, model)}
 
 
 def classifier(build: Callable[[int, int], nn.Module] | None = None, **task_args: Any) -> Task:
@@ -185,16 +244,39 @@ def classifier(build: Callable[[int, int], nn.Module] | None = None, **task_args
     return Task(model=parts.model, data=train, eval_data=_val_split(cfg), step=parts.step,
                 collate=parts.collate, eval_collate=parts.eval_collate,
                 flops_per_sample=vision.flops_per_sample(cfg.model, cfg.image_size, num_classes),
-                shard_units=_blocks)
+                shard_units=_blocks, samples_in_batch=_labels)
+
+
+def _labels(batch: tuple[Any, torch.Tensor]) -> int:
+    """The images a micro-batch's loss is the mean over: those that decoded (decoding ahead;
+    ``decode_ahead: false`` decodes in the step, after the weights are set: all offered)."""
+    return len(batch[1])
+
+
+def _timings(prepared: PreparedImages, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The batch's decode (and augment) milliseconds per image, as metrics of training steps
+    (made on the device by a fill, not copied: no sync)."""
+    if not model.training:
+        return {}
+    device = prepared.tensor.device
+    return {f"{name}_ms_per_image": torch.full((), ms, device=device)
+            for name, ms in (("decode", prepared.decode_ms), ("augment", prepared.augment_ms))
+            if ms is not None}
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    """FSDP's units: the residual or encoder blocks (torchvision's models have the same)."""
+    """FSDP's units: a ResNet's four stages (its 16 blocks of ResNet-50 are small: per-stage
+    all-gathers are 4 instead of 16 latency-bound ones), a ViT's encoder blocks (torchvision's
+    models have the same names). Each unit's BatchNorms are one more group that keeps fp32
+    parameters (`TaskTrainer`)."""
+    if all(hasattr(model, f"layer{i}") for i in range(1, 5)):
+        return [getattr(model, f"layer{i}") for i in range(1, 5)]
     if hasattr(model, "blocks"):
         return model.blocks()
     if hasattr(model, "encoder"):  # torchvision's VisionTransformer
         return list(model.encoder.layers)
-    return [b for name in ("layer1", "layer2", "layer3", "layer4") for b in getattr(model, name)]
+    # A model of the user's own (classifier(build=...)): its children that hold parameters.
+    return [m for m in model.children() if any(True for _ in m.parameters())]
 
 
 def _val_split(cfg: ImageTaskConfig) -> ImageShards | None:

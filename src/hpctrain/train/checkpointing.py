@@ -95,7 +95,12 @@ def config_hashes(cfg: JobConfig, signature: dict[str, list[int]] | None = None
     if training.get("task") is None:  # the built-in model: hashes as before the key existed
         training.pop("task", None)
     # Extending a run (more steps) is the common reason to resume; it is not a change.
-    training["train"] = {k: v for k, v in training["train"].items() if k != "steps"}
+    train = {k: v for k, v in training["train"].items() if k != "steps"}
+    if train["global_batch_tokens"] is None:
+        del train["global_batch_tokens"]  # hashes as before the key existed
+    else:  # the batch is fixed in tokens: how it is split (plan/auto.py per GPU count) is not
+        del train["micro_batch"], train["grad_accum"]
+    training["train"] = train
     model = full["model"] if signature is None else signature
     return {"model_hash": digest(model), "config_hash": digest(training)}
 

@@ -14,8 +14,15 @@ class TrainConfig:
 
     steps: int = 300
     # Samples per rank per micro-batch; the global batch is micro_batch * grad_accum * ranks.
-    micro_batch: int = 8
+    # auto (with global_batch_tokens): the largest that fits, chosen at start (plan/auto.py).
+    micro_batch: int | Literal["auto"] = 8
+    # With global_batch_tokens, derived at start: global_batch_tokens / (micro_batch x
+    # data-parallel ranks x data.seq_len); a value given beside it must equal that.
     grad_accum: int = 1
+    # The global batch in tokens per optimizer step (unset: micro_batch x grad_accum x ranks
+    # samples). Fixed whatever the GPU count, micro-batch or grad_accum: `auto` and a resume
+    # on another GPU count change how it is split, never the mathematics.
+    global_batch_tokens: int | None = None
     # fp8: parameters and most ops in bf16, the blocks' Linear matmuls in float8 (torchao; needs
     # an H100-class GPU: see hpctrain.parallel.float8).
     precision: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
@@ -49,8 +56,20 @@ class TrainConfig:
     def validate(self) -> None:
         """Check sizes and the clip value."""
         for key in ("steps", "micro_batch", "grad_accum"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"train.{key} = {getattr(self, key)} must be >= 1")
+            value = getattr(self, key)
+            if value != "auto" and value < 1:
+                raise ConfigError(f"train.{key} = {value} must be >= 1")
+        if self.global_batch_tokens is not None and self.global_batch_tokens < 1:
+            raise ConfigError(f"train.global_batch_tokens = {self.global_batch_tokens} must be "
+                              ">= 1", hint="drop it to give the batch as micro_batch x "
+                              "grad_accum x ranks samples")
+        if self.micro_batch == "auto" and self.global_batch_tokens is None:
+            raise ConfigError(
+                "train.micro_batch = auto without train.global_batch_tokens",
+                expected="a global batch in tokens that auto splits into micro-batches: it "
+                "chooses the speed, never the batch the optimizer sees",
+                hint="add train.global_batch_tokens (e.g. 1048576 = 512 samples of 2048 "
+                "tokens), or give train.micro_batch a number")
         if self.loss_chunks < 0:
             raise ConfigError(f"train.loss_chunks = {self.loss_chunks} must be >= 0",
                               hint="0 computes the plain loss from the whole logits")

@@ -23,6 +23,7 @@ from hpctrain.models.registry import count_params
 from hpctrain.observe.goodput import GoodputClock, summary
 from hpctrain.observe.metrics import MetricsWriter
 from hpctrain.observe.profile import write_oom_snapshot
+from hpctrain.plan.auto import Resolution, resolve_auto
 from hpctrain.runtime.config import refuse_large_model_on_cpu
 from hpctrain.runtime.dist import Distributed, init_distributed, shutdown
 from hpctrain.runtime.env import ProcessEnv, detect_env
@@ -89,6 +90,7 @@ def claim_run_dir(cfg: JobConfig, env: ProcessEnv, *, fresh: bool = False,
     ``world_size``: the ranks the run will have (default: this process's job).
     ``ranks``: the caller is the local launcher, whose ranks heartbeat the lock too.
     """
+    resolve_auto(cfg, world_size or env.world_size)  # as the ranks will (a no-op once resolved)
     preflight.check_config(cfg, world_size or env.world_size)  # before --fresh moves anything
     run_dir = resolve_run_dir(cfg, env)
     # Before anything is written there: links planted in it are refused (safe_open.py), and
@@ -143,6 +145,8 @@ def run_training(cfg: JobConfig, source: Path | None = None, *, fresh: bool = Fa
     if task is None:
         check_device_fits(cfg)  # before anything is allocated
     env = detect_env()
+    # The values left to `auto`, for this run's GPUs; config.yaml records them.
+    chosen = resolve_auto(cfg, env.world_size)
     # Installed first: a signal that arrives during start-up is answered at the first step.
     preempt = PreemptionFlag(cfg.preempt)
     enable_flight_recorder(cfg.watchdog)  # before any process group: read when one starts
@@ -153,7 +157,9 @@ def run_training(cfg: JobConfig, source: Path | None = None, *, fresh: bool = Fa
         setup_rank_logging(run_dir, env, console=env.rank == 0)
         for note in notes:
             log.info("%s", note)
-        return _train(cfg, env, run_dir, ctx, preempt, source, task)
+        if chosen is not None:
+            chosen.log()
+        return _train(cfg, env, run_dir, ctx, preempt, source, task, chosen)
     finally:
         preempt.restore()
         if lock is not None:
@@ -204,7 +210,8 @@ def _claim(cfg: JobConfig, env: ProcessEnv, fresh: bool
 
 
 def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | None,
-           preempt: PreemptionFlag, source: Path | None, task: Task | None) -> TrainResult:
+           preempt: PreemptionFlag, source: Path | None, task: Task | None,
+           chosen: Resolution | None = None) -> TrainResult:
     """Everything after the lock: process group, Trainer, exit info."""
     started = time.time()
     watchdog = trainer = None
@@ -218,6 +225,8 @@ def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | 
             ctx = init_distributed(cfg.run, env, cfg.parallel)
             goodput.startup_part("process_group")
         log_device_binding(log, env, ctx.device)
+        if chosen is not None and env.world_size > 1:
+            _same_choice_everywhere(chosen, ctx.control_group)
         hosts = _gather_hosts(env.world_size)
         watchdog = Watchdog(cfg.watchdog, run_dir, env.rank, hosts, _store())
         ckpt = CheckpointManager(cfg.checkpoint, run_dir.checkpoints_dir, rank=env.rank,
@@ -290,6 +299,20 @@ def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | 
                  _rate(result.tokens_per_s, env.world_size),
                  f"; {summary(result.goodput)}" if result.goodput else "")
     return result
+
+
+def _same_choice_everywhere(chosen: Resolution, group: dist.ProcessGroup | None) -> None:
+    """Refuse a run whose ranks resolved `auto` differently: each chose alone, before the group
+    was up, from its own GPU; a node with another GPU kind or memory would train another split
+    of the batch."""
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, chosen.summary(), group=group)
+    odd = next((r for r, values in enumerate(every) if values != every[0]), None)
+    if odd is not None:
+        raise ConfigError(
+            f"auto chose differently on rank {odd} ({every[odd]}) than on rank 0 ({every[0]})",
+            expected="one choice on every rank: GPUs of one kind and memory in a job",
+            hint="give rank 0's values as overrides, or run on one kind of GPU")
 
 
 def _rate(tokens_per_s: float | None, world_size: int) -> str:

@@ -20,7 +20,7 @@ import logging
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -99,16 +99,18 @@ class TaskTrainer(Trainer):
         self.par = check_task_config(cfg, self.dist.world_size)
         dp_rank, dp_size = self.dist.dp
         self.layout = BatchLayout(tc.micro_batch, tc.grad_accum, dp_size, dp_rank)
+        # The model first: a collate may use the device the factory was called under (the
+        # image task decodes there), and the loader reads and collates a sample at once.
+        refuse_large_task_on_cpu(cfg, task)
+        with self.device:
+            model = task.build_model()
+        model.to(self.device).train()
         self.loader = build_sample_loader(task.data, self.layout, cfg.run.seed, self.device,
                                           task.collate, cfg.data.prefetch)
         self.val_dataset = task.eval_data
         # One GPU and DDP compute bf16/fp16 through autocast; FSDP casts the parameters itself.
         self.autocast = (DTYPES[tc.precision] if tc.precision != "fp32"
                          and pc.strategy != "fsdp" else None)
-        refuse_large_task_on_cpu(cfg, task)
-        with self.device:
-            model = task.build_model()
-        model.to(self.device).train()
         self.n_params = sum(p.numel() for p in model.parameters())
         self.flops_per_sample = task.flops_per_sample or self._count_flops(model)
         self.signature = checkpointing.model_signature(model)  # before DDP/FSDP rename or shard
@@ -146,9 +148,16 @@ class TaskTrainer(Trainer):
             mp = MixedPrecisionPolicy(param_dtype=DTYPES[tc.precision],
                                       reduce_dtype=DTYPES[pc.reduce_precision])
             reshard = pc.reshard_after_forward is not False
-            for unit in self.task.fsdp_units(model):
+            # FSDP2 shards contiguous parameters only: a channels_last model's conv weights
+            # become contiguous (channels_last inputs still run channels_last convolutions:
+            # either operand in that layout picks it).
+            with torch.no_grad():
+                for p in model.parameters():
+                    if not p.is_contiguous():
+                        p.data = p.data.contiguous()
+            for unit in [*self.task.fsdp_units(model), model]:
+                _norms_in_fp32(unit, dp_mesh(mesh), mp, reshard)
                 fully_shard(unit, mesh=dp_mesh(mesh), mp_policy=mp, reshard_after_forward=reshard)
-            fully_shard(model, mesh=dp_mesh(mesh), mp_policy=mp, reshard_after_forward=reshard)
         return model
 
     def _count_flops(self, model: nn.Module) -> float:
@@ -194,6 +203,7 @@ class TaskTrainer(Trainer):
         torch.manual_seed((self.cfg.run.seed * 1_000_003 + self.step) * 65_537 + self.dist.rank)
         total = torch.zeros((), device=self.device, dtype=torch.float32)
         poison = faults.active("nan", self.step + 1)
+        weights = self._sample_weights(micro_batches)
         for i, batch in enumerate(micro_batches):
             with self._grad_sync(last=i == n - 1), self._autocast():
                 loss, metrics = self.task.run_step(self.model, batch)
@@ -201,7 +211,8 @@ class TaskTrainer(Trainer):
                 self._first_loss_finite(loss)
             if poison:
                 loss = loss * float("nan")
-            share = loss.float() / n  # DDP and FSDP average the gradients over the ranks
+            # DDP and FSDP average the gradients over the ranks.
+            share = loss.float() / n if weights is None else loss.float() * weights[i]
             if self.scaler is not None:
                 self.scaler.scale(share).backward()
             else:
@@ -211,6 +222,21 @@ class TaskTrainer(Trainer):
         if self.buffers:
             broadcast_buffers(self.buffers)
         return total / dp
+
+    def _sample_weights(self, micro_batches: list) -> list[torch.Tensor] | None:
+        """Each micro-batch's weight when the task counts its samples: its count x ranks /
+        the count over all micro-batches and ranks (1/n when none was dropped), so the ranks'
+        averaged gradient is that of the mean over every counted sample. None: 1/n each."""
+        if self.task.samples_in_batch is None:
+            return None
+        counts = [call_user(self.task.samples_in_batch, "Task.samples_in_batch", b)
+                  for b in micro_batches]
+        # A fill, not a copy from the host: the all-reduce stays queued on the device.
+        total = torch.full((), float(sum(counts)), device=self.device, dtype=torch.float32)
+        if self.dist.world_size > 1:
+            dist.all_reduce(total)
+        scale = self.layout.world_size / total.clamp_min(1)  # none kept anywhere: weight 0
+        return [scale * c for c in counts]
 
     def _add_metrics(self, metrics: dict, n: int) -> None:
         """Sum the step's own metrics on the device (read with the window's line)."""
@@ -272,6 +298,21 @@ class TaskTrainer(Trainer):
 
     def _described(self, record: dict) -> str:
         return f"loss {record['val_loss']:.4f} over {record['val_samples']} samples"
+
+
+def _norms_in_fp32(unit: nn.Module, mesh, mp: MixedPrecisionPolicy, reshard: bool) -> None:
+    """Shard ``unit``'s BatchNorm-style layers (those with running statistics, not sharded yet)
+    as one FSDP group that keeps fp32 parameters and leaves its inputs' dtype alone: their
+    fp32 statistics with bf16/fp16 weights are refused by the kernels, while bf16 activations
+    with fp32 weights and statistics are what autocast runs too (one all-gather per unit)."""
+    if mp.param_dtype in (None, torch.float32):
+        return
+    norms = [m for m in unit.modules() if isinstance(m, _NormBase) and m.track_running_stats
+             and m.affine and not isinstance(m, FSDPModule)]
+    if norms:
+        fully_shard(norms, mesh=mesh, reshard_after_forward=reshard,
+                    mp_policy=MixedPrecisionPolicy(reduce_dtype=mp.reduce_dtype,
+                                                   cast_forward_inputs=False))
 
 
 def _nothing() -> None:

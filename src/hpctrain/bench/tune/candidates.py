@@ -25,6 +25,7 @@ from hpctrain.bench.tune.space import (
     predict,
 )
 from hpctrain.errors import ConfigError
+from hpctrain.plan.auto import Gpu, resolve_auto
 
 MAX_CANDIDATES = 6
 CPU_MEM_GB = 16.0  # per rank, for the memory model when the ranks run on the CPU
@@ -121,13 +122,13 @@ def build_candidates(config: Path | None, overrides: list[str], gpus: int, *, de
                      max_candidates: int = MAX_CANDIDATES) -> tuple[list[Candidate], list[str],
                                                                     int]:
     """(short list, notes, settings that fit) for ``gpus`` ranks of ``gpu_bytes`` each."""
-    from hpctrain.config import load_config
     from hpctrain.parallel.layout import check_layout
     from hpctrain.parallel.pipeline import schedule_supported
 
     if max_candidates < 1:
         raise ConfigError(f"--max-candidates {max_candidates}", expected="at least 1")
-    cfg = load_config(config, overrides)
+    gpu = Gpu("tune", gpu_bytes, peak_tflops, cpu=device != "cuda")
+    cfg = _resolved(config, overrides, gpus, gpu)
     notes: list[str] = []
 
     def refusal(s: Setting) -> str | None:
@@ -135,7 +136,7 @@ def build_candidates(config: Path | None, overrides: list[str], gpus: int, *, de
         if s.pp > 1 and not schedule_supported(cfg.parallel.pp_schedule, device):
             return f"pipeline schedule {cfg.parallel.pp_schedule} is not supported on {device}"
         try:
-            check_layout(load_config(config, [*overrides, *s.overrides(cfg)]), gpus)
+            check_layout(_resolved(config, [*overrides, *s.overrides(cfg)], gpus, gpu), gpus)
         except ConfigError as e:
             return e.what
         return None
@@ -209,6 +210,16 @@ def build_candidates(config: Path | None, overrides: list[str], gpus: int, *, de
     for c in shortlist:
         c.overrides = c.setting.overrides(cfg)
     return shortlist, notes, considered
+
+
+def _resolved(config: Path | None, overrides: list[str], gpus: int, gpu: Gpu):
+    """The config with its ``auto`` values chosen for ``gpus`` of ``gpu`` (hpctrain.plan.auto):
+    the baseline is what training would pick, and the global batch the config's."""
+    from hpctrain.config import load_config
+
+    cfg = load_config(config, overrides)
+    resolve_auto(cfg, gpus, gpu, must_fit=False)  # a baseline that does not fit is said so
+    return cfg
 
 
 def _casts_twin(s: Setting, cfg) -> Setting | None:
@@ -303,7 +314,8 @@ def plan_tuning(config: Path | None, overrides: list[str], gpus: int, *,
     fp8, why = (fp8_allowed(config, overrides, device, named_gpu=gpu) if allow_fp8
                 else (False, "fp8 not tried: --no-fp8"))
     peak = peak_tflops(name, "fp32" if cfg.train.precision == "fp32" else "bf16")
-    batch, _ = global_batch(cfg, gpus)
+    batch, _ = global_batch(_resolved(config, overrides, gpus, Gpu(
+        name, total, peak or DEFAULT_PEAK_TFLOPS, cpu=device != "cuda")), gpus)
     candidates, notes, considered = build_candidates(
         config, overrides, gpus, device=device, gpu_bytes=total,
         peak_tflops=peak or DEFAULT_PEAK_TFLOPS, fp8=fp8, max_candidates=max_candidates)

@@ -8,11 +8,13 @@ models do not know (see the package docstring).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from hpctrain.errors import ConfigError
+from hpctrain.plan.parallel import global_batch, pp_degrees, strategies, tp_degrees
 
 MAX_MICRO_BATCH = 64
 AC_EVERY = 2  # every_k's k unless the config sets one
@@ -37,33 +39,38 @@ class Setting:
     mixed_precision: str = "auto"  # parallel.mixed_precision
     async_tp: bool = False  # the config's parallel.async_tp, kept where tp > 1 (refused at 1)
 
-    def overrides(self, cfg=None) -> list[str]:
-        """The config overrides that train this setting on top of ``cfg`` (explicit for every
-        key the tuner varies; dp_replicate and loss_chunks only where they differ)."""
-        out = [f"parallel.strategy={self.strategy}", f"parallel.tp={self.tp}",
-               f"parallel.pp={self.pp}"]
+    def values(self, cfg=None) -> dict[str, Any]:
+        """The config keys and values that train this setting on top of ``cfg`` (explicit for
+        every key the tuner varies; dp_replicate and loss_chunks only where they differ)."""
+        out: dict[str, Any] = {"parallel.strategy": self.strategy, "parallel.tp": self.tp,
+                               "parallel.pp": self.pp}
         if self.dp_replicate != (cfg.parallel.dp_replicate if cfg else 1):
-            out.append(f"parallel.dp_replicate={self.dp_replicate}")
+            out["parallel.dp_replicate"] = self.dp_replicate
         if self.mixed_precision != (cfg.parallel.mixed_precision if cfg else "auto"):
-            out.append(f"parallel.mixed_precision={self.mixed_precision}")
+            out["parallel.mixed_precision"] = self.mixed_precision
         if self.async_tp != (cfg.parallel.async_tp if cfg else False):
-            out.append(f"parallel.async_tp={str(self.async_tp).lower()}")
+            out["parallel.async_tp"] = self.async_tp
         if cfg is not None:
             for key, value in self.fsdp_schedule(cfg).items():
                 if value != getattr(cfg.parallel, key):
-                    out.append(f"parallel.{key}={value}")
+                    out[f"parallel.{key}"] = value
         if self.pp > 1:
-            out.append(f"parallel.pp_microbatches={self.pp_microbatches}")
+            out["parallel.pp_microbatches"] = self.pp_microbatches
         if self.strategy == "fsdp":
-            out.append(f"parallel.reshard_after_forward={str(self.zero == 3).lower()}")
-        out.append(f"parallel.activation_checkpointing={self.ac}")
+            out["parallel.reshard_after_forward"] = self.zero == 3
+        out["parallel.activation_checkpointing"] = self.ac
         if self.ac == "every_k":
-            out.append(f"parallel.ac_every={self.ac_every}")
-        out += [f"train.micro_batch={self.micro_batch}", f"train.grad_accum={self.grad_accum}",
-                f"train.precision={self.precision}"]
+            out["parallel.ac_every"] = self.ac_every
+        out.update({"train.micro_batch": self.micro_batch, "train.grad_accum": self.grad_accum,
+                    "train.precision": self.precision})
         if self.loss_chunks != (cfg.train.loss_chunks if cfg else 0):
-            out.append(f"train.loss_chunks={self.loss_chunks}")
+            out["train.loss_chunks"] = self.loss_chunks
         return out
+
+    def overrides(self, cfg=None) -> list[str]:
+        """:meth:`values` as ``key=value`` overrides, as ``hpctrain train`` takes them."""
+        return [f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+                for key, value in self.values(cfg).items()]
 
     def fsdp_schedule(self, cfg) -> dict[str, int]:
         """The config's FSDP scheduling options (``fsdp_prefetch``, ``fsdp_group_blocks``)
@@ -85,21 +92,6 @@ class Setting:
             self.mixed_precision]
         return (f"{strategy} {layout}, mb {self.micro_batch} x {self.grad_accum}, {ac}, "
                 f"{self.precision}{casts}")
-
-
-def global_batch(cfg, gpus: int) -> tuple[int, int]:
-    """(samples per step, data-parallel degree) of the config on ``gpus`` GPUs."""
-    pc, tc = cfg.parallel, cfg.train
-    model_ranks = pc.tp * pc.pp
-    if gpus % model_ranks:
-        raise ConfigError(
-            f"--gpus {gpus} with the config's parallel.tp {pc.tp} x parallel.pp {pc.pp}",
-            expected=f"a multiple of {model_ranks} GPUs: the global batch is the config's "
-            "micro_batch x grad_accum x data-parallel degree on --gpus GPUs",
-            hint=f"tune on a multiple of {model_ranks} GPUs, or pass parallel.tp=1 "
-            "parallel.pp=1 (the tuner tries tp and pp itself)")
-    dp = gpus // model_ranks
-    return tc.micro_batch * tc.grad_accum * dp, dp
 
 
 def config_setting(cfg) -> Setting:
@@ -150,13 +142,8 @@ def enumerate_settings(cfg, gpus: int, *, precisions: tuple[str, ...]) -> Iterat
     batch, _ = global_batch(cfg, gpus)
     k = cfg.parallel.ac_every if cfg.parallel.activation_checkpointing == "every_k" else AC_EVERY
     acs = ac_modes(cfg)
-    split = (args.n_heads, args.n_kv_heads, args.ffn_dim, args.vocab_size, cfg.data.seq_len)
-    for tp in range(1, gpus + 1):
-        if gpus % tp or any(x % tp for x in split):
-            continue
-        for pp in (p for p in (1, 2, 4, 8, 16, 32, 64) if p <= args.n_layers):
-            if (gpus // tp) % pp:
-                continue
+    for tp in tp_degrees(args, gpus, cfg.data.seq_len):
+        for pp in pp_degrees(args, gpus // tp):
             dp = gpus // (tp * pp)
             if batch % dp:
                 continue
@@ -181,14 +168,14 @@ def enumerate_settings(cfg, gpus: int, *, precisions: tuple[str, ...]) -> Iterat
 
 
 def _strategies(tp: int, pp: int, dp: int) -> list[tuple[str, int]]:
-    if dp == 1:
-        return [("none", 3)]
-    if tp == 1 and pp == 1:
-        return [("ddp", 3), ("fsdp", 3), ("fsdp", 2)]
-    # The trainer refuses DDP with TP or PP. Inside a pipeline only ZeRO-2, the trainer's
-    # default there: resharding after each micro-batch's forward would gather the stage twice a
-    # micro-batch, and the memory and step models size a stage kept gathered.
-    return [("fsdp", 3), ("fsdp", 2)] if pp == 1 else [("fsdp", 2)]
+    """The planner's strategies, FSDP as ZeRO-3 and ZeRO-2. Inside a pipeline only ZeRO-2, the
+    trainer's default there: resharding after each micro-batch's forward would gather the stage
+    twice a micro-batch, and the memory and step models size a stage kept gathered."""
+    out: list[tuple[str, int]] = []
+    for strategy in strategies(tp, pp, dp):
+        out += ([(strategy, 3)] if strategy != "fsdp"
+                else [("fsdp", 3), ("fsdp", 2)] if pp == 1 else [("fsdp", 2)])
+    return out
 
 
 def predict(cfg, s: Setting, gpus: int, peak_tflops: float) -> tuple[float, float]:
@@ -206,7 +193,7 @@ def predict(cfg, s: Setting, gpus: int, peak_tflops: float) -> tuple[float, floa
     share = recomputed_share(cfg, s.ac, s.ac_every)
     peaks, step = {}, {}
     for ac in ("none", "full"):  # the step-time model knows these two
-        opts = _memory_options(cfg, s, dp, ac)
+        opts = _memory_options(cfg, s, gpus, ac)
         mem = estimate_memory(args, opts, suggest=False)
         plan = ParallelPlan(s.strategy, dp, s.tp, s.pp, opts.micro_batch, ac, mem, [],
                             opts.microbatches if s.pp > 1 else s.grad_accum)
@@ -215,30 +202,22 @@ def predict(cfg, s: Setting, gpus: int, peak_tflops: float) -> tuple[float, floa
     if s.ac == "every_k":  # the memory model has no every_k: between its two ends
         peak = (1 - share) * peaks["none"] + share * peaks["full"]
     else:
-        peak = estimate_memory(args, _memory_options(cfg, s, dp, s.ac), suggest=False).peak
+        peak = estimate_memory(args, _memory_options(cfg, s, gpus, s.ac), suggest=False).peak
     # Step time grows with the forward FLOPs recomputed.
     return peak, 1 / ((1 - share) * step["none"] + share * step["full"])
 
 
-def _memory_options(cfg, s: Setting, dp: int, ac: str):
+def _memory_options(cfg, s: Setting, gpus: int, ac: str):
+    """What the memory model sizes of ``cfg`` trained as ``s`` (with checkpointing ``ac``) on
+    ``gpus`` ranks: the config with the setting's values, through the planner's one mapping."""
     from hpctrain.plan.memory_options import MemoryOptions
 
-    pc = cfg.parallel
-    kw: dict[str, Any] = {}
-    micro_batch = s.micro_batch
-    if s.pp > 1:
-        m = s.pp_microbatches or s.grad_accum
-        micro_batch = s.micro_batch * s.grad_accum // m  # samples per pipeline micro-batch
-        kw = {"pp_microbatches": m, "pp_schedule": pc.pp_schedule,
-              "pp_stages_per_rank": pc.pp_stages_per_rank}
-    else:
-        kw = {"grad_accum": s.grad_accum}
-    return MemoryOptions(strategy=s.strategy, gpus=dp, zero=s.zero, tp=s.tp, pp=s.pp,
-                         precision=s.precision, fp8_recipe=cfg.train.fp8_recipe,
-                         ac=ac, ac_save_mm=pc.ac_save_mm,
-                         loss_chunks=s.loss_chunks, micro_batch=micro_batch,
-                         seq_len=cfg.data.seq_len, compile=pc.compile,
-                         mixed_precision=s.mixed_precision,
-                         reduce_precision=pc.reduce_precision,
-                         master_weights=cfg.train.master_weights,
-                         **s.fsdp_schedule(cfg), **kw)
+    values = {**s.values(cfg), "parallel.activation_checkpointing": ac}
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in values.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    # A copy with those values (unvalidated: from_config checks the layout as training does).
+    job = dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name), **kw)
+                                      for name, kw in sections.items()})
+    return MemoryOptions.from_config(job, gpus)

@@ -19,11 +19,13 @@ same batches in the same order (the global order), so it crops them the same way
 from __future__ import annotations
 
 import hashlib
+import time
 
 import torch
 
 from hpctrain.data.images.augment import ImagePipeline
-from hpctrain.data.images.reader import PreparedImages, collate_images
+from hpctrain.data.images.mix import Mixing
+from hpctrain.data.images.reader import EncodedImages, PreparedImages, collate_images
 
 
 def batch_generator(seed: int, sources: list[tuple[str, str, int]]) -> torch.Generator:
@@ -38,26 +40,72 @@ def batch_generator(seed: int, sources: list[tuple[str, str, int]]) -> torch.Gen
 
 class DecodeAhead:
     """A ``collate`` for `ImageShards` that returns ``(PreparedImages, labels)``, decoded and
-    augmented by ``pipeline`` in the loader's thread."""
+    augmented by ``pipeline`` in the loader's thread.
 
-    def __init__(self, pipeline: ImagePipeline, seed: int):
+    ``side_stream=False`` is for `prepare` called in the training step itself (decoding on the
+    step's own stream, serially: the baseline that decoding ahead is measured against).
+    ``mixing`` (training only) mixes each batch after its crops, from the same generator.
+    """
+
+    def __init__(self, pipeline: ImagePipeline, seed: int, *, side_stream: bool = True,
+                 mixing: Mixing | None = None):
         self.pipeline = pipeline
         self.seed = seed
+        self.side_stream = side_stream
+        self.mixing = mixing
         self._stream = None
 
     def __call__(self, samples: list) -> tuple[PreparedImages, torch.Tensor]:
         """The prepared batch and its labels (those of the images that decoded)."""
-        encoded, labels = collate_images(samples)
+        return self.prepare(*collate_images(samples))
+
+    def prepare(self, encoded: EncodedImages, labels: torch.Tensor,
+                ) -> tuple[PreparedImages, torch.Tensor]:
+        """``encoded`` decoded and augmented (crops seeded by its sample keys), with the
+        milliseconds per image each part took, and the labels of the images kept."""
         g = batch_generator(self.seed, encoded.sources)
-        device = self.pipeline.device
-        if device.type != "cuda":
-            x, kept = self.pipeline.prepare(encoded, g)
-            return PreparedImages(x), labels[kept]
+        pipe = self.pipeline
+        per_image = 1e3 / max(1, len(encoded))
+        if pipe.device.type != "cuda" or not self.side_stream:
+            t0 = time.perf_counter()
+            out = pipe.decode(encoded)
+            t1 = time.perf_counter()
+            x, kept = pipe.augment(out, g)
+            x, lam = self._mix(x, g)
+            # On CUDA the augment's kernels are still queued here: timing them would need a
+            # sync of the step's stream, so only the decode (nvJPEG returns when done) counts.
+            augment = (time.perf_counter() - t1) * per_image if x.device.type == "cpu" else None
+            return (PreparedImages(x, (t1 - t0) * per_image, augment, lam),
+                    _kept(labels, kept))
+        device = pipe.device
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         # This thread's current device is cuda:0 whatever the rank's is: set both.
         with torch.cuda.device(device), torch.cuda.stream(self._stream):
-            x, kept = self.pipeline.prepare(encoded, g)
+            t0 = time.perf_counter()
+            out = pipe.decode(encoded)
+            t1 = time.perf_counter()
+            begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            begin.record()
+            x, kept = pipe.augment(out, g)
+            x, lam = self._mix(x, g)
+            end.record()
+        # The step reads x on the default stream: the allocator must not hand its memory back
+        # to this stream before that stream is done with it.
         x.record_stream(torch.cuda.default_stream(device))
+        # Waits for this side stream only (never the step's): the batch is complete when the
+        # step gets it, so the step's stream needs no event to wait on.
         self._stream.synchronize()
-        return PreparedImages(x), labels[kept]
+        return (PreparedImages(x, (t1 - t0) * per_image, begin.elapsed_time(end) * per_image,
+                              lam), _kept(labels, kept))
+
+    def _mix(self, x: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, float | None]:
+        if self.mixing is None or not self.pipeline.train:
+            return x, None
+        x, lam = self.mixing(x, g)
+        return x.contiguous(memory_format=torch.channels_last), lam
+
+
+def _kept(labels: torch.Tensor, kept: list[int]) -> torch.Tensor:
+    """The labels of the images that decoded (all of them, as a rule: no indexing then)."""
+    return labels if len(kept) == len(labels) else labels[kept]

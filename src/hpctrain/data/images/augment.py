@@ -94,11 +94,14 @@ class ImagePipeline:
                  resize: int | None = None, scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = True,
                  mean: tuple[float, ...] = IMAGENET_MEAN, std: tuple[float, ...] = IMAGENET_STD,
-                 threads: int = 1, cpu_fraction: float = 0.0, timed: bool = False):
+                 threads: int = 1, cpu_fraction: float = 0.0, min_side: int | None = None,
+                 timed: bool = False):
         """``resize``: evaluation's shorter side before the centre crop (default size / 0.875);
         ``threads``, ``cpu_fraction``: Pillow threads and their share on CUDA (`decode_batch`);
-        ``timed``: add the seconds spent decoding and augmenting to ``stats`` (this waits for
-        the device after each part, so leave it off in training)."""
+        ``min_side`` (training): Pillow decodes JPEGs at reduced size while their shorter side
+        stays >= it (evaluation always does so for ``resize``); ``timed``: add the seconds
+        spent decoding and augmenting to ``stats`` (this waits for the device after each part,
+        so leave it off in training)."""
         if size < 1:
             raise ValueError(f"size {size} must be >= 1")
         self.size = size
@@ -116,6 +119,7 @@ class ImagePipeline:
         self._mean = torch.tensor(mean, device=self.device).view(1, 3, 1, 1) * 255
         self._std = torch.tensor(std, device=self.device).view(1, 3, 1, 1) * 255
         self.threads, self.cpu_fraction, self.timed = threads, cpu_fraction, timed
+        self.min_side = min_side if train else self.resize
         self.stats = DecodeStats()
 
     def __call__(self, images: EncodedImages | PreparedImages | list[torch.Tensor],
@@ -136,24 +140,34 @@ class ImagePipeline:
     def prepare(self, images: EncodedImages | list[torch.Tensor],
                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, list[int]]:
         """The image batch and, for each image, its index in ``images`` (labels follow it)."""
-        if self.train and generator is None:
-            raise ValueError("training augmentation needs an explicit torch.Generator "
-                             "(augment_generator(seed, step, rank)), so a resume is exact")
-        t0 = self._clock()
-        out = decode_batch(images, self.device, min_side=None if self.train else self.resize,
-                           stats=self.stats, threads=self.threads,
-                           cpu_fraction=self.cpu_fraction)
-        t1 = self._clock()
-        x, kept = self._augment(out, generator)
-        if self.timed:
-            self.stats.decode_s += t1 - t0
-            self.stats.augment_s += self._clock() - t1
-        return x, kept
+        return self.augment(self.decode(images), generator)
 
     def _clock(self) -> float:
         if self.timed and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter()
+
+    def decode(self, images: EncodedImages | list[torch.Tensor]) -> Decoded:
+        """The images that decode, as uint8 (3, H, W) tensors on the device (`decode_batch`)."""
+        t0 = self._clock()
+        out = decode_batch(images, self.device, min_side=self.min_side, stats=self.stats,
+                           threads=self.threads, cpu_fraction=self.cpu_fraction)
+        if self.timed:
+            self.stats.decode_s += self._clock() - t0
+        return out
+
+    def augment(self, out: Decoded, generator: torch.Generator | None,
+                ) -> tuple[torch.Tensor, list[int]]:
+        """Crops (random in training, centred in evaluation), flips, normalisation: the batch
+        and, for each image, its index in the encoded batch."""
+        if self.train and generator is None:
+            raise ValueError("training augmentation needs an explicit torch.Generator "
+                             "(augment_generator(seed, step, rank)), so a resume is exact")
+        t0 = self._clock()
+        x, kept = self._augment(out, generator)
+        if self.timed:
+            self.stats.augment_s += self._clock() - t0
+        return x, kept
 
     def _augment(self, out: Decoded, generator: torch.Generator | None,
                  ) -> tuple[torch.Tensor, list[int]]:

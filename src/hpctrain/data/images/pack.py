@@ -66,7 +66,7 @@ from hpctrain.data.images.reader import (
 )
 from hpctrain.data.images.sniff import HEAD_BYTES, image_ext
 from hpctrain.data.inputs import InputFile, suffix
-from hpctrain.data.prepare import _Progress
+from hpctrain.data.progress import BytesProgress
 from hpctrain.data.shards import atomic_write_json, file_checksum, make_out_dir
 from hpctrain.data.tar_samples import (
     MANIFEST,
@@ -263,7 +263,7 @@ def pack_images(src: str | Path, out: str | Path, settings: PackSettings = PackS
             raise KeyboardInterrupt(f"stopped after {stop['n']} shards (test seam)")
 
     todo = sum(e.file.size for s in SPLITS for e in splits[s])
-    with _Progress(progress, todo, "pack-images") as bar:
+    with BytesProgress(progress, todo, "pack-images") as bar:
         for split in SPLITS:
             if splits[split]:
                 _pack_split(out / split, split, splits[split], index, settings, state, bar,
@@ -311,7 +311,7 @@ def _read_ahead(files: list[InputFile], readers: int):
 
 
 def _pack_split(out: Path, split: str, entries: list[Entry], index: dict[str, int],
-                settings: PackSettings, state: dict, bar: _Progress, checkpoint,
+                settings: PackSettings, state: dict, bar: BytesProgress, checkpoint,
                 readers: int) -> None:
     """Write (or finish writing) one split's shards; ``state`` records them as they finish."""
     make_out_dir(out)

@@ -64,6 +64,13 @@ class PreparedImages:
     `EncodedImages` it is no tensor container, so the loader hands it over untouched."""
 
     tensor: torch.Tensor
+    # Milliseconds per image (of the encoded batch) spent decoding and augmenting it: wall
+    # time of the decode (nvJPEG returns when done), the side stream's events for the augment
+    # on CUDA; None where not measured (augmenting in the step on CUDA would need a sync).
+    decode_ms: float | None = None
+    augment_ms: float | None = None
+    # Mixup/CutMix (`Mixing`): the weight of the batch's own labels (their partners' is 1 - it).
+    lam: float | None = None
 
     def __len__(self) -> int:
         return self.tensor.shape[0]
@@ -152,16 +159,6 @@ class ImageShards:
                             expected=f"0 <= label < {len(self.classes)} (the classes)")
         data = torch.frombuffer(bytearray(raw[exts[0]]), dtype=torch.uint8)
         return ImageSample(data, label, shard, key, int(self.shard_sample_counts[s]))
-
-    def __getstate__(self) -> dict:
-        """Pickled (DataLoader workers) without the open shard files: they are reopened."""
-        state = self.__dict__.copy()
-        state["_tar"] = None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._tar = TarSamples(self.root, window_shards=self.window_shards)
 
     def close(self) -> None:
         """Close the open shard files."""

@@ -34,12 +34,14 @@ def loader_throughput(path: str | Path, *, split: str = "train", batch: int = 25
                       steps: int = 10, warmup: int = 2, size: int = 224, train: bool = True,
                       device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                       threads: int = 1, cpu_fraction: float = 0.0, seed: int = 0,
-                      ahead: bool = False, timed: bool = False) -> dict:
-    """Images/s through read + decode + augment, and the seconds each part took per batch."""
+                      min_side: int | None = None, ahead: bool = False,
+                      timed: bool = False) -> dict:
+    """Images/s through read + decode + augment, and the seconds each part took per batch
+    (``min_side``: decode at reduced size, as `ImagePipeline`'s)."""
     device = torch.device(device)
     ds = ImageShards(path, split)
     pipe = ImagePipeline(size, train=train, device=device, dtype=dtype, threads=threads,
-                         cpu_fraction=cpu_fraction, timed=timed)
+                         cpu_fraction=cpu_fraction, min_side=min_side, timed=timed)
     collate = DecodeAhead(pipe, seed) if ahead else collate_images
     loader = SampleLoader(ds, BatchLayout(batch, 1, 1, 0), seed, device, collate, prefetch=2)
     wait = work = 0.0

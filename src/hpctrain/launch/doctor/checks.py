@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -323,9 +324,26 @@ def check_gpu_health(x: Inputs) -> Verdict:
         "admins; `hpctrain bench node` on it shows the details") for f in report.findings])
 
 
+def check_auto(x: Inputs) -> Verdict:
+    """What the config's ``auto`` values resolve to for these ranks (hpctrain.plan.auto), as
+    training will resolve them."""
+    from hpctrain.plan.auto import auto_keys, resolve_auto
+
+    if x.cfg is None or (not auto_keys(x.cfg) and x.cfg.train.global_batch_tokens is None):
+        return Verdict("auto", "nothing left to auto")
+    cfg = copy.deepcopy(x.cfg)  # the judged config stays as given
+    try:
+        res = resolve_auto(cfg, len(x.facts))
+    except ConfigError as e:
+        return Verdict("auto", "", [Problem("auto", f"train would refuse: {e.what}",
+                                            e.hint or "set the values yourself")])
+    why = f" ({res.reasons[0]})" if res.reasons else ""
+    return Verdict("auto", f"on {len(x.facts)} rank(s): {res.summary()}{why}")
+
+
 CHECKS: list[Callable[[Inputs], Verdict]] = [
     check_versions, check_gpus, check_affinity, check_network, check_allreduce, check_disk,
-    check_lustre, check_small_files, check_ulimits, check_gpu_health]
+    check_lustre, check_small_files, check_ulimits, check_gpu_health, check_auto]
 
 
 def judge(x: Inputs) -> list[Verdict]:

@@ -1,0 +1,611 @@
+"""``auto`` settings: what a config leaves to hpctrain is chosen at start for the run's GPUs.
+
+    train:
+      global_batch_tokens: 1048576    # 512 samples of 2048 tokens per step, on any GPU count
+      micro_batch: auto
+    parallel:
+      strategy: auto                  # none (one replica), ddp or fsdp
+      reshard_after_forward: auto     # FSDP: true (ZeRO-3) or false (ZeRO-2)
+      activation_checkpointing: auto  # none, selective or full
+      fsdp_group_blocks: auto
+
+The global batch is the config's (``train.global_batch_tokens``): auto only chooses how it is
+split, micro_batch x grad_accum x data-parallel ranks x seq_len, so it changes the speed, never
+the mathematics. A batch that cannot be split over the ranks is refused with a hint.
+
+How the values are chosen, in order:
+
+1. `hpctrain tune`'s measurements (``parallel.tune_results``: its ``--out`` folder), where they
+   were taken on this GPU kind and count for this model, sequence length, precision and global
+   batch: the fastest measured setting the config's fixed values allow.
+2. Else the memory model (:mod:`hpctrain.plan.memory`): the settings whose predicted peak plus
+   10% fits the GPU (``CPU_MEM_BYTES`` per rank on the CPU), at most ``MAX_MICRO_TOKENS`` tokens
+   per micro-batch (``CPU_MICRO_TOKENS`` on the CPU), never one tune saw fail; the least
+   recomputation first (none, selective, full), then the fastest by the step-time model of
+   `hpctrain plan parallel` (which tune ranks its short list with), then the larger micro-batch,
+   ZeRO-2 before ZeRO-3.
+3. A model the memory model does not know (a user's task, a family without one): DDP (or none)
+   without checkpointing, said in the log; ``micro_batch: auto`` is refused there.
+
+Where nothing fits a GPU, the run is refused before anything is allocated (with the hint of
+`plan memory`); on the CPU, whose 16 GB per rank is only a guess, never: it takes no
+recomputation and the smallest predicted peak.
+
+The choice is deterministic (the same config, GPU kind and count give the same values), so a
+resumed run re-resolves to what it ran with, and on another GPU count keeps the batch in tokens
+(the checkpoint's config hash leaves the split out). Every rank chooses alone, from its own GPU,
+before the process group is up; once it is, the ranks compare their choices and refuse to train
+different splits (``train/job.py``). The run's ``config.yaml`` holds the resolved values;
+``hpctrain doctor CONFIG`` shows them for its ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hpctrain.errors import ConfigError
+from hpctrain.models import count_params, family_of_args, flops_per_token
+from hpctrain.plan.memory import estimate_memory
+from hpctrain.plan.memory_options import MemoryOptions
+from hpctrain.plan.parallel import DEFAULT_PEAK_TFLOPS, ParallelPlan, predict_step
+
+AUTO = "auto"
+HEADROOM = 1.10  # as hpctrain.plan.memory and tune: the predicted peak plus 10% must fit
+# Beyond 8 x 2048 tokens a micro-batch's GEMMs are large already: more buys no speed (plan
+# parallel's largest micro-batch too) and only spends memory.
+MAX_MICRO_TOKENS = 16384
+CPU_MICRO_TOKENS = 2048  # the CPU (tests, demo): small steps
+CPU_MEM_BYTES = 16e9  # per rank on the CPU, as tune assumes
+AC_ORDER = ("none", "selective", "full")
+# FSDP over this many GPUs or more, for models under GROUP_MAX_PARAMS, groups 2 blocks per unit:
+# 1b on 4 H200s, where the CPU sets the pace, ran 5.1% faster so; on 2 no change
+# (parallel/config.py, benchmarks/RESULTS.md).
+GROUP_MIN_GPUS = 4
+GROUP_MAX_PARAMS = 3_000_000_000
+
+log = logging.getLogger("hpctrain.auto")
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """What the choice is made for: the device's name, its memory and dense peak."""
+
+    name: str
+    bytes: float
+    peak_tflops: float = DEFAULT_PEAK_TFLOPS
+    cpu: bool = False
+
+
+@dataclass(frozen=True)
+class Pick:
+    """One way to split the global batch and spread the model: the values auto may set."""
+
+    strategy: str
+    zero: int  # FSDP: 3 reshards after forward, 2 keeps the parameters gathered
+    ac: str
+    micro_batch: int
+    grad_accum: int
+    ac_every: int = 0  # every_k only (from tune's measurements)
+
+
+@dataclass
+class Resolution:
+    """The values set (dotted config keys) and why, one line each."""
+
+    values: dict[str, Any]
+    reasons: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """'parallel.strategy=fsdp, train.micro_batch=4, ...' (as overrides would say it)."""
+        return ", ".join(f"{k}={_yaml(v)}" for k, v in self.values.items())
+
+    def log(self, logger: logging.Logger = log) -> None:
+        """Log the chosen values and the reasons."""
+        if self.values:
+            logger.info("auto: %s", self.summary())
+        for line in self.reasons:
+            logger.info("auto: %s", line)
+
+
+def auto_keys(cfg) -> list[str]:
+    """The config keys left to ``auto``."""
+    pc = cfg.parallel
+    return [key for key, value in (("train.micro_batch", cfg.train.micro_batch),
+                                   ("parallel.strategy", pc.strategy),
+                                   ("parallel.reshard_after_forward", pc.reshard_after_forward),
+                                   ("parallel.activation_checkpointing",
+                                    pc.activation_checkpointing),
+                                   ("parallel.fsdp_group_blocks", pc.fsdp_group_blocks))
+            if value == AUTO]
+
+
+def this_gpu(cfg) -> Gpu:
+    """The GPU this process would train on (device 0: a node's GPUs are of one kind), or the
+    CPU's stand-in."""
+    import torch
+
+    from hpctrain.observe.peaks import peak_tflops
+
+    if cfg.run.device != "cpu" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        peak = peak_tflops(name, "fp32" if cfg.train.precision == "fp32" else "bf16")
+        return Gpu(name, float(torch.cuda.get_device_properties(0).total_memory),
+                   peak or DEFAULT_PEAK_TFLOPS)
+    return Gpu("cpu", CPU_MEM_BYTES, cpu=True)
+
+
+def named_gpu(name: str) -> Gpu:
+    """A GPU given by name (``h100``, ``h200``...) or memory in GB, from the planner's tables:
+    what `plan memory --gpu` and a login node choose for."""
+    from hpctrain.observe.peaks import peak_tflops
+    from hpctrain.plan.memory_options import gpu_memory_bytes
+
+    try:
+        float(name)
+        peak = None
+    except ValueError:
+        peak = peak_tflops(name, "bf16")
+    return Gpu(name, gpu_memory_bytes(name), peak or DEFAULT_PEAK_TFLOPS)
+
+
+def resolve_auto(cfg, world_size: int, gpu: Gpu | None = None, *, must_fit: bool = True
+                 ) -> Resolution | None:
+    """Set every ``auto`` value of ``cfg`` (and grad_accum from ``train.global_batch_tokens``)
+    for ``world_size`` ranks on ``gpu`` (default: this machine's), in place; None when the
+    config leaves nothing to choose. Raises ConfigError where the batch cannot be split, and
+    where no setting fits unless ``must_fit`` is false (tune's baseline: then the smallest)."""
+    keys = auto_keys(cfg)
+    if not keys and cfg.train.global_batch_tokens is None:
+        return None
+    pc, tc = cfg.parallel, cfg.train
+    dp = _data_parallel(pc, world_size)
+    replica = _replica_batch(cfg, dp)
+    gpu = gpu or this_gpu(cfg)
+    # The CPU's memory is the host's, which the stand-in's 16 GB only guesses: never refuse.
+    must_fit = must_fit and not gpu.cpu
+    reasons: list[str] = []
+    if not keys:  # only grad_accum to derive
+        pick = Pick(pc.strategy, 3, pc.activation_checkpointing, tc.micro_batch,
+                    _accumulated(cfg, replica))
+    elif cfg.task or not family_of_args(cfg.model.resolve()).plan_memory:
+        pick = _fallback(cfg, dp, replica, reasons)
+    else:
+        pick = (_from_tune(cfg, world_size, gpu, replica, dp, reasons, must_fit)
+                or _from_model(cfg, world_size, gpu, replica, dp, reasons, must_fit=must_fit))
+    values = _values(cfg, pick, dp, gpu, reasons)
+    _check_grad_accum(cfg, pick, dp)
+    for key, value in values.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    cfg.validate()  # the rules that depend on the values now chosen
+    return Resolution(values, reasons)
+
+
+def _data_parallel(pc, world_size: int) -> int:
+    """Data-parallel ranks; a mesh training refuses (strategy none on several replicas, a
+    world size tp x pp x dp_replicate does not divide) is refused in training's words."""
+    from hpctrain.parallel.layout import mesh_degrees
+
+    mesh_degrees(pc, world_size)
+    return world_size // (pc.tp * pc.pp)
+
+
+def _replica_batch(cfg, dp: int) -> int:
+    """Samples each data-parallel replica takes per step."""
+    tc, seq = cfg.train, cfg.data.seq_len
+    tokens = tc.global_batch_tokens
+    if tokens is None:
+        return tc.micro_batch * tc.grad_accum
+    if cfg.task:
+        raise ConfigError("train.global_batch_tokens with a task",
+                          expected="a task's batch in samples: train.micro_batch x "
+                          "train.grad_accum x ranks (a task's samples have no token count)",
+                          hint="drop train.global_batch_tokens and give train.micro_batch")
+    if tokens % (seq * dp):
+        low = tokens // (seq * dp) * seq * dp
+        raise ConfigError(
+            f"train.global_batch_tokens = {tokens} cannot be split over {dp} data-parallel "
+            f"rank(s) of samples of {seq} tokens",
+            expected=f"a multiple of data.seq_len x data-parallel ranks = {seq * dp}",
+            hint=(f"use {low} or {low + seq * dp}" if low else f"use {seq * dp}")
+            + ", or another GPU count")
+    return tokens // (seq * dp)
+
+
+def _accumulated(cfg, replica: int) -> int:
+    """grad_accum for the config's fixed micro-batch: the replica's batch must divide."""
+    mb = cfg.train.micro_batch
+    if replica % mb:
+        raise ConfigError(
+            f"train.micro_batch = {mb} does not divide the {replica} samples each data-parallel "
+            "rank takes of train.global_batch_tokens",
+            expected="a micro-batch dividing each rank's share of the global batch",
+            hint="set train.micro_batch=auto, or a divisor of " + str(replica))
+    return replica // mb
+
+
+def _micro_batches(cfg, replica: int, gpu: Gpu) -> list[int]:
+    """The micro-batches to try: the config's, the one a given grad_accum implies, or powers
+    of two dividing the replica's batch up to the token cap (1 at least)."""
+    tc = cfg.train
+    if tc.micro_batch != AUTO:
+        return [tc.micro_batch]
+    if tc.grad_accum != 1:  # given beside global_batch_tokens: it fixes the micro-batch
+        if replica % tc.grad_accum:
+            raise ConfigError(
+                f"train.grad_accum = {tc.grad_accum} with {replica} samples per data-parallel "
+                "rank (from train.global_batch_tokens)",
+                expected="a grad_accum dividing each rank's share of the global batch",
+                hint="drop train.grad_accum: auto derives it")
+        return [replica // tc.grad_accum]
+    cap = CPU_MICRO_TOKENS if gpu.cpu else MAX_MICRO_TOKENS
+    out, mb = [], 1
+    while mb <= replica:
+        if replica % mb == 0 and (mb == 1 or mb * cfg.data.seq_len <= cap):
+            out.append(mb)
+        mb *= 2
+    return out
+
+
+def _strategies(cfg, dp: int) -> list[str]:
+    pc = cfg.parallel
+    if pc.strategy != AUTO:
+        return [pc.strategy]
+    if dp == 1:
+        return ["none"]
+    if pc.tp * pc.pp > 1:
+        return ["fsdp"]  # the trainer refuses DDP with TP or PP
+    return ["ddp", "fsdp"]
+
+
+def _zeros(cfg, strategy: str) -> list[int]:
+    pc = cfg.parallel
+    if strategy != "fsdp":
+        return [3]
+    if pc.reshard_after_forward == AUTO:
+        # Inside a pipeline only ZeRO-2: resharding would gather each stage twice a micro-batch.
+        return [2, 3] if pc.pp == 1 else [2]
+    probe = dataclasses.replace(pc, strategy="fsdp")
+    return [3 if probe.reshards_after_forward else 2]
+
+
+def _accepted(cfg, pick: Pick) -> bool:
+    """Whether the parallel section's own rules accept ``pick`` (fixed values beside it)."""
+    pc = dataclasses.replace(cfg.parallel, strategy=pick.strategy,
+                             activation_checkpointing=pick.ac, reshard_after_forward=None,
+                             fsdp_group_blocks=1 if cfg.parallel.fsdp_group_blocks == AUTO
+                             else cfg.parallel.fsdp_group_blocks)
+    try:
+        pc.validate()
+        pc.check_precision(cfg.train.precision,
+                           count_params(cfg.model.resolve(), include_embedding=True),
+                           cfg.train.master_weights)
+    except ConfigError:
+        return False
+    return True
+
+
+def _options(cfg, pick: Pick, dp: int, ac: str, group_blocks: int = 1) -> MemoryOptions:
+    """``pick`` as the memory model sizes it (a pipeline's micro-batches as the trainer cuts
+    each rank's batch: into pp_microbatches, default grad_accum)."""
+    pc, tc = cfg.parallel, cfg.train
+    if pc.pp > 1:
+        m = pc.pp_microbatches or pick.grad_accum
+        kw: dict[str, Any] = {"pp_microbatches": m, "pp_schedule": pc.pp_schedule,
+                              "pp_stages_per_rank": pc.pp_stages_per_rank,
+                              "micro_batch": max(1, pick.micro_batch * pick.grad_accum // m)}
+    else:
+        kw = {"grad_accum": pick.grad_accum, "micro_batch": pick.micro_batch}
+    fixed_group = pc.fsdp_group_blocks if pc.fsdp_group_blocks != AUTO else group_blocks
+    # FSDP shards over dp_shard (HSDP replicates the shards); DDP and none hold it whole.
+    shard = dp // pc.dp_replicate if pick.strategy == "fsdp" else dp
+    return MemoryOptions(strategy=pick.strategy, gpus=shard, zero=pick.zero, tp=pc.tp, pp=pc.pp,
+                         precision=tc.precision, fp8_recipe=tc.fp8_recipe, ac=ac,
+                         ac_save_mm=pc.ac_save_mm, loss_chunks=tc.loss_chunks,
+                         seq_len=cfg.data.seq_len, compile=pc.compile,
+                         mixed_precision=pc.mixed_precision,
+                         reduce_precision=pc.reduce_precision,
+                         master_weights=tc.master_weights, fsdp_prefetch=pc.fsdp_prefetch,
+                         fsdp_group_blocks=fixed_group if pick.strategy == "fsdp" else 1, **kw)
+
+
+def _recomputed_share(cfg, ac: str) -> float:
+    """Share of the forward recomputed in backward (0 none, 1 full), as tune interpolates."""
+    if ac in ("none", "full"):
+        return float(ac == "full")
+    args = cfg.model.resolve()
+    if ac == "every_k":
+        k = cfg.parallel.ac_every
+        return sum(1 for i in range(args.n_layers) if i % k == 0) / args.n_layers
+    from hpctrain.parallel.selective_ac import recomputed_flops_per_token
+
+    extra = args.n_layers * recomputed_flops_per_token(args, cfg.parallel.ac_save_mm)
+    return 3 * extra / flops_per_token(args, cfg.data.seq_len)
+
+
+def predict(cfg, pick: Pick, world_size: int, gpu: Gpu, group_blocks: int = 1
+            ) -> tuple[float, float]:
+    """(predicted peak bytes per GPU, predicted tokens/s per GPU) of ``pick``; ConfigError where
+    the memory model refuses it."""
+    args = cfg.model.resolve()
+    dp = world_size // (cfg.parallel.tp * cfg.parallel.pp)
+    # every_k (fixed by the config) is sized as no checkpointing: an upper bound.
+    ac = "none" if pick.ac == "every_k" else pick.ac
+    peak = estimate_memory(args, _options(cfg, pick, dp, ac, group_blocks), suggest=False).peak
+    step = {}
+    for end in ("none", "full"):  # the step-time model knows these two
+        opts = _options(cfg, pick, dp, end, group_blocks)
+        plan = ParallelPlan(pick.strategy, dp, cfg.parallel.tp, cfg.parallel.pp,
+                            opts.micro_batch, end,
+                            estimate_memory(args, opts, suggest=False), [],
+                            opts.microbatches if cfg.parallel.pp > 1 else pick.grad_accum)
+        predict_step(plan, args, opts, world_size, gpu.peak_tflops)
+        step[end] = 1 / plan.tokens_per_s
+    share = _recomputed_share(cfg, pick.ac)
+    return peak, 1 / ((1 - share) * step["none"] + share * step["full"])
+
+
+def _from_model(cfg, world_size: int, gpu: Gpu, replica: int, dp: int,
+                reasons: list[str], failed: frozenset = frozenset(), *, must_fit: bool = True
+                ) -> Pick:
+    """The memory model's choice (module docstring, 2.); where nothing fits, the smallest
+    peak unless ``must_fit``."""
+    pc = cfg.parallel
+    acs = AC_ORDER if pc.activation_checkpointing == AUTO else (pc.activation_checkpointing,)
+    mbs = _micro_batches(cfg, replica, gpu)
+    fits, tried, smallest = [], 0, None
+    for strategy in _strategies(cfg, dp):
+        for zero in _zeros(cfg, strategy):
+            for ac in acs:
+                for mb in mbs:
+                    pick = Pick(strategy, zero, ac, mb, replica // mb)
+                    if not _accepted(cfg, pick) or _key(pick) in failed:
+                        continue
+                    tried += 1
+                    try:
+                        peak, tps = predict(cfg, pick, world_size, gpu)
+                    except ConfigError:
+                        continue
+                    if peak * HEADROOM <= gpu.bytes:
+                        fits.append((pick, peak, tps))
+                    # The CPU's stand-in: no recomputation before a smaller peak.
+                    rank = (AC_ORDER.index(ac) if gpu.cpu and ac in AC_ORDER else 0, peak)
+                    if smallest is None or rank < smallest[2]:
+                        smallest = (pick, peak, rank)
+    if not fits and smallest is not None and not must_fit:
+        least = "the least recomputation, then " if gpu.cpu else ""
+        reasons.append(f"nothing fits {_gib(gpu.bytes)}: {least}the smallest predicted peak, "
+                       f"{_gib(smallest[1])}")
+        return smallest[0]
+    if not fits:
+        raise ConfigError(
+            f"auto: none of the {tried} settings tried fits {world_size} x "
+            f"{_gib(gpu.bytes)} ({gpu.name}) at {replica} samples of {cfg.data.seq_len} tokens "
+            "per data-parallel rank",
+            expected="a setting whose predicted peak plus 10% fits the memory",
+            hint="see `hpctrain plan memory`; use more GPUs, a shorter data.seq_len, or "
+            "tensor/pipeline parallelism (parallel.tp, parallel.pp)")
+    fits.sort(key=lambda f: (AC_ORDER.index(f[0].ac) if f[0].ac in AC_ORDER else 0, -f[2],
+                             -f[0].micro_batch, f[0].zero))
+    pick, peak, tps = fits[0]
+    where = "the CPU's stand-in" if gpu.cpu else gpu.name
+    reasons.append(f"the memory model: {len(fits)} of {tried} settings fit {_gib(gpu.bytes)} "
+                   f"({where}) with 10% headroom; the chosen one peaks at {_gib(peak)}"
+                   + ("" if gpu.cpu else f", predicted {tps:,.0f} tokens/s per GPU"))
+    _explain(cfg, pick, fits, gpu, reasons)
+    return pick
+
+
+def _explain(cfg, pick: Pick, fits: list, gpu: Gpu, reasons: list[str]) -> None:
+    pc, tc = cfg.parallel, cfg.train
+    if tc.micro_batch == AUTO:
+        same = (pick.strategy, pick.zero, pick.ac)
+        bigger = [f for f in fits if f[0].micro_batch > pick.micro_batch
+                  and (f[0].strategy, f[0].zero, f[0].ac) == same]
+        cap = CPU_MICRO_TOKENS if gpu.cpu else MAX_MICRO_TOKENS
+        why = (f"the largest that fits {_gib(gpu.bytes)} with 10% headroom" if not bigger
+               else "larger ones fit but are predicted slower (a pipeline's bubble)")
+        reasons.append(f"micro_batch {pick.micro_batch}: {why} (with strategy {pick.strategy}, "
+                       f"AC {pick.ac}; at most {cap} tokens per micro-batch)")
+    if pc.activation_checkpointing == AUTO:
+        why = {"none": "no recomputation needed: it fits without",
+               "selective": "nothing fits without checkpointing; selective does",
+               "full": "nothing fits without or with selective checkpointing"}[pick.ac]
+        reasons.append(f"activation_checkpointing {pick.ac}: {why}")
+    if pc.strategy == AUTO:
+        others = {}
+        for p, _, tps in fits:
+            others.setdefault(p.strategy, tps)
+        rest = ", ".join(f"{s} {t:,.0f}" for s, t in others.items() if s != pick.strategy)
+        reasons.append(f"strategy {pick.strategy}" + ("" if gpu.cpu or not rest else
+                                                       f": the fastest predicted (best of "
+                                                       f"the others: {rest} tokens/s per GPU)"))
+
+
+def _fallback(cfg, dp: int, replica: int, reasons: list[str]) -> Pick:
+    """No memory model (module docstring, 3.)."""
+    pc, tc = cfg.parallel, cfg.train
+    what = ("a task's model (hpctrain.task)" if cfg.task
+            else f"the {family_of_args(cfg.model.resolve()).name!r} family")
+    if tc.micro_batch == AUTO:
+        raise ConfigError(f"train.micro_batch = auto for {what}, which the memory model cannot "
+                          "size", expected="a number for train.micro_batch",
+                          hint="give train.micro_batch (hpctrain tune measures what fits)")
+    strategy = pc.strategy
+    if strategy == AUTO:
+        strategy = "none" if dp == 1 else "ddp" if pc.tp * pc.pp == 1 else "fsdp"
+    ac = "none" if pc.activation_checkpointing == AUTO else pc.activation_checkpointing
+    reasons.append(f"no memory model for {what}: auto falls back to strategy {strategy}, "
+                   f"activation_checkpointing {ac}, FSDP's defaults")
+    return Pick(strategy, _zeros(cfg, strategy)[-1] if strategy == "fsdp" else 3, ac,
+                tc.micro_batch, _accumulated(cfg, replica))
+
+
+def _key(pick: Pick) -> tuple:
+    return (pick.strategy, pick.zero, pick.ac, pick.micro_batch)
+
+
+def _from_tune(cfg, world_size: int, gpu: Gpu, replica: int, dp: int,
+               reasons: list[str], must_fit: bool = True) -> Pick | None:
+    """The fastest measured setting of tune's results that this run may take (module
+    docstring, 1.); None (said in ``reasons``) where there are none."""
+    path = cfg.parallel.tune_results
+    if path is None:
+        return None
+    doc, why = _tune_doc(cfg, Path(path), world_size, gpu, replica * dp)
+    if doc is None:
+        reasons.append(f"tune results {path} not used: {why}")
+        return None
+    allowed, failed = [], set()
+    for c in doc["candidates"]:
+        s = c.get("settings") or {}
+        pick = Pick(s.get("strategy"), s.get("zero", 3), s.get("ac"), s.get("micro_batch", 0),
+                    s.get("grad_accum", 0), s.get("ac_every", 0))
+        if c.get("status") == "failed":
+            failed.add(_key(pick))
+        if c.get("status") == "ok" and _fits_config(cfg, s, pick, replica):
+            allowed.append((c["measured"]["tokens_per_s_per_gpu"], -len(allowed), pick))
+    if not allowed:
+        reasons.append(f"tune results {path}: no measured setting fits the config's fixed "
+                       "values; the memory model chooses")
+        return _from_model(cfg, world_size, gpu, replica, dp, reasons, frozenset(failed),
+                           must_fit=must_fit)
+    tps, _, pick = max(allowed)
+    reasons.append(f"tune's measurements ({path}, {world_size} x {gpu.name}): the fastest of "
+                   f"{len(allowed)} measured settings this config allows, {tps:,.0f} tokens/s "
+                   "per GPU")
+    return pick
+
+
+def _tune_doc(cfg, path: Path, world_size: int, gpu: Gpu, samples: int
+              ) -> tuple[dict | None, str]:
+    """(tune's results.json, "") where it was measured for this run, else (None, why not)."""
+    results = path / "results.json" if path.is_dir() else path
+    try:
+        doc = json.loads(results.read_text())
+        meta = doc["meta"]
+        best = yaml.safe_load((results.parent / "best.yaml").read_text())
+    except FileNotFoundError as e:
+        return None, f"{e.filename} does not exist (no tuning finished there)"
+    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as e:
+        raise ConfigError(f"parallel.tune_results = {path}: cannot be read ({e})",
+                          expected="the --out folder of `hpctrain tune` (results.json, "
+                          "best.yaml)", hint="rerun tune, or drop parallel.tune_results") from None
+    model = dataclasses.asdict(cfg.model)
+    for what, theirs, ours in (("GPU", meta.get("device_name"), gpu.name),
+                               ("GPU count", meta.get("gpus"), world_size),
+                               ("global batch (samples)", meta.get("global_batch"), samples),
+                               ("model", (best or {}).get("model"), model),
+                               ("data.seq_len", (best or {}).get("data", {}).get("seq_len"),
+                                cfg.data.seq_len)):
+        if theirs != ours:
+            return None, f"measured for another {what} ({_short(theirs)}, this run: " \
+                         f"{_short(ours)})"
+    return doc, ""
+
+
+def _fits_config(cfg, s: dict, pick: Pick, replica: int) -> bool:
+    """Whether a measured setting keeps the config's fixed values and global batch."""
+    pc, tc = cfg.parallel, cfg.train
+    same = {"tp": pc.tp, "pp": pc.pp, "dp_replicate": pc.dp_replicate,
+            "precision": tc.precision, "mixed_precision": pc.mixed_precision,
+            "loss_chunks": tc.loss_chunks}
+    if any(s.get(k) != v for k, v in same.items()):
+        return False
+    if pc.pp > 1 and s.get("pp_microbatches", 0) not in (0, pc.pp_microbatches):
+        return False
+    if pick.micro_batch * pick.grad_accum != replica:
+        return False
+    fixed = (pc.strategy, pc.activation_checkpointing, tc.micro_batch)
+    for given, value in zip(fixed, (pick.strategy, pick.ac, pick.micro_batch), strict=True):
+        if given != AUTO and given != value:
+            return False
+    if pick.ac == "every_k" and pc.activation_checkpointing == AUTO and pick.ac_every < 1:
+        return False
+    if pc.reshard_after_forward != AUTO and pick.strategy == "fsdp":
+        return pick.zero == _zeros(cfg, "fsdp")[0]
+    return _accepted(cfg, pick)
+
+
+def _values(cfg, pick: Pick, dp: int, gpu: Gpu, reasons: list[str]) -> dict[str, Any]:
+    """The config values ``pick`` sets: the auto keys, and grad_accum beside a global batch in
+    tokens."""
+    pc, tc = cfg.parallel, cfg.train
+    values: dict[str, Any] = {}
+    if pc.strategy == AUTO:
+        values["parallel.strategy"] = pick.strategy
+    if pc.reshard_after_forward == AUTO:
+        # Outside FSDP it means nothing: unset, as the trainer's default.
+        values["parallel.reshard_after_forward"] = (pick.zero == 3 if pick.strategy == "fsdp"
+                                                    else None)
+        if pick.strategy == "fsdp":
+            reasons.append(f"reshard_after_forward {str(pick.zero == 3).lower()} (ZeRO-"
+                           f"{pick.zero}): " + ("the parameters stay gathered from forward to "
+                                                "backward, one all-gather fewer" if pick.zero == 2
+                                                else "ZeRO-2 does not fit or predicts slower"))
+    if pc.activation_checkpointing == AUTO:
+        values["parallel.activation_checkpointing"] = pick.ac
+        if pick.ac == "every_k":
+            values["parallel.ac_every"] = pick.ac_every
+    if pc.fsdp_group_blocks == AUTO:
+        values["parallel.fsdp_group_blocks"] = _group_blocks(cfg, pick, dp, gpu, reasons)
+    if tc.micro_batch == AUTO:
+        values["train.micro_batch"] = pick.micro_batch
+    if tc.global_batch_tokens is not None:
+        values["train.grad_accum"] = pick.grad_accum
+        reasons.append(f"global batch {tc.global_batch_tokens} tokens = micro_batch "
+                       f"{pick.micro_batch} x grad_accum {pick.grad_accum} x {dp} data-parallel "
+                       f"rank(s) x {cfg.data.seq_len} tokens")
+    return values
+
+
+def _group_blocks(cfg, pick: Pick, dp: int, gpu: Gpu, reasons: list[str]) -> int:
+    """2 where FSDP's per-unit hooks set the pace (many GPUs, a small model) and it fits; 1
+    otherwise (and outside FSDP, which refuses any other)."""
+    if pick.strategy != "fsdp" or gpu.cpu or dp < GROUP_MIN_GPUS or cfg.task:
+        return 1
+    if count_params(cfg.model.resolve(), include_embedding=True) >= GROUP_MAX_PARAMS:
+        return 1
+    try:
+        peak, _ = predict(cfg, pick, dp * cfg.parallel.tp * cfg.parallel.pp, gpu, 2)
+    except ConfigError:
+        return 1
+    if peak * HEADROOM > gpu.bytes:
+        return 1
+    reasons.append(f"fsdp_group_blocks 2: FSDP over {dp} GPUs of a model under "
+                   f"{GROUP_MAX_PARAMS / 1e9:.0f}B parameters is paced by its per-unit hooks "
+                   "(1b on 4 H200s: 5.1% faster with 2)")
+    return 2
+
+
+def _check_grad_accum(cfg, pick: Pick, dp: int) -> None:
+    """A grad_accum given beside global_batch_tokens must be the one the batch implies."""
+    tc = cfg.train
+    if tc.global_batch_tokens is None or tc.grad_accum in (1, pick.grad_accum):
+        return
+    raise ConfigError(
+        f"train.grad_accum = {tc.grad_accum} with train.global_batch_tokens = "
+        f"{tc.global_batch_tokens}",
+        expected=f"grad_accum {pick.grad_accum} (global_batch_tokens / (micro_batch "
+        f"{pick.micro_batch} x {dp} data-parallel rank(s) x {cfg.data.seq_len} tokens))",
+        hint="drop train.grad_accum: it follows from the global batch")
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.1f} GiB"
+
+
+def _short(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _yaml(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()

@@ -1,0 +1,59 @@
+"""A step whose micro-batches lost samples (an image that does not decode is skipped) trains on
+the mean over the samples it kept, each weighing the same, not on the mean of its micro-batch
+means (which would weigh a sample of a short micro-batch more)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hpctrain import fit
+from hpctrain.task import Task
+
+# Eight samples, targets all different; three are "corrupt": whichever micro-batches of 4 they
+# fall in, the two micro-batches keep different counts (5 kept in all: 1+4 or 2+3).
+TARGETS = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+BAD = {0, 3, 6}
+
+
+class Samples(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return len(TARGETS)
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
+        return i, TARGETS[i]
+
+
+def drop_bad(samples: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like the image task's collate: the samples that 'decode', the rest skipped."""
+    ys = [y for i, y in samples if i not in BAD]
+    return torch.ones(len(ys), 1), torch.tensor(ys).view(-1, 1)
+
+
+def zero_model() -> nn.Module:
+    model = nn.Linear(1, 1, bias=False)
+    nn.init.zeros_(model.weight)  # the first loss is the mean of y**2 over the kept samples
+    return model
+
+
+def test_a_steps_loss_is_the_mean_over_the_samples_kept(tmp_path: Path) -> None:
+    task = Task(model=zero_model, data=Samples(), loss=nn.functional.mse_loss,
+                collate=drop_bad, flops_per_sample=1.0,
+                samples_in_batch=lambda batch: len(batch[1]))
+    fit(task, overrides={"run.out_dir": str(tmp_path), "run.name": "dropped",
+                         "run.device": "cpu", "train.steps": 1, "train.micro_batch": 4,
+                         "train.grad_accum": 2, "train.precision": "fp32",
+                         "optim.name": "sgd", "optim.lr": 0.1, "optim.momentum": 0.0,
+                         "optim.weight_decay": 0.0, "optim.warmup_steps": 0,
+                         "train.grad_clip": 0.0, "checkpoint.interval": "none",
+                         "checkpoint.save_at_end": False, "metrics.progress": False,
+                         "metrics.log_every": 1})
+    records = [json.loads(line) for line in
+               (tmp_path / "dropped" / "metrics" / "rank-000.jsonl").read_text().splitlines()]
+    (step,) = [r for r in records if r.get("step") == 1 and "loss" in r]
+    kept = [y for i, y in enumerate(TARGETS.tolist()) if i not in BAD]
+    assert step["loss"] == pytest.approx(sum(y * y for y in kept) / len(kept), rel=1e-6)
