@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpctrain.cli import main
 from hpctrain.config import load_config
 from hpctrain.plan.task_memory import (
     MeasuredStep,
     TaskMemory,
     extrapolate,
-    plan_task_memory,
     task_memory,
 )
 from hpctrain.task import load_task
@@ -106,13 +106,18 @@ def test_activations_grow_by_the_measured_slope() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's report")
-def test_the_cpu_report_says_it_measured_nothing(task_file: Path, capsys) -> None:
-    cfg = _cfg(task_file, "parallel.strategy=ddp")
-    plan_task_memory(cfg, 2, "h100", as_json=False)
+def test_plan_memory_of_a_task_config_says_it_measured_nothing_on_cpu(task_file: Path,
+                                                                      capsys) -> None:
+    """``hpctrain plan memory`` (in process) sizes the task's model, not the built-in one the
+    config's model section would describe."""
+    command = ["plan", "memory", f"task={task_file}", "train.micro_batch=4",
+               "parallel.strategy=ddp", "--gpus", "2"]
+    main([*command, "--gpu", "h100"])
     out = capsys.readouterr().out
+    assert f"task {task_file} ({PARAMS} params), ddp over 2 GPUs" in out
     assert "not measured" in out and "CPU: nothing measured" in out
     assert "fits: states alone" in out
-    plan_task_memory(cfg, 2, None, as_json=True)
+    main([*command, "--json"])
     data = json.loads(capsys.readouterr().out)
     assert data["peak"] is None and data["activations"] is None and data["gpus"] == 2
     assert data["params"] == 4 * PARAMS  # DDP: whole on every rank

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 
 from hpctrain.config import JobConfig
 from hpctrain.data.order import BatchLayout
@@ -187,6 +188,9 @@ def measure_step(task: Task, cfg: JobConfig, device: torch.device,
     model.to(device).train()
     if fsdp and cfg.train.precision != "fp32":
         model.to(dtype)  # FSDP's MixedPrecisionPolicy computes in the parameters' dtype
+        for m in model.modules():  # ... but the task trainer keeps BatchNorm-style norms fp32
+            if isinstance(m, _NormBase) and m.track_running_stats:
+                m.float()
     autocast = (torch.autocast(device.type, dtype=dtype) if cfg.train.precision != "fp32"
                 and not fsdp else contextlib.nullcontext())
     opt = _optimizer(model, cfg)
@@ -259,7 +263,9 @@ def print_task_memory(cfg: JobConfig, report: TaskMemory, gpus: int, as_json: bo
 
     pc, tc = cfg.parallel, cfg.train
     console = Console(width=160)
-    console.print(f"task {cfg.task} ({report.n_params / 1e6:.2f}M params), {pc.strategy} over "
+    n = report.n_params
+    size = f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+    console.print(f"task {cfg.task} ({size} params), {pc.strategy} over "
                   f"{gpus} GPU{'s' if gpus > 1 else ''}, {tc.precision}, micro-batch "
                   f"{tc.micro_batch}, {cfg.optim.name}")
     # A model of one's own is often small: MB until something reaches a GB.
