@@ -450,6 +450,7 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            self.store.wait_removed()
             if self._writer is not None:
                 self._writer.stop()
                 self._writer = None
