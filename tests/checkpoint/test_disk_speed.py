@@ -201,14 +201,24 @@ def test_shards_are_written_in_direct_blocks_and_the_tail_buffered(tmp_path: Pat
     where the file system allows it: the copy into the cache and its writeback cost more CPU
     than the device's own time (0.3-0.44 vs 1.4-1.6 GB/s on one core here)."""
     from hpctrain.bench.disk import _direct_works
+    from hpctrain.runtime.mounts import in_memory
 
-    if not _direct_works(tmp_path / "probe", 8192):
-        pytest.skip("this file system refuses O_DIRECT (the buffered path is tested below)")
+    if in_memory(tmp_path) or not _direct_works(tmp_path / "probe", 8192):
+        pytest.skip("no O_DIRECT on this file system (the buffered path is tested below)")
     data = [os.urandom(5000), os.urandom(20000), b"x" * 3]  # 25,003 bytes: 3 blocks + tail
     path, fs, writes, _ = _written_through(tmp_path, monkeypatch, 8192, data)
     assert path.read_bytes() == b"".join(data)
     assert fs.digests[path.name] == {"size": 25003, "xxh3": checksum(path)}
     assert writes == [(8192, True)] * 3 + [(25003 - 3 * 8192, False)]
+
+
+def test_tmpfs_shards_are_written_buffered(tmp_path: Path, monkeypatch) -> None:
+    """On tmpfs the page cache is the storage: a direct write would only add a copy."""
+    monkeypatch.setattr(store, "in_memory", lambda _path: True)
+    data = [os.urandom(20000)]
+    path, _, writes, _ = _written_through(tmp_path, monkeypatch, 8192, data)
+    assert path.read_bytes() == data[0]
+    assert writes and not any(direct for _, direct in writes)
 
 
 def test_fsync_covers_every_byte_written(tmp_path: Path, monkeypatch) -> None:

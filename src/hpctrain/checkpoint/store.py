@@ -49,6 +49,7 @@ from hpctrain.checkpoint.manifest import (
     step_of,
     write_manifest,
 )
+from hpctrain.runtime.mounts import in_memory
 from hpctrain.runtime.rundir import fsync_dir
 from hpctrain.runtime.safe_open import UnsafeRunPath, current_umask, read_bytes, write_atomic
 
@@ -319,7 +320,8 @@ class _HashingFileSystem(FileSystem):
             return
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
                      | os.O_NOFOLLOW, 0o666)
-        with _HashingStream(fd) as hashing:
+        # On tmpfs the page cache is the storage: a direct write would only add a copy.
+        with _HashingStream(fd, direct=not in_memory(Path(path))) as hashing:
             yield hashing
         if hashing.sequential:
             with self._lock:
@@ -338,13 +340,13 @@ class _HashingStream(io.RawIOBase):
     1.4-1.6 GB/s with O_DIRECT, and a 13 GB checkpoint pushed as much of the training job's
     page cache out. The tail (less than a block) is written buffered when the file is handed
     to fsync (``fileno``) or closed. Where the file system refuses O_DIRECT (some network file
-    systems; tmpfs on older kernels), everything is written buffered.
+    systems) or holds its files in memory (tmpfs), everything is written buffered.
     """
 
     _HASH_BLOCK = 1 << 20
     _DIRECT_BLOCK = 16 << 20
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, direct: bool = True):
         super().__init__()
         self.fd = fd
         self.hash = xxhash.xxh3_64()
@@ -356,7 +358,7 @@ class _HashingStream(io.RawIOBase):
         self._flushed = 0  # bytes of direct blocks handed to the file
         self._pending: Future[None] | None = None  # the other block's write
         self._pool: ThreadPoolExecutor | None = None
-        if _set_direct(fd, True):
+        if direct and _set_direct(fd, True):
             self._blocks = [mmap.mmap(-1, self._DIRECT_BLOCK) for _ in range(2)]
 
     def writable(self) -> bool:
