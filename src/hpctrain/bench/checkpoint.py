@@ -9,9 +9,10 @@ writer has committed it (staging, serialisation, fsync, checksums, manifest, ren
 user pays before the next save can start; ``write`` is the writer's part alone, from its start
 to the commit, the number to hold against the disk's), the restore from the call until the state
 is filled (verification of every checksum, then DCP's load), with the page cache of the
-checkpoint's files dropped first where the file system has one. Everything is written to a temporary folder under
-the path and removed afterwards. ``cpu_s`` is the CPU time this process and the writer process
-spent on the operation: on a busy shared machine a steadier comparison than the wall time.
+checkpoint's files dropped first where the file system has one. Everything is written to a
+temporary folder under the path and removed afterwards. ``cpu_s`` is the CPU time this process
+and the writer process spent on the operation: on a busy shared machine a steadier comparison
+than the wall time.
 """
 
 from __future__ import annotations
