@@ -290,3 +290,21 @@ def test_retention_deletes_the_old_checkpoint_after_the_commit(pg, tmp_path: Pat
     release.set()
     s.wait_removed()
     assert not (tmp_path / ".retired-step-00000001").exists()
+
+
+def test_direct_io_off_writes_every_shard_buffered(pg, tmp_path: Path, monkeypatch) -> None:
+    """checkpoint.direct_io=false: the way out where a file system takes O_DIRECT badly."""
+    import fcntl
+
+    direct: list[bool] = []
+    real = store._write_all
+
+    def spy(fd, view):
+        direct.append(bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT))
+        real(fd, view)
+
+    monkeypatch.setattr(store, "_write_all", spy)
+    monkeypatch.setattr(store._HashingStream, "_DIRECT_BLOCK", 4096)
+    s = store.CheckpointStore(CheckpointConfig(direct_io=False), tmp_path, rank=0, world_size=1)
+    s.write(1, _state(), {"step": 1}, {"cpu": torch.zeros(1)}, group=None)
+    assert direct and not any(direct)

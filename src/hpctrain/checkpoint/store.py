@@ -97,7 +97,8 @@ class CheckpointStore:
         dist.barrier(group=group)
         error, full, mine = None, False, {}
         try:
-            writer = _Writer(tmp, step, write_threads(self.cfg.write_threads))
+            writer = _Writer(tmp, step, write_threads(self.cfg.write_threads),
+                             direct=self.cfg.direct_io)
             dcp.save(state, storage_writer=writer, process_group=group,
                      planner=planner)
             rng_path = tmp / f"rng-rank-{self.rank:05d}.pt"
@@ -281,9 +282,9 @@ class _Writer(FileSystemWriter):
     injected-fault seams inside the write phase, where DCP reports a rank's I/O error to every
     rank, as it does for a real full disk."""
 
-    def __init__(self, path: Path, step: int, threads: int):
+    def __init__(self, path: Path, step: int, threads: int, direct: bool = True):
         super().__init__(path, sync_files=True, thread_count=threads)
-        self.fs = _HashingFileSystem()
+        self.fs = _HashingFileSystem(direct)
         self._step = step
 
     def hashed(self, path: Path) -> dict[str, Any] | None:
@@ -306,8 +307,9 @@ class _HashingFileSystem(FileSystem):
     and on a real disk a read the page cache may no longer hold), written without the page
     cache where the file system allows it (``_HashingStream``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, direct: bool = True) -> None:
         super().__init__()
+        self.direct = direct  # checkpoint.direct_io
         self.digests: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
@@ -321,7 +323,7 @@ class _HashingFileSystem(FileSystem):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
                      | os.O_NOFOLLOW, 0o666)
         # On tmpfs the page cache is the storage: a direct write would only add a copy.
-        with _HashingStream(fd, direct=not in_memory(Path(path))) as hashing:
+        with _HashingStream(fd, direct=self.direct and not in_memory(Path(path))) as hashing:
             yield hashing
         if hashing.sequential:
             with self._lock:
