@@ -27,8 +27,10 @@ image task (`hpctrain.tasks.images`): ``gpu`` (nvJPEG on a side stream, ahead of
 Pillow threads, the rest to nvJPEG), ``cpu<N>`` (all on N Pillow threads); a suffix ``t<N>``
 sets the Pillow threads, ``r<S>`` decodes at reduced size (Pillow keeps the shorter side >= S).
 Each row says its setting, the decode threads and cores of the process, and the milliseconds
-per image spent decoding (wall time: nvJPEG returns when done) and augmenting (on the side
-stream's events).
+per image spent decoding (wall time: nvJPEG returns when done) and augmenting (the side
+stream's timing events, read after the loader thread has waited for that stream: the step's
+stream is never synchronised for them; ``serial`` has no augment time, as timing it would sync
+the step's stream).
 """
 
 from __future__ import annotations

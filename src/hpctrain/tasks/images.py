@@ -26,8 +26,9 @@ nvJPEG on a side stream ahead of the step is the default on CUDA; ``cpu_fraction
 each batch's JPEGs go to Pillow on ``decode_threads`` host threads while nvJPEG decodes the
 rest (1: all on the host); ``decode_min_side`` lets Pillow decode at reduced size;
 ``decode_ahead: false`` decodes in the step on its own stream (serially: the baseline). Training
-metrics carry ``decode_ms_per_image`` (and ``augment_ms_per_image`` where measured without a
-sync: on the side stream's events, or on the CPU).
+metrics carry ``decode_ms_per_image`` (and ``augment_ms_per_image`` where it costs the step's
+stream no sync: the side stream's events, read after the loader thread has waited for that stream,
+or wall time on the CPU).
 """
 
 from __future__ import annotations
