@@ -155,9 +155,7 @@ class TaskTrainer(Trainer):
                 for p in model.parameters():
                     if not p.is_contiguous():
                         p.data = p.data.contiguous()
-            for unit in [*self.task.fsdp_units(model), model]:
-                _norms_in_fp32(unit, dp_mesh(mesh), mp, reshard)
-                fully_shard(unit, mesh=dp_mesh(mesh), mp_policy=mp, reshard_after_forward=reshard)
+            shard_units(model, self.task.fsdp_units(model), dp_mesh(mesh), mp, reshard)
         return model
 
     def _count_flops(self, model: nn.Module) -> float:
@@ -298,6 +296,18 @@ class TaskTrainer(Trainer):
 
     def _described(self, record: dict) -> str:
         return f"loss {record['val_loss']:.4f} over {record['val_samples']} samples"
+
+
+def shard_units(model: nn.Module, units: list[nn.Module], mesh, mp: MixedPrecisionPolicy,
+                reshard: bool) -> None:
+    """FSDP2 over each unit, then the root; each unit's BatchNorm-style norms are a group of
+    their own that keeps fp32 parameters first (see `_norms_in_fp32`)."""
+    for unit in [*units, model]:
+        _norms_in_fp32(unit, mesh, mp, reshard)
+        # A unit that is itself such a norm (a flat Sequential's child) is sharded now:
+        # fully_shard refuses a module twice.
+        if not isinstance(unit, FSDPModule):
+            fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
 
 
 def _norms_in_fp32(unit: nn.Module, mesh, mp: MixedPrecisionPolicy, reshard: bool) -> None:
