@@ -272,10 +272,13 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     parameters (`TaskTrainer`)."""
     if all(hasattr(model, f"layer{i}") for i in range(1, 5)):
         return [getattr(model, f"layer{i}") for i in range(1, 5)]
-    if hasattr(model, "blocks"):
-        return model.blocks()
-    if hasattr(model, "encoder"):  # torchvision's VisionTransformer
-        return list(model.encoder.layers)
+    if callable(getattr(type(model), "blocks", None)):  # hpctrain.models.vision's method
+        return list(model.blocks())
+    if isinstance(getattr(model, "blocks", None), nn.Sequential | nn.ModuleList):  # timm's
+        return list(model.blocks)
+    layers = getattr(getattr(model, "encoder", None), "layers", None)
+    if layers is not None:  # torchvision's VisionTransformer
+        return list(layers)
     # A model of the user's own (classifier(build=...)): its children that hold parameters.
     return [m for m in model.children() if any(True for _ in m.parameters())]
 
