@@ -393,3 +393,17 @@ def test_fsdp_in_bf16_shards_a_flat_sequential_whose_unit_is_a_batchnorm(pg: Non
     assert all(isinstance(m, FSDPModule) for m in (model, model[0], model[1], model[4]))
     model(torch.randn(2, 3, 6, 6)).float().sum().backward()
     assert model[1].weight.grad is not None and model[1].weight.dtype == torch.float32
+
+
+def test_samples_in_batch_must_count_on_the_host() -> None:
+    """A tensor count would wait for the device once per micro-batch: refused, with a hint."""
+    def task(count) -> Task:
+        return Task(model=lambda: nn.Linear(1, 1), data=[], loss=nn.functional.mse_loss,
+                    samples_in_batch=count)
+
+    assert task(len).count_samples([1, 2, 3]) == 3
+    assert task(None).count_samples([1]) is None
+    for bad in (lambda b: torch.tensor(len(b)), lambda b: -1, lambda b: 2.0):
+        with pytest.raises(TaskError, match="samples_in_batch") as info:
+            task(bad).count_samples([1, 2])
+        assert info.value.expected and info.value.hint
