@@ -57,8 +57,8 @@ from hpctrain.data.images.reader import IMAGES_FORMAT
 from hpctrain.data.tar_samples import MANIFEST
 from hpctrain.errors import ConfigError
 from hpctrain.models import vision
+from hpctrain.observe.accuracy import topk_correct
 from hpctrain.task import Task, TaskError
-from hpctrain.train.exact_eval import topk_correct
 
 
 @dataclasses.dataclass
