@@ -96,13 +96,13 @@ def test_a_batch_that_cannot_be_split_is_refused_with_a_hint() -> None:
     with pytest.raises(ConfigError, match="without train.global_batch_tokens"):
         load_config(LLAMA_1B, ["train.micro_batch=auto", "train.global_batch_tokens=null"])
     # A grad_accum given beside the batch in tokens must be the one it implies.
-    with pytest.raises(ConfigError, match="grad_accum 2") as e:
+    with pytest.raises(ConfigError, match="grad_accum 8") as e:
         _resolved(["train.micro_batch=4", "train.grad_accum=3"], 2, H100)
     assert "drop train.grad_accum" in e.value.hint
     with pytest.raises(ConfigError, match="strategy = 'none' with 2 ranks"):  # the mesh's words
         _resolved(["parallel.strategy=none"], 2, H100)
-    cfg, _ = _resolved(["train.grad_accum=4"], 1, H100)  # fixes the micro-batch: 16 / 4
-    assert (cfg.train.micro_batch, cfg.train.grad_accum) == (4, 4)
+    cfg, _ = _resolved(["train.grad_accum=4"], 1, H100)  # fixes the micro-batch: 64 / 4
+    assert (cfg.train.micro_batch, cfg.train.grad_accum) == (16, 4)
 
 
 def test_fixed_values_are_kept_and_a_task_falls_back_with_a_message() -> None:

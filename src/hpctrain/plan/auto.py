@@ -83,6 +83,9 @@ class Gpu:
     cpu: bool = False
 
 
+CPU = Gpu("cpu", CPU_MEM_BYTES, cpu=True)  # the CPU's stand-in (tests, demo, a login node)
+
+
 @dataclass(frozen=True)
 class Pick:
     """One way to split the global batch and spread the model: the values auto may set."""
@@ -138,7 +141,7 @@ def this_gpu(cfg) -> Gpu:
         peak = peak_tflops(name, "fp32" if cfg.train.precision == "fp32" else "bf16")
         return Gpu(name, float(torch.cuda.get_device_properties(0).total_memory),
                    peak or DEFAULT_PEAK_TFLOPS)
-    return Gpu("cpu", CPU_MEM_BYTES, cpu=True)
+    return CPU
 
 
 def named_gpu(name: str) -> Gpu:
