@@ -209,3 +209,24 @@ def test_ranks_that_chose_differently_are_refused(tmp_path: Path) -> None:
     for rank in (0, 1):
         text = (tmp_path / f"rank-{rank}.txt").read_text()
         assert "auto chose differently on rank 1" in text and "train.micro_batch=1" in text
+
+
+def test_a_resume_with_another_global_batch_names_the_saved_one() -> None:
+    """A run saved before global_batch_tokens (4 samples of 2048) resumed with a batch in
+    tokens: the hint names the value that resumes it, in tokens (and in samples for a task)."""
+    from hpctrain.data.order import BatchLayout, GlobalOrderSampler
+    from hpctrain.data.samples import StreamLoader
+
+    saved = {"step": 3, "global_batch": 4, "seed": 0}
+    tokens = GlobalOrderSampler(4096, BatchLayout(8, 8, 8, 0), 0, seq_len=2048)
+    with pytest.raises(ConfigError, match="global_batch 4, this run has 512") as e:
+        tokens.load_state_dict(saved)
+    assert "train.global_batch_tokens=8192" in e.value.hint
+    samples = GlobalOrderSampler(4096, BatchLayout(8, 1, 1, 0), 0)  # a task's: no tokens
+    with pytest.raises(ConfigError) as e:
+        samples.load_state_dict(saved)
+    assert "4 samples" in e.value.hint and "global_batch_tokens" not in e.value.hint
+    stream = StreamLoader(iter([]), BatchLayout(8, 1, 1, 0), 0, None, list)
+    with pytest.raises(ConfigError) as e:
+        stream.load_state_dict(saved)
+    assert "4 samples" in e.value.hint
