@@ -54,8 +54,9 @@ def test_auto_keeps_the_global_batch_fits_and_is_deterministic(model, gpu) -> No
 
 def test_auto_on_the_cpu_is_small_and_a_run_records_what_it_chose(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A run on the CPU resolves auto to DDP-free, checkpointing-free small micro-batches,
-    logs why, and its config.yaml holds the resolved values (what a resume or report reads)."""
+    """A run on the CPU resolves auto to DDP-free, checkpointing-free small micro-batches and
+    logs why; its config.yaml keeps auto, so that it resumes on 2 ranks with the batch in
+    tokens, and config/auto.yaml holds the values chosen (what runs and report show)."""
     from hpctrain.train.job import run_training
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -66,17 +67,27 @@ def test_auto_on_the_cpu_is_small_and_a_run_records_what_it_chose(
     (rank_log,) = (tmp_path / "auto").rglob("rank-000.log")
     text = rank_log.read_text()
     assert "auto: the memory model" in text and "global batch 256 tokens" in text
+    from hpctrain.observe.rundata import load_run
+    from hpctrain.parallel.layout import check_layout
+    from hpctrain.train.checkpointing import config_hashes
+
     (written,) = (tmp_path / "auto").rglob("config.yaml")
     saved = yaml.safe_load(written.read_text())
+    assert saved["train"]["micro_batch"] == "auto" and saved["parallel"]["strategy"] == "auto"
     # 256 tokens = 8 samples of 32: all in one micro-batch on one rank, nothing recomputed.
-    assert saved["train"]["micro_batch"] == 8 and saved["train"]["grad_accum"] == 1
-    assert saved["parallel"]["strategy"] == "none"
-    assert saved["parallel"]["activation_checkpointing"] == "none"
-    assert saved["parallel"]["fsdp_group_blocks"] == 1
-    # Resumed on 2 ranks, the batch in tokens stays; the split changes.
-    two = load_config(DEMO, [*TINY, *AUTO, "train.global_batch_tokens=256"])
+    shown = load_run(tmp_path / "auto", metrics=False).config
+    assert shown["train"]["micro_batch"] == 8 and shown["train"]["grad_accum"] == 1
+    assert shown["parallel"]["strategy"] == "none"
+    assert shown["parallel"]["activation_checkpointing"] == "none"
+    assert shown["parallel"]["fsdp_group_blocks"] == 1
+    # Resumed from its own config.yaml on 2 ranks: the batch in tokens stays, the split
+    # changes, the layout is one training accepts, and the checkpoint's config hash matches.
+    one, two = load_config(written), load_config(written)
+    resolve_auto(one, 1, Gpu("cpu", 16e9, cpu=True))
     resolve_auto(two, 2, Gpu("cpu", 16e9, cpu=True))
+    check_layout(two, 2)
     assert (two.train.micro_batch, two.train.grad_accum, two.parallel.strategy) == (4, 1, "ddp")
+    assert config_hashes(one) == config_hashes(two)
 
 
 def test_a_gpu_named_on_a_login_node_is_sized_from_the_tables() -> None:

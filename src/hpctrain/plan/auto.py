@@ -35,12 +35,15 @@ The choice is deterministic (the same config, GPU kind and count give the same v
 resumed run re-resolves to what it ran with, and on another GPU count keeps the batch in tokens
 (the checkpoint's config hash leaves the split out). Every rank chooses alone, from its own GPU,
 before the process group is up; once it is, the ranks compare their choices and refuse to train
-different splits (``train/job.py``). The run's ``config.yaml`` holds the resolved values;
-``hpctrain doctor CONFIG`` shows them for its ranks.
+different splits (``train/job.py``). The run's ``config/config.yaml`` keeps ``auto`` where
+the config had it (so that it resumes on any GPU count), ``config/auto.yaml`` the values chosen
+for its ranks and why (which `hpctrain runs` and `report` show); ``hpctrain doctor CONFIG``
+shows them for its ranks.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -57,6 +60,7 @@ from hpctrain.plan.memory_options import MemoryOptions
 from hpctrain.plan.parallel import DEFAULT_PEAK_TFLOPS, ParallelPlan, predict_step
 
 AUTO = "auto"
+AUTO_FILE = "auto.yaml"  # in a run's config/: the values auto chose for its ranks, and why
 HEADROOM = 1.10  # as hpctrain.plan.memory and tune: the predicted peak plus 10% must fit
 # Beyond 8 x 2048 tokens a micro-batch's GEMMs are large already: more buys no speed (plan
 # parallel's largest micro-batch too) and only spends memory.
@@ -100,10 +104,25 @@ class Pick:
 
 @dataclass
 class Resolution:
-    """The values set (dotted config keys) and why, one line each."""
+    """The values set (dotted config keys) and why, one line each; ``given``: what the config
+    held at those keys before (``auto``, grad_accum as given)."""
 
     values: dict[str, Any]
     reasons: list[str] = field(default_factory=list)
+    given: dict[str, Any] = field(default_factory=dict)
+
+    def as_given(self, cfg):
+        """A copy of the resolved ``cfg`` with the chosen keys back as given: what a run's
+        config.yaml records, so that a resume chooses again for its own GPU count."""
+        out = copy.deepcopy(cfg)
+        for key, value in self.given.items():
+            section, name = key.split(".")
+            setattr(getattr(out, section), name, value)
+        return out
+
+    def record(self, world_size: int) -> dict[str, Any]:
+        """What a run's config/auto.yaml holds: the values chosen for its ranks, and why."""
+        return {"world_size": world_size, "values": self.values, "reasons": self.reasons}
 
     def summary(self) -> str:
         """'parallel.strategy=fsdp, train.micro_batch=4, ...' (as overrides would say it)."""
@@ -184,11 +203,13 @@ def resolve_auto(cfg, world_size: int, gpu: Gpu | None = None, *, must_fit: bool
                 or _from_model(cfg, world_size, gpu, replica, dp, reasons, must_fit=must_fit))
     values = _values(cfg, pick, dp, gpu, reasons)
     _check_grad_accum(cfg, pick, dp)
+    given = {}
     for key, value in values.items():
         section, name = key.split(".")
+        given[key] = getattr(getattr(cfg, section), name)
         setattr(getattr(cfg, section), name, value)
     cfg.validate()  # the rules that depend on the values now chosen
-    return Resolution(values, reasons)
+    return Resolution(values, reasons, given)
 
 
 def _data_parallel(pc, world_size: int) -> int:
