@@ -90,12 +90,19 @@ def test_auto_on_the_cpu_is_small_and_a_run_records_what_it_chose(
     assert config_hashes(one) == config_hashes(two)
 
 
-def test_a_gpu_named_on_a_login_node_is_sized_from_the_tables() -> None:
+def test_a_gpu_named_on_a_login_node_is_the_gpu_training_sees() -> None:
+    """`--gpu h200` is what a rank on an H200 sees: torch's device name (tune's results match
+    it) and total_memory, not the datasheet's GB, so plan and training choose alike."""
     from hpctrain.plan.auto import named_gpu
 
-    assert named_gpu("h200").bytes == 141e9 and named_gpu("80").bytes == 80e9
-    cfg, res = _resolved(EIGHT_B, 4, named_gpu("h100"))
-    assert res.summary().startswith("parallel.strategy=fsdp, ")
+    # 8b on one H200 fits for both (plan refused it at 141e9 B); on one H100 for neither.
+    h100 = Gpu("NVIDIA H100 80GB HBM3", 81559 * 2**20, 989.0)
+    h200 = Gpu("NVIDIA H200", 139.8 * 2**30, 989.0)
+    for name, seen, gpus in (("h100", h100, 4), ("h200", h200, 1), ("h200", h200, 2)):
+        assert named_gpu(name) == seen
+        assert _resolved(["model.size=8b"], gpus, named_gpu(name))[1].values == \
+            _resolved(["model.size=8b"], gpus, seen)[1].values
+    assert named_gpu("80").bytes == 80e9
     with pytest.raises(ConfigError, match="unknown GPU"):
         named_gpu("rtx9")
 

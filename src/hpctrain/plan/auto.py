@@ -56,12 +56,11 @@ import yaml
 from hpctrain.errors import ConfigError
 from hpctrain.models import count_params, family_of_args, flops_per_token
 from hpctrain.plan.memory import estimate_memory
-from hpctrain.plan.memory_options import MemoryOptions
+from hpctrain.plan.memory_options import HEADROOM, MemoryOptions
 from hpctrain.plan.parallel import DEFAULT_PEAK_TFLOPS, ParallelPlan, predict_step
 
 AUTO = "auto"
 AUTO_FILE = "auto.yaml"  # in a run's config/: the values auto chose for its ranks, and why
-HEADROOM = 1.10  # as hpctrain.plan.memory and tune: the predicted peak plus 10% must fit
 # Beyond 8 x 2048 tokens a micro-batch's GEMMs are large already: more buys no speed (plan
 # parallel's largest micro-batch too) and only spends memory.
 MAX_MICRO_TOKENS = 16384
@@ -163,18 +162,15 @@ def this_gpu(cfg) -> Gpu:
     return CPU
 
 
-def named_gpu(name: str) -> Gpu:
-    """A GPU given by name (``h100``, ``h200``...) or memory in GB, from the planner's tables:
-    what `plan memory --gpu` and a login node choose for."""
-    from hpctrain.observe.peaks import peak_tflops
-    from hpctrain.plan.memory_options import gpu_memory_bytes
+def named_gpu(name: str, precision: str = "bf16") -> Gpu:
+    """A GPU given by name (``h100``, ``h200``...) or memory in GB, as a rank on it sees it
+    (torch's device name and total memory, from the planner's table): what `plan --gpu`,
+    `tune --gpu` and a login node choose for."""
+    from hpctrain.plan.memory_options import gpu_named
+    from hpctrain.plan.parallel import gpu_peak_tflops
 
-    try:
-        float(name)
-        peak = None
-    except ValueError:
-        peak = peak_tflops(name, "bf16")
-    return Gpu(name, gpu_memory_bytes(name), peak or DEFAULT_PEAK_TFLOPS)
+    device, total = gpu_named(name)
+    return Gpu(device, total, gpu_peak_tflops(name, precision) or DEFAULT_PEAK_TFLOPS)
 
 
 def resolve_auto(cfg, world_size: int, gpu: Gpu | None = None, *, must_fit: bool = True

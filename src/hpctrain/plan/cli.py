@@ -271,9 +271,7 @@ def _resolve_auto(cfg: JobConfig, gpus: int, gpu: str | None, *, must_fit: bool 
                   ) -> str | None:
     """Choose the config's ``auto`` values for ``gpus`` GPUs of type ``gpu`` as training does
     at start (hpctrain.plan.auto); what they became, as overrides (None: nothing was auto)."""
-    from hpctrain.plan.auto import Gpu, auto_keys, resolve_auto
-    from hpctrain.plan.memory_options import gpu_memory_bytes
-    from hpctrain.plan.parallel import DEFAULT_PEAK_TFLOPS, gpu_peak_tflops
+    from hpctrain.plan.auto import Gpu, auto_keys, named_gpu, resolve_auto
 
     keys = auto_keys(cfg)
     if keys and gpu is None:
@@ -282,9 +280,9 @@ def _resolve_auto(cfg: JobConfig, gpus: int, gpu: str | None, *, must_fit: bool 
                           hint="add --gpu h100 (for example), or give the values as overrides")
     if not keys and cfg.train.global_batch_tokens is None:
         return None
-    peak = gpu_peak_tflops(gpu, cfg.train.precision) if gpu else None
-    chosen = resolve_auto(cfg, gpus, Gpu(gpu or "gpu", gpu_memory_bytes(gpu) if gpu else 0.0,
-                                         peak or DEFAULT_PEAK_TFLOPS), must_fit=must_fit)
+    # Without --gpu only grad_accum is derived: no memory is sized.
+    chosen = resolve_auto(cfg, gpus, named_gpu(gpu, cfg.train.precision) if gpu
+                          else Gpu("gpu", 0.0), must_fit=must_fit)
     return chosen.summary() if chosen is not None and keys else None
 
 
