@@ -130,12 +130,10 @@ def test_fixed_values_are_kept_and_a_task_falls_back_with_a_message() -> None:
     assert "parallel.strategy" not in res.values and cfg.parallel.reshard_after_forward in (
         True, False)
     # HSDP (dp_replicate) takes FSDP only, sized over its shard degree: 8 GPUs, 2 replicas.
-    from hpctrain.plan.auto import _options
+    from hpctrain.plan.memory_options import MemoryOptions
 
     cfg, _ = _resolved(["parallel.dp_replicate=2"], 8, H100)
-    pick = Pick(cfg.parallel.strategy, 3, cfg.parallel.activation_checkpointing,
-                cfg.train.micro_batch, cfg.train.grad_accum)
-    assert cfg.parallel.strategy == "fsdp" and _options(cfg, pick, 8, "none").gpus == 4
+    assert cfg.parallel.strategy == "fsdp" and MemoryOptions.from_config(cfg, 8).gpus == 4
     task = ["task=hpctrain.tasks.images:classifier", "train.global_batch_tokens=null"]
     with pytest.raises(ConfigError, match="with a task"):  # a task's samples have no tokens
         _resolved([*task, "train.micro_batch=auto", "train.global_batch_tokens=4096"], 2,
@@ -248,3 +246,16 @@ def test_a_resume_with_another_global_batch_names_the_saved_one() -> None:
     with pytest.raises(ConfigError) as e:
         stream.load_state_dict(saved)
     assert "4 samples" in e.value.hint
+
+
+def test_auto_and_tune_predict_a_setting_alike() -> None:
+    """auto and tune rank settings by one prediction (plan/predict.py, through the planner's
+    one mapping MemoryOptions.from_config): every_k between none and full, for both."""
+    from hpctrain.bench.tune import space
+
+    cfg = load_config(LLAMA_1B, [*AUTO, "parallel.fsdp_group_blocks=1"])
+    for ac, k in (("none", 0), ("every_k", 2), ("full", 0)):
+        ours = predict(cfg, Pick("fsdp", 2, ac, 4, 8, k), 2, H100)
+        theirs = space.predict(cfg, space.Setting("fsdp", 1, 1, ac, 4, 8, "bf16", zero=2,
+                                                  ac_every=k), 2, H100.peak_tflops)
+        assert ours == pytest.approx(theirs)

@@ -54,10 +54,11 @@ from typing import Any
 import yaml
 
 from hpctrain.errors import ConfigError
-from hpctrain.models import count_params, family_of_args, flops_per_token
-from hpctrain.plan.memory import estimate_memory
-from hpctrain.plan.memory_options import HEADROOM, MemoryOptions
-from hpctrain.plan.parallel import DEFAULT_PEAK_TFLOPS, ParallelPlan, predict_step
+from hpctrain.models import count_params, family_of_args
+from hpctrain.plan import predict as plan_predict
+from hpctrain.plan.memory_options import HEADROOM
+from hpctrain.plan.parallel import DEFAULT_PEAK_TFLOPS
+from hpctrain.plan.predict import with_values
 
 AUTO = "auto"
 AUTO_FILE = "auto.yaml"  # in a run's config/: the values auto chose for its ranks, and why
@@ -312,64 +313,29 @@ def _accepted(cfg, pick: Pick) -> bool:
     return True
 
 
-def _options(cfg, pick: Pick, dp: int, ac: str, group_blocks: int = 1) -> MemoryOptions:
-    """``pick`` as the memory model sizes it (a pipeline's micro-batches as the trainer cuts
-    each rank's batch: into pp_microbatches, default grad_accum)."""
-    pc, tc = cfg.parallel, cfg.train
-    if pc.pp > 1:
-        m = pc.pp_microbatches or pick.grad_accum
-        kw: dict[str, Any] = {"pp_microbatches": m, "pp_schedule": pc.pp_schedule,
-                              "pp_stages_per_rank": pc.pp_stages_per_rank,
-                              "micro_batch": max(1, pick.micro_batch * pick.grad_accum // m)}
-    else:
-        kw = {"grad_accum": pick.grad_accum, "micro_batch": pick.micro_batch}
-    fixed_group = pc.fsdp_group_blocks if pc.fsdp_group_blocks != AUTO else group_blocks
-    # FSDP shards over dp_shard (HSDP replicates the shards); DDP and none hold it whole.
-    shard = dp // pc.dp_replicate if pick.strategy == "fsdp" else dp
-    return MemoryOptions(strategy=pick.strategy, gpus=shard, zero=pick.zero, tp=pc.tp, pp=pc.pp,
-                         precision=tc.precision, fp8_recipe=tc.fp8_recipe, ac=ac,
-                         ac_save_mm=pc.ac_save_mm, loss_chunks=tc.loss_chunks,
-                         seq_len=cfg.data.seq_len, compile=pc.compile,
-                         mixed_precision=pc.mixed_precision,
-                         reduce_precision=pc.reduce_precision,
-                         master_weights=tc.master_weights, fsdp_prefetch=pc.fsdp_prefetch,
-                         fsdp_group_blocks=fixed_group if pick.strategy == "fsdp" else 1, **kw)
-
-
-def _recomputed_share(cfg, ac: str) -> float:
-    """Share of the forward recomputed in backward (0 none, 1 full), as tune interpolates."""
-    if ac in ("none", "full"):
-        return float(ac == "full")
-    args = cfg.model.resolve()
-    if ac == "every_k":
-        k = cfg.parallel.ac_every
-        return sum(1 for i in range(args.n_layers) if i % k == 0) / args.n_layers
-    from hpctrain.parallel.selective_ac import recomputed_flops_per_token
-
-    extra = args.n_layers * recomputed_flops_per_token(args, cfg.parallel.ac_save_mm)
-    return 3 * extra / flops_per_token(args, cfg.data.seq_len)
-
-
 def predict(cfg, pick: Pick, world_size: int, gpu: Gpu, group_blocks: int = 1
             ) -> tuple[float, float]:
-    """(predicted peak bytes per GPU, predicted tokens/s per GPU) of ``pick``; ConfigError where
-    the memory model refuses it."""
-    args = cfg.model.resolve()
-    dp = world_size // (cfg.parallel.tp * cfg.parallel.pp)
-    # every_k (fixed by the config) is sized as no checkpointing: an upper bound.
-    ac = "none" if pick.ac == "every_k" else pick.ac
-    peak = estimate_memory(args, _options(cfg, pick, dp, ac, group_blocks), suggest=False).peak
-    step = {}
-    for end in ("none", "full"):  # the step-time model knows these two
-        opts = _options(cfg, pick, dp, end, group_blocks)
-        plan = ParallelPlan(pick.strategy, dp, cfg.parallel.tp, cfg.parallel.pp,
-                            opts.micro_batch, end,
-                            estimate_memory(args, opts, suggest=False), [],
-                            opts.microbatches if cfg.parallel.pp > 1 else pick.grad_accum)
-        predict_step(plan, args, opts, world_size, gpu.peak_tflops)
-        step[end] = 1 / plan.tokens_per_s
-    share = _recomputed_share(cfg, pick.ac)
-    return peak, 1 / ((1 - share) * step["none"] + share * step["full"])
+    """(predicted peak bytes per GPU, predicted tokens/s per GPU) of ``cfg`` trained as
+    ``pick`` (``group_blocks`` where fsdp_group_blocks is auto): the planner's prediction, as
+    tune's; ConfigError where it, or the layout rules, refuse it."""
+    return plan_predict.predict(with_values(cfg, _pick_values(cfg, pick, group_blocks)),
+                                world_size, gpu.peak_tflops)
+
+
+def _pick_values(cfg, pick: Pick, group_blocks: int = 1) -> dict[str, Any]:
+    """Every value ``pick`` sets, the auto ones included: what the planner sizes."""
+    pc = cfg.parallel
+    fsdp = pick.strategy == "fsdp"
+    values: dict[str, Any] = {
+        "parallel.strategy": pick.strategy,
+        "parallel.reshard_after_forward": pick.zero == 3 if fsdp else None,
+        "parallel.activation_checkpointing": pick.ac,
+        "parallel.fsdp_group_blocks": (1 if not fsdp else group_blocks
+                                       if pc.fsdp_group_blocks == AUTO else pc.fsdp_group_blocks),
+        "train.micro_batch": pick.micro_batch, "train.grad_accum": pick.grad_accum}
+    if pick.ac == "every_k" and pick.ac_every:
+        values["parallel.ac_every"] = pick.ac_every
+    return values
 
 
 def _from_model(cfg, world_size: int, gpu: Gpu, replica: int, dp: int,
@@ -381,6 +347,7 @@ def _from_model(cfg, world_size: int, gpu: Gpu, replica: int, dp: int,
     acs = AC_ORDER if pc.activation_checkpointing == AUTO else (pc.activation_checkpointing,)
     mbs = _micro_batches(cfg, replica, gpu)
     fits, tried, smallest = [], 0, None
+    refused: ConfigError | None = None  # the layout rules' words, where they refuse every one
     for strategy in _strategies(cfg, dp):
         for zero in _zeros(cfg, strategy):
             for ac in acs:
@@ -391,7 +358,8 @@ def _from_model(cfg, world_size: int, gpu: Gpu, replica: int, dp: int,
                     tried += 1
                     try:
                         peak, tps = predict(cfg, pick, world_size, gpu)
-                    except ConfigError:
+                    except ConfigError as e:
+                        refused = refused or e
                         continue
                     if peak * HEADROOM <= gpu.bytes:
                         fits.append((pick, peak, tps))
@@ -399,6 +367,8 @@ def _from_model(cfg, world_size: int, gpu: Gpu, replica: int, dp: int,
                     rank = (AC_ORDER.index(ac) if gpu.cpu and ac in AC_ORDER else 0, peak)
                     if smallest is None or rank < smallest[2]:
                         smallest = (pick, peak, rank)
+    if smallest is None and refused is not None:
+        raise refused
     if not fits and smallest is not None and not must_fit:
         least = "the least recomputation, then " if gpu.cpu else ""
         reasons.append(f"nothing fits {_gib(gpu.bytes)}: {least}the smallest predicted peak, "
