@@ -177,6 +177,10 @@ def test_tune_measurements_on_this_gpu_are_preferred(tmp_path: Path) -> None:
     assert cfg.train.micro_batch == 4 and "no measured setting" in res.reasons[0]
     cfg, res = _resolved([*fixed, f"parallel.tune_results={tmp_path}"], 4, H100)
     assert "another GPU count (2, this run: 4)" in res.reasons[0]
+    # Measured compiled: a speed of another program than an eager run's.
+    cfg, res = _resolved([*fixed, f"parallel.tune_results={tmp_path}", "parallel.compile=false"],
+                         2, H100)
+    assert "another parallel.compile (True, this run: False)" in res.reasons[0]
 
 
 def test_a_resume_on_another_gpu_count_is_the_same_training_config() -> None:

@@ -489,16 +489,30 @@ def _tune_doc(cfg, path: Path, world_size: int, gpu: Gpu, samples: int
                           expected="the --out folder of `hpctrain tune` (results.json, "
                           "best.yaml)", hint="rerun tune, or drop parallel.tune_results") from None
     model = dataclasses.asdict(cfg.model)
-    for what, theirs, ours in (("GPU", meta.get("device_name"), gpu.name),
-                               ("GPU count", meta.get("gpus"), world_size),
-                               ("global batch (samples)", meta.get("global_batch"), samples),
-                               ("model", (best or {}).get("model"), model),
-                               ("data.seq_len", (best or {}).get("data", {}).get("seq_len"),
-                                cfg.data.seq_len)):
+    best = best if isinstance(best, dict) else {}
+    checks = [("GPU", meta.get("device_name"), gpu.name),
+              ("GPU count", meta.get("gpus"), world_size),
+              ("global batch (samples)", meta.get("global_batch"), samples),
+              ("model", best.get("model"), model)]
+    # The values tune keeps as its config gives them (it varies the others per candidate):
+    # measured with others, its speeds are another program's.
+    fsdp = (best.get("parallel") or {}).get("strategy") == "fsdp"
+    for key in _TUNE_KEEPS:
+        section, name = key.split(".")
+        ours = getattr(getattr(cfg, section), name)
+        # FSDP's scheduling options are set to their defaults where tune's winner is not FSDP.
+        if ours != AUTO and (fsdp or name not in ("fsdp_prefetch", "fsdp_group_blocks")):
+            checks.append((key, (best.get(section) or {}).get(name), ours))
+    for what, theirs, ours in checks:
         if theirs != ours:
             return None, f"measured for another {what} ({_short(theirs)}, this run: " \
                          f"{_short(ours)})"
     return doc, ""
+
+
+_TUNE_KEEPS = ("data.seq_len", "parallel.compile", "train.master_weights", "parallel.ac_save_mm",
+               "train.fp8_recipe", "parallel.fsdp_prefetch", "parallel.fsdp_group_blocks",
+               "parallel.reduce_precision")
 
 
 def _fits_config(cfg, s: dict, pick: Pick, replica: int) -> bool:
@@ -519,9 +533,10 @@ def _fits_config(cfg, s: dict, pick: Pick, replica: int) -> bool:
             return False
     if pick.ac == "every_k" and pc.activation_checkpointing == AUTO and pick.ac_every < 1:
         return False
-    if pc.reshard_after_forward != AUTO and pick.strategy == "fsdp":
-        return pick.zero == _zeros(cfg, "fsdp")[0]
-    return _accepted(cfg, pick)
+    if (pc.reshard_after_forward != AUTO and pick.strategy == "fsdp"
+            and pick.zero != _zeros(cfg, "fsdp")[0]):
+        return False
+    return _accepted(cfg, pick)  # the parallel section's own rules, as for the model's picks
 
 
 def _values(cfg, pick: Pick, dp: int, gpu: Gpu, reasons: list[str]) -> dict[str, Any]:
