@@ -263,3 +263,16 @@ def test_auto_and_tune_predict_a_setting_alike() -> None:
         theirs = space.predict(cfg, space.Setting("fsdp", 1, 1, ac, 4, 8, "bf16", zero=2,
                                                   ac_every=k), 2, H100.peak_tflops)
         assert ours == pytest.approx(theirs)
+
+
+def test_doctor_chooses_auto_for_the_jobs_ranks() -> None:
+    """doctor run as one process for a job of 4 ranks (--nproc 4) sizes auto for 4, and its
+    problem keeps training's 'expected'."""
+    from hpctrain.launch.doctor.checks import Inputs, check_auto
+    from hpctrain.launch.doctor.facts import Facts
+
+    cfg = load_config(LLAMA_1B, ["run.device=cpu", "train.global_batch_tokens=6144"])
+    one = check_auto(Inputs([Facts()], cfg=cfg))
+    assert not one.problems and "on 1 rank(s)" in one.ok
+    (problem,) = check_auto(Inputs([Facts()], cfg=cfg, job_ranks=4)).problems
+    assert "cannot be split over 4" in problem.what and "expected: a multiple" in problem.what
