@@ -40,7 +40,9 @@ def test_auto_keeps_the_global_batch_fits_and_is_deterministic(model, gpu) -> No
             continue
         tc, pc = cfg.train, cfg.parallel
         assert tc.micro_batch * tc.grad_accum * gpus * cfg.data.seq_len == tc.global_batch_tokens
-        assert pc.strategy == ("none" if gpus == 1 else pc.strategy) != "auto"
+        # One GPU: one replica; 8b cannot be held whole per GPU: FSDP.
+        assert pc.strategy == "none" if gpus == 1 else pc.strategy in (
+            ("fsdp",) if model else ("ddp", "fsdp"))
         pick = Pick(pc.strategy, 2 if pc.reshard_after_forward is False else 3,
                     pc.activation_checkpointing, tc.micro_batch, tc.grad_accum)
         peak, _ = predict(cfg, pick, gpus, gpu, pc.fsdp_group_blocks)
@@ -134,6 +136,10 @@ def test_fixed_values_are_kept_and_a_task_falls_back_with_a_message() -> None:
 
     cfg, _ = _resolved(["parallel.dp_replicate=2"], 8, H100)
     assert cfg.parallel.strategy == "fsdp" and MemoryOptions.from_config(cfg, 8).gpus == 4
+    # Blocks are grouped by FSDP's shard degree: 4 groups 2 per unit, 2 (4 replicas) not.
+    assert cfg.parallel.fsdp_group_blocks == 2
+    cfg, _ = _resolved(["parallel.dp_replicate=4"], 8, H100)
+    assert cfg.parallel.fsdp_group_blocks == 1
     task = ["task=hpctrain.tasks.images:classifier", "train.global_batch_tokens=null"]
     with pytest.raises(ConfigError, match="with a task"):  # a task's samples have no tokens
         _resolved([*task, "train.micro_batch=auto", "train.global_batch_tokens=4096"], 2,

@@ -148,6 +148,12 @@ def auto_keys(cfg) -> list[str]:
             if value == AUTO]
 
 
+def leaves_to_auto(cfg) -> bool:
+    """Whether ``resolve_auto`` has anything to set: an ``auto`` key, or grad_accum to derive
+    from a global batch in tokens."""
+    return bool(auto_keys(cfg)) or cfg.train.global_batch_tokens is not None
+
+
 def this_gpu(cfg) -> Gpu:
     """The GPU this process would train on (device 0: a node's GPUs are of one kind), or the
     CPU's stand-in."""
@@ -180,9 +186,9 @@ def resolve_auto(cfg, world_size: int, gpu: Gpu | None = None, *, must_fit: bool
     for ``world_size`` ranks on ``gpu`` (default: this machine's), in place; None when the
     config leaves nothing to choose. Raises ConfigError where the batch cannot be split, and
     where no setting fits unless ``must_fit`` is false (tune's baseline: then the smallest)."""
-    keys = auto_keys(cfg)
-    if not keys and cfg.train.global_batch_tokens is None:
+    if not leaves_to_auto(cfg):
         return None
+    keys = auto_keys(cfg)
     pc, tc = cfg.parallel, cfg.train
     dp = _data_parallel(pc, world_size)
     replica = _replica_batch(cfg, dp)
@@ -380,8 +386,10 @@ def _from_model(cfg, world_size: int, gpu: Gpu, replica: int, dp: int,
             f"{_gib(gpu.bytes)} ({gpu.name}) at {replica} samples of {cfg.data.seq_len} tokens "
             "per data-parallel rank",
             expected="a setting whose predicted peak plus 10% fits the memory",
-            hint="see `hpctrain plan memory`; use more GPUs, a shorter data.seq_len, or "
-            "tensor/pipeline parallelism (parallel.tp, parallel.pp)")
+            hint=f"use more GPUs (`hpctrain plan memory CONFIG --gpus {2 * world_size} --gpu "
+            "TYPE` sizes them), a shorter data.seq_len, tensor/pipeline parallelism "
+            "(parallel.tp, parallel.pp), or a smaller train.global_batch_tokens (FSDP holds "
+            "unsharded gradients while it accumulates)")
     fits.sort(key=lambda f: (AC_ORDER.index(f[0].ac) if f[0].ac in AC_ORDER else 0, -f[2],
                              -f[0].micro_batch, f[0].zero))
     pick, peak, tps = fits[0]
@@ -574,7 +582,8 @@ def _values(cfg, pick: Pick, dp: int, gpu: Gpu, reasons: list[str]) -> dict[str,
 def _group_blocks(cfg, pick: Pick, dp: int, gpu: Gpu, reasons: list[str]) -> int:
     """2 where FSDP's per-unit hooks set the pace (many GPUs, a small model) and it fits; 1
     otherwise (and outside FSDP, which refuses any other)."""
-    if pick.strategy != "fsdp" or gpu.cpu or dp < GROUP_MIN_GPUS or cfg.task:
+    shard = dp // cfg.parallel.dp_replicate  # HSDP: the hooks run per shard group
+    if pick.strategy != "fsdp" or gpu.cpu or shard < GROUP_MIN_GPUS or cfg.task:
         return 1
     if count_params(cfg.model.resolve(), include_embedding=True) >= GROUP_MAX_PARAMS:
         return 1
@@ -584,7 +593,7 @@ def _group_blocks(cfg, pick: Pick, dp: int, gpu: Gpu, reasons: list[str]) -> int
         return 1
     if peak * HEADROOM > gpu.bytes:
         return 1
-    reasons.append(f"fsdp_group_blocks 2: FSDP over {dp} GPUs of a model under "
+    reasons.append(f"fsdp_group_blocks 2: FSDP sharded over {shard} GPUs, a model under "
                    f"{GROUP_MAX_PARAMS / 1e9:.0f}B parameters is paced by its per-unit hooks "
                    "(1b on 4 H200s: 5.1% faster with 2)")
     return 2

@@ -271,14 +271,14 @@ def _resolve_auto(cfg: JobConfig, gpus: int, gpu: str | None, *, must_fit: bool 
                   ) -> str | None:
     """Choose the config's ``auto`` values for ``gpus`` GPUs of type ``gpu`` as training does
     at start (hpctrain.plan.auto); what they became, as overrides (None: nothing was auto)."""
-    from hpctrain.plan.auto import Gpu, auto_keys, named_gpu, resolve_auto
+    from hpctrain.plan.auto import Gpu, auto_keys, leaves_to_auto, named_gpu, resolve_auto
 
     keys = auto_keys(cfg)
     if keys and gpu is None:
         raise ConfigError(f"{', '.join(keys)} = auto: chosen at start for the GPUs the run has",
                           expected="--gpu TYPE (or GB) to choose them for",
                           hint="add --gpu h100 (for example), or give the values as overrides")
-    if not keys and cfg.train.global_batch_tokens is None:
+    if not leaves_to_auto(cfg):
         return None
     # Without --gpu only grad_accum is derived: no memory is sized.
     chosen = resolve_auto(cfg, gpus, named_gpu(gpu, cfg.train.precision) if gpu
@@ -324,9 +324,9 @@ def _parallel(args: argparse.Namespace) -> None:
     peak = gpu_peak_tflops(args.gpu, cfg.train.precision)
     if pc.dp_replicate != 1:  # the layouts shard over all data-parallel ranks (no HSDP)
         overrides = [*overrides, "parallel.dp_replicate=1"]
-    if args.global_batch and cfg.train.global_batch_tokens is not None:  # the batch compared
-        overrides = [*overrides,
-                     f"train.global_batch_tokens={args.global_batch * cfg.data.seq_len}"]
+    if config is None or (args.global_batch and cfg.train.global_batch_tokens is not None):
+        # The batch planned for, in tokens: a user's CONFIG that gives one keeps this split.
+        overrides = [*overrides, f"train.global_batch_tokens={batch * cfg.data.seq_len}"]
     refused: dict[str, str] = {}
 
     def refusal(plan: ParallelPlan) -> str | None:

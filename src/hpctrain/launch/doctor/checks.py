@@ -328,9 +328,9 @@ def check_gpu_health(x: Inputs) -> Verdict:
 def check_auto(x: Inputs) -> Verdict:
     """What the config's ``auto`` values resolve to for the job's ranks (``--nproc``, else the
     doctor's own), on this rank's GPU (hpctrain.plan.auto), as training will resolve them."""
-    from hpctrain.plan.auto import auto_keys, resolve_auto
+    from hpctrain.plan.auto import leaves_to_auto, resolve_auto
 
-    if x.cfg is None or (not auto_keys(x.cfg) and x.cfg.train.global_batch_tokens is None):
+    if x.cfg is None or not leaves_to_auto(x.cfg):
         return Verdict("auto", "nothing left to auto")
     cfg = copy.deepcopy(x.cfg)  # the judged config stays as given
     ranks = x.job_ranks or len(x.facts)
