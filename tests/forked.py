@@ -78,6 +78,13 @@ def cli(argv: list[str]) -> None:
     runpy.run_module("hpctrain", run_name="__main__", alter_sys=True)
 
 
+def script(path: str, argv: list[str]) -> None:
+    """``python PATH ARGV`` in this process (a ``start`` target): a user's script."""
+    sys.argv = [path, *argv]
+    sys.path.insert(0, str(Path(path).parent))  # as python puts the script's folder first
+    runpy.run_path(path, run_name="__main__")
+
+
 class Popen:
     """``python -m hpctrain ARGV`` forked, with the part of ``subprocess.Popen`` (text mode,
     stdout and stderr piped, a new session) that the tests use: ``pid``, ``args``, ``poll``,
