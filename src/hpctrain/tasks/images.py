@@ -294,8 +294,11 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
         return list(model.blocks())
     if isinstance(getattr(model, "blocks", None), nn.Sequential | nn.ModuleList):  # timm's
         return list(model.blocks)
-    layers = getattr(getattr(model, "encoder", None), "layers", None)
-    if layers is not None:  # torchvision's VisionTransformer
+    try:
+        layers = model.encoder.layers  # torchvision's VisionTransformer
+    except AttributeError:  # no encoder, or one without blocks of that name
+        layers = None
+    if layers is not None:
         return list(layers)
     # A model of the user's own (classifier(build=...)): its children that hold parameters.
     return [m for m in model.children() if any(True for _ in m.parameters())]
