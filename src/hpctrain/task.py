@@ -130,6 +130,13 @@ class Task:
                             f"{type(model).__name__}", expected="a torch.nn.Module")
         return model
 
+    def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
+        """The modules FSDP shards one by one before the root: ``shard_units(model)``, else
+        the model's top-level children that hold parameters."""
+        if self.shard_units is not None:
+            return list(self.shard_units(model))
+        return [m for m in model.children() if any(True for _ in m.parameters())]
+
     def run_step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict]:
         """One micro-batch's loss and metrics, checked (no host sync)."""
         if self.step is not None:

@@ -1,6 +1,7 @@
-"""The model-family boundary: outside its own folder (``models/llama/``), no file of hpctrain
-names Llama's layers. Parallelism, planning, training and the pretrained tools reach the model
-through its family's spec (``hpctrain.models.spec``), so a new family needs no change there."""
+"""The model-family boundary: outside its own folder (``models/llama/``, ``models/qwen/``), no
+file of hpctrain names a family's layers. Parallelism, planning, training and the pretrained
+tools reach the model through its family's spec (``hpctrain.models.spec``), so a new family
+needs no change there. Import-free: the source files are read as text."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import hpctrain
 
 SRC = Path(hpctrain.__file__).parent
 FAMILY_DIR = SRC / "models" / "llama"
+QWEN_DIR = SRC / "models" / "qwen"
 
 # Llama's module names as code reaches them (attribute access, plan keys, state-dict names), its
 # block classes, and its Hugging Face tensor names; prose words ("attention", "output") alone
@@ -27,14 +29,25 @@ LAYER_NAMES = re.compile("|".join((
 )))
 
 
-def layer_names_outside(src: Path, family_dir: Path) -> list[str]:
-    """``file:line: match`` for every Llama layer name in ``src`` outside ``family_dir``."""
+# Qwen's own module names (its Hugging Face names are Llama's, above): the model's parts, its
+# blocks' and their attention's and MLP's, as attribute access, plan keys or state-dict names.
+QWEN_LAYER_NAMES = re.compile("|".join((
+    r"\bQwenModel\b", r"\bfinal_norm\b", r"\battn_norm\b", r"\bmlp_norm\b", r"\b[qk]_norm\b",
+    r"[\"']embed[.\"']", r"\.embed\b", r"[\"']head[.\"']", r"[\"']blocks\.", r"\bblocks\.\{",
+    r"\battn\.[qkvo]\b", r"\bmlp\.(gate|up|down)\b",
+)))
+
+
+def layer_names_outside(src: Path, family_dir: Path,
+                        names: re.Pattern[str] = LAYER_NAMES) -> list[str]:
+    """``file:line: match`` for every layer name of ``names`` in ``src`` outside
+    ``family_dir``."""
     hits = []
     for path in sorted(src.rglob("*.py")):
         if family_dir in path.parents:
             continue
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            for m in LAYER_NAMES.finditer(line):
+            for m in names.finditer(line):
                 hits.append(f"{path.relative_to(src)}:{n}: {m.group(0)}")
     return hits
 
@@ -66,6 +79,10 @@ def test_no_file_outside_the_family_folder_names_its_layers() -> None:
     assert [h for h in hits if not _allowed(h)] == []
 
 
+def test_no_file_outside_the_qwen_folder_names_its_layers() -> None:
+    assert layer_names_outside(SRC, QWEN_DIR, QWEN_LAYER_NAMES) == []
+
+
 def test_the_check_sees_layer_names(tmp_path: Path) -> None:
     """The pattern catches the ways code named the layers before the spec existed."""
     (tmp_path / "a.py").write_text(
@@ -77,3 +94,11 @@ def test_the_check_sees_layer_names(tmp_path: Path) -> None:
     assert [h.split(": ", 1)[1] for h in hits] == [
         ".layers", '"attention.', "wq", "feed_forward", "w1", "tok_embeddings", "lm_head",
         "'output."]
+    (tmp_path / "c.py").write_text(
+        'plan = {"attn.q": 1, "mlp.gate": 2, "final_norm": 3}\nw = model.embed.weight\n'
+        "x = block.attn_norm(h)\nsd['head.weight'] = 0\nname = f'blocks.{i}.mlp.up'\n"
+        "# prose: a head of attention, the embedding, an MLP's up projection\n")
+    hits = layer_names_outside(tmp_path, tmp_path / "fam", QWEN_LAYER_NAMES)
+    assert [h.split(": ", 1)[1] for h in hits] == [
+        "attn.q", "mlp.gate", "final_norm", ".embed", "attn_norm", "'head.", "'blocks.",
+        "mlp.up"]

@@ -61,3 +61,28 @@ def test_the_hugging_face_names_cover_every_parameter(built) -> None:
     assert family.hf.shapes(args) == ours
     for name in ours:
         assert family.hf.to_ours(family.hf.to_hf(name)) == name
+
+
+def test_an_architecture_is_routed_to_one_family() -> None:
+    """Which family an unnamed Hugging Face folder imports into must not depend on the order
+    families register: a second family routing an architecture another routes is refused (it
+    may read it when named, through ``also_reads``)."""
+    import dataclasses
+
+    from hpctrain.models.registry import family_for_hf, get_family, register, unregister
+
+    qwen = get_family("qwen")
+    claims = dataclasses.replace(qwen, name="claims_llama", hf=dataclasses.replace(
+        qwen.hf, architectures={"LlamaForCausalLM": "llama"}))
+    with pytest.raises(ValueError, match="LlamaForCausalLM.* 'llama' family routes already"):
+        register(claims)
+    assert "claims_llama" not in families()
+    reads = dataclasses.replace(qwen, name="reads_llama", hf=dataclasses.replace(
+        qwen.hf, architectures={}, also_reads={"LlamaForCausalLM": "llama"}))
+    try:
+        register(reads)
+        raw = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+        assert family_for_hf(raw, "config.json").name == "llama"
+        assert family_for_hf(raw, "config.json", "reads_llama") is reads
+    finally:
+        unregister("reads_llama")

@@ -138,7 +138,8 @@ def test_plan_and_tune_size_a_config_alike(llama_8b: str, capsys) -> None:
     (["memory", "model.size=8b", "model.sizes=1b"], "HINT: did you mean 'size'?"),
     (["memory", "LLAMA_8B", "parallel.activation_checkpointing=every_k"],
      "the memory model sizes none, selective and full only"),
-    (["memory", DEMO, "task=my_task.py"], "the memory model sizes the model families' models"),
+    # A task config is sized by measuring its model (plan/task_memory), which must exist.
+    (["memory", DEMO, "task=my_task.py"], "task file 'my_task.py' does not exist"),
     (["memory", "LLAMA_8B", "parallel.tp=3", "--gpus", "3"],
      "model.n_heads = 32 is not divisible by parallel.tp = 3"),
     (["memory", "LLAMA_8B", "--gpus", "3", "parallel.pp=2"], "multiple of 2"),

@@ -23,6 +23,7 @@ from hf_models import chat_tokenizer, randomize_  # noqa: E402
 from hpctrain.cli import main  # noqa: E402
 from hpctrain.errors import ConfigError  # noqa: E402
 from hpctrain.models import get_family  # noqa: E402
+from hpctrain.models.config import ModelConfig  # noqa: E402
 from hpctrain.models.generate import generate  # noqa: E402
 from hpctrain.models.init_source import InitSource  # noqa: E402
 from hpctrain.models.qwen.hf_config import args_from_hf_config  # noqa: E402
@@ -170,3 +171,49 @@ def test_configs_it_cannot_compute_are_refused_by_name() -> None:
     assert args_from_hf_config({**base, **window}).max_seq_len == 16
     assert args_from_hf_config(base) == dataclasses.replace(
         args_from_hf_config({**base, **window}), max_seq_len=64)
+
+
+def test_model_family_chooses_how_a_folder_is_read(folders, tokens, tmp_path: Path) -> None:
+    """``model.family: qwen`` with ``init_from: hf:<Qwen2 folder>`` trains the Qwen family (it
+    trained a llama: the family was dropped); weights the named family does not read, or a
+    checkpoint of another family, are refused saying which family they are."""
+    from hf_models import hf_model
+    from hpctrain.config import dump_yaml, load_config
+    from hpctrain.models.qwen import QwenArgs
+    from hpctrain.pretrained.import_hf import import_hf
+
+    qwen2, qwen3 = (f"hf:{folders[a]}" for a in ("qwen2", "qwen3"))
+    cfg = load_config(None, ["model.family=qwen", f"model.init_from={qwen2}",
+                             f"model.max_seq_len={SEQ}", f"data.seq_len={SEQ}"])
+    args = cfg.model.resolve()
+    assert isinstance(args, QwenArgs) and args.qkv_bias
+    # The model training builds and loads from these args is transformers' Qwen2.
+    ours = load_model(InitSource("hf", folders["qwen2"]), args=args)
+    assert type(ours).__name__ == "QwenModel"
+    assert (_logits(ours, tokens) - _logits(_hf_model("qwen2", folder=folders["qwen2"]),
+                                            tokens)).abs().max().item() <= ATOL
+    # Unnamed, a Qwen2 folder is a llama (the same computation) and a Qwen3 one a qwen; the
+    # config a run saves names the family it settled on.
+    for folder, family in ((qwen2, "llama"), (qwen3, "qwen")):
+        cfg = load_config(None, [f"model.init_from={folder}", f"model.max_seq_len={SEQ}",
+                                 f"data.seq_len={SEQ}"])
+        assert f"family: {family}\n" in dump_yaml(cfg)
+
+    llama = f"hf:{hf_model(tmp_path / 'llama', 'llama_tied')}"
+    with pytest.raises(ConfigError, match="model.family = 'qwen', but the folder holds a "
+                       "'LlamaForCausalLM' model") as e:
+        ModelConfig(family="qwen", init_from=llama).resolve()
+    assert "the 'llama' family" in e.value.hint
+    with pytest.raises(ConfigError, match="'Qwen3ForCausalLM' model .* which the 'llama' "
+                       "family does not read"):
+        ModelConfig(family="llama", init_from=qwen3).resolve()
+    with pytest.raises(ConfigError, match="--family = 'qwen', but the folder holds a "
+                       "'LlamaForCausalLM'"):
+        import_hf(Path(llama[3:]), tmp_path / "refused", family="qwen")
+    assert not (tmp_path / "refused").exists()
+    # A checkpoint carries its family: a Qwen2 folder imported without --family is a llama.
+    import_hf(folders["qwen2"], tmp_path / "ckpt", "fp32")
+    with pytest.raises(ConfigError, match="model.family = 'qwen', but model.init_from = .* "
+                       "holds a 'llama' model"):
+        ModelConfig(family="qwen", init_from=str(tmp_path / "ckpt")).resolve()
+    assert type(ModelConfig(init_from=str(tmp_path / "ckpt")).resolve()).__name__ == "ModelArgs"

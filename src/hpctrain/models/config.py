@@ -13,6 +13,9 @@ or pretrained weights, whose shape and family come with them (`hpctrain.models.i
     model:
       init_from: hf:/models/Llama-3.2-1B
       max_seq_len: 4096  # the one field that may be set: the RoPE table's length
+
+``family`` beside ``init_from`` asks for a family the weights may be read as (a Qwen2 folder
+is a llama unless ``family: qwen``); weights of another family are refused, not converted.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ _MAX_CHAIN = 8  # init_from of a run whose own init_from ... (a cycle ends here)
 class ModelConfig:
     """User-facing model choice: `family` and its preset `size`, any non-None field overrides it."""
 
-    family: str = DEFAULT
+    # None: the default family (llama), or with init_from the one the weights name.
+    family: str | None = None
     size: str = "tiny"
     dim: int | None = None
     n_layers: int | None = None
@@ -82,7 +86,7 @@ class ModelConfig:
     def _merged(self) -> dict[str, Any]:
         """Return the preset's fields with this config's overrides applied (size must be valid;
         a field the family's shape lacks is refused by name)."""
-        family = get_family(self.family)
+        family = get_family(self.family or DEFAULT)
         preset = family.presets[self.size]
         merged = {f.name: getattr(preset, f.name) for f in dataclasses.fields(preset)}
         for field in dataclasses.fields(self):
@@ -100,11 +104,14 @@ class ModelConfig:
         return merged
 
     def validate(self) -> None:
-        """Raise `ConfigError` if the size is unknown or the resolved shape is inconsistent."""
+        """Raise `ConfigError` if the size is unknown or the resolved shape is inconsistent;
+        settle ``family`` (None: the default's, or the one the weights are read as), so the
+        config a run saves names the family it trained."""
         if self.init_from:
             self._validate_pretrained()
             return
-        family = get_family(self.family)
+        family = get_family(self.family or DEFAULT)
+        self.family = family.name
         if self.size not in family.presets:
             others = [name for name, f in families().items() if self.size in f.presets]
             raise ConfigError(
@@ -133,11 +140,11 @@ class ModelConfig:
                 f"model.{fixed[0]} is set together with model.init_from = {self.init_from!r}",
                 expected="the shape of the pretrained model (only model.max_seq_len may be set)",
                 hint=f"remove model.{fixed[0]}: the weights fix it")
-        args = init_from_args(self.init_from)
+        args = init_from_args(self.init_from, self.family)
         if self.max_seq_len is not None:
             if not self.max_seq_len > 0:
                 raise ConfigError(f"model.max_seq_len={self.max_seq_len!r} must be positive")
-            found = origin(parse_init_from(self.init_from))
+            found = origin(parse_init_from(self.init_from), family=self.family)
             limit = family_of_args(found.args).hf
             window = (limit.max_seq_len_limit(found.hf_config)
                       if found.hf_config is not None and limit is not None else None)
@@ -148,18 +155,20 @@ class ModelConfig:
                     expected=f"at most {window}: up to the window, sliding attention is the "
                     "full causal attention hpctrain computes",
                     hint=f"set model.max_seq_len <= {window}")
-        family_of_args(args).check_args(args)
+        family = family_of_args(args)
+        family.check_args(args)
+        self.family = family.name
 
     def resolve(self) -> Any:
         """Validate and return the concrete shape (an instance of the family's ``args_class``):
         the preset with overrides applied, or the pretrained model's shape."""
         self.validate()
         if self.init_from:
-            args = init_from_args(self.init_from)
+            args = init_from_args(self.init_from, self.family)
             if self.max_seq_len is not None:
                 args = dataclasses.replace(args, max_seq_len=self.max_seq_len)
             return args
-        return get_family(self.family).args_class(**self._merged())
+        return get_family(self.family or DEFAULT).args_class(**self._merged())
 
 
 def origin_of_model_section(section: dict[str, Any], depth: int = 0) -> Origin:
@@ -175,33 +184,44 @@ def origin_of_model_section(section: dict[str, Any], depth: int = 0) -> Origin:
     args = mc.resolve()
     if not mc.init_from:
         return Origin(args)
-    inner = origin(parse_init_from(mc.init_from), depth + 1)
+    inner = origin(parse_init_from(mc.init_from), depth + 1, mc.family)
     return Origin(args, inner.hf_config, inner.assets)
 
 
-def origin(src: InitSource, depth: int = 0) -> Origin:
-    """Shape, Hugging Face config and tokenizer folder of an init_from source."""
+def origin(src: InitSource, depth: int = 0, family: str | None = None) -> Origin:
+    """Shape, Hugging Face config and tokenizer folder of an init_from source, whose model must
+    be of ``family`` if one is named (a Hugging Face folder is read as one if it can be)."""
     if src.kind == "hf":
-        return hf_origin(src.path)
+        return hf_origin(src.path, family)
     found = imported_origin(src.path, read_checkpoint_manifest(src.path))
-    if found is not None:
-        return found
-    run_root = src.path.parent.parent  # <run>/checkpoints/step-NNNNNNNN
-    if not (run_root / RUN_CONFIG).is_file():
-        raise ConfigError(f"{str(src.path)!r} records no model shape and is not inside a run "
-                          f"directory (no {RUN_CONFIG} two levels up)",
-                          hint="name a checkpoint of a run, or the output of `hpctrain import hf`")
-    return origin_of_model_section(run_model_section(run_root), depth)
+    if found is None:
+        run_root = src.path.parent.parent  # <run>/checkpoints/step-NNNNNNNN
+        if not (run_root / RUN_CONFIG).is_file():
+            raise ConfigError(f"{str(src.path)!r} records no model shape and is not inside a "
+                              f"run directory (no {RUN_CONFIG} two levels up)",
+                              hint="name a checkpoint of a run, or the output of "
+                              "`hpctrain import hf`")
+        found = origin_of_model_section(run_model_section(run_root), depth)
+    held = family_of_args(found.args).name
+    if family is not None and held != family:
+        raise ConfigError(
+            f"model.family = {family!r}, but model.init_from = {str(src)!r} holds a {held!r} "
+            "model", expected=f"the family the checkpoint was trained or imported as ({held!r})",
+            hint=f"set model.family to {held!r} or leave it out (a checkpoint names its own); "
+            f"a Hugging Face folder imported with `hpctrain import hf --family {family}` is "
+            f"read as {family!r}")
+    return found
 
 
 @lru_cache(maxsize=32)
-def _cached_args(text: str, stamp: tuple[int, ...]) -> Any:
-    return origin(parse_init_from(text)).args
+def _cached_args(text: str, family: str | None, stamp: tuple[int, ...]) -> Any:
+    return origin(parse_init_from(text), family=family).args
 
 
-def init_from_args(text: str) -> Any:
-    """The shape an init_from source implies (cached per source file version)."""
+def init_from_args(text: str, family: str | None = None) -> Any:
+    """The shape an init_from source implies, as a model of ``family`` if one is named (cached
+    per source file version)."""
     src = parse_init_from(text)
     probe: Path = src.path / (CONFIG if src.kind == "hf" else MANIFEST)
     st = probe.stat()
-    return _cached_args(text, (st.st_mtime_ns, st.st_size))
+    return _cached_args(text, family, (st.st_mtime_ns, st.st_size))

@@ -108,12 +108,13 @@ def run_model_section(run_root: Path) -> dict[str, Any]:
     return raw["model"]
 
 
-def hf_origin(path: Path) -> Origin:
-    """Shape, config and tokenizer folder of a Hugging Face model folder."""
+def hf_origin(path: Path, family: str | None = None) -> Origin:
+    """Shape, config and tokenizer folder of a Hugging Face model folder, in ``family`` (None:
+    the family its architecture names)."""
     raw = read_hf_config(path)
     where = str(path / CONFIG)
-    family = family_for_hf(raw, where)
-    return Origin(family.hf.args_from_config(raw, where), raw, path)
+    chosen = family_for_hf(raw, where, family)
+    return Origin(chosen.hf.args_from_config(raw, where), raw, path)
 
 
 def imported_origin(path: Path, manifest: dict[str, Any]) -> Origin | None:

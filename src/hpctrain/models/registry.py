@@ -40,10 +40,20 @@ def _load_builtin() -> None:
 
 
 def register(family: ModelFamily) -> ModelFamily:
-    """Make ``family`` known by its name (a second family of that name is refused)."""
+    """Make ``family`` known by its name (a second family of that name is refused, as is one
+    routing a Hugging Face architecture another family routes)."""
+    _load_builtin()  # a user's family is checked against the built-in ones
     known = _FAMILIES.get(family.name)
     if known is not None and known is not family:
         raise ValueError(f"a model family named {family.name!r} is registered already")
+    # Which family an unnamed folder imports into must not depend on the registration order.
+    for other in _FAMILIES.values():
+        if other is family or other.hf is None or family.hf is None:
+            continue
+        for arch in set(family.hf.architectures) & set(other.hf.architectures):
+            raise ValueError(f"family {family.name!r} routes {arch}, which the {other.name!r} "
+                             "family routes already; list it in its HFMapping.also_reads (read "
+                             "when the family is named) instead")
     _FAMILIES[family.name] = family
     return family
 
@@ -88,14 +98,18 @@ def family_of(model: nn.Module) -> ModelFamily:
     raise TypeError(f"{type(model).__name__} is the model of no registered model family")
 
 
-def family_for_hf(raw: dict[str, Any], where: str) -> ModelFamily:
-    """The family that imports a Hugging Face ``config.json`` of this architecture."""
+def family_for_hf(raw: dict[str, Any], where: str, name: str | None = None,
+                  asked_by: str = "model.family") -> ModelFamily:
+    """The family that imports a Hugging Face ``config.json`` of this architecture: the one
+    its architecture names, or the family ``name`` (asked for by ``asked_by``) if it reads it."""
     archs = raw.get("architectures")
     arch = archs[0] if isinstance(archs, list) and len(archs) == 1 else archs
     supported = {}
     for family in families().values():
         if family.hf is not None:
             supported.update({a: (family, t) for a, t in family.hf.architectures.items()})
+    if name is not None:
+        return _named_family_for_hf(raw, where, arch, name, asked_by, supported)
     if isinstance(arch, str) and arch in supported:
         return supported[arch][0]
     raise ConfigError(
@@ -103,6 +117,24 @@ def family_for_hf(raw: dict[str, Any], where: str) -> ModelFamily:
         "supported", expected=", ".join(f"{a} (model_type {t!r})"
                                         for a, (_, t) in supported.items()),
         hint="convert the model with its own tools, or train it with them")
+
+
+def _named_family_for_hf(raw: dict[str, Any], where: str, arch: object, name: str,
+                         asked_by: str, supported: dict[str, tuple[ModelFamily, str]]
+                         ) -> ModelFamily:
+    """The family ``name`` if it reads ``arch``; else a ConfigError saying which one does."""
+    family = get_family(name)
+    reads = {**family.hf.architectures, **family.hf.also_reads} if family.hf else {}
+    if isinstance(arch, str) and arch in reads:
+        return family
+    own = supported.get(arch)[0].name if isinstance(arch, str) and arch in supported else None
+    raise ConfigError(
+        f"{where}: {asked_by} = {name!r}, but the folder holds a {arch!r} model (model_type "
+        f"{raw.get('model_type')!r}), which the {name!r} family does not read",
+        expected=(f"one of {', '.join(reads)}" if reads else
+                  f"a family with a Hugging Face mapping (the {name!r} family has none)"),
+        hint=(f"the {own!r} family reads it: set {asked_by} to {own!r}, or leave it out"
+              if own else "convert the model with its own tools, or train it with them"))
 
 
 def count_params(args: Any, *, include_embedding: bool) -> int:

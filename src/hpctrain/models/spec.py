@@ -28,13 +28,23 @@ limit). What its model must do:
   summed token loss (``hpctrain.models.chunked_loss``).
 
 Adding a family is a folder ``models/<name>/`` defining its `ModelFamily` and one line in
-``registry.BUILTIN`` (or a call to ``registry.register`` from the user's code).
+``registry.BUILTIN`` (or a call to ``registry.register`` from the user's code); parallelism,
+planning, training and the pretrained tools need no change (``tests/models/test_toy_family.py``
+trains a family registered from a test file alone). Three limits:
+
+- a Hugging Face architecture is routed to one family (``HFMapping.architectures``; a second
+  claim is refused at registration): another family reads it when named
+  (``HFMapping.also_reads``, ``model.family`` / ``import hf --family``);
+- the config overrides shape fields ``ModelConfig`` has (``model.dim``, ``model.n_layers``,
+  ...); a field only the family's shape has (Qwen's ``head_dim``) comes from its presets.
+- ``plan memory`` models a pre-norm GQA decoder with a gated FFN (``plan_memory``); a family
+  of another structure is refused there, saying so.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,7 +72,9 @@ class HFMapping:
     (None: stored alike), ``from_hf_rows`` / ``to_hf_rows`` reorder them.
     """
 
-    architectures: Mapping[str, str]  # Hugging Face architecture -> its model_type
+    # Hugging Face architecture -> its model_type: the folders ``import hf`` and ``init_from:
+    # hf:DIR`` bring to this family when no family is named.
+    architectures: Mapping[str, str]
     args_from_config: Callable[[dict[str, Any], str], Any]
     config_from_args: Callable[..., dict[str, Any]]
     max_seq_len_limit: Callable[[dict[str, Any]], int | None]
@@ -77,6 +89,9 @@ class HFMapping:
     # Our names of the tensors a tied model shares with another (its output layer's copy of
     # the embedding): present in a folder or not, never read.
     tied: tuple[str, ...] = ()
+    # Architectures (-> model_type) this family also reads when asked for by name
+    # (``model.family``, ``import hf --family``), though another family imports them by default.
+    also_reads: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -212,6 +212,10 @@ def _memory(args: argparse.Namespace) -> None:
     chosen = _resolve_auto(cfg, gpus, args.gpu)
     if chosen and not args.json:
         print(f"auto on {gpus} x {args.gpu}: {chosen}")
+    if cfg.task:  # a user's own model: its step is measured, not modelled
+        from hpctrain.plan.task_memory import plan_task_memory
+
+        return plan_task_memory(cfg, gpus, args.gpu, args.json)
     opts = MemoryOptions.from_config(cfg, gpus)
     model = cfg.model.resolve()
     gpu = gpu_memory_bytes(args.gpu) if args.gpu else None

@@ -29,7 +29,7 @@ from hpctrain.checkpoint.manifest import describe, write_manifest
 from hpctrain.errors import ConfigError
 from hpctrain.models.hf_weights import CONFIG, HFWeights, read_hf_config
 from hpctrain.models.init_source import ASSET_FILES, args_to_json
-from hpctrain.models.registry import family_for_hf, get_family
+from hpctrain.models.registry import family_for_hf
 from hpctrain.parallel.data import DTYPES
 from hpctrain.parallel.materialize import load_weights
 from hpctrain.pretrained.weights import single_process
@@ -45,11 +45,7 @@ def import_hf(folder: Path, out: Path, dtype: str = "bf16", family: str | None =
                           hint="name a new directory (nothing is overwritten)")
     raw = read_hf_config(folder)
     where = str(folder / CONFIG)
-    chosen = family_for_hf(raw, where) if family is None else get_family(family)
-    if chosen.hf is None:
-        raise ConfigError(f"--family {chosen.name} has no Hugging Face mapping",
-                          hint="leave --family out to import into the family of the "
-                          "folder's architecture")
+    chosen = family_for_hf(raw, where, family, asked_by="--family")
     args = chosen.hf.args_from_config(raw, where)
     reader = HFWeights(folder, args)
     model = chosen.build(args)

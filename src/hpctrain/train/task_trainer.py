@@ -155,9 +155,7 @@ class TaskTrainer(Trainer):
                 for p in model.parameters():
                     if not p.is_contiguous():
                         p.data = p.data.contiguous()
-            units = (list(self.task.shard_units(model)) if self.task.shard_units else
-                     [m for m in model.children() if any(True for _ in m.parameters())])
-            for unit in [*units, model]:
+            for unit in [*self.task.fsdp_units(model), model]:
                 _norms_in_fp32(unit, dp_mesh(mesh), mp, reshard)
                 fully_shard(unit, mesh=dp_mesh(mesh), mp_policy=mp, reshard_after_forward=reshard)
         return model

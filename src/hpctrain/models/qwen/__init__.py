@@ -51,6 +51,7 @@ FAMILY = ModelFamily(
         to_hf_rows=hf_names.same_rows,
         derived=hf_names.is_derived,
         tied=("head.weight",),
+        also_reads=hf_config.ALSO_READS,
     ),
     kv_cache=kv_cache,
 )

@@ -1,9 +1,10 @@
 """A Hugging Face ``config.json`` of a Qwen model as a `QwenArgs`, and back.
 
 Reads ``Qwen3ForCausalLM`` (q/k norms, no biases, its own ``head_dim``) and
-``Qwen2ForCausalLM`` (Qwen2 and Qwen2.5: q/k/v biases), tied or untied. ``import hf`` brings a
-Qwen3 folder here by its architecture; a Qwen2 folder goes to the Llama family (which computes
-the same network) unless ``--family qwen`` is asked for. Every key is accounted for: it sets the
+``Qwen2ForCausalLM`` (Qwen2 and Qwen2.5: q/k/v biases), tied or untied. ``import hf`` and
+``init_from: hf:DIR`` bring a Qwen3 folder here by its architecture; a Qwen2 folder goes to the
+Llama family (which computes the same network) unless the qwen family is asked for by name
+(``--family qwen``, ``model.family: qwen``). Every key is accounted for: it sets the
 shape, is checked against the one value hpctrain computes, or is metadata that does not change
 what the weights compute; any other key or value is refused by name.
 
@@ -23,8 +24,10 @@ from hpctrain.models.qwen.sizes import QwenArgs
 
 # The architecture `import hf` routes to this family (Qwen2's goes to Llama's by default).
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3"}
+# The one it reads when asked for by name (model.family: qwen, import hf --family qwen).
+ALSO_READS = {"Qwen2ForCausalLM": "qwen2"}
 # Every architecture this family reads, with its model_type.
-READS = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+READS = {**ALSO_READS, **ARCHITECTURES}
 METADATA_KEYS = frozenset({
     "architectures", "model_type", "bos_token_id", "eos_token_id", "pad_token_id", "dtype",
     "torch_dtype", "transformers_version", "_name_or_path", "initializer_range", "use_cache",
