@@ -101,8 +101,10 @@ class Bench:
 
     def measure(self, name: str, every: int, steps: int) -> dict:
         """One variant's numbers over steps WARMUP..steps."""
-        run = self.train(f"{self.layout}-{name}", f"train.steps={steps}",
-                         f"checkpoint.every={every}", *VARIANTS[name])
+        # A run without checkpoints takes no cadence (refused under interval=none).
+        cadence = [] if name == "none" else [f"checkpoint.every={every}"]
+        run = self.train(f"{self.layout}-{name}", f"train.steps={steps}", *cadence,
+                         *VARIANTS[name])
         records = {r["step"]: r for r in step_records(run)}
         layout = events(run, "layout")[-1]
         seconds = records[steps]["ts"] - records[WARMUP]["ts"]

@@ -28,12 +28,10 @@ from pathlib import Path
 
 from hpctrain.bench.common import Results
 from hpctrain.errors import ConfigError
-from hpctrain.runtime.mounts import filesystem
+from hpctrain.runtime.mounts import filesystem, in_memory
 
 COLUMNS = ["op", "size", "threads", "block", "seconds", "gbps", "method"]
 _DIRECT = getattr(os, "O_DIRECT", 0)
-# File systems whose pages are the storage itself: no cache to drop, nothing below it.
-_MEMORY_FS = ("tmpfs", "ramfs")
 
 
 @dataclass(frozen=True)
@@ -85,7 +83,7 @@ def run_disk(path: Path, size: int, *, threads: int = 4, block: int = 16 << 20,
     if total > free * 0.9:
         raise ConfigError(f"bench disk needs {total / 1e9:.2f} GB under {path}, "
                           f"{free / 1e9:.2f} GB are free", hint="use a smaller --size")
-    memory_fs = fs_type(path) in _MEMORY_FS
+    memory_fs = in_memory(path)
     work = Path(tempfile.mkdtemp(prefix=".hpctrain-bench-disk-", dir=path))
     try:
         files = [work / f"part-{i:03d}" for i in range(threads)]

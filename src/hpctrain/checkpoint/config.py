@@ -48,6 +48,10 @@ class CheckpointConfig:
     # One thread wrote ~0.5 GB/s on an H200 host, bound by serialisation rather than the disk.
     # 0: auto, half the CPU cores this rank has, from 1 to 8.
     write_threads: int = 0
+    # Write the shard files with O_DIRECT (no page cache: the device's speed at a fraction of
+    # the CPU, as `hpctrain bench disk` measures it), where the file system allows it; false
+    # writes them through the page cache, for a file system that takes O_DIRECT badly.
+    direct_io: bool = True
     save_at_end: bool = True
     # auto: resume from the newest verified checkpoint of this run if any; never: start fresh
     # (refused if the run directory already holds checkpoints); or a checkpoint directory.

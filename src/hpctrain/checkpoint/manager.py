@@ -7,6 +7,7 @@ Layout under ``<run>/checkpoints/``::
       rng-rank-00000.pt ...                        each rank's RNG states (tensors only)
       manifest.json                                sizes + xxh3 of every file, trainer state
     .tmp-step-00000200/       a save in progress (or a failed one, removed on the next save)
+    .retired-step-00000000/   one retention removed, being deleted by a thread after the commit
     latest                    name of the newest committed checkpoint
     damaged/step-00000300/    a checkpoint resume found damaged, moved aside (never deleted)
 
@@ -450,6 +451,7 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            self.store.wait_removed()
             if self._writer is not None:
                 self._writer.stop()
                 self._writer = None

@@ -253,6 +253,7 @@ def serve(conn: Connection, init: _Init) -> None:
             except (EOFError, OSError):
                 return  # the parent is gone
             if message[0] == "stop":
+                store.wait_removed()
                 return
             if message[0] == "attach":
                 if attached is not None:

@@ -7,6 +7,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# File systems whose pages are the storage itself: no device below, no page cache to bypass.
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+
 
 def nearest_existing(path: Path) -> Path:
     """`path`, or its nearest ancestor that exists."""
@@ -33,3 +36,8 @@ def filesystem(path: Path, mounts: Path = Path("/proc/mounts")) -> str:
         if inside and len(point) >= len(best):
             best, kind = point, parts[2]
     return kind
+
+
+def in_memory(path: Path) -> bool:
+    """Whether `path` lies on a file system held in memory (tmpfs, ramfs)."""
+    return filesystem(path) in MEMORY_FILESYSTEMS
