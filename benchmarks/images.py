@@ -27,8 +27,10 @@ image task (`hpctrain.tasks.images`): ``gpu`` (nvJPEG on a side stream, ahead of
 Pillow threads, the rest to nvJPEG), ``cpu<N>`` (all on N Pillow threads); a suffix ``t<N>``
 sets the Pillow threads, ``r<S>`` decodes at reduced size (Pillow keeps the shorter side >= S).
 Each row says its setting, the decode threads and cores of the process, and the milliseconds
-per image spent decoding (wall time: nvJPEG returns when done) and augmenting (on the side
-stream's events).
+per image spent decoding (wall time: nvJPEG returns when done) and augmenting (the side
+stream's timing events, read after the loader thread has waited for that stream: the step's
+stream is never synchronised for them; ``serial`` has no augment time, as timing it would sync
+the step's stream).
 """
 
 from __future__ import annotations
@@ -222,8 +224,11 @@ def path_a(args: argparse.Namespace, model: str, variant: Variant | None = None)
     return {"path": "a", "images_per_s_per_gpu": rate, "ranks": world}
 
 
-def imagefolder_loader(args: argparse.Namespace, world: int):
-    """torchvision's ImageFolder + DataLoader + Pillow transforms, as users write it."""
+def imagefolder_loader(args: argparse.Namespace, world: int, rank: int):
+    """torchvision's ImageFolder + DataLoader + Pillow transforms, as users write it; each
+    rank draws its own endless random order (with replacement, seeded by the rank), as one GPU
+    does: a DistributedSampler's epoch of len/world samples per rank would end inside a run of
+    many ranks (a loader restart one GPU never pays)."""
     from torchvision import datasets, transforms
 
     s = image_size(args)
@@ -231,8 +236,8 @@ def imagefolder_loader(args: argparse.Namespace, world: int):
                              transforms.ToTensor(),
                              transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
     ds = datasets.ImageFolder(str(args.jpegs), tf)
-    sampler = (torch.utils.data.DistributedSampler(ds, shuffle=True) if world > 1 else
-               torch.utils.data.RandomSampler(ds, replacement=True, num_samples=1 << 30))
+    sampler = torch.utils.data.RandomSampler(ds, replacement=True, num_samples=1 << 30,
+                                             generator=torch.Generator().manual_seed(rank))
     workers = args.workers or max(1, len(os.sched_getaffinity(0)) // max(1, world))
     return torch.utils.data.DataLoader(ds, args.batch, sampler=sampler, num_workers=workers,
                                        pin_memory=args.device == "cuda", drop_last=True,
@@ -247,7 +252,7 @@ def _forever(loader):
 def path_c(args: argparse.Namespace, model: str, variant: Variant | None = None) -> dict:
     """(c) ImageFolder + DataLoader + Pillow, plain PyTorch."""
     net, device, world = _setup(args, model)
-    loader = imagefolder_loader(args, world)
+    loader = imagefolder_loader(args, world, _world()[0])
     rate = _timed_loop(net, device, _forever(loader), args.steps)
     return {"path": "c", "images_per_s_per_gpu": rate, "ranks": world,
             "workers_per_gpu": loader.num_workers}

@@ -5,7 +5,9 @@
 
 Lightning's best settings for the model: ``precision="bf16-mixed"``, the module compiled with
 ``torch.compile``, ``channels_last`` weights and inputs, DDP over ``--devices`` GPUs; the loader
-is (c)'s (torchvision ImageFolder + DataLoader(workers) + Pillow transforms). Images/s per GPU
+is (c)'s (torchvision ImageFolder + DataLoader(workers) + Pillow transforms, an endless random
+order per rank: Lightning's DistributedSampler is off, whose short epochs per rank a run of many
+GPUs would cross and one GPU would not), built on each rank. Images/s per GPU
 are timed by a callback over the steps after the first third (compilation, warm-up). Lightning
 and torchvision exist on the GPU image only: benchmarks/images.py skips this path elsewhere.
 """
@@ -85,6 +87,12 @@ def main(argv: list[str] | None = None) -> None:
             elif i + 1 > args.steps // 3:
                 self.seen += len(batch[1])
 
+    class Images(L.LightningDataModule):
+        def train_dataloader(self):
+            # (c)'s loader and sampler on each rank: Lightning's own DistributedSampler is off
+            # (use_distributed_sampler=False), its rank and world size come from the trainer.
+            return imagefolder_loader(args, self.trainer.world_size, self.trainer.global_rank)
+
     gpu = args.device == "cuda"
     module = Classifier()
     if gpu:
@@ -94,12 +102,9 @@ def main(argv: list[str] | None = None) -> None:
                         strategy="ddp" if args.devices > 1 else "auto",
                         precision="bf16-mixed" if gpu else "32-true", max_steps=args.steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[rate])
-    # Lightning spreads the loader over its ranks itself (a DistributedSampler needs the process
-    # group, which Lightning starts inside fit): the loader is built as for one process, with the
-    # cores shared among the ranks.
-    args.workers = args.workers or max(1, len(os.sched_getaffinity(0)) // args.devices)
-    trainer.fit(module, imagefolder_loader(args, 1))
+                        enable_model_summary=False, callbacks=[rate],
+                        use_distributed_sampler=False)
+    trainer.fit(module, datamodule=Images())
     if gpu:
         torch.cuda.synchronize()
     images_per_s = rate.seen / (time.perf_counter() - rate.start)

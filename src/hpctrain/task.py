@@ -37,6 +37,7 @@ import importlib.util
 import inspect
 import json
 import logging
+import numbers
 import sys
 import sysconfig
 import threading
@@ -93,6 +94,11 @@ class Task:
     batches whose size varies (a collate that skips samples it cannot read, as the image task's
     skips corrupt JPEGs): a step's loss is then the mean over every counted sample of its
     micro-batches and ranks, each weighing the same, not the mean of the micro-batch means.
+    It returns a Python ``int`` (a tensor would cost a host sync per micro-batch). A micro-batch
+    of 0 samples (all dropped) adds nothing to the step's loss or metrics: its step still runs
+    (the backward, and DDP's or FSDP's gradient exchange with the other ranks), and a NaN or
+    infinite loss of it (a mean over nothing) is replaced by a zero tied to the graph.
+    Per-sample metrics (one value per sample) are averaged over the samples they hold.
     """
 
     model: Callable[[], nn.Module]
@@ -136,6 +142,20 @@ class Task:
         if self.shard_units is not None:
             return list(self.shard_units(model))
         return [m for m in model.children() if any(True for _ in m.parameters())]
+
+    def count_samples(self, batch: Any) -> int | None:
+        """``samples_in_batch(batch)``, checked to be a count (None if the task gives none)."""
+        if self.samples_in_batch is None:
+            return None
+        n = call_user(self.samples_in_batch, "Task.samples_in_batch", batch)
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise TaskError(f"Task.samples_in_batch {_where(self.samples_in_batch)} returned "
+                            f"{n!r} ({type(n).__name__})",
+                            expected="a Python int >= 0: the samples the micro-batch's loss is "
+                            "the mean over",
+                            hint="count on the host, e.g. len(labels), not labels.numel() or "
+                            "a tensor sum (each would wait for the device)")
+        return int(n)
 
     def run_step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict]:
         """One micro-batch's loss and metrics, checked (no host sync)."""

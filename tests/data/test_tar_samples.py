@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -181,3 +182,25 @@ def test_cli_pack_and_verify_detects_corruption(tmp_path: Path) -> None:
     tar.write_bytes(bytes(data))
     r = run_cli(["data", "verify", str(tmp_path / "out")])
     assert r.returncode != 0 and "shard-000001.tar" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_tar_samples_read_from_several_threads(packed) -> None:
+    """Threads reading while shards are closed to make room (one open shard here: every
+    switch evicts) each get their own sample's bytes, never a closed or reused descriptor."""
+    out, want = packed
+    ds = TarSamples(out)
+    ds.open_shards = 1
+    keys = sorted(want)
+    order = list(range(N_SAMPLES)) * 20
+
+    def read(shift: int) -> list[str]:
+        bad = []
+        for i in order[shift:] + order[:shift]:
+            raw = ds.sample(i)
+            if raw.pop("__key__").decode() != keys[i] or raw != want[keys[i]]:
+                bad.append(keys[i])
+        return bad
+
+    with ThreadPoolExecutor(4) as pool:
+        assert [b for bad in pool.map(read, (0, 5, 11, 17)) for b in bad] == []
+    ds.close()

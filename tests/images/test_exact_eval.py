@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ import torch.nn.functional as F
 
 from conftest import spawn_ranks
 from hpctrain.errors import HpctrainError
-from hpctrain.train.exact_eval import ExactSums, ValidationSampler, rank_batches, topk_correct
+from hpctrain.observe.accuracy import topk_correct
+from hpctrain.train.exact_eval import ExactSums, ValidationSampler, rank_batches
 
 SAMPLES, CLASSES, MICRO = 23, 12, 4  # 23 on 2 ranks of 4: an uneven, padded tail
 
@@ -78,6 +80,19 @@ def test_topk_caps_k_at_the_class_count() -> None:
     hits = topk_correct(logits, torch.tensor([1, 2]))
     assert hits["top1"].tolist() == [1.0, 0.0]
     assert hits["top5"].tolist() == [1.0, 1.0]
+
+
+def test_the_image_task_imports_nothing_from_the_trainer() -> None:
+    """The trainer loads tasks: a task module reaching into train's internals (it took
+    topk_correct from train.exact_eval) makes the dependency go both ways."""
+    import ast
+
+    import hpctrain.tasks.images as task_module
+
+    tree = ast.parse(Path(task_module.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in imported if m and m.startswith("hpctrain.train")}, imported
 
 
 def test_per_sample_values_of_the_wrong_shape_are_refused() -> None:

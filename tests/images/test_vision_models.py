@@ -95,3 +95,39 @@ def test_flops_match_torchvision_published_counts():
 def test_unknown_model_is_a_config_error_listing_the_names():
     with pytest.raises(ConfigError, match="resnet50.*vit_b_16"):
         build("resnet51")
+
+
+def test_the_image_tasks_fsdp_units_for_each_model_shape() -> None:
+    """hpctrain's models name their blocks by a method; timm's hold them in a ``blocks``
+    Sequential (calling it ran its forward); a torchvision ViT's are ``encoder.layers``; an
+    ``encoder`` without ``layers`` (it raised AttributeError) falls back to the children."""
+    from torch import nn
+
+    from hpctrain.tasks.images import _blocks
+
+    with torch.device("meta"):
+        vit = build("vit_tiny", 10, 16)
+        resnet = build("resnet_tiny", 10, 16)
+    assert _blocks(vit) == list(vit.encoder.layers) and len(_blocks(resnet)) == 4
+
+    class Timm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Conv2d(3, 4, 3)
+            self.blocks = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+    class TorchvisionVit(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = nn.Module()
+            self.encoder.layers = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+    class OwnEncoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder, self.act, self.head = nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)
+
+    timm, tv, own = Timm(), TorchvisionVit(), OwnEncoder()
+    assert _blocks(timm) == list(timm.blocks)
+    assert _blocks(tv) == list(tv.encoder.layers)
+    assert _blocks(own) == [own.encoder, own.head]

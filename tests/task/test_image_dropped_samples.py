@@ -40,10 +40,8 @@ def zero_model() -> nn.Module:
     return model
 
 
-def test_a_steps_loss_is_the_mean_over_the_samples_kept(tmp_path: Path) -> None:
-    task = Task(model=zero_model, data=Samples(), loss=nn.functional.mse_loss,
-                collate=drop_bad, flops_per_sample=1.0,
-                samples_in_batch=lambda batch: len(batch[1]))
+def _first_step(task: Task, tmp_path: Path) -> dict:
+    """The metrics record of step 1 of ``task`` (one step of two micro-batches of 4)."""
     fit(task, overrides={"run.out_dir": str(tmp_path), "run.name": "dropped",
                          "run.device": "cpu", "train.steps": 1, "train.micro_batch": 4,
                          "train.grad_accum": 2, "train.precision": "fp32",
@@ -55,5 +53,40 @@ def test_a_steps_loss_is_the_mean_over_the_samples_kept(tmp_path: Path) -> None:
     records = [json.loads(line) for line in
                (tmp_path / "dropped" / "metrics" / "rank-000.jsonl").read_text().splitlines()]
     (step,) = [r for r in records if r.get("step") == 1 and "loss" in r]
+    return step
+
+
+def test_a_steps_loss_is_the_mean_over_the_samples_kept(tmp_path: Path) -> None:
+    task = Task(model=zero_model, data=Samples(), loss=nn.functional.mse_loss,
+                collate=drop_bad, flops_per_sample=1.0,
+                samples_in_batch=lambda batch: len(batch[1]))
+    step = _first_step(task, tmp_path)
     kept = [y for i, y in enumerate(TARGETS.tolist()) if i not in BAD]
     assert step["loss"] == pytest.approx(sum(y * y for y in kept) / len(kept), rel=1e-6)
+
+
+def test_a_micro_batch_that_lost_every_sample_adds_nothing(tmp_path: Path) -> None:
+    """A generic task (not the image task's own guard): the empty micro-batch's loss, a mean
+    over nothing, is NaN (before: NaN x weight 0 = NaN, the first-step check refused it), and
+    its empty per-sample metric adds nothing; the other's count once per sample."""
+    kept: list[list[float]] = []
+
+    def drop_the_batch_of_sample_0(samples: list) -> tuple[torch.Tensor, torch.Tensor]:
+        ys = [] if any(i == 0 for i, _ in samples) else [float(y) for _, y in samples]
+        kept.append(ys)
+        return torch.ones(len(ys), 1), torch.tensor(ys).view(-1, 1)
+
+    def step(model: nn.Module, batch: tuple) -> tuple[torch.Tensor, dict]:
+        x, y = batch
+        loss = nn.functional.mse_loss(model(x), y)
+        return loss, {"big": (y.view(-1) > 4).float(), "one": torch.ones(())}
+
+    task = Task(model=zero_model, data=Samples(), step=step, flops_per_sample=1.0,
+                collate=drop_the_batch_of_sample_0,
+                samples_in_batch=lambda batch: len(batch[1]))
+    step_record = _first_step(task, tmp_path)
+    ys = [y for batch in kept[:2] for y in batch]  # the first two collates: step 1's
+    assert len(ys) == 4 and [] in kept[:2]
+    assert step_record["loss"] == pytest.approx(sum(y * y for y in ys) / 4, rel=1e-6)
+    assert step_record["big"] == pytest.approx(sum(y > 4 for y in ys) / 4)
+    assert step_record["one"] == 1.0

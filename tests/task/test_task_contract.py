@@ -373,3 +373,37 @@ def test_the_model_is_built_before_any_sample_is_collated(tmp_path: Path) -> Non
     hpctrain.fit(task, overrides={"run.out_dir": tmp_path, "train.steps": 1,
                                   "train.micro_batch": 2, "metrics.progress": False})
     assert calls[0] == "model", calls
+
+
+def test_fsdp_in_bf16_shards_a_flat_sequential_whose_unit_is_a_batchnorm(pg: None) -> None:
+    """Task's default units are the children holding parameters: the BatchNorm is a unit and
+    its own fp32 group, sharded once (before: fully_shard's 'already applied' assertion)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+    from hpctrain.train.task_trainer import shard_units
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(4 * 4 * 4, 2))
+    task = Task(model=lambda: model, data=[], loss=nn.functional.cross_entropy)
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+    shard_units(model, task.fsdp_units(model), mesh,
+                MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+                reshard=True)
+    assert all(isinstance(m, FSDPModule) for m in (model, model[0], model[1], model[4]))
+    model(torch.randn(2, 3, 6, 6)).float().sum().backward()
+    assert model[1].weight.grad is not None and model[1].weight.dtype == torch.float32
+
+
+def test_samples_in_batch_must_count_on_the_host() -> None:
+    """A tensor count would wait for the device once per micro-batch: refused, with a hint."""
+    def task(count) -> Task:
+        return Task(model=lambda: nn.Linear(1, 1), data=[], loss=nn.functional.mse_loss,
+                    samples_in_batch=count)
+
+    assert task(len).count_samples([1, 2, 3]) == 3
+    assert task(None).count_samples([1]) is None
+    for bad in (lambda b: torch.tensor(len(b)), lambda b: -1, lambda b: 2.0):
+        with pytest.raises(TaskError, match="samples_in_batch") as info:
+            task(bad).count_samples([1, 2])
+        assert info.value.expected and info.value.hint

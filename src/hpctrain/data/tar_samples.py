@@ -30,6 +30,7 @@ import json
 import os
 import re
 import tarfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -188,7 +189,15 @@ class TarSamples:
 
     Shard files are opened on first read by each process and never pickled: a DataLoader
     worker started by spawn (or Lightning's) opens its own, and a forked child leaves the
-    parent's alone (a descriptor number from another process would read some other file)."""
+    parent's alone (a descriptor number from another process would read some other file).
+
+    Safe from several threads: a lock covers finding a sample's shard and reading its bytes,
+    so a shard closed to make room (another thread's read) is never one being read, and its
+    descriptor number, reused by the next open, never reads another file. Decoding runs
+    outside the lock."""
+
+    # A window's worth of shards stays open (the oldest opened is closed first).
+    open_shards = 8
 
     def __init__(self, root: str | Path, decode: Decode | None = None, window_shards: int = 4):
         self.root = Path(root)
@@ -202,20 +211,25 @@ class TarSamples:
         self._index: dict[int, dict] = {}
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
+        self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
-        """Pickled without the open shard files (the copy opens its own)."""
-        return {**self.__dict__, "_index": {}, "_fds": {}}
+        """Pickled without the open shard files (the copy opens its own) and the lock."""
+        return {**self.__dict__, "_index": {}, "_fds": {}, "_lock": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
 
     def __len__(self) -> int:
         return int(self._starts[-1])
 
     def _shard_index(self, s: int) -> dict:
+        """Shard ``s``'s index, its file open in ``_fds`` (called with the lock held)."""
         if self._pid != os.getpid():  # a forked child: its copies of the parent's descriptors
-            self.close()
+            self._close()
             self._pid = os.getpid()
         if s not in self._index:
-            if len(self._index) >= 8:  # a window's worth of shards stays open
+            if len(self._index) >= self.open_shards:
                 old = next(iter(self._index))
                 del self._index[old]
                 os.close(self._fds.pop(old))
@@ -229,11 +243,15 @@ class TarSamples:
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range [0, {len(self)})")
         s = int(np.searchsorted(self._starts, i, side="right")) - 1
-        idx = self._shard_index(s)
         j = i - int(self._starts[s])
-        out: Sample = {"__key__": idx["keys"][j].encode()}
-        for ext, offset, size in idx["members"][j]:
-            out[ext] = os.pread(self._fds[s], size, offset)
+        if self._pid != os.getpid():
+            # A forked child: the parent's lock may have been held by a thread it lacks.
+            self._lock = threading.Lock()
+        with self._lock:
+            idx = self._shard_index(s)
+            out: Sample = {"__key__": idx["keys"][j].encode()}
+            for ext, offset, size in idx["members"][j]:
+                out[ext] = os.pread(self._fds[s], size, offset)
         return out
 
     def __getitem__(self, i: int) -> Any:
@@ -243,6 +261,10 @@ class TarSamples:
 
     def close(self) -> None:
         """Close the open shard files."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

@@ -26,8 +26,9 @@ nvJPEG on a side stream ahead of the step is the default on CUDA; ``cpu_fraction
 each batch's JPEGs go to Pillow on ``decode_threads`` host threads while nvJPEG decodes the
 rest (1: all on the host); ``decode_min_side`` lets Pillow decode at reduced size;
 ``decode_ahead: false`` decodes in the step on its own stream (serially: the baseline). Training
-metrics carry ``decode_ms_per_image`` (and ``augment_ms_per_image`` where measured without a
-sync: on the side stream's events, or on the CPU).
+metrics carry ``decode_ms_per_image`` (and ``augment_ms_per_image`` where it costs the step's
+stream no sync: the side stream's events, read after the loader thread has waited for that stream,
+or wall time on the CPU).
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ from hpctrain.data.images.reader import IMAGES_FORMAT
 from hpctrain.data.tar_samples import MANIFEST
 from hpctrain.errors import ConfigError
 from hpctrain.models import vision
-from hpctrain.task import Task
-from hpctrain.train.exact_eval import topk_correct
+from hpctrain.observe.accuracy import topk_correct
+from hpctrain.task import Task, TaskError
 
 
 @dataclasses.dataclass
@@ -151,16 +152,18 @@ class ImageClassifier:
     """The task's parts: model factory, collates that decode + augment ahead, and the step.
 
     Decoding and augmenting run in the loader's prefetch thread (`DecodeAhead`: a CUDA side
-    stream on the GPU), so they overlap the training step. The pipelines are built on first use
-    for the device the trainer built the model on (it calls the model factory under that
-    device), which comes before the first batch is read.
+    stream on the GPU), so they overlap the training step. Batches are decoded on the device
+    the model was last built on (the trainer calls the model factory under its device before
+    the first batch is read; the CPU before any model). A pipeline is built per (split, device)
+    on first use, so a batch collated before the model (a plan, a notebook) pins nothing; the
+    step refuses a batch on another device than the model's.
     """
 
     def __init__(self, cfg: ImageTaskConfig, num_classes: int,
                  build: Callable[[int, int], nn.Module] | None = None) -> None:
         self.cfg, self.num_classes, self.build = cfg, num_classes, build
         self.device = torch.device("cpu")
-        self._decoders: dict[bool, DecodeAhead] = {}
+        self._decoders: dict[tuple[bool, torch.device], DecodeAhead] = {}
 
     def model(self) -> nn.Module:
         """The classifier, on the trainer's device (which it remembers for the pipelines)."""
@@ -173,21 +176,25 @@ class ImageClassifier:
                               zero_init_residual=cfg.zero_init_residual))
         return model.to(memory_format=torch.channels_last) if cfg.channels_last else model
 
-    def _decoder(self, train: bool) -> DecodeAhead:
-        if train not in self._decoders:
+    def _decoder(self, train: bool, device: torch.device | None = None) -> DecodeAhead:
+        """The decoder of training or evaluation batches on ``device`` (default: the model's
+        latest)."""
+        device = self.device if device is None else device
+        key = (train, device)
+        if key not in self._decoders:
             cfg = self.cfg
             # bf16 on the GPU (half the bytes; the step casts for an fp32 run), fp32 on the CPU.
-            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-            pipe = ImagePipeline(cfg.image_size, train=train, device=self.device, dtype=dtype,
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            pipe = ImagePipeline(cfg.image_size, train=train, device=device, dtype=dtype,
                                  resize=cfg.eval_resize or None, scale=(cfg.crop_scale_min, 1.0),
                                  flip=cfg.hflip, threads=cfg.decode_threads,
                                  cpu_fraction=cfg.cpu_fraction,
                                  min_side=cfg.decode_min_side or None)
             mixing = (Mixing(cfg.mixup, cfg.mixup_alpha, cfg.cutmix_alpha)
                       if train and cfg.mixup != "none" else None)
-            self._decoders[train] = DecodeAhead(pipe, cfg.augment_seed,
-                                                side_stream=cfg.decode_ahead, mixing=mixing)
-        return self._decoders[train]
+            self._decoders[key] = DecodeAhead(pipe, cfg.augment_seed,
+                                              side_stream=cfg.decode_ahead, mixing=mixing)
+        return self._decoders[key]
 
     def _collate(self, train: bool, samples: list) -> tuple[Any, torch.Tensor]:
         if not self.cfg.decode_ahead:
@@ -206,10 +213,16 @@ class ImageClassifier:
         """Cross entropy (label smoothing in training), per-sample top-1/top-5 hits and, in
         training, the milliseconds per image spent decoding (and augmenting, where known)."""
         prepared, labels = batch
+        device = _device_of(model)
         if isinstance(prepared, EncodedImages):  # decode_ahead=false: decode here, serially
-            prepared, labels = self._decoder(model.training).prepare(prepared, labels)
+            prepared, labels = self._decoder(model.training, device).prepare(prepared, labels)
             labels = labels.to(prepared.tensor.device, non_blocking=True)
         images = prepared.tensor
+        if device is not None and images.device != device:
+            raise TaskError(f"the image batch is on {images.device}, the model on {device}",
+                            expected="batches decoded on the model's device",
+                            hint="build the model (the task's model factory, under its device) "
+                            "before collating batches for it")
         if not torch.is_autocast_enabled(images.device.type):
             # fp32 runs (and FSDP, whose mixed precision casts its inputs itself).
             images = images.float()
@@ -253,6 +266,12 @@ def _labels(batch: tuple[Any, torch.Tensor]) -> int:
     return len(batch[1])
 
 
+def _device_of(model: nn.Module) -> torch.device | None:
+    """The device of the model's first parameter (None without parameters)."""
+    p = next(model.parameters(), None)
+    return None if p is None else p.device
+
+
 def _timings(prepared: PreparedImages, model: nn.Module) -> dict[str, torch.Tensor]:
     """The batch's decode (and augment) milliseconds per image, as metrics of training steps
     (made on the device by a fill, not copied: no sync)."""
@@ -271,10 +290,13 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     parameters (`TaskTrainer`)."""
     if all(hasattr(model, f"layer{i}") for i in range(1, 5)):
         return [getattr(model, f"layer{i}") for i in range(1, 5)]
-    if hasattr(model, "blocks"):
-        return model.blocks()
-    if hasattr(model, "encoder"):  # torchvision's VisionTransformer
-        return list(model.encoder.layers)
+    if callable(getattr(type(model), "blocks", None)):  # hpctrain.models.vision's method
+        return list(model.blocks())
+    if isinstance(getattr(model, "blocks", None), nn.Sequential | nn.ModuleList):  # timm's
+        return list(model.blocks)
+    layers = getattr(getattr(model, "encoder", None), "layers", None)
+    if layers is not None:  # torchvision's VisionTransformer
+        return list(layers)
     # A model of the user's own (classifier(build=...)): its children that hold parameters.
     return [m for m in model.children() if any(True for _ in m.parameters())]
 

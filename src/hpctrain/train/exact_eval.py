@@ -5,15 +5,16 @@ micro-batches of equal count on every rank (the tail's empty slots are padding),
 makes the same forward and collective calls and no sample is dropped or seen twice.
 `rank_batches` turns each padded micro-batch into the real samples to run; `ExactSums` adds
 each batch's values as sums over its real samples in float64 and gathers all of them across the
-ranks in one all-reduce (`validate.global_sums`). Values given one per sample (e.g.
-`topk_correct`'s 0/1 hits) are summed exactly, so top-1/top-5 on N ranks are the very numbers
-one process gets; a value given as the batch mean (a loss) is a mean over the samples the step
-kept (a corrupt image is dropped), so it is weighted by that count and averaged over all kept.
+ranks in one all-reduce (`validate.global_sums`). Values given one per sample (e.g. the 0/1
+hits of `hpctrain.observe.accuracy.topk_correct`) are summed exactly, so top-1/top-5 on N ranks
+are the very numbers one process gets; a value given as the batch mean (a loss) is a mean over
+the samples the step kept (a corrupt image is dropped), so it is weighted by that count and
+averaged over all kept.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from hpctrain.data.loader import ValidationSampler
 from hpctrain.errors import HpctrainError
 from hpctrain.train.validate import global_sums
 
-__all__ = ["ExactSums", "ValidationSampler", "rank_batches", "topk_correct"]
+__all__ = ["ExactSums", "ValidationSampler", "rank_batches"]
 
 
 def rank_batches(sampler: ValidationSampler) -> Iterator[tuple[np.ndarray, int]]:
@@ -34,15 +35,6 @@ def rank_batches(sampler: ValidationSampler) -> Iterator[tuple[np.ndarray, int]]
     for indices, mask in sampler:
         n = int(mask.sum())
         yield (indices[mask] if n else indices[:1]), n
-
-
-def topk_correct(logits: torch.Tensor, labels: torch.Tensor,
-                 ks: Sequence[int] = (1, 5)) -> dict[str, torch.Tensor]:
-    """Per-sample hits ``{"top1": 0/1 float vector, "top5": ...}``: the label is among the
-    ``k`` highest logits (k capped at the number of classes)."""
-    top = logits.topk(min(max(ks), logits.shape[-1]), dim=-1).indices
-    hits = top == labels.unsqueeze(-1)
-    return {f"top{k}": hits[:, :k].any(dim=-1).float() for k in ks}
 
 
 class ExactSums:

@@ -124,7 +124,8 @@ class TaskTrainer(Trainer):
         self.pp_group = None
         self.holds_loss = True
         self.forward_is_local = pc.strategy != "fsdp"
-        self._metric_sums: dict[str, torch.Tensor] = {}
+        # Per metric: the window's sum on the device, and how many values it holds (host).
+        self._metric_sums: dict[str, tuple[torch.Tensor, int]] = {}
         tokens = task.tokens_per_sample
         self.tokens_per_step = self.layout.micro_batch * tc.grad_accum * tokens
         self.flops_per_token = self.flops_per_sample / tokens
@@ -155,9 +156,7 @@ class TaskTrainer(Trainer):
                 for p in model.parameters():
                     if not p.is_contiguous():
                         p.data = p.data.contiguous()
-            for unit in [*self.task.fsdp_units(model), model]:
-                _norms_in_fp32(unit, dp_mesh(mesh), mp, reshard)
-                fully_shard(unit, mesh=dp_mesh(mesh), mp_policy=mp, reshard_after_forward=reshard)
+            shard_units(model, self.task.fsdp_units(model), dp_mesh(mesh), mp, reshard)
         return model
 
     def _count_flops(self, model: nn.Module) -> float:
@@ -203,10 +202,17 @@ class TaskTrainer(Trainer):
         torch.manual_seed((self.cfg.run.seed * 1_000_003 + self.step) * 65_537 + self.dist.rank)
         total = torch.zeros((), device=self.device, dtype=torch.float32)
         poison = faults.active("nan", self.step + 1)
-        weights = self._sample_weights(micro_batches)
+        counts = [self.task.count_samples(b) for b in micro_batches]
+        weights = self._sample_weights(counts)
         for i, batch in enumerate(micro_batches):
             with self._grad_sync(last=i == n - 1), self._autocast():
                 loss, metrics = self.task.run_step(self.model, batch)
+            empty = counts[i] == 0
+            if empty:
+                # Nothing to learn from (a mean over no samples is NaN): a zero still tied to
+                # the graph, so the backward and the ranks' gradient exchange run as on the
+                # others. nan_to_num's gradient is 0 where the loss was not finite.
+                loss = loss.float().nan_to_num(0.0, 0.0, 0.0) * 0
             if self.step == 0 and i == 0:
                 self._first_loss_finite(loss)
             if poison:
@@ -218,19 +224,18 @@ class TaskTrainer(Trainer):
             else:
                 share.backward()
             total += share.detach()
-            self._add_metrics(metrics, n)
+            if not empty:
+                self._add_metrics(metrics)
         if self.buffers:
             broadcast_buffers(self.buffers)
         return total / dp
 
-    def _sample_weights(self, micro_batches: list) -> list[torch.Tensor] | None:
+    def _sample_weights(self, counts: list[int | None]) -> list[torch.Tensor] | None:
         """Each micro-batch's weight when the task counts its samples: its count x ranks /
         the count over all micro-batches and ranks (1/n when none was dropped), so the ranks'
         averaged gradient is that of the mean over every counted sample. None: 1/n each."""
         if self.task.samples_in_batch is None:
             return None
-        counts = [call_user(self.task.samples_in_batch, "Task.samples_in_batch", b)
-                  for b in micro_batches]
         # A fill, not a copy from the host: the all-reduce stays queued on the device.
         total = torch.full((), float(sum(counts)), device=self.device, dtype=torch.float32)
         if self.dist.world_size > 1:
@@ -238,26 +243,30 @@ class TaskTrainer(Trainer):
         scale = self.layout.world_size / total.clamp_min(1)  # none kept anywhere: weight 0
         return [scale * c for c in counts]
 
-    def _add_metrics(self, metrics: dict, n: int) -> None:
-        """Sum the step's own metrics on the device (read with the window's line)."""
+    def _add_metrics(self, metrics: dict) -> None:
+        """Sum a micro-batch's metrics on the device (read with the window's line): a scalar
+        counts once, one value per sample (e.g. top-1 hits) once per sample it holds."""
         for name, value in metrics.items():
             if not isinstance(value, torch.Tensor) or value.dim() > 1:
                 raise TaskError(f"the step's metric {name!r} is a {type(value).__name__}"
                                 + (f" of shape {tuple(value.shape)}"
                                    if isinstance(value, torch.Tensor) else ""),
                                 expected="a scalar tensor, or one value per sample")
-            # One value per sample (e.g. top-1 hits): its mean is the batch's value.
-            value = value.detach().float().mean() / n
-            self._metric_sums[name] = self._metric_sums.get(name, 0) + value
+            value = value.detach().float()
+            count = value.numel() if value.dim() == 1 else 1  # a shape: no sync
+            total, seen = self._metric_sums.get(name, (0, 0))
+            self._metric_sums[name] = (total + value.sum(), seen + count)
 
     def _extend_record(self, record: dict, w: Window) -> None:
         """Samples/s, and the task's metrics as means over the window (this rank's)."""
         record["samples_per_s"] = record["tokens_per_s"] / self.task.tokens_per_sample
-        if self._metric_sums:
-            names = list(self._metric_sums)
-            values = torch.stack([self._metric_sums[k] for k in names]).tolist()
-            record.update({k: v / w.steps for k, v in zip(names, values, strict=True)})
-            self._metric_sums = {}
+        # A metric no sample of the window had (every per-sample vector empty) is left out.
+        sums = {k: (total, seen) for k, (total, seen) in self._metric_sums.items() if seen}
+        if sums:
+            values = torch.stack([total for total, _ in sums.values()]).tolist()
+            record.update({k: v / seen for (k, (_, seen)), v
+                           in zip(sums.items(), values, strict=True)})
+        self._metric_sums = {}
 
     def _evaluate(self) -> dict:
         """The task's loss (and metrics) over ``eval_data``: exact global means over samples."""
@@ -298,6 +307,18 @@ class TaskTrainer(Trainer):
 
     def _described(self, record: dict) -> str:
         return f"loss {record['val_loss']:.4f} over {record['val_samples']} samples"
+
+
+def shard_units(model: nn.Module, units: list[nn.Module], mesh, mp: MixedPrecisionPolicy,
+                reshard: bool) -> None:
+    """FSDP2 over each unit, then the root; each unit's BatchNorm-style norms are a group of
+    their own that keeps fp32 parameters first (see `_norms_in_fp32`)."""
+    for unit in [*units, model]:
+        _norms_in_fp32(unit, mesh, mp, reshard)
+        # A unit that is itself such a norm (a flat Sequential's child) is sharded now:
+        # fully_shard refuses a module twice.
+        if not isinstance(unit, FSDPModule):
+            fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
 
 
 def _norms_in_fp32(unit: nn.Module, mesh, mp: MixedPrecisionPolicy, reshard: bool) -> None:

@@ -65,7 +65,7 @@ class DecodeAhead:
         milliseconds per image each part took, and the labels of the images kept."""
         g = batch_generator(self.seed, encoded.sources)
         pipe = self.pipeline
-        per_image = 1e3 / max(1, len(encoded))
+        n = len(encoded)
         if pipe.device.type != "cuda" or not self.side_stream:
             t0 = time.perf_counter()
             out = pipe.decode(encoded)
@@ -74,8 +74,9 @@ class DecodeAhead:
             x, lam = self._mix(x, g)
             # On CUDA the augment's kernels are still queued here: timing them would need a
             # sync of the step's stream, so only the decode (nvJPEG returns when done) counts.
-            augment = (time.perf_counter() - t1) * per_image if x.device.type == "cpu" else None
-            return (PreparedImages(x, (t1 - t0) * per_image, augment, lam),
+            augment = (wall_ms_per_image(t1, time.perf_counter(), n)
+                       if x.device.type == "cpu" else None)
+            return (PreparedImages(x, wall_ms_per_image(t0, t1, n), augment, lam),
                     _kept(labels, kept))
         device = pipe.device
         if self._stream is None:
@@ -96,7 +97,7 @@ class DecodeAhead:
         # Waits for this side stream only (never the step's): the batch is complete when the
         # step gets it, so the step's stream needs no event to wait on.
         self._stream.synchronize()
-        return (PreparedImages(x, (t1 - t0) * per_image, begin.elapsed_time(end) * per_image,
+        return (PreparedImages(x, wall_ms_per_image(t0, t1, n), event_ms_per_image(begin, end, n),
                               lam), _kept(labels, kept))
 
     def _mix(self, x: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, float | None]:
@@ -104,6 +105,17 @@ class DecodeAhead:
             return x, None
         x, lam = self.mixing(x, g)
         return x.contiguous(memory_format=torch.channels_last), lam
+
+
+def wall_ms_per_image(start: float, stop: float, n: int) -> float:
+    """Milliseconds per image of a batch of ``n`` timed by ``time.perf_counter`` (seconds)."""
+    return (stop - start) * 1e3 / max(1, n)
+
+
+def event_ms_per_image(begin, end, n: int) -> float:
+    """Milliseconds per image of a batch of ``n`` timed by two recorded CUDA events (their
+    ``elapsed_time`` is in milliseconds already)."""
+    return begin.elapsed_time(end) / max(1, n)
 
 
 def _kept(labels: torch.Tensor, kept: list[int]) -> torch.Tensor:
