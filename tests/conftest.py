@@ -123,16 +123,15 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 # the end. The Slurm tests (minutes on 2 cores, mostly waiting on the scheduler) start at once on
 # one worker; then the groups by CPU-seconds measured alone (-n 0, the "most CPU" list below),
 # with how many each took, to see when a group grows; every other group after them, in
-# collection order. The README recipes come early: every one starts fresh interpreters, run
-# one after another.
+# collection order.
 LONGEST_GROUPS = (
     "slurm",
-    "test_readme_recipes.py",  # ~105
     "task/test_task_runs.py",  # ~65: 4 two-rank launches (a kill -9 chain per strategy) + 3
-    "parallel/test_layouts.py",  # ~85: 4 ranks
+    "parallel/test_layouts.py",  # ~60: 4 ranks
     "launch/test_launcher_signals.py",  # ~60
-    "images/test_digits.py",  # ~30: one kill -9 chain on 2 ranks
     "train/test_resilience.py",  # ~60
+    "test_readme_recipes.py",  # ~50: twenty commands one after another, forked
+    "images/test_digits.py",  # ~30: one kill -9 chain on 2 ranks
     "launch/test_rerun_resumes.py",  # ~35
     "launch/test_local_launcher.py",  # ~35
     "train/test_goodput_runs.py",  # ~30

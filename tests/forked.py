@@ -8,6 +8,10 @@ forked from it starts as clean as a new interpreter; ``start`` then gives it wha
 directory, stdout and stderr to files; and at its end it waits for its threads and runs the
 ``atexit`` handlers, as an interpreter's exit does.
 
+``command()`` does the same for the ``hpctrain`` a bash script runs (the README's recipes): an
+exported bash function hands each call's arguments, environment, working directory and output
+to a server thread here, which runs it forked and answers its exit status.
+
 What this cannot show is what happens *while* Python imports (a signal then, an import-time
 warning): tests of that start a fresh interpreter (``run_cli(..., fresh=True)``).
 
@@ -19,16 +23,21 @@ not see it: each one leaves its CPU seconds in a file that ``finish`` adds to ``
 from __future__ import annotations
 
 import atexit
+import contextlib
+import json
 import multiprocessing
 import os
 import resource
 import runpy
+import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -67,6 +76,13 @@ def cli(argv: list[str]) -> None:
     """``python -m hpctrain ARGV`` in this process (a ``start`` target)."""
     sys.argv = ["-m", *argv]  # run_module puts the module's path first, as `python -m` does
     runpy.run_module("hpctrain", run_name="__main__", alter_sys=True)
+
+
+def script(path: str, argv: list[str]) -> None:
+    """``python PATH ARGV`` in this process (a ``start`` target): a user's script."""
+    sys.argv = [path, *argv]
+    sys.path.insert(0, str(Path(path).parent))  # as python puts the script's folder first
+    runpy.run_path(path, run_name="__main__")
 
 
 class Popen:
@@ -115,6 +131,83 @@ class Popen:
         return self._output
 
 
+@contextmanager
+def command() -> Iterator[dict[str, str]]:
+    """Environment variables under which bash runs ``hpctrain ARGV`` forked (see ``cli``),
+    while the block lasts: the one found on PATH must still exist, as bash would run it.
+
+    The forked process writes to the caller's stdout and stderr, runs in its working directory
+    with its environment and ends, killed with its descendants, when the caller goes (a timeout
+    killing the script's process group)."""
+    with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
+        address = str(Path(tmp) / "socket")
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(address)
+        server.listen()
+        threading.Thread(target=_serve, args=(server, Path(tmp)), daemon=True).start()
+        client = f'"{sys.executable}" -I -S "{Path(__file__)}" "{address}"'
+        body = ('exe=$(type -P hpctrain) || { echo "hpctrain: command not found" >&2; '
+                f'return 127; }}; {client} "$exe" "$@"')
+        try:
+            yield {"BASH_FUNC_hpctrain%%": f"() {{ local exe; {body}; }}"}
+        finally:
+            server.close()
+
+
+def _serve(server: socket.socket, tmp: Path) -> None:
+    """Accept ``command()``'s calls until the socket closes, each in a thread of its own."""
+    calls = 0
+    while True:
+        try:
+            conn, _ = server.accept()
+        except OSError:  # closed: the block ended
+            return
+        calls += 1
+        threading.Thread(target=_answer, args=(conn, tmp / f"call-{calls}.log"),
+                         daemon=True).start()
+
+
+def _answer(conn: socket.socket, log: Path) -> None:
+    """Run one call forked; answer its exit status (128 + N for a signal N, as a shell says)."""
+    from hpctrain.launch.local import kill_tree
+
+    with conn:
+        call = json.loads(conn.makefile("rb").readline())
+        proc = start(_cli_for, (call["argv"], call["cwd"], call["pid"]), env=call["env"],
+                     out=log)
+        try:
+            while proc.exitcode is None:
+                ready, _, _ = select.select([conn, proc.sentinel], [], [])
+                if conn in ready and not conn.recv(1):  # the caller is gone
+                    break
+        finally:
+            kill_tree(proc.pid)
+            finish(proc, log)
+        code = proc.exitcode
+        with contextlib.suppress(OSError):
+            conn.sendall(f"{128 - code if code < 0 else code}\n".encode())
+
+
+def _cli_for(argv: list[str], cwd: str, pid: int) -> None:
+    """``cli(argv)`` in ``cwd``, writing to process ``pid``'s stdout and stderr."""
+    os.chdir(cwd)
+    for fd in (1, 2):
+        theirs = os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        os.dup2(theirs, fd)
+        os.close(theirs)
+    cli(argv)
+
+
+def _call(address: str, argv: list[str]) -> int:
+    """The caller's side of ``command()``: this process's call, then its exit status."""
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.connect(address)
+        conn.sendall(json.dumps({"argv": argv, "cwd": os.getcwd(), "pid": os.getpid(),
+                                 "env": dict(os.environ)}).encode() + b"\n")
+        answer = conn.makefile("rb").read()
+    return int(answer) if answer.strip() else 1
+
+
 def _child(target: Callable[..., Any], args: tuple, env: dict[str, str], out: str,
            err: str) -> None:
     try:
@@ -152,3 +245,7 @@ def _redirect(out: str, err: str) -> None:
         fd = os.open(err, flags, 0o644)
     os.dup2(fd, 2)
     os.close(fd)
+
+
+if __name__ == "__main__":  # command()'s client: ADDRESS EXE ARGV...
+    sys.exit(_call(sys.argv[1], sys.argv[3:]))

@@ -47,6 +47,18 @@ CASES = {
     ("data", "train-tokenizer"): (
         ["data", "train-tokenizer", "--vocab", "300", "x.txt", "--out", "t.json", "y.txt"],
         {"inputs": ["x.txt", "y.txt"], "vocab": 300, "out": Path("t.json")}),
+    ("plan", "memory"): (
+        ["plan", "memory", "c.yaml", "--gpus", "4", "a=1", "--gpu", "h100", "b=2"],
+        {"job": ["c.yaml", "a=1", "b=2"], "gpus": 4, "gpu": "h100"}),
+    ("plan", "parallel"): (
+        ["plan", "parallel", "--gpus-per-node", "8", "c.yaml", "a=1", "--nodes", "2", "b=2"],
+        {"job": ["c.yaml", "a=1", "b=2"], "gpus_per_node": 8, "nodes": 2}),
+    ("plan", "interval"): (
+        ["plan", "interval", "c.yaml", "--gpus", "4", "a=1", "--save-min", "2", "b=2"],
+        {"job": ["c.yaml", "a=1", "b=2"], "gpus": 4, "save_min": 2.0}),
+    ("plan", "goodput"): (
+        ["plan", "goodput", "c.yaml", "--gpus", "4", "a=1", "--save-s", "20", "b=2"],
+        {"job": ["c.yaml", "a=1", "b=2"], "gpus": 4, "save_s": 20.0}),
     ("report",): (
         ["report", "runs/a", "-o", "r.html", "runs/b"],
         {"runs": [Path("runs/a"), Path("runs/b")], "output": Path("r.html")}),

@@ -68,7 +68,9 @@ def test_demo_values() -> None:
 
 
 def test_no_file_gives_defaults() -> None:
-    assert load_config(None) == JobConfig()
+    expected = JobConfig()
+    expected.validate()  # fills in the defaults validation resolves (the model family)
+    assert load_config(None) == expected
 
 
 # -- overrides -------------------------------------------------------------------------------
@@ -221,7 +223,9 @@ def test_invalid_yaml(tmp_path: Path) -> None:
 def test_empty_file_gives_defaults(tmp_path: Path) -> None:
     p = tmp_path / "empty.yaml"
     p.write_text("# nothing\n")
-    assert load_config(p) == JobConfig()
+    expected = JobConfig()
+    expected.validate()
+    assert load_config(p) == expected
 
 
 def test_unknown_key_in_file(tmp_path: Path) -> None:

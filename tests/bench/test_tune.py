@@ -451,7 +451,7 @@ def test_dry_run_for_a_named_gpu_type_needs_no_gpu(tmp_path: Path, capsys) -> No
     main(["tune", str(LLAMA_8B), "--gpus", "4", "--gpu", "h200", "--dry-run",
           "--out", str(tmp_path / "tune")])
     text = capsys.readouterr().out
-    assert "fit 4 GPU(s) of 141 GB (h200)" in text and "(as configured)" in text
+    assert "fit 4 GPU(s) of 150 GB (NVIDIA H200)" in text and "(as configured)" in text
     assert "fp8" in text and "tokens/s per GPU" in text
     assert not (tmp_path / "tune").exists()
     # An A100 has no fp8 tensor cores: no fp8 candidate, and the note says why.

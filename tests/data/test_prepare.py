@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import run_cli
+import forked
+from conftest import cli_env, run_cli
 from hpctrain.data.prepare import (
     PrepareSettings,
     merge,
@@ -267,6 +271,26 @@ def test_cli_subprocess_missing_input_exit_2(tmp_path: Path) -> None:
                     str(tmp_path / "out")], timeout=120)
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("hpctrain: error: input ") and "Traceback" not in done.stderr
+
+
+def test_module_entry_point_prepares_with_a_pool(tmp_path: Path) -> None:
+    """`python -m hpctrain` records SIGTERM until the trainer's handlers take over; the pool's
+    workers, forked from it, must still die on Pool.terminate's SIGTERM, or the command hangs
+    once every file is tokenized (it did: a fresh `python -m hpctrain data prepare corpus/`
+    too, with OMP_NUM_THREADS unset; here with it set, as the suite's runs have it)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):  # the README's test corpus: files large enough for a pool of workers
+        (corpus / f"notes-{i}.txt").write_text(f"notes {i}: the quick brown fox\n" * 2000)
+    (corpus / "pages.jsonl").write_text("".join(
+        f'{{"text": "page {i} of a small corpus"}}\n' for i in range(500)))
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    with forked.command() as env:
+        done = subprocess.run(["bash", "-c", "hpctrain data prepare corpus/ --out out"],
+                              cwd=tmp_path, env={**cli_env(), **env, "PATH": path},
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert load_manifest(tmp_path / "out").num_tokens > 0
 
 
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")

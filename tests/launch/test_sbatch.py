@@ -330,3 +330,33 @@ def test_a_folder_with_spaces_needs_an_explicit_log_dir(tmp_path: Path, capsys,
     lines = (root / "train.sh").read_text().splitlines()
     assert f"cd -- '{root}' || exit 1" in lines
     assert logs.is_dir()
+
+
+@pytest.mark.parametrize("overrides, nodes, tasks, message", [
+    # 8 samples a step cannot be shared by 16 ranks: refused now, not after the job queued.
+    (["train.global_batch_tokens=16384"], "2", "8", "cannot be split over 16 data-parallel"),
+    # auto resolved first: the pipeline's rules see numbers, not 'auto' (was a bare TypeError).
+    (["parallel.pp=2", "parallel.pp_microbatches=3"], "1", "2", "pp_microbatches = 3"),
+])
+def test_auto_is_resolved_for_the_jobs_ranks_before_the_script_is_written(
+        project: Path, capsys, overrides: list[str], nodes: str, tasks: str,
+        message: str) -> None:
+    config = str(REPO / "configs" / "llama-1b.yaml")
+    err = _fails(capsys, config, *overrides, "--nodes", nodes, "--tasks-per-node", tasks,
+                 "-o", "train.sh")
+    assert message in err and "HINT" in err, err
+    assert not (project / "train.sh").exists()
+    # The shipped batch splits over the common GPU counts (up to 64 data-parallel ranks).
+    _sbatch(config, "parallel.pp=2", "--nodes", "1", "--tasks-per-node", "2", "-o", "train.sh")
+    for name in ("llama-1b.yaml", "llama-8b-fsdp.yaml"):
+        _sbatch(str(REPO / "configs" / name), "--nodes", "8", "--tasks-per-node", "8",
+                "-o", "train.sh")
+
+
+def test_check_layout_refuses_values_left_to_auto() -> None:
+    from hpctrain.config import load_config
+    from hpctrain.parallel.layout import check_layout
+
+    with pytest.raises(ConfigError, match="auto") as e:
+        check_layout(load_config(REPO / "configs" / "llama-1b.yaml"), 2)
+    assert "resolve_auto" in e.value.hint

@@ -109,6 +109,11 @@ def test_cli_plan_parallel_prints_the_command_and_ranking(capsys) -> None:
     assert "hpctrain train CONFIG data.seq_len=2048 parallel.compile=true model.size=1b" in out
     assert "--nproc 2" in out and "layouts fit" in out and "tokens/s per GPU" in out
     assert "--model 1b: deprecated, write model.size=1b" in err
+    # The batch planned for, in tokens: a CONFIG that gives one in tokens keeps this split.
+    command = next(ln.strip() for ln in out.splitlines() if "hpctrain train CONFIG" in ln)
+    words = dict(w.split("=", 1) for w in command.split() if "=" in w)
+    assert int(words["train.global_batch_tokens"]) == 2048 * int(words["train.micro_batch"]) \
+        * int(words["train.grad_accum"]) * 2
 
 
 def test_cli_plan_memory_with_pipeline(capsys) -> None:

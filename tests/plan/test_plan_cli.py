@@ -14,6 +14,7 @@ from hpctrain.bench.tune.space import config_setting, predict
 from hpctrain.cli import main, parse_args
 from hpctrain.config import load_config
 from hpctrain.parallel.layout import check_layout
+from hpctrain.plan.auto import CPU, resolve_auto
 from hpctrain.plan.memory import estimate_memory
 from hpctrain.plan.memory_options import MemoryOptions, gpu_memory_bytes
 from hpctrain.plan.parallel import rank_layouts
@@ -47,7 +48,9 @@ def _check_as_train_would(command: str) -> None:
     trainer does before it starts (no GPU needed)."""
     args = parse_args(shlex.split(command)[1:])
     ranks = args.nproc if args.command == "train" else args.nodes * args.tasks_per_node
-    check_layout(load_config(args.config, args.overrides), ranks)
+    cfg = load_config(args.config, args.overrides)
+    resolve_auto(cfg, ranks, CPU, must_fit=False)  # as each rank does first, on its GPU
+    check_layout(cfg, ranks)
 
 
 def test_the_printed_command_trains_on_two_cpu_ranks(tmp_path: Path, capsys,

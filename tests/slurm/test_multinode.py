@@ -93,7 +93,7 @@ def test_two_node_job_preempted_requeued_resumes_exactly(slurm_two_nodes: SlurmC
     ranks = sorted(where.read_text().splitlines())
     assert ranks == ["hpctrain-n1 0"] * 4 + ["hpctrain-n2 1"] * 4, (ranks, log[-3000:])
     assert "preempted by SIGUSR2" in log and "resumed from step-" in log, log[-3000:]
-    assert log.count("doctor: 10 checks, no problems") == 2, log[-3000:]
+    assert log.count("doctor: 11 checks, no problems") == 2, log[-3000:]
     assert "2 ranks on 2 nodes: hpctrain-n1, hpctrain-n2" in log
     # Inside the container rank 0 found no scontrol: the batch script requeued the job.
     assert f"{SCRIPT_MARKER} restart=0 target={job}" in log, log[-3000:]

@@ -11,8 +11,8 @@ micro-batch 4): each launch is mostly the ranks' start-up.
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import subprocess
 import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, cli_command, cli_env
+import forked
+from conftest import REPO, cli_env, run_cli
 from hpctrain.checkpoint.safe_io import SafeFileSystemReader
+from hpctrain.launch.local import kill_tree
 from lifecycle import kill_tree_of, start
 from run_records import logged
 
@@ -46,7 +48,7 @@ def _kill_and_rerun(strategy: str, out: Path) -> dict[str, object]:
     Returns the metrics of both attempts, by step (each step's last record wins)."""
     env = {"MLP_TABLE": str(out / "table.parquet")}
     run = start(_argv(strategy, out), out / f"{strategy}-killed.log", out / strategy,
-                env={**env, "HPCTRAIN_FAULTS": f"hang@step={KILLED_AT},seconds=600"}, fresh=True)
+                env={**env, "HPCTRAIN_FAULTS": f"hang@step={KILLED_AT},seconds=600"})
     try:
         run.wait_for(f"step {KILLED_AT - 1} and the checkpoint of step {SAVED}",
                      lambda: run.steps() >= KILLED_AT - 1
@@ -54,11 +56,9 @@ def _kill_and_rerun(strategy: str, out: Path) -> dict[str, object]:
     finally:
         kill_tree_of(run)
     killed = {r: _by_step(out / strategy, r) for r in (0, 1)}
-    done = subprocess.run(cli_command(_argv(strategy, out)), cwd=REPO,
-                          env={**cli_env(), **env}, text=True, timeout=240,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    (out / f"{strategy}-rerun.log").write_text(done.stdout)
-    assert done.returncode == 0, done.stdout[-3000:]
+    done = run_cli(_argv(strategy, out), timeout=240, env=env)
+    (out / f"{strategy}-rerun.log").write_text(done.stdout + done.stderr)
+    assert done.returncode == 0, done.stderr[-3000:]
     return {"killed": killed, "rerun": {r: _by_step(out / strategy, r) for r in (0, 1)}}
 
 
@@ -74,9 +74,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """Each strategy's killed run and its rerun (the two chains in parallel)."""
     out = tmp_path_factory.mktemp("tasks")
     # The Parquet table is written once here rather than raced for by four ranks.
-    subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'examples'); "
-                    f"import mlp_parquet, pathlib; mlp_parquet.write_table(pathlib.Path("
-                    f"{str(out / 'table.parquet')!r}))"], cwd=REPO, check=True)
+    spec = importlib.util.spec_from_file_location("mlp_parquet", REPO / "examples" /
+                                                  "mlp_parquet.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.write_table(out / "table.parquet")
     with ThreadPoolExecutor(2) as pool:
         chains = {s: pool.submit(_kill_and_rerun, s, out) for s in STRATEGIES}
         return {"out": out, **{s: f.result() for s, f in chains.items()}}
@@ -182,12 +184,11 @@ def test_one_ranks_exception_ends_the_job_naming_the_users_line(tmp_path: Path) 
     config.write_text(f"task: {path}:task\nrun: {{name: rank_fails, suffix: none, out_dir: "
                       f"{tmp_path}}}\nparallel: {{strategy: ddp}}\n"
                       "train: {steps: 20, micro_batch: 2}\nmetrics: {progress: false}\n")
-    argv = ["train", str(config), "--nproc", "2"]
-    done = subprocess.run(cli_command(argv), cwd=REPO, env=cli_env(), text=True, timeout=300,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    done = run_cli(["train", str(config), "--nproc", "2"], timeout=300)
     assert done.returncode != 0
     # Which rank the launcher blames first is a race (rank 0 fails too, its peer gone).
-    assert "training failed: rank" in done.stdout, done.stdout[-2000:]
+    output = done.stdout + done.stderr
+    assert "training failed: rank" in output, output[-2000:]
     log = (tmp_path / "rank_fails" / "logs" / "rank-001.log").read_text()
     assert "rank 1 gives up at its third step" in log
     assert f"{path}:15 (in step)" in log
@@ -230,12 +231,19 @@ def test_fit_from_a_script_on_an_iterable_without_position(tmp_path: Path) -> No
     script = tmp_path / "train_it.py"
     script.write_text(textwrap.dedent(FIT_SCRIPT))
     def fit(steps: int) -> str:
-        done = subprocess.run([sys.executable, str(script), str(tmp_path), str(steps)],
-                              cwd=tmp_path, env=cli_env(), text=True, timeout=300,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        assert done.returncode == 0, done.stdout[-3000:]
-        assert f"RESULT {steps} True" in done.stdout
-        return done.stdout
+        # `python train_it.py OUT STEPS`, forked from the preloaded interpreter (tests/forked.py).
+        log = tmp_path / f"fit-{steps}.log"
+        proc = forked.start(forked.script, (str(script), [str(tmp_path), str(steps)]),
+                            env=cli_env(), out=log)
+        try:
+            proc.join(timeout=300)
+        finally:
+            kill_tree(proc.pid)
+            forked.finish(proc, log)
+        output = log.read_text()
+        assert proc.exitcode == 0, output[-3000:]
+        assert f"RESULT {steps} True" in output
+        return output
 
     first = fit(3)
     assert first.count("cannot report its position") == 1

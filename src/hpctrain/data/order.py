@@ -36,6 +36,16 @@ class BatchLayout:
         return self.micro_batch * self.grad_accum * self.world_size
 
 
+def resume_batch_hint(saved: int, seq_len: int | None) -> str:
+    """How to resume with the saved global batch of ``saved`` samples: in tokens for a token
+    model (``seq_len``), in samples for a task's."""
+    samples = f"train.micro_batch x train.grad_accum x ranks = {saved} samples"
+    if seq_len is None:
+        return f"resume with the saved batch: {samples}"
+    return (f"resume with the saved batch: train.global_batch_tokens={saved * seq_len} "
+            f"({saved} samples of {seq_len} tokens; or {samples})")
+
+
 # A dataset's own global order: sample indices at positions [start, stop) of an epoch.
 OrderFn = Callable[[int, int, int, int], np.ndarray]
 
@@ -45,7 +55,7 @@ class GlobalOrderSampler:
 
     def __init__(self, num_samples: int, layout: BatchLayout, seed: int,
                  group_sizes: np.ndarray | None = None, window_groups: int = 4,
-                 remainder: str = "drop"):
+                 remainder: str = "drop", seq_len: int | None = None):
         if remainder not in ("drop", "pad"):
             raise ValueError(f"remainder must be 'drop' or 'pad', not {remainder!r}")
         if num_samples < layout.global_batch and remainder == "drop":
@@ -57,6 +67,7 @@ class GlobalOrderSampler:
             )
         self.num_samples = num_samples
         self.layout = layout
+        self.seq_len = seq_len  # a token model's samples, for the resume hint; None: a task's
         self.seed = seed
         # drop: whole global batches per epoch; the remainder is left out of that epoch (a
         # different one each epoch, since the order is reshuffled). pad: the last batch of an
@@ -180,6 +191,7 @@ class GlobalOrderSampler:
                 raise ConfigError(
                     f"the saved data position assumes {key} {state[key]}, this run has {mine}",
                     expected=f"the same {key} as the run that saved it",
-                    hint="keep micro_batch x grad_accum x ranks (and run.seed) unchanged on resume",
+                    hint=(resume_batch_hint(int(state[key]), self.seq_len)
+                          if key == "global_batch" else f"resume with the saved {key}"),
                 )
         self.step = int(state["step"])

@@ -52,6 +52,7 @@ from hpctrain.data.shards import (
 )
 from hpctrain.data.tokenizer import TokenizerSpec, load_tokenizer, token_dtype
 from hpctrain.errors import DataError
+from hpctrain.runtime import early_signals
 from hpctrain.runtime.rundir import fsync_dir
 
 DEFAULT_SHARD_BYTES = 256 << 20
@@ -77,6 +78,10 @@ _worker_examples: ExampleEncoder | None = None
 
 def _init_worker(settings: PrepareSettings) -> None:
     global _worker_tok, _worker_examples
+    # `python -m hpctrain` records SIGTERM until a trainer takes over (early_signals): a pool
+    # worker forked with that handler ignores Pool.terminate's SIGTERM and the command hangs
+    # after the last file. Preparing data is no training to checkpoint: SIGTERM ends it.
+    early_signals.uninstall()
     _worker_tok = load_tokenizer(settings.tokenizer)
     _worker_examples = None
     if settings.format != "text":

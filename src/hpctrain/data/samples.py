@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from hpctrain.data.order import BatchLayout, GlobalOrderSampler
+from hpctrain.data.order import BatchLayout, GlobalOrderSampler, resume_batch_hint
 from hpctrain.data.prefetch import Prefetcher
 from hpctrain.errors import ConfigError, DataError
 from hpctrain.task import call_user, reading_sample
@@ -232,7 +232,7 @@ class StreamLoader:
             raise ConfigError(
                 f"the saved data position assumes global_batch {state['global_batch']}, this "
                 f"run has {self.layout.global_batch}",
-                hint="keep micro_batch x grad_accum x ranks unchanged on resume")
+                hint=resume_batch_hint(int(state["global_batch"]), None))
         self.consumed = int(state["step"])
         if self.exact and "dataset" in state:
             call_user(self.dataset.load_state_dict, "the dataset's load_state_dict",

@@ -30,6 +30,7 @@ never creates its folder).
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import re
 import shlex
@@ -161,13 +162,12 @@ class SbatchParams:
 
 
 def check_placement(cfg: JobConfig, nodes: int, tasks_per_node: int) -> None:
-    """Refuse a layout training would refuse, or one whose TP groups straddle two nodes."""
-    if cfg.task:  # a task's layout is data parallelism only; its model is not the config's
-        check_task_config(cfg, nodes * tasks_per_node)
-        return
-    check_layout(cfg, nodes * tasks_per_node)
+    """Refuse a layout training would refuse (its ``auto`` values chosen for the job's ranks,
+    so a global batch they cannot split is refused before the job queues), or one whose TP
+    groups straddle two nodes."""
     tp = cfg.parallel.tp
-    if nodes > 1 and tasks_per_node % tp:
+    # Before auto is resolved: the check needs only tp, and names it, not the batch.
+    if not cfg.task and nodes > 1 and tasks_per_node % tp:
         fits = [d for d in range(1, tasks_per_node + 1) if tasks_per_node % d == 0 and d <= tp]
         raise ConfigError(
             f"parallel.tp = {tp} with --tasks-per-node {tasks_per_node} on {nodes} nodes: "
@@ -177,6 +177,23 @@ def check_placement(cfg: JobConfig, nodes: int, tasks_per_node: int) -> None:
             "layer and need NVLink, not the network",
             hint=f"use parallel.tp={fits[-1]}, or --tasks-per-node a multiple of {tp}; "
             "scale across nodes with pipeline (parallel.pp) or FSDP instead")
+    cfg = _resolved(cfg, nodes * tasks_per_node)
+    if cfg.task:  # a task's layout is data parallelism only; its model is not the config's
+        check_task_config(cfg, nodes * tasks_per_node)
+        return
+    check_layout(cfg, nodes * tasks_per_node)
+
+
+def _resolved(cfg: JobConfig, world_size: int) -> JobConfig:
+    """A copy of ``cfg`` with its ``auto`` values chosen for ``world_size`` ranks, as each rank
+    chooses at start. The submitting machine has none of the job's GPUs: the CPU's stand-in
+    chooses, which never refuses for memory (the ranks size it on their GPUs) but splits the
+    batch and picks a strategy the layout rules can check."""
+    from hpctrain.plan.auto import CPU, resolve_auto
+
+    job = copy.deepcopy(cfg)
+    resolve_auto(job, world_size, CPU, must_fit=False)
+    return job
 
 
 def resolve_python(python: str | None, venv: str | None, workdir: Path) -> str:

@@ -166,6 +166,8 @@ def load_run(path: Path, *, metrics: bool = True) -> RunData:
         run.config = config if isinstance(config, dict) else None
     except (OSError, yaml.YAMLError, UnicodeDecodeError, UnsafeRunPath):
         pass
+    if run.config is not None:
+        _with_auto_values(run.config, root / "config" / "auto.yaml")
     run.provenance = _json(root / "provenance" / "provenance.json")
     run.exit_info = _checked(run, root / "exit_info.json", read_exit_info)
     run.goodput = _checked(run, root / GOODPUT_FILE, _read_account)
@@ -186,6 +188,20 @@ def load_run(path: Path, *, metrics: bool = True) -> RunData:
     if key is not None:
         run.lock_age_s, run.lock = age, holder or {}
     return run
+
+
+def _with_auto_values(config: dict[str, Any], path: Path) -> None:
+    """Set the values auto chose for the run's ranks (config/auto.yaml) where its config.yaml
+    keeps ``auto``: the runs and reports show what trained."""
+    try:
+        chosen = yaml.safe_load(read_bytes(path).decode("utf-8"))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError, UnsafeRunPath):
+        return
+    values = chosen.get("values") if isinstance(chosen, dict) else None
+    for key, value in (values or {}).items() if isinstance(values, dict) else ():
+        section, _, name = str(key).partition(".")
+        if isinstance(config.get(section), dict) and name:
+            config[section][name] = value
 
 
 def last_train_record(root: Path) -> dict[str, Any] | None:

@@ -102,7 +102,8 @@ class ParallelConfig:
     """How the model is spread over ranks and which memory/speed transforms apply to it."""
 
     # auto (like every ``auto`` below): chosen at start from the memory model, the GPU and
-    # `hpctrain tune`'s measurements (hpctrain.plan.auto); the run's config.yaml holds the choice.
+    # `hpctrain tune`'s measurements (hpctrain.plan.auto); the run's config/auto.yaml records
+    # the choice.
     strategy: Literal["none", "ddp", "fsdp", "auto"] = "none"
     # FSDP only. True frees the gathered parameters after forward (ZeRO-3: least memory, one more
     # all-gather in backward); false keeps them until backward (ZeRO-2 behaviour). Unset: true,

@@ -90,9 +90,27 @@ def mesh_degrees(pc: ParallelConfig, world_size: int) -> tuple[int, int, int, in
     return (pc.pp, pc.dp_replicate, dp // pc.dp_replicate, pc.tp)
 
 
+def _refuse_auto(cfg: JobConfig) -> None:
+    """The layout rules compare numbers and names: ``auto`` must have been chosen before."""
+    pc = cfg.parallel
+    left = [key for key, value in (("train.micro_batch", cfg.train.micro_batch),
+                                   ("parallel.strategy", pc.strategy),
+                                   ("parallel.reshard_after_forward", pc.reshard_after_forward),
+                                   ("parallel.activation_checkpointing",
+                                    pc.activation_checkpointing),
+                                   ("parallel.fsdp_group_blocks", pc.fsdp_group_blocks))
+            if value == "auto"]
+    if left:
+        raise ConfigError(f"{', '.join(left)} = auto reached the layout check unchosen",
+                          expected="the values auto stands for, chosen for the job's GPU count",
+                          hint="call hpctrain.plan.auto.resolve_auto(cfg, world_size) first "
+                          "(training and hpctrain sbatch/submit/k8s do)")
+
+
 def check_task_config(cfg: JobConfig, world_size: int) -> ParallelLayout:
     """The layout a task trains in (data parallelism only), or a ConfigError naming the key."""
     pc, tc = cfg.parallel, cfg.train
+    _refuse_auto(cfg)
     refused = [(pc.tp > 1, f"parallel.tp = {pc.tp}", "parallel.tp=1"),
                (pc.pp > 1, f"parallel.pp = {pc.pp}", "parallel.pp=1"),
                (tc.precision == "fp8", "train.precision = fp8", "train.precision=bf16"),
@@ -118,6 +136,7 @@ def check_task_config(cfg: JobConfig, world_size: int) -> ParallelLayout:
 def check_layout(cfg: JobConfig, world_size: int) -> ParallelLayout:
     """Every rule a layout must obey for this model and batch; the layout, or a ConfigError."""
     pc, tc = cfg.parallel, cfg.train
+    _refuse_auto(cfg)
     pp, dp_replicate, dp_shard, tp = mesh_degrees(pc, world_size)
     args = cfg.model.resolve()
     if tp > 1:

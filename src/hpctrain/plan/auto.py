@@ -35,12 +35,15 @@ The choice is deterministic (the same config, GPU kind and count give the same v
 resumed run re-resolves to what it ran with, and on another GPU count keeps the batch in tokens
 (the checkpoint's config hash leaves the split out). Every rank chooses alone, from its own GPU,
 before the process group is up; once it is, the ranks compare their choices and refuse to train
-different splits (``train/job.py``). The run's ``config.yaml`` holds the resolved values;
-``hpctrain doctor CONFIG`` shows them for its ranks.
+different splits (``train/job.py``). The run's ``config/config.yaml`` keeps ``auto`` where
+the config had it (so that it resumes on any GPU count), ``config/auto.yaml`` the values chosen
+for its ranks and why (which `hpctrain runs` and `report` show); ``hpctrain doctor CONFIG``
+shows them for its ranks.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -51,13 +54,14 @@ from typing import Any
 import yaml
 
 from hpctrain.errors import ConfigError
-from hpctrain.models import count_params, family_of_args, flops_per_token
-from hpctrain.plan.memory import estimate_memory
-from hpctrain.plan.memory_options import MemoryOptions
-from hpctrain.plan.parallel import DEFAULT_PEAK_TFLOPS, ParallelPlan, predict_step
+from hpctrain.models import count_params, family_of_args
+from hpctrain.plan import predict as plan_predict
+from hpctrain.plan.memory_options import HEADROOM
+from hpctrain.plan.parallel import DEFAULT_PEAK_TFLOPS
+from hpctrain.plan.predict import with_values
 
 AUTO = "auto"
-HEADROOM = 1.10  # as hpctrain.plan.memory and tune: the predicted peak plus 10% must fit
+AUTO_FILE = "auto.yaml"  # in a run's config/: the values auto chose for its ranks, and why
 # Beyond 8 x 2048 tokens a micro-batch's GEMMs are large already: more buys no speed (plan
 # parallel's largest micro-batch too) and only spends memory.
 MAX_MICRO_TOKENS = 16384
@@ -83,6 +87,9 @@ class Gpu:
     cpu: bool = False
 
 
+CPU = Gpu("cpu", CPU_MEM_BYTES, cpu=True)  # the CPU's stand-in (tests, demo, a login node)
+
+
 @dataclass(frozen=True)
 class Pick:
     """One way to split the global batch and spread the model: the values auto may set."""
@@ -97,10 +104,25 @@ class Pick:
 
 @dataclass
 class Resolution:
-    """The values set (dotted config keys) and why, one line each."""
+    """The values set (dotted config keys) and why, one line each; ``given``: what the config
+    held at those keys before (``auto``, grad_accum as given)."""
 
     values: dict[str, Any]
     reasons: list[str] = field(default_factory=list)
+    given: dict[str, Any] = field(default_factory=dict)
+
+    def as_given(self, cfg):
+        """A copy of the resolved ``cfg`` with the chosen keys back as given: what a run's
+        config.yaml records, so that a resume chooses again for its own GPU count."""
+        out = copy.deepcopy(cfg)
+        for key, value in self.given.items():
+            section, name = key.split(".")
+            setattr(getattr(out, section), name, value)
+        return out
+
+    def record(self, world_size: int) -> dict[str, Any]:
+        """What a run's config/auto.yaml holds: the values chosen for its ranks, and why."""
+        return {"world_size": world_size, "values": self.values, "reasons": self.reasons}
 
     def summary(self) -> str:
         """'parallel.strategy=fsdp, train.micro_batch=4, ...' (as overrides would say it)."""
@@ -126,6 +148,12 @@ def auto_keys(cfg) -> list[str]:
             if value == AUTO]
 
 
+def leaves_to_auto(cfg) -> bool:
+    """Whether ``resolve_auto`` has anything to set: an ``auto`` key, or grad_accum to derive
+    from a global batch in tokens."""
+    return bool(auto_keys(cfg)) or cfg.train.global_batch_tokens is not None
+
+
 def this_gpu(cfg) -> Gpu:
     """The GPU this process would train on (device 0: a node's GPUs are of one kind), or the
     CPU's stand-in."""
@@ -138,21 +166,18 @@ def this_gpu(cfg) -> Gpu:
         peak = peak_tflops(name, "fp32" if cfg.train.precision == "fp32" else "bf16")
         return Gpu(name, float(torch.cuda.get_device_properties(0).total_memory),
                    peak or DEFAULT_PEAK_TFLOPS)
-    return Gpu("cpu", CPU_MEM_BYTES, cpu=True)
+    return CPU
 
 
-def named_gpu(name: str) -> Gpu:
-    """A GPU given by name (``h100``, ``h200``...) or memory in GB, from the planner's tables:
-    what `plan memory --gpu` and a login node choose for."""
-    from hpctrain.observe.peaks import peak_tflops
-    from hpctrain.plan.memory_options import gpu_memory_bytes
+def named_gpu(name: str, precision: str = "bf16") -> Gpu:
+    """A GPU given by name (``h100``, ``h200``...) or memory in GB, as a rank on it sees it
+    (torch's device name and total memory, from the planner's table): what `plan --gpu`,
+    `tune --gpu` and a login node choose for."""
+    from hpctrain.plan.memory_options import gpu_named
+    from hpctrain.plan.parallel import gpu_peak_tflops
 
-    try:
-        float(name)
-        peak = None
-    except ValueError:
-        peak = peak_tflops(name, "bf16")
-    return Gpu(name, gpu_memory_bytes(name), peak or DEFAULT_PEAK_TFLOPS)
+    device, total = gpu_named(name)
+    return Gpu(device, total, gpu_peak_tflops(name, precision) or DEFAULT_PEAK_TFLOPS)
 
 
 def resolve_auto(cfg, world_size: int, gpu: Gpu | None = None, *, must_fit: bool = True
@@ -161,9 +186,9 @@ def resolve_auto(cfg, world_size: int, gpu: Gpu | None = None, *, must_fit: bool
     for ``world_size`` ranks on ``gpu`` (default: this machine's), in place; None when the
     config leaves nothing to choose. Raises ConfigError where the batch cannot be split, and
     where no setting fits unless ``must_fit`` is false (tune's baseline: then the smallest)."""
-    keys = auto_keys(cfg)
-    if not keys and cfg.train.global_batch_tokens is None:
+    if not leaves_to_auto(cfg):
         return None
+    keys = auto_keys(cfg)
     pc, tc = cfg.parallel, cfg.train
     dp = _data_parallel(pc, world_size)
     replica = _replica_batch(cfg, dp)
@@ -181,11 +206,13 @@ def resolve_auto(cfg, world_size: int, gpu: Gpu | None = None, *, must_fit: bool
                 or _from_model(cfg, world_size, gpu, replica, dp, reasons, must_fit=must_fit))
     values = _values(cfg, pick, dp, gpu, reasons)
     _check_grad_accum(cfg, pick, dp)
+    given = {}
     for key, value in values.items():
         section, name = key.split(".")
+        given[key] = getattr(getattr(cfg, section), name)
         setattr(getattr(cfg, section), name, value)
     cfg.validate()  # the rules that depend on the values now chosen
-    return Resolution(values, reasons)
+    return Resolution(values, reasons, given)
 
 
 def _data_parallel(pc, world_size: int) -> int:
@@ -292,64 +319,29 @@ def _accepted(cfg, pick: Pick) -> bool:
     return True
 
 
-def _options(cfg, pick: Pick, dp: int, ac: str, group_blocks: int = 1) -> MemoryOptions:
-    """``pick`` as the memory model sizes it (a pipeline's micro-batches as the trainer cuts
-    each rank's batch: into pp_microbatches, default grad_accum)."""
-    pc, tc = cfg.parallel, cfg.train
-    if pc.pp > 1:
-        m = pc.pp_microbatches or pick.grad_accum
-        kw: dict[str, Any] = {"pp_microbatches": m, "pp_schedule": pc.pp_schedule,
-                              "pp_stages_per_rank": pc.pp_stages_per_rank,
-                              "micro_batch": max(1, pick.micro_batch * pick.grad_accum // m)}
-    else:
-        kw = {"grad_accum": pick.grad_accum, "micro_batch": pick.micro_batch}
-    fixed_group = pc.fsdp_group_blocks if pc.fsdp_group_blocks != AUTO else group_blocks
-    # FSDP shards over dp_shard (HSDP replicates the shards); DDP and none hold it whole.
-    shard = dp // pc.dp_replicate if pick.strategy == "fsdp" else dp
-    return MemoryOptions(strategy=pick.strategy, gpus=shard, zero=pick.zero, tp=pc.tp, pp=pc.pp,
-                         precision=tc.precision, fp8_recipe=tc.fp8_recipe, ac=ac,
-                         ac_save_mm=pc.ac_save_mm, loss_chunks=tc.loss_chunks,
-                         seq_len=cfg.data.seq_len, compile=pc.compile,
-                         mixed_precision=pc.mixed_precision,
-                         reduce_precision=pc.reduce_precision,
-                         master_weights=tc.master_weights, fsdp_prefetch=pc.fsdp_prefetch,
-                         fsdp_group_blocks=fixed_group if pick.strategy == "fsdp" else 1, **kw)
-
-
-def _recomputed_share(cfg, ac: str) -> float:
-    """Share of the forward recomputed in backward (0 none, 1 full), as tune interpolates."""
-    if ac in ("none", "full"):
-        return float(ac == "full")
-    args = cfg.model.resolve()
-    if ac == "every_k":
-        k = cfg.parallel.ac_every
-        return sum(1 for i in range(args.n_layers) if i % k == 0) / args.n_layers
-    from hpctrain.parallel.selective_ac import recomputed_flops_per_token
-
-    extra = args.n_layers * recomputed_flops_per_token(args, cfg.parallel.ac_save_mm)
-    return 3 * extra / flops_per_token(args, cfg.data.seq_len)
-
-
 def predict(cfg, pick: Pick, world_size: int, gpu: Gpu, group_blocks: int = 1
             ) -> tuple[float, float]:
-    """(predicted peak bytes per GPU, predicted tokens/s per GPU) of ``pick``; ConfigError where
-    the memory model refuses it."""
-    args = cfg.model.resolve()
-    dp = world_size // (cfg.parallel.tp * cfg.parallel.pp)
-    # every_k (fixed by the config) is sized as no checkpointing: an upper bound.
-    ac = "none" if pick.ac == "every_k" else pick.ac
-    peak = estimate_memory(args, _options(cfg, pick, dp, ac, group_blocks), suggest=False).peak
-    step = {}
-    for end in ("none", "full"):  # the step-time model knows these two
-        opts = _options(cfg, pick, dp, end, group_blocks)
-        plan = ParallelPlan(pick.strategy, dp, cfg.parallel.tp, cfg.parallel.pp,
-                            opts.micro_batch, end,
-                            estimate_memory(args, opts, suggest=False), [],
-                            opts.microbatches if cfg.parallel.pp > 1 else pick.grad_accum)
-        predict_step(plan, args, opts, world_size, gpu.peak_tflops)
-        step[end] = 1 / plan.tokens_per_s
-    share = _recomputed_share(cfg, pick.ac)
-    return peak, 1 / ((1 - share) * step["none"] + share * step["full"])
+    """(predicted peak bytes per GPU, predicted tokens/s per GPU) of ``cfg`` trained as
+    ``pick`` (``group_blocks`` where fsdp_group_blocks is auto): the planner's prediction, as
+    tune's; ConfigError where it, or the layout rules, refuse it."""
+    return plan_predict.predict(with_values(cfg, _pick_values(cfg, pick, group_blocks)),
+                                world_size, gpu.peak_tflops)
+
+
+def _pick_values(cfg, pick: Pick, group_blocks: int = 1) -> dict[str, Any]:
+    """Every value ``pick`` sets, the auto ones included: what the planner sizes."""
+    pc = cfg.parallel
+    fsdp = pick.strategy == "fsdp"
+    values: dict[str, Any] = {
+        "parallel.strategy": pick.strategy,
+        "parallel.reshard_after_forward": pick.zero == 3 if fsdp else None,
+        "parallel.activation_checkpointing": pick.ac,
+        "parallel.fsdp_group_blocks": (1 if not fsdp else group_blocks
+                                       if pc.fsdp_group_blocks == AUTO else pc.fsdp_group_blocks),
+        "train.micro_batch": pick.micro_batch, "train.grad_accum": pick.grad_accum}
+    if pick.ac == "every_k" and pick.ac_every:
+        values["parallel.ac_every"] = pick.ac_every
+    return values
 
 
 def _from_model(cfg, world_size: int, gpu: Gpu, replica: int, dp: int,
@@ -361,6 +353,7 @@ def _from_model(cfg, world_size: int, gpu: Gpu, replica: int, dp: int,
     acs = AC_ORDER if pc.activation_checkpointing == AUTO else (pc.activation_checkpointing,)
     mbs = _micro_batches(cfg, replica, gpu)
     fits, tried, smallest = [], 0, None
+    refused: ConfigError | None = None  # the layout rules' words, where they refuse every one
     for strategy in _strategies(cfg, dp):
         for zero in _zeros(cfg, strategy):
             for ac in acs:
@@ -371,7 +364,8 @@ def _from_model(cfg, world_size: int, gpu: Gpu, replica: int, dp: int,
                     tried += 1
                     try:
                         peak, tps = predict(cfg, pick, world_size, gpu)
-                    except ConfigError:
+                    except ConfigError as e:
+                        refused = refused or e
                         continue
                     if peak * HEADROOM <= gpu.bytes:
                         fits.append((pick, peak, tps))
@@ -379,6 +373,8 @@ def _from_model(cfg, world_size: int, gpu: Gpu, replica: int, dp: int,
                     rank = (AC_ORDER.index(ac) if gpu.cpu and ac in AC_ORDER else 0, peak)
                     if smallest is None or rank < smallest[2]:
                         smallest = (pick, peak, rank)
+    if smallest is None and refused is not None:
+        raise refused
     if not fits and smallest is not None and not must_fit:
         least = "the least recomputation, then " if gpu.cpu else ""
         reasons.append(f"nothing fits {_gib(gpu.bytes)}: {least}the smallest predicted peak, "
@@ -390,8 +386,10 @@ def _from_model(cfg, world_size: int, gpu: Gpu, replica: int, dp: int,
             f"{_gib(gpu.bytes)} ({gpu.name}) at {replica} samples of {cfg.data.seq_len} tokens "
             "per data-parallel rank",
             expected="a setting whose predicted peak plus 10% fits the memory",
-            hint="see `hpctrain plan memory`; use more GPUs, a shorter data.seq_len, or "
-            "tensor/pipeline parallelism (parallel.tp, parallel.pp)")
+            hint=f"use more GPUs (`hpctrain plan memory CONFIG --gpus {2 * world_size} --gpu "
+            "TYPE` sizes them), a shorter data.seq_len, tensor/pipeline parallelism "
+            "(parallel.tp, parallel.pp), or a smaller train.global_batch_tokens (FSDP holds "
+            "unsharded gradients while it accumulates)")
     fits.sort(key=lambda f: (AC_ORDER.index(f[0].ac) if f[0].ac in AC_ORDER else 0, -f[2],
                              -f[0].micro_batch, f[0].zero))
     pick, peak, tps = fits[0]
@@ -499,16 +497,30 @@ def _tune_doc(cfg, path: Path, world_size: int, gpu: Gpu, samples: int
                           expected="the --out folder of `hpctrain tune` (results.json, "
                           "best.yaml)", hint="rerun tune, or drop parallel.tune_results") from None
     model = dataclasses.asdict(cfg.model)
-    for what, theirs, ours in (("GPU", meta.get("device_name"), gpu.name),
-                               ("GPU count", meta.get("gpus"), world_size),
-                               ("global batch (samples)", meta.get("global_batch"), samples),
-                               ("model", (best or {}).get("model"), model),
-                               ("data.seq_len", (best or {}).get("data", {}).get("seq_len"),
-                                cfg.data.seq_len)):
+    best = best if isinstance(best, dict) else {}
+    checks = [("GPU", meta.get("device_name"), gpu.name),
+              ("GPU count", meta.get("gpus"), world_size),
+              ("global batch (samples)", meta.get("global_batch"), samples),
+              ("model", best.get("model"), model)]
+    # The values tune keeps as its config gives them (it varies the others per candidate):
+    # measured with others, its speeds are another program's.
+    fsdp = (best.get("parallel") or {}).get("strategy") == "fsdp"
+    for key in _TUNE_KEEPS:
+        section, name = key.split(".")
+        ours = getattr(getattr(cfg, section), name)
+        # FSDP's scheduling options are set to their defaults where tune's winner is not FSDP.
+        if ours != AUTO and (fsdp or name not in ("fsdp_prefetch", "fsdp_group_blocks")):
+            checks.append((key, (best.get(section) or {}).get(name), ours))
+    for what, theirs, ours in checks:
         if theirs != ours:
             return None, f"measured for another {what} ({_short(theirs)}, this run: " \
                          f"{_short(ours)})"
     return doc, ""
+
+
+_TUNE_KEEPS = ("data.seq_len", "parallel.compile", "train.master_weights", "parallel.ac_save_mm",
+               "train.fp8_recipe", "parallel.fsdp_prefetch", "parallel.fsdp_group_blocks",
+               "parallel.reduce_precision")
 
 
 def _fits_config(cfg, s: dict, pick: Pick, replica: int) -> bool:
@@ -529,9 +541,10 @@ def _fits_config(cfg, s: dict, pick: Pick, replica: int) -> bool:
             return False
     if pick.ac == "every_k" and pc.activation_checkpointing == AUTO and pick.ac_every < 1:
         return False
-    if pc.reshard_after_forward != AUTO and pick.strategy == "fsdp":
-        return pick.zero == _zeros(cfg, "fsdp")[0]
-    return _accepted(cfg, pick)
+    if (pc.reshard_after_forward != AUTO and pick.strategy == "fsdp"
+            and pick.zero != _zeros(cfg, "fsdp")[0]):
+        return False
+    return _accepted(cfg, pick)  # the parallel section's own rules, as for the model's picks
 
 
 def _values(cfg, pick: Pick, dp: int, gpu: Gpu, reasons: list[str]) -> dict[str, Any]:
@@ -569,7 +582,8 @@ def _values(cfg, pick: Pick, dp: int, gpu: Gpu, reasons: list[str]) -> dict[str,
 def _group_blocks(cfg, pick: Pick, dp: int, gpu: Gpu, reasons: list[str]) -> int:
     """2 where FSDP's per-unit hooks set the pace (many GPUs, a small model) and it fits; 1
     otherwise (and outside FSDP, which refuses any other)."""
-    if pick.strategy != "fsdp" or gpu.cpu or dp < GROUP_MIN_GPUS or cfg.task:
+    shard = dp // cfg.parallel.dp_replicate  # HSDP: the hooks run per shard group
+    if pick.strategy != "fsdp" or gpu.cpu or shard < GROUP_MIN_GPUS or cfg.task:
         return 1
     if count_params(cfg.model.resolve(), include_embedding=True) >= GROUP_MAX_PARAMS:
         return 1
@@ -579,7 +593,7 @@ def _group_blocks(cfg, pick: Pick, dp: int, gpu: Gpu, reasons: list[str]) -> int
         return 1
     if peak * HEADROOM > gpu.bytes:
         return 1
-    reasons.append(f"fsdp_group_blocks 2: FSDP over {dp} GPUs of a model under "
+    reasons.append(f"fsdp_group_blocks 2: FSDP sharded over {shard} GPUs, a model under "
                    f"{GROUP_MAX_PARAMS / 1e9:.0f}B parameters is paced by its per-unit hooks "
                    "(1b on 4 H200s: 5.1% faster with 2)")
     return 2

@@ -271,20 +271,18 @@ def _resolve_auto(cfg: JobConfig, gpus: int, gpu: str | None, *, must_fit: bool 
                   ) -> str | None:
     """Choose the config's ``auto`` values for ``gpus`` GPUs of type ``gpu`` as training does
     at start (hpctrain.plan.auto); what they became, as overrides (None: nothing was auto)."""
-    from hpctrain.plan.auto import Gpu, auto_keys, resolve_auto
-    from hpctrain.plan.memory_options import gpu_memory_bytes
-    from hpctrain.plan.parallel import DEFAULT_PEAK_TFLOPS, gpu_peak_tflops
+    from hpctrain.plan.auto import Gpu, auto_keys, leaves_to_auto, named_gpu, resolve_auto
 
     keys = auto_keys(cfg)
     if keys and gpu is None:
         raise ConfigError(f"{', '.join(keys)} = auto: chosen at start for the GPUs the run has",
                           expected="--gpu TYPE (or GB) to choose them for",
                           hint="add --gpu h100 (for example), or give the values as overrides")
-    if not keys and cfg.train.global_batch_tokens is None:
+    if not leaves_to_auto(cfg):
         return None
-    peak = gpu_peak_tflops(gpu, cfg.train.precision) if gpu else None
-    chosen = resolve_auto(cfg, gpus, Gpu(gpu or "gpu", gpu_memory_bytes(gpu) if gpu else 0.0,
-                                         peak or DEFAULT_PEAK_TFLOPS), must_fit=must_fit)
+    # Without --gpu only grad_accum is derived: no memory is sized.
+    chosen = resolve_auto(cfg, gpus, named_gpu(gpu, cfg.train.precision) if gpu
+                          else Gpu("gpu", 0.0), must_fit=must_fit)
     return chosen.summary() if chosen is not None and keys else None
 
 
@@ -326,9 +324,9 @@ def _parallel(args: argparse.Namespace) -> None:
     peak = gpu_peak_tflops(args.gpu, cfg.train.precision)
     if pc.dp_replicate != 1:  # the layouts shard over all data-parallel ranks (no HSDP)
         overrides = [*overrides, "parallel.dp_replicate=1"]
-    if args.global_batch and cfg.train.global_batch_tokens is not None:  # the batch compared
-        overrides = [*overrides,
-                     f"train.global_batch_tokens={args.global_batch * cfg.data.seq_len}"]
+    if config is None or (args.global_batch and cfg.train.global_batch_tokens is not None):
+        # The batch planned for, in tokens: a user's CONFIG that gives one keeps this split.
+        overrides = [*overrides, f"train.global_batch_tokens={batch * cfg.data.seq_len}"]
     refused: dict[str, str] = {}
 
     def refusal(plan: ParallelPlan) -> str | None:

@@ -27,16 +27,24 @@ from hpctrain.parallel.selective_ac import SAVE_MM
 if TYPE_CHECKING:
     from hpctrain.config import JobConfig
 
+HEADROOM = 1.10  # plan, auto and tune: the predicted peak plus 10% must fit the GPU
 STRATEGIES = ("none", "ddp", "fsdp")
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
 MASTER_WEIGHTS = ("fp32", "bf16")
 AC_MODES = ("none", "full", "selective")
 
-# Memory per GPU in GB (1e9 B) as sold; lookup by lower-cased name.
-GPU_MEMORY_GB: dict[str, float] = {
-    "a100-40": 40.0, "a100": 80.0, "a100-80": 80.0, "h100": 80.0, "h100-pcie": 80.0,
-    "h100-nvl": 94.0, "h200": 141.0, "b200": 180.0, "gh200": 96.0, "l40s": 48.0,
-    "mi250x": 128.0, "mi300x": 192.0,
+# Per GPU type (lookup by lower-cased short name): the device name torch reports (which tune
+# records and training's auto compares) and the bytes torch's total_memory reports, what
+# training sizes against (plan/auto.py this_gpu). H100 and H200 were read off the GPUs
+# (81559 MiB = 79.6 GiB; 139.8 GiB, benchmarks/RESULTS.md); the others are the datasheet's GB,
+# unmeasured here: a little more than torch will report.
+GPUS: dict[str, tuple[str, float]] = {
+    "h100": ("NVIDIA H100 80GB HBM3", 81559 * 2**20), "h200": ("NVIDIA H200", 139.8 * 2**30),
+    "a100-40": ("NVIDIA A100-SXM4-40GB", 40e9), "a100": ("NVIDIA A100-SXM4-80GB", 80e9),
+    "a100-80": ("NVIDIA A100-SXM4-80GB", 80e9), "h100-pcie": ("NVIDIA H100 PCIe", 80e9),
+    "h100-nvl": ("NVIDIA H100 NVL", 94e9), "b200": ("NVIDIA B200", 180e9),
+    "gh200": ("NVIDIA GH200", 96e9), "l40s": ("NVIDIA L40S", 48e9),
+    "mi250x": ("AMD Instinct MI250X", 128e9), "mi300x": ("AMD Instinct MI300X", 192e9),
 }
 
 
@@ -236,7 +244,7 @@ class MemoryPlan:
         """True when the peak plus 10% headroom fits the GPU; None without a GPU size."""
         if self.gpu_bytes is None:
             return None
-        return self.peak * 1.10 <= self.gpu_bytes
+        return self.peak * HEADROOM <= self.gpu_bytes
 
 
 def resolve_model(size: str | None, family: str = DEFAULT, **overrides: int | None) -> ModelArgs:
@@ -267,13 +275,20 @@ def resolve_model(size: str | None, family: str = DEFAULT, **overrides: int | No
 
 
 def gpu_memory_bytes(gpu: str) -> float:
-    """Memory of a GPU given by name (``h100``, ``h200``...) or a number of GB (``80``)."""
+    """Memory of a GPU given by name (``h100``, ``h200``...: what torch reports on it) or a
+    number of GB (``80``)."""
+    return gpu_named(gpu)[1]
+
+
+def gpu_named(gpu: str) -> tuple[str, float]:
+    """(device name as torch reports it, bytes) of a GPU given by name, or (``gpu``, GB x 1e9)
+    for a number of GB."""
     try:
-        return float(gpu) * 1e9
+        return gpu, float(gpu) * 1e9
     except ValueError:
         pass
     key = gpu.lower().removeprefix("nvidia-").removeprefix("nvidia ")
-    if key not in GPU_MEMORY_GB:
-        raise ConfigError(f"unknown GPU {gpu!r}", expected=f"one of {', '.join(GPU_MEMORY_GB)} "
+    if key not in GPUS:
+        raise ConfigError(f"unknown GPU {gpu!r}", expected=f"one of {', '.join(GPUS)} "
                           "or a size in GB", hint="e.g. --gpu h100 or --gpu 80")
-    return GPU_MEMORY_GB[key] * 1e9
+    return GPUS[key]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import yaml
 
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.config import JobConfig, dump_yaml
@@ -23,7 +24,7 @@ from hpctrain.models.registry import count_params
 from hpctrain.observe.goodput import GoodputClock, summary
 from hpctrain.observe.metrics import MetricsWriter
 from hpctrain.observe.profile import write_oom_snapshot
-from hpctrain.plan.auto import Resolution, resolve_auto
+from hpctrain.plan.auto import AUTO_FILE, Resolution, resolve_auto
 from hpctrain.runtime.config import refuse_large_model_on_cpu
 from hpctrain.runtime.dist import Distributed, init_distributed, shutdown
 from hpctrain.runtime.env import ProcessEnv, detect_env
@@ -145,7 +146,7 @@ def run_training(cfg: JobConfig, source: Path | None = None, *, fresh: bool = Fa
     if task is None:
         check_device_fits(cfg)  # before anything is allocated
     env = detect_env()
-    # The values left to `auto`, for this run's GPUs; config.yaml records them.
+    # The values left to `auto`, for this run's GPUs; config/auto.yaml records them.
     chosen = resolve_auto(cfg, env.world_size)
     # Installed first: a signal that arrives during start-up is answered at the first step.
     preempt = PreemptionFlag(cfg.preempt)
@@ -242,7 +243,7 @@ def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | 
             # Once built and resumed: neither a refused run nor a rerun of a finished one
             # replaces the config the run was trained with.
             if env.rank == 0 and not trainer.complete:
-                _record_config(run_dir, cfg, source, hosts)
+                _record_config(run_dir, cfg, source, hosts, chosen, env.world_size)
             training = True
             result = trainer.train()
         if env.world_size > 1:
@@ -356,10 +357,18 @@ def _saved_result(run_dir: RunDir) -> dict:
 _REFUSALS = (ConfigError, DataError, RuntimeEnvError, RunLockedError, TaskError)
 
 
-def _record_config(run_dir: RunDir, cfg: JobConfig, source: Path | None,
-                   hosts: list[str]) -> None:
-    """The resolved config, the config file as given, and provenance (rank 0)."""
-    write_atomic(run_dir.config_dir / "config.yaml", dump_yaml(cfg).encode())
+def _record_config(run_dir: RunDir, cfg: JobConfig, source: Path | None, hosts: list[str],
+                   chosen: Resolution | None, world_size: int) -> None:
+    """The config (``auto`` kept, so that it resumes on another GPU count) and what auto chose
+    for these ranks, the config file as given, and provenance (rank 0)."""
+    auto_file = run_dir.config_dir / AUTO_FILE
+    if chosen is None:
+        write_atomic(run_dir.config_dir / "config.yaml", dump_yaml(cfg).encode())
+        auto_file.unlink(missing_ok=True)  # an earlier attempt's choice is not this config's
+    else:
+        write_atomic(run_dir.config_dir / "config.yaml", dump_yaml(chosen.as_given(cfg)).encode())
+        write_atomic(auto_file, yaml.safe_dump(chosen.record(world_size),
+                                               sort_keys=False).encode())
     if source is not None:
         write_atomic(run_dir.config_dir / f"source{source.suffix}", source.read_bytes())
     write_provenance(run_dir, collect_provenance(sorted(set(hosts))))

@@ -193,7 +193,7 @@ class Trainer:
         self.val_dataset = (build_dataset(cfg.data, split="val", vocab_size=vocab)
                             if cfg.data.val_fraction else None)
         sampler = GlobalOrderSampler(len(dataset), self.layout, cfg.run.seed,
-                                     remainder=cfg.data.remainder)
+                                     remainder=cfg.data.remainder, seq_len=cfg.data.seq_len)
         self.loader = TokenLoader(dataset, sampler, self.device, cfg.data.prefetch)
         # Per GPU: a model replica's tokens are counted once, shared by its tp x pp ranks.
         self.tokens_per_step = (self.layout.micro_batch * tc.grad_accum * cfg.data.seq_len

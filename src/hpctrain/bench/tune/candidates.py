@@ -25,11 +25,10 @@ from hpctrain.bench.tune.space import (
     predict,
 )
 from hpctrain.errors import ConfigError
-from hpctrain.plan.auto import Gpu, resolve_auto
+from hpctrain.plan.auto import CPU, Gpu, named_gpu, resolve_auto
+from hpctrain.plan.memory_options import HEADROOM
 
 MAX_CANDIDATES = 6
-CPU_MEM_GB = 16.0  # per rank, for the memory model when the ranks run on the CPU
-HEADROOM = 1.10  # as hpctrain.plan.memory: the peak plus 10% must fit
 FP8_TWINS = 2  # fp8 variants of this many of the best predicted layouts
 CASTS_TWINS = 2  # other-mixed-precision variants of this many TP/PP settings without FSDP
 FP8_CAPABILITY = (8, 9)  # Ada / Hopper and newer: fp8 tensor cores
@@ -266,7 +265,6 @@ def plan_tuning(config: Path | None, overrides: list[str], gpus: int, *,
 
     from hpctrain.config import load_config
     from hpctrain.observe.peaks import peak_tflops
-    from hpctrain.plan.memory_options import gpu_memory_bytes
     from hpctrain.plan.parallel import DEFAULT_PEAK_TFLOPS
 
     if gpus < 1:
@@ -280,7 +278,10 @@ def plan_tuning(config: Path | None, overrides: list[str], gpus: int, *,
             raise ConfigError(f"--gpu {gpu} with run.device = {device}",
                               expected="run.device auto or cuda", hint="drop --gpu to tune "
                               "for CPU ranks")
-        name, total = gpu, gpu_memory_bytes(gpu)
+        # As a rank on that GPU sees it: torch's name (training's auto matches tune's results
+        # by it) and total memory.
+        named = named_gpu(gpu)
+        name, total = named.name, named.bytes
         if peak_tflops(gpu) is None:
             raise ConfigError(f"--gpu {gpu}: no peak TFLOP/s known for it",
                               expected="a GPU type the step-time model knows, e.g. h100, "
@@ -306,7 +307,7 @@ def plan_tuning(config: Path | None, overrides: list[str], gpus: int, *,
             refuse_large_model_on_cpu(count_params(cfg.model.resolve(), include_embedding=True),
                                       model=f"model size {cfg.model.size}",
                                       force="run.device=cpu")
-        name, total = "cpu", CPU_MEM_GB * 1e9
+        name, total = "cpu", CPU.bytes
     if gpu_mem_gb is not None:
         if gpu_mem_gb <= 0:
             raise ConfigError(f"--gpu-mem-gb {gpu_mem_gb}", expected="a positive size in GB")

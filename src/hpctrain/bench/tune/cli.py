@@ -11,10 +11,11 @@ import shlex
 import time
 from pathlib import Path
 
-from hpctrain.bench.tune.candidates import CPU_MEM_GB, MAX_CANDIDATES, TunePlan, plan_tuning
+from hpctrain.bench.tune.candidates import MAX_CANDIDATES, TunePlan, plan_tuning
 from hpctrain.bench.tune.measure import measure, resume_from, winner, write_results
 from hpctrain.errors import ConfigError, HpctrainError
 from hpctrain.numeric_args import count, real
+from hpctrain.plan.auto import CPU
 from hpctrain.runtime.config import TooLargeForCPU
 
 
@@ -39,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="GPUs of this node to tune for (CPU ranks without a GPU)")
     p.add_argument("--gpu-mem-gb", type=real(0, 1e6, open_min=True), default=None,
                    help="memory per GPU the model sizes against (default: the GPU's; "
-                   f"{CPU_MEM_GB:g} per rank on a CPU)")
+                   f"{CPU.bytes / 1e9:g} per rank on a CPU)")
     p.add_argument("--max-candidates", type=count(1, 10_000), default=MAX_CANDIDATES,
                    help="how many configurations to measure")
     p.add_argument("--steps", type=count(1, 10_000_000), default=None,

@@ -8,13 +8,13 @@ models do not know (see the package docstring).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from hpctrain.errors import ConfigError
+from hpctrain.plan import predict as plan_predict
 from hpctrain.plan.parallel import global_batch, pp_degrees, strategies, tp_degrees
+from hpctrain.plan.predict import recomputed_share
 
 MAX_MICRO_BATCH = 64
 AC_EVERY = 2  # every_k's k unless the config sets one
@@ -108,26 +108,6 @@ def config_setting(cfg) -> Setting:
                    async_tp=pc.async_tp)
 
 
-def recomputed_share(cfg, ac: str, ac_every: int = 0) -> float:
-    """Share of the model's forward FLOPs recomputed in backward (0: none, 1: full)."""
-    args = cfg.model.resolve()
-    if ac == "none":
-        return 0.0
-    if ac == "full":
-        return 1.0
-    if ac == "every_k":  # the trainer's rule: block i is checkpointed when i % k == 0
-        return sum(1 for i in range(args.n_layers) if i % ac_every == 0) / args.n_layers
-    if ac == "selective":
-        from hpctrain.models import flops_per_token
-        from hpctrain.parallel.selective_ac import recomputed_flops_per_token
-
-        # A forward is 1/3 of the training FLOPs per token.
-        extra = args.n_layers * recomputed_flops_per_token(args, cfg.parallel.ac_save_mm)
-        return 3 * extra / flops_per_token(args, cfg.data.seq_len)
-    raise ConfigError(f"activation checkpointing {ac!r} is not known to the tuner",
-                      expected="none, every_k, selective or full")
-
-
 def ac_modes(cfg) -> tuple[str, ...]:
     """Checkpointing modes to try: none, every_k (where it differs from both ends), selective,
     full."""
@@ -179,45 +159,6 @@ def _strategies(tp: int, pp: int, dp: int) -> list[tuple[str, int]]:
 
 
 def predict(cfg, s: Setting, gpus: int, peak_tflops: float) -> tuple[float, float]:
-    """(peak bytes per GPU, tokens/s per GPU) the memory and step-time models give a setting.
-
-    Raises ConfigError where the memory model refuses the setting.
-    """
-    from hpctrain.plan.memory import estimate_memory
-
-    # The planner's step-time model, so that `plan parallel` and `tune` rank alike.
-    from hpctrain.plan.parallel import ParallelPlan, predict_step
-
-    args = cfg.model.resolve()
-    dp = gpus // (s.tp * s.pp)
-    share = recomputed_share(cfg, s.ac, s.ac_every)
-    peaks, step = {}, {}
-    for ac in ("none", "full"):  # the step-time model knows these two
-        opts = _memory_options(cfg, s, gpus, ac)
-        mem = estimate_memory(args, opts, suggest=False)
-        plan = ParallelPlan(s.strategy, dp, s.tp, s.pp, opts.micro_batch, ac, mem, [],
-                            opts.microbatches if s.pp > 1 else s.grad_accum)
-        predict_step(plan, args, opts, gpus, peak_tflops)
-        peaks[ac], step[ac] = mem.peak, 1 / plan.tokens_per_s
-    if s.ac == "every_k":  # the memory model has no every_k: between its two ends
-        peak = (1 - share) * peaks["none"] + share * peaks["full"]
-    else:
-        peak = estimate_memory(args, _memory_options(cfg, s, gpus, s.ac), suggest=False).peak
-    # Step time grows with the forward FLOPs recomputed.
-    return peak, 1 / ((1 - share) * step["none"] + share * step["full"])
-
-
-def _memory_options(cfg, s: Setting, gpus: int, ac: str):
-    """What the memory model sizes of ``cfg`` trained as ``s`` (with checkpointing ``ac``) on
-    ``gpus`` ranks: the config with the setting's values, through the planner's one mapping."""
-    from hpctrain.plan.memory_options import MemoryOptions
-
-    values = {**s.values(cfg), "parallel.activation_checkpointing": ac}
-    sections: dict[str, dict[str, Any]] = {}
-    for key, value in values.items():
-        section, name = key.split(".")
-        sections.setdefault(section, {})[name] = value
-    # A copy with those values (unvalidated: from_config checks the layout as training does).
-    job = dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name), **kw)
-                                      for name, kw in sections.items()})
-    return MemoryOptions.from_config(job, gpus)
+    """(peak bytes per GPU, tokens/s per GPU) of ``cfg`` trained as ``s``: the planner's
+    prediction (plan/predict.py), which `auto` ranks by too. ConfigError where it is refused."""
+    return plan_predict.predict(plan_predict.with_values(cfg, s.values(cfg)), gpus, peak_tflops)

@@ -54,6 +54,7 @@ from hpctrain.config import JobConfig
 from hpctrain.errors import ConfigError, HpctrainError, RuntimeEnvError
 from hpctrain.launch.doctor.checks import Inputs, Verdict, judge
 from hpctrain.launch.doctor.facts import Facts, gather_facts, gather_storage
+from hpctrain.numeric_args import count
 from hpctrain.runtime.dist import shutdown, start_process_group
 from hpctrain.runtime.env import ProcessEnv, detect_env
 
@@ -120,7 +121,7 @@ def _measure_gpu(facts: Facts):
 
 def run_doctor(cfg: JobConfig | None, env: ProcessEnv, *, expect_busbw: float | None = None,
                allreduce_mb: float = 64.0, max_small_files: int = 10_000,
-               gpu_health: bool = True,
+               gpu_health: bool = True, job_ranks: int | None = None,
                show: Callable[[list[Verdict], str], None] | None = None
                ) -> tuple[list[Verdict], str]:
     """Gather facts on every rank, judge them on rank 0; every rank gets the verdicts (and
@@ -158,7 +159,7 @@ def run_doctor(cfg: JobConfig | None, env: ProcessEnv, *, expect_busbw: float | 
         if env.rank == 0:
             storage = gather_storage(cfg, world) if cfg is not None else None
             verdicts = judge(Inputs(everyone, storage, cfg, allreduce, health, expect_busbw,
-                                    max_small_files))
+                                    max_small_files, job_ranks))
         if world > 1:
             box = [verdicts]
             dist.broadcast_object_list(box, src=0)
@@ -212,6 +213,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="files under 1 MiB allowed in the data path (default %(default)s)")
     d.add_argument("--no-gpu-health", action="store_true",
                    help="skip the per-GPU GEMM and bandwidth check")
+    d.add_argument("--nproc", type=count(1, 1 << 20), default=None,
+                   help="the ranks the job trains with, which the config's auto values are "
+                   "chosen for (default: the doctor's own ranks)")
     d.set_defaults(handler=run)
 
 
@@ -232,6 +236,7 @@ def run(args: argparse.Namespace) -> None:
                                    allreduce_mb=args.allreduce_mb,
                                    max_small_files=args.max_small_files,
                                    gpu_health=not args.no_gpu_health,
+                                   job_ranks=args.nproc,
                                    show=lambda v, w: print(report(v, w), flush=True))
     except (RuntimeError, OSError) as e:  # the ranks could not meet: that is the finding
         raise RuntimeEnvError(f"doctor: the ranks could not run together: {e}",

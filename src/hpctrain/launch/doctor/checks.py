@@ -46,6 +46,7 @@ class Inputs:
     gpu_health: list | None = None  # bench.node.DeviceResult per GPU
     expect_busbw: float | None = None
     max_small_files: int = 10_000
+    job_ranks: int | None = None  # the ranks the job trains with (--nproc); None: the doctor's
 
     @property
     def hosts(self) -> list[str]:
@@ -325,20 +326,23 @@ def check_gpu_health(x: Inputs) -> Verdict:
 
 
 def check_auto(x: Inputs) -> Verdict:
-    """What the config's ``auto`` values resolve to for these ranks (hpctrain.plan.auto), as
-    training will resolve them."""
-    from hpctrain.plan.auto import auto_keys, resolve_auto
+    """What the config's ``auto`` values resolve to for the job's ranks (``--nproc``, else the
+    doctor's own), on this rank's GPU (hpctrain.plan.auto), as training will resolve them."""
+    from hpctrain.plan.auto import leaves_to_auto, resolve_auto
 
-    if x.cfg is None or (not auto_keys(x.cfg) and x.cfg.train.global_batch_tokens is None):
+    if x.cfg is None or not leaves_to_auto(x.cfg):
         return Verdict("auto", "nothing left to auto")
     cfg = copy.deepcopy(x.cfg)  # the judged config stays as given
+    ranks = x.job_ranks or len(x.facts)
     try:
-        res = resolve_auto(cfg, len(x.facts))
+        res = resolve_auto(cfg, ranks)
     except ConfigError as e:
-        return Verdict("auto", "", [Problem("auto", f"train would refuse: {e.what}",
-                                            e.hint or "set the values yourself")])
+        expected = f" (expected: {e.expected})" if e.expected else ""
+        return Verdict("auto", "", [Problem(
+            "auto", f"train would refuse on {ranks} rank(s): {e.what}{expected}",
+            e.hint or "set the values yourself")])
     why = f" ({res.reasons[0]})" if res.reasons else ""
-    return Verdict("auto", f"on {len(x.facts)} rank(s): {res.summary()}{why}")
+    return Verdict("auto", f"on {ranks} rank(s): {res.summary()}{why}")
 
 
 CHECKS: list[Callable[[Inputs], Verdict]] = [
