@@ -120,6 +120,20 @@ def test_deprecated_flags_are_the_overrides_they_name(llama_8b: str, capsys) -> 
     assert json.loads(old) == json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.parametrize("argv, override", [
+    (["memory", "--tp", "2"], "write parallel.tp=2"),
+    (["parallel", "--zero", "2"], "write parallel.reshard_after_forward=false"),
+    (["memory", "--no-compile"], "write parallel.compile=false"),
+    (["interval", "--gpu-mttf-h", "5000"], "write checkpoint.mttf_gpu_hours=5000"),
+])
+def test_a_removed_flag_names_the_override_that_replaced_it(argv, override, capsys) -> None:
+    """A script written for plan's old flags is told what to write, not only "unrecognized"."""
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["plan", *argv])
+    assert exit_.value.code == 2
+    assert override in capsys.readouterr().err
+
+
 def test_plan_and_tune_size_a_config_alike(llama_8b: str, capsys) -> None:
     """One mapping from config to memory model: plan memory's peak is tune's prediction for
     the config as given (a pipeline; HSDP, sharded over dp_shard only)."""

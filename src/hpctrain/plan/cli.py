@@ -39,6 +39,45 @@ LEGACY_FLAGS = {"model": ("--model", "model.size"), "family": ("--family", "mode
                 "strategy": ("--strategy", "parallel.strategy"),
                 "ac": ("--ac", "parallel.activation_checkpointing"),
                 "micro_batch": ("--micro-batch", "train.micro_batch")}
+# The other flags they took, now refused by name with the override that replaced each ("{}" is
+# the value given): a script written for them gets more than argparse's "unrecognized".
+REMOVED_FLAGS = {
+    "--tp": "parallel.tp={}", "--pp": "parallel.pp={}", "--pp-schedule": "parallel.pp_schedule={}",
+    "--pp-stages-per-rank": "parallel.pp_stages_per_rank={}",
+    "--pp-microbatches": "train.grad_accum={}", "--zero": "parallel.reshard_after_forward=false",
+    "--precision": "train.precision={}", "--master-weights": "train.master_weights={}",
+    "--fp8-recipe": "train.fp8_recipe={}", "--grad-accum": "train.grad_accum={}",
+    "--mixed-precision": "parallel.mixed_precision={}",
+    "--reduce-precision": "parallel.reduce_precision={}",
+    "--fsdp-prefetch": "parallel.fsdp_prefetch={}",
+    "--fsdp-group-blocks": "parallel.fsdp_group_blocks={}", "--seq-len": "data.seq_len={}",
+    "--no-compile": "parallel.compile=false", "--dim": "model.dim={}",
+    "--layers": "model.n_layers={}", "--heads": "model.n_heads={}",
+    "--kv-heads": "model.n_kv_heads={}", "--ffn-dim": "model.ffn_dim={}",
+    "--vocab": "model.vocab_size={}", "--config": "{} as the first argument (CONFIG)"}
+REMOVED_MTTF_FLAGS = {"--gpu-mttf-h": "checkpoint.mttf_gpu_hours={}",
+                      "--max-overhead": "checkpoint.max_overhead={}"}
+
+
+class _Removed(argparse.Action):
+    """A flag plan no longer takes: refused, naming the override that replaced it."""
+
+    def __init__(self, option_strings, dest, replacement: str, **kwargs):
+        self.replacement = replacement
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS,
+                         help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is no longer a flag of plan, which takes `hpctrain train`'s "
+                     f"config and KEY=VALUE overrides: write "
+                     f"{self.replacement.format(values if values is not None else 'VALUE')}")
+
+
+def _removed_args(q: argparse.ArgumentParser, flags: dict[str, str]) -> None:
+    for flag, replacement in flags.items():
+        q.add_argument(flag, action=_Removed, replacement=replacement)
+
+
 # What those commands assumed, without a CONFIG, where train's defaults differ.
 LEGACY_DEFAULTS = {
     "memory": ["parallel.strategy=fsdp", "train.micro_batch=1", "data.seq_len=2048",
@@ -125,6 +164,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="run directory: what a save (and a restart) cost it, measured "
                        "(its goodput ledgers: stall plus the slowdown beside background "
                        "writes)")
+        _removed_args(q, REMOVED_MTTF_FLAGS)
 
     i = psub.add_parser("interval", help="Young/Daly checkpoint interval")
     i.add_argument("--save-min", type=real(0, 1e7, open_min=True), default=None,
@@ -158,6 +198,7 @@ def _job_args(q: argparse.ArgumentParser, legacy: tuple[str, ...]) -> None:
     for dest in legacy:
         q.add_argument(LEGACY_FLAGS[dest][0], dest=f"legacy_{dest}", default=None,
                        help=argparse.SUPPRESS)
+    _removed_args(q, REMOVED_FLAGS)
 
 
 def _job(args: argparse.Namespace, command: str) -> tuple[Path | None, list[str], JobConfig]:
