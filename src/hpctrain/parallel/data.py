@@ -18,6 +18,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.parallel import DistributedDataParallel
 
 from hpctrain.models.registry import family_of
@@ -91,6 +92,12 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device
         # nothing. A model whose buffers change (BatchNorm) calls broadcast_buffers per step.
         **_NO_FORWARD_BUFFER_SYNC,
     )
+
+
+def running_norms(model: nn.Module) -> list[nn.Module]:
+    """``model``'s BatchNorm-style norms that track running statistics: the buffers each rank
+    updates from its own batch, and the layers kept in fp32 under bf16/fp16 parameters."""
+    return [m for m in model.modules() if isinstance(m, _NormBase) and m.track_running_stats]
 
 
 def broadcast_buffers(buffers: list[torch.Tensor]) -> None:

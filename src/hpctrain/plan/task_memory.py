@@ -36,12 +36,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
 
 from hpctrain.config import JobConfig
 from hpctrain.data.order import BatchLayout
 from hpctrain.data.samples import build_sample_loader
-from hpctrain.parallel.data import DTYPES
+from hpctrain.parallel.data import DTYPES, running_norms
 from hpctrain.parallel.layout import check_task_config
 from hpctrain.plan.memory_options import gpu_memory_bytes
 from hpctrain.task import Task, TaskError, load_task
@@ -188,9 +187,8 @@ def measure_step(task: Task, cfg: JobConfig, device: torch.device,
     model.to(device).train()
     if fsdp and cfg.train.precision != "fp32":
         model.to(dtype)  # FSDP's MixedPrecisionPolicy computes in the parameters' dtype
-        for m in model.modules():  # ... but the task trainer keeps BatchNorm-style norms fp32
-            if isinstance(m, _NormBase) and m.track_running_stats:
-                m.float()
+        for m in running_norms(model):  # ... but the task trainer keeps these norms fp32
+            m.float()
     autocast = (torch.autocast(device.type, dtype=dtype) if cfg.train.precision != "fp32"
                 and not fsdp else contextlib.nullcontext())
     opt = _optimizer(model, cfg)

@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.flop_counter import FlopCounterMode
 
 from hpctrain import faults
@@ -31,7 +30,7 @@ from hpctrain.data.order import BatchLayout
 from hpctrain.data.samples import build_sample_loader, is_map_style, to_device
 from hpctrain.errors import ConfigError
 from hpctrain.observe.metrics import MetricsWriter
-from hpctrain.parallel.data import DTYPES, apply_ddp, broadcast_buffers, dp_mesh
+from hpctrain.parallel.data import DTYPES, apply_ddp, broadcast_buffers, dp_mesh, running_norms
 from hpctrain.parallel.layout import check_task_config
 from hpctrain.runtime.config import refuse_large_model_on_cpu
 from hpctrain.runtime.dist import Distributed
@@ -78,9 +77,7 @@ def refuse_large_task_on_cpu(cfg: JobConfig, task: Task) -> None:
 def running_stats(model: nn.Module) -> list[torch.Tensor]:
     """The buffers training updates: running statistics of BatchNorm-style norms that track
     them (constant buffers, such as a rotary table, are the same on every rank already)."""
-    return [b for m in model.modules()
-            if isinstance(m, _NormBase) and m.track_running_stats
-            for b in m.buffers(recurse=False)]
+    return [b for m in running_norms(model) for b in m.buffers(recurse=False)]
 
 
 class TaskTrainer(Trainer):
@@ -328,8 +325,7 @@ def _norms_in_fp32(unit: nn.Module, mesh, mp: MixedPrecisionPolicy, reshard: boo
     with fp32 weights and statistics are what autocast runs too (one all-gather per unit)."""
     if mp.param_dtype in (None, torch.float32):
         return
-    norms = [m for m in unit.modules() if isinstance(m, _NormBase) and m.track_running_stats
-             and m.affine and not isinstance(m, FSDPModule)]
+    norms = [m for m in running_norms(unit) if m.affine and not isinstance(m, FSDPModule)]
     if norms:
         fully_shard(norms, mesh=mesh, reshard_after_forward=reshard,
                     mp_policy=MixedPrecisionPolicy(reduce_dtype=mp.reduce_dtype,
