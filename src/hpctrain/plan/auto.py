@@ -146,6 +146,7 @@ def resolve_auto(cfg, world_size: int, gpu: Gpu | None = None, *, must_fit: bool
     pc, tc = cfg.parallel, cfg.train
     dp = _data_parallel(pc, world_size)
     replica = _replica_batch(cfg, dp)
+    _check_grad_accum(cfg, replica, dp)  # what the user wrote is kept, or refused: never replaced
     gpu = gpu or this_gpu(cfg)
     # The CPU's memory is the host's, which the stand-in's 16 GB only guesses: never refuse.
     must_fit = must_fit and not gpu.cpu
@@ -159,7 +160,6 @@ def resolve_auto(cfg, world_size: int, gpu: Gpu | None = None, *, must_fit: bool
         pick = (from_tune(cfg, world_size, gpu, replica, dp, reasons, must_fit)
                 or from_model(cfg, world_size, gpu, replica, dp, reasons, must_fit=must_fit))
     values = _values(cfg, pick, dp, gpu, reasons)
-    _check_grad_accum(cfg, pick, dp)
     given = {}
     for key, value in values.items():
         section, name = key.split(".")
@@ -252,17 +252,22 @@ def _group_blocks(cfg, pick: Pick, dp: int, gpu: Gpu, reasons: list[str]) -> int
     return 2
 
 
-def _check_grad_accum(cfg, pick: Pick, dp: int) -> None:
-    """A grad_accum given beside global_batch_tokens must be the one the batch implies."""
+def _check_grad_accum(cfg, replica: int, dp: int) -> None:
+    """A grad_accum given beside global_batch_tokens and a fixed micro-batch must be the one
+    the batch implies (beside ``micro_batch: auto`` it fixes the micro-batch instead)."""
     tc = cfg.train
-    if tc.global_batch_tokens is None or tc.grad_accum in (1, pick.grad_accum):
+    if tc.global_batch_tokens is None or tc.grad_accum is None or tc.micro_batch == AUTO:
+        return
+    derived = accumulated(cfg, replica)
+    if tc.grad_accum == derived:
         return
     raise ConfigError(
         f"train.grad_accum = {tc.grad_accum} with train.global_batch_tokens = "
         f"{tc.global_batch_tokens}",
-        expected=f"grad_accum {pick.grad_accum} (global_batch_tokens / (micro_batch "
-        f"{pick.micro_batch} x {dp} data-parallel rank(s) x {cfg.data.seq_len} tokens))",
-        hint="drop train.grad_accum: it follows from the global batch")
+        expected=f"grad_accum {derived} (global_batch_tokens / (micro_batch {tc.micro_batch} x "
+        f"{dp} data-parallel rank(s) x {cfg.data.seq_len} tokens))",
+        hint=f"drop train.grad_accum (it follows from the global batch), or set "
+        f"train.grad_accum={derived}")
 
 
 def _yaml(value: Any) -> str:

@@ -54,7 +54,7 @@ def _micro_batches(cfg, replica: int, gpu: Gpu) -> list[int]:
     tc = cfg.train
     if tc.micro_batch != AUTO:
         return [tc.micro_batch]
-    if tc.grad_accum != 1:  # given beside global_batch_tokens: it fixes the micro-batch
+    if tc.grad_accum is not None:  # given beside global_batch_tokens: it fixes the micro-batch
         if replica % tc.grad_accum:
             raise ConfigError(
                 f"train.grad_accum = {tc.grad_accum} with {replica} samples per data-parallel "

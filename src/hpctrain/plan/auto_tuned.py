@@ -101,6 +101,8 @@ def _fits_config(cfg, s: dict, pick: Pick, replica: int) -> bool:
         return False
     if pick.micro_batch * pick.grad_accum != replica:
         return False
+    if tc.grad_accum is not None and pick.grad_accum != tc.grad_accum:  # given: it fixes the split
+        return False
     fixed = (pc.strategy, pc.activation_checkpointing, tc.micro_batch)
     for given, value in zip(fixed, (pick.strategy, pick.ac, pick.micro_batch), strict=True):
         if given != AUTO and given != value:
