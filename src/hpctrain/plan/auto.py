@@ -147,16 +147,16 @@ def resolve_auto(cfg, world_size: int, gpu: Gpu | None = None, *, must_fit: bool
     dp = _data_parallel(pc, world_size)
     replica = _replica_batch(cfg, dp)
     _check_grad_accum(cfg, replica, dp)  # what the user wrote is kept, or refused: never replaced
-    gpu = gpu or this_gpu(cfg)
-    # The CPU's memory is the host's, which the stand-in's 16 GB only guesses: never refuse.
-    must_fit = must_fit and not gpu.cpu
     reasons: list[str] = []
-    if not keys:  # only grad_accum to derive
+    if not keys:  # only grad_accum to derive: no GPU to ask (a launcher re-resolving asks none)
         pick = Pick(pc.strategy, 3, pc.activation_checkpointing, tc.micro_batch,
                     accumulated(cfg, replica))
     elif cfg.task or not family_of_args(cfg.model.resolve()).plan_memory:
         pick = fallback(cfg, dp, replica, reasons)
     else:
+        gpu = gpu or this_gpu(cfg)
+        # The CPU's memory is the host's, which the stand-in's 16 GB only guesses: never refuse.
+        must_fit = must_fit and not gpu.cpu
         pick = (from_tune(cfg, world_size, gpu, replica, dp, reasons, must_fit)
                 or from_model(cfg, world_size, gpu, replica, dp, reasons, must_fit=must_fit))
     values = _values(cfg, pick, dp, gpu, reasons)
@@ -200,7 +200,8 @@ def _replica_batch(cfg, dp: int) -> int:
     return tokens // (seq * dp)
 
 
-def _values(cfg, pick: Pick, dp: int, gpu: Gpu, reasons: list[str]) -> dict[str, Any]:
+def _values(cfg, pick: Pick, dp: int, gpu: Gpu | None, reasons: list[str]
+            ) -> dict[str, Any]:
     """The config values ``pick`` sets: the auto keys, and grad_accum beside a global batch in
     tokens."""
     pc, tc = cfg.parallel, cfg.train
@@ -232,11 +233,13 @@ def _values(cfg, pick: Pick, dp: int, gpu: Gpu, reasons: list[str]) -> dict[str,
     return values
 
 
-def _group_blocks(cfg, pick: Pick, dp: int, gpu: Gpu, reasons: list[str]) -> int:
+def _group_blocks(cfg, pick: Pick, dp: int, gpu: Gpu | None, reasons: list[str]) -> int:
     """2 where FSDP's per-unit hooks set the pace (many GPUs, a small model) and it fits; 1
     otherwise (and outside FSDP, which refuses any other)."""
     shard = dp // cfg.parallel.dp_replicate  # HSDP: the hooks run per shard group
-    if pick.strategy != "fsdp" or gpu.cpu or shard < GROUP_MIN_GPUS or cfg.task:
+    # No GPU asked: no memory model (the fallback) to size the larger units with.
+    if (gpu is None or pick.strategy != "fsdp" or gpu.cpu or shard < GROUP_MIN_GPUS
+            or cfg.task):
         return 1
     if count_params(cfg.model.resolve(), include_embedding=True) >= GROUP_MAX_PARAMS:
         return 1
