@@ -43,11 +43,8 @@ def _nvml() -> types.ModuleType:
     return nvml
 
 
-@pytest.mark.parametrize("nvml", [True, False], ids=["nvml", "no-nvml"])
-def test_the_launcher_chooses_auto_without_initialising_cuda(
-        nvml: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With nvidia-ml-py: for the H100 NVML reads; without: for the CPU's stand-in (each rank
-    sizes it on its GPU). Either way torch.cuda is never initialised here."""
+def _gpu_node(monkeypatch: pytest.MonkeyPatch, nvml: bool) -> None:
+    """torch.cuda sees 2 GPUs; initialising CUDA fails the test."""
     def cuda_init() -> None:
         raise AssertionError("the launcher initialised CUDA")
 
@@ -56,6 +53,14 @@ def test_the_launcher_chooses_auto_without_initialising_cuda(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setitem(sys.modules, "pynvml", _nvml() if nvml else None)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+@pytest.mark.parametrize("nvml", [True, False], ids=["nvml", "no-nvml"])
+def test_the_launcher_chooses_auto_without_initialising_cuda(
+        nvml: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With nvidia-ml-py: for the H100 NVML reads; without: for the CPU's stand-in (each rank
+    sizes it on its GPU). Either way torch.cuda is never initialised here."""
+    _gpu_node(monkeypatch, nvml)
     started = []
     monkeypatch.setattr(local, "launch_local", lambda nproc, *a, **k: started.append(nproc))
     cfg = load_config(DEMO, [*AUTO, f"run.out_dir={tmp_path}"])
@@ -70,3 +75,16 @@ def test_the_launcher_chooses_auto_without_initialising_cuda(
     assert {k: getattr(getattr(cfg, k.split(".")[0]), k.split(".")[1]) for k in expected} \
         == expected
     assert cfg.train.micro_batch > 64 if nvml else cfg.train.micro_batch <= 64
+
+
+def test_sbatch_chooses_for_the_cpu_stand_in_without_cuda(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """sbatch (and submit, which shares its checks) on a login node that has a GPU: the job's
+    GPUs are elsewhere, so auto is checked for the CPU's stand-in and CUDA stays untouched."""
+    from hpctrain.cli import main
+
+    _gpu_node(monkeypatch, nvml=True)
+    config = str(Path(DEMO).resolve())
+    monkeypatch.chdir(tmp_path)  # its log folder is created here
+    main(["sbatch", config, *AUTO, "--tasks-per-node", "2"])
+    assert "#SBATCH" in capsys.readouterr().out and not torch.cuda.is_initialized()
