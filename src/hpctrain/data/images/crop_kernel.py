@@ -1,0 +1,89 @@
+"""A whole batch's crops, resizes and flips in a fixed number of torch ops, whatever its size.
+
+    geometry = [train_geometry(hw, box, size, flip) for ...]   # or centre_geometry(...)
+    x = batch_crops(images, geometry, size)      # (B, 3, S, S) float, 0..255 levels
+
+Cropping image by image costs ~4 kernel launches per image under the GIL (a slice, a cast,
+``F.interpolate``, then a stack): at batch 256 the loader thread spends its time launching, and
+the GPU waits. Here the batch is one flat uint8 buffer (one ``_chunk_cat``), and each resize is
+separable: output = Wy @ crop @ Wx^T, with per-sample weight matrices built on the device from a
+small geometry table (one pinned host->device copy). The weights are ``F.interpolate(bilinear,
+antialias=True)``'s own (a triangle filter as wide as the downscale factor, renormalised at the
+crop's edges: PyTorch's ``_compute_indices_min_size_weights_aa``), so the result equals the
+per-image resize up to float rounding. A flipped sample reads its output columns in reverse: the
+flip costs nothing and needs no host->device copy of which samples flip.
+
+The crop of each sample is read as rows: ``flat.unfold(0, wmax, 1)`` views every offset of the
+buffer as a row of ``wmax`` bytes, so one index of (B, 3, hmax) row starts gathers the (B, 3,
+hmax, wmax) crops without a per-pixel index tensor. Columns past a crop's width (and rows past
+its height) read neighbouring bytes that get weight 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+# One row of the geometry table: the image, the box read from it, the resized size that box
+# becomes, where the output window sits in it, and whether it is mirrored.
+FIELDS = ("H", "W", "top", "left", "h", "w", "out_h", "out_w", "shift_y", "shift_x", "flip")
+
+
+def train_geometry(hw: tuple[int, int], box: tuple[int, int, int, int], size: int,
+                   flip: bool) -> list[int]:
+    """The geometry row of a random-resized crop: ``box`` (top, left, h, w) to size x size."""
+    (H, W), (top, left, h, w) = hw, box
+    return [H, W, top, left, h, w, size, size, 0, 0, int(flip)]
+
+
+def centre_geometry(hw: tuple[int, int], resize: int, size: int) -> list[int]:
+    """The geometry row of torchvision's Resize(resize) + CenterCrop(size) of an (H, W) image."""
+    H, W = hw
+    nh, nw = (resize, int(resize * W / H)) if H <= W else (int(resize * H / W), resize)
+    return [H, W, 0, 0, H, W, nh, nw, round((nh - size) / 2), round((nw - size) / 2), 0]
+
+
+def _weights(n_in: torch.Tensor, n_out: torch.Tensor, shift: torch.Tensor, flip: torch.Tensor,
+             size: int, span: int, dtype: torch.dtype) -> torch.Tensor:
+    """(B, size, span): each output index's antialiased bilinear weights over the box's
+    ``n_in`` input indices (zero past them), as ``F.interpolate(antialias=True)`` computes."""
+    device = n_in.device
+    i = torch.arange(size, device=device, dtype=torch.float32)
+    i = torch.where(flip[:, None], size - 1 - i, i) + shift[:, None]  # (B, size)
+    scale = (n_in.float() / n_out.float())[:, None, None]  # float32 in PyTorch too
+    invscale = torch.where(scale >= 1, 1.0 / scale, torch.ones_like(scale))
+    center = scale * (i[:, :, None] + 0.5)
+    j = torch.arange(span, device=device, dtype=torch.float32)
+    w = (1 - ((j - center + 0.5) * invscale).abs()).clamp_(min=0)
+    w = w * (j < n_in[:, None, None])
+    return (w / w.sum(-1, keepdim=True)).to(dtype)
+
+
+def batch_crops(images: Sequence[torch.Tensor], geometry: list[list[int]], size: int,
+                compute: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 (3, H, W) images -> (B, 3, size, size) of their boxes resized (float, 0..255),
+    in ``compute`` precision (float16 on CUDA keeps uint8 levels exact and halves the traffic)."""
+    device = images[0].device
+    hmax = max(g[4] for g in geometry)
+    wmax = max(g[5] for g in geometry)
+    table = torch.tensor(geometry, dtype=torch.int64)
+    if device.type == "cuda":
+        # A pageable host->device copy can wait on the device: pinned, it only queues.
+        table = table.pin_memory()
+    table = table.to(device, non_blocking=True)
+    H, W, top, left, h, w, out_h, out_w, shift_y, shift_x, flip = table.unbind(1)
+    # The images end to end; the tail pad lets the last row's window of wmax bytes exist.
+    flat = torch._chunk_cat([*images, torch.zeros(wmax, dtype=torch.uint8, device=device)],
+                            0, 1)[0]
+    plane = H * W
+    offset = plane.mul(3).cumsum(0) - plane * 3  # where each image starts in ``flat``
+    rows = torch.minimum(torch.arange(hmax, device=device), (h - 1)[:, None])  # (B, hmax)
+    starts = ((offset + top * W + left)[:, None, None]
+              + torch.arange(3, device=device)[None, :, None] * plane[:, None, None]
+              + (rows * W[:, None])[:, None, :])  # (B, 3, hmax)
+    crops = flat.unfold(0, wmax, 1)[starts].to(compute)  # (B, 3, hmax, wmax)
+    no_flip = torch.zeros_like(flip, dtype=torch.bool)
+    wy = _weights(h, out_h, shift_y, no_flip, size, hmax, compute)  # (B, S, hmax)
+    wx = _weights(w, out_w, shift_x, flip.bool(), size, wmax, compute)  # (B, S, wmax)
+    return wy[:, None] @ crops @ wx[:, None].transpose(-1, -2)
