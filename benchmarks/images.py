@@ -28,8 +28,8 @@ Pillow threads, the rest to nvJPEG), ``cpu<N>`` (all on N Pillow threads); a suf
 sets the Pillow threads, ``r<S>`` decodes at reduced size (Pillow keeps the shorter side >= S).
 Each row says its setting, the decode threads and cores of the process, and the milliseconds
 per image spent decoding (wall time: nvJPEG returns when done) and augmenting (the side
-stream's timing events, read after the loader thread has waited for that stream: the step's
-stream is never synchronised for them; ``serial`` has no augment time, as timing it would sync
+stream's timing events, read once the device has passed them: neither the loader thread nor
+the step's stream ever waits for them; ``serial`` has no augment time, as timing it would sync
 the step's stream).
 """
 

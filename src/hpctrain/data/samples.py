@@ -61,10 +61,12 @@ def build_sample_loader(dataset: Any, layout: BatchLayout, seed: int, device: to
 
 
 def to_device(batch: Any, device: torch.device, pin: bool = False) -> Any:
-    """``batch`` (tensors in tuples, lists and dicts) with every tensor on ``device``."""
+    """``batch`` (tensors in tuples, lists and dicts) with every tensor on ``device``
+    (``pin``: host tensors pinned instead, for a later non-blocking copy)."""
     if isinstance(batch, torch.Tensor):
         if pin:
-            return batch.pin_memory()
+            # Only host memory pins: a tensor a collate put on the GPU stays where it is.
+            return batch.pin_memory() if batch.device.type == "cpu" else batch
         return batch.to(device, non_blocking=True)
     if isinstance(batch, tuple | list):
         return type(batch)(to_device(b, device, pin) for b in batch)

@@ -27,8 +27,8 @@ each batch's JPEGs go to Pillow on ``decode_threads`` host threads while nvJPEG 
 rest (1: all on the host); ``decode_min_side`` lets Pillow decode at reduced size;
 ``decode_ahead: false`` decodes in the step on its own stream (serially: the baseline). Training
 metrics carry ``decode_ms_per_image`` (and ``augment_ms_per_image`` where it costs the step's
-stream no sync: the side stream's events, read after the loader thread has waited for that stream,
-or wall time on the CPU).
+stream no sync: the side stream's events, read once the device has passed them, so a step reports
+an earlier batch's; or wall time on the CPU).
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ class ImageClassifier:
         if isinstance(prepared, EncodedImages):  # decode_ahead=false: decode here, serially
             prepared, labels = self._decoder(model.training, device).prepare(prepared, labels)
             labels = labels.to(prepared.tensor.device, non_blocking=True)
-        images = prepared.tensor
+        images = prepared.use()  # the step's stream waits for the loader's side stream
         if device is not None and images.device != device:
             raise TaskError(f"the image batch is on {images.device}, the model on {device}",
                             expected="batches decoded on the model's device",

@@ -6,11 +6,18 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hpctrain.data.images import ImagePipeline, augment_generator, crop_boxes
+from hpctrain.data.images import (
+    DecodeAhead,
+    EncodedImages,
+    ImagePipeline,
+    augment_generator,
+    crop_boxes,
+)
 from hpctrain.data.images.crop_kernel import batch_crops, centre_geometry, train_geometry
 from hpctrain.data.images.decode import Decoded
 
@@ -99,3 +106,26 @@ def test_the_batched_pipeline_dispatches_as_many_ops_for_32_images_as_for_4() ->
             counts.append(mode.ops)
         assert counts[0] == counts[1], (train, counts)
         assert sum(counts[0].values()) < 150  # ~120, views included: ~1024 image by image
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the lead's run)")
+
+
+@cuda
+def test_on_cuda_float16_crops_match_and_the_side_stream_hands_over_by_event() -> None:
+    images = _images(12)
+    sizes = [tuple(img.shape[-2:]) for img in images]
+    geometry = [train_geometry(hw, b, S, k % 2 == 0) for k, (hw, b) in
+                enumerate(zip(sizes, crop_boxes(sizes, torch.Generator().manual_seed(0)),
+                              strict=True))]
+    on_gpu = batch_crops([img.cuda() for img in images], geometry, S, torch.float16)
+    assert (on_gpu.float().cpu() - batch_crops(images, geometry, S)).abs().max() < 0.5
+
+    from hpctrain.data.images.synthetic import synthetic_jpeg
+    jpegs = EncodedImages([torch.frombuffer(bytearray(synthetic_jpeg(i, 1, (60 + i, 40 + 2 * i))),
+                                            dtype=torch.uint8) for i in range(8)])
+    pipe = ImagePipeline(S, train=True, device="cuda", dtype=torch.bfloat16)
+    prepared, _ = DecodeAhead(pipe, 3).prepare(jpegs, torch.arange(8))
+    assert prepared.ready is not None  # the loader thread did not wait: the step's stream will
+    serial, _ = DecodeAhead(pipe, 3, side_stream=False).prepare(jpegs, torch.arange(8))
+    assert torch.equal(prepared.use(), serial.tensor)

@@ -7,9 +7,12 @@
 `hpctrain.data.samples.SampleLoader` runs ``collate`` in its prefetch thread, a step or two ahead
 of training. Done there, nvJPEG decoding and the crops run on a CUDA side stream while the
 model's kernels run on the default stream (Pillow and PyTorch's CPU kernels release the GIL, so
-on the CPU it overlaps too). The batch is complete before it is handed over (the thread waits
-on its stream), and its memory is recorded as used by the default stream, so the allocator does
-not give it back to the side stream while the step still reads it.
+on the CPU it overlaps too). The thread never waits for the GPU: the batch carries an event
+recorded on the side stream once it is made, and the step's stream waits for that event
+(`PreparedImages.use`: on the device, not the host) and records the memory as its own, so the
+allocator does not give it back to the side stream while the step still reads it. The side
+stream's timing of each augment is read once its events have completed (``query``, no wait):
+a batch reports the timing of an earlier one.
 
 The crops cannot come from a generator seeded by the step (the collate does not know it): they
 come from one seeded by the run seed and the keys of the batch's samples. A resumed run reads the
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import deque
 
 import torch
 
@@ -54,6 +58,8 @@ class DecodeAhead:
         self.side_stream = side_stream
         self.mixing = mixing
         self._stream = None
+        # (begin, end, images) of augments whose events the device has not reached yet.
+        self._timings: deque = deque()
 
     def __call__(self, samples: list) -> tuple[PreparedImages, torch.Tensor]:
         """The prepared batch and its labels (those of the images that decoded)."""
@@ -90,15 +96,19 @@ class DecodeAhead:
             begin.record()
             x, kept = pipe.augment(out, g)
             x, lam = self._mix(x, g)
-            end.record()
-        # The step reads x on the default stream: the allocator must not hand its memory back
-        # to this stream before that stream is done with it.
-        x.record_stream(torch.cuda.default_stream(device))
-        # Waits for this side stream only (never the step's): the batch is complete when the
-        # step gets it, so the step's stream needs no event to wait on.
-        self._stream.synchronize()
-        return (PreparedImages(x, wall_ms_per_image(t0, t1, n), event_ms_per_image(begin, end, n),
-                              lam), _kept(labels, kept))
+            end.record()  # also the batch's "ready" event
+        self._timings.append((begin, end, n))
+        return (PreparedImages(x, wall_ms_per_image(t0, t1, n), self._done_augment_ms(), lam,
+                               ready=end), _kept(labels, kept))
+
+    def _done_augment_ms(self) -> float | None:
+        """Milliseconds per image of the latest augment the device has finished (None if none
+        has since the last call); never waits."""
+        ms = None
+        while self._timings and self._timings[0][1].query():
+            begin, end, n = self._timings.popleft()
+            ms = event_ms_per_image(begin, end, n)
+        return ms
 
     def _mix(self, x: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, float | None]:
         if self.mixing is None or not self.pipeline.train:

@@ -138,7 +138,7 @@ class ImagePipeline:
         `PreparedImages` (from `DecodeAhead`, done in the loader's thread) pass through.
         """
         if isinstance(images, PreparedImages):
-            return images.tensor, labels.to(self.device, non_blocking=True)
+            return images.use(), labels.to(self.device, non_blocking=True)
         x, kept = self.prepare(images, generator)
         labels = labels.to(self.device, non_blocking=True)
         if len(kept) < len(labels):

@@ -146,6 +146,14 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return _pools[threads]
 
 
+def _to_device(img: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-decoded image on ``device``; to CUDA through pinned memory, as a pageable copy
+    may wait for the device (the loader thread must not)."""
+    if device.type == "cuda":
+        return img.pin_memory().to(device, non_blocking=True)
+    return img.to(device)
+
+
 def decode_batch(images: EncodedImages | Sequence[torch.Tensor], device: str | torch.device,
                  *, min_side: int | None = None, stats: DecodeStats | None = None,
                  threads: int = 1, cpu_fraction: float = 0.0) -> Decoded:
@@ -177,11 +185,11 @@ def decode_batch(images: EncodedImages | Sequence[torch.Tensor], device: str | t
     for k, i in enumerate(host):
         img, why[i] = (pending[k].result() if pending is not None
                        else _cpu_or_none(batch.data[i], min_side))
-        out[i] = None if img is None else img.to(device, non_blocking=True)
+        out[i] = None if img is None else _to_device(img, device)
     for i in on_gpu:  # refused by nvJPEG alone (CMYK, ...): Pillow's turn
         if out[i] is None:
             img, why[i] = _cpu_or_none(batch.data[i], min_side)
-            out[i] = None if img is None else img.to(device, non_blocking=True)
+            out[i] = None if img is None else _to_device(img, device)
     kept = []
     for i, img in enumerate(out):
         stats.note(batch.sources[i], img is not None, why[i])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -71,9 +72,21 @@ class PreparedImages:
     augment_ms: float | None = None
     # Mixup/CutMix (`Mixing`): the weight of the batch's own labels (their partners' is 1 - it).
     lam: float | None = None
+    # A CUDA event recorded on the side stream once the batch is made (None: ready already).
+    ready: Any = None
 
     def __len__(self) -> int:
         return self.tensor.shape[0]
+
+    def use(self) -> torch.Tensor:
+        """The batch, safe to read on the current stream: the stream (not the host) waits for
+        the side stream that made it, and the allocator keeps its memory until this stream is
+        done with it."""
+        if self.ready is not None:
+            stream = torch.cuda.current_stream(self.tensor.device)
+            stream.wait_event(self.ready)
+            self.tensor.record_stream(stream)
+        return self.tensor
 
 
 def collate_images(samples: list) -> tuple[EncodedImages, torch.Tensor]:
