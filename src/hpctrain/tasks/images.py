@@ -164,6 +164,10 @@ class ImageClassifier:
         self.cfg, self.num_classes, self.build = cfg, num_classes, build
         self.device = torch.device("cpu")
         self._decoders: dict[tuple[bool, torch.device], DecodeAhead] = {}
+        # Training batches: random-resized crops and flips, seeded by the batch's keys;
+        # validation batches: resize and centre crop.
+        self.collate = ImageCollate(self, train=True)
+        self.eval_collate = ImageCollate(self, train=False)
 
     def model(self) -> nn.Module:
         """The classifier, on the trainer's device (which it remembers for the pipelines)."""
@@ -196,18 +200,12 @@ class ImageClassifier:
                                               side_stream=cfg.decode_ahead, mixing=mixing)
         return self._decoders[key]
 
-    def _collate(self, train: bool, samples: list) -> tuple[Any, torch.Tensor]:
-        if not self.cfg.decode_ahead:
-            return collate_images(samples)  # the step decodes
-        return self._decoder(train)(samples)
-
-    def collate(self, samples: list) -> tuple[Any, torch.Tensor]:
-        """Training batches: random-resized crops and flips, seeded by the batch's keys."""
-        return self._collate(True, samples)
-
-    def eval_collate(self, samples: list) -> tuple[Any, torch.Tensor]:
-        """Validation batches: resize and centre crop."""
-        return self._collate(False, samples)
+        self.device = torch.device("cpu")
+        self._decoders: dict[tuple[bool, torch.device], DecodeAhead] = {}
+        # Training batches: random-resized crops and flips, seeded by the batch's keys;
+        # validation batches: resize and centre crop.
+        self.collate = ImageCollate(self, train=True)
+        self.eval_collate = ImageCollate(self, train=False)
 
     def step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict]:
         """Cross entropy (label smoothing in training), per-sample top-1/top-5 hits and, in
@@ -239,6 +237,29 @@ class ImageClassifier:
             partners = F.cross_entropy(logits.float(), labels.flip(0), label_smoothing=smoothing)
             loss = prepared.lam * loss + (1 - prepared.lam) * partners
         return loss, {**topk_correct(logits.detach(), labels), **_timings(prepared, model)}
+
+
+class ImageCollate:
+    """The task's ``collate``, in two parts that `SampleLoader` runs on two threads: gathering
+    the encoded bytes (with the reading), then decoding and augmenting them (`DecodeAhead`)."""
+
+    def __init__(self, parts: ImageClassifier, train: bool) -> None:
+        self.parts, self.train = parts, train
+
+    def __call__(self, samples: list) -> tuple[Any, torch.Tensor]:
+        """Both parts: the batch as the step takes it."""
+        return self.finish(self.gather(samples))
+
+    def gather(self, samples: list) -> tuple[EncodedImages, torch.Tensor]:
+        """Encoded images and labels, on the host."""
+        return collate_images(samples)
+
+    def finish(self, gathered: tuple[EncodedImages, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        """Decoded and augmented ahead (or left encoded with ``decode_ahead: false``: the step
+        decodes)."""
+        if not self.parts.cfg.decode_ahead:
+            return gathered
+        return self.parts._decoder(self.train).prepare(*gathered)
 
 
 def classifier(build: Callable[[int, int], nn.Module] | None = None, **task_args: Any) -> Task:

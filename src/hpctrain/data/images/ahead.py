@@ -63,7 +63,17 @@ class DecodeAhead:
 
     def __call__(self, samples: list) -> tuple[PreparedImages, torch.Tensor]:
         """The prepared batch and its labels (those of the images that decoded)."""
-        return self.prepare(*collate_images(samples))
+        return self.finish(self.gather(samples))
+
+    def gather(self, samples: list) -> tuple[EncodedImages, torch.Tensor]:
+        """The host part: encoded bytes and labels (`SampleLoader` runs it on the reading
+        thread, and `finish` on another)."""
+        return collate_images(samples)
+
+    def finish(self, gathered: tuple[EncodedImages, torch.Tensor],
+               ) -> tuple[PreparedImages, torch.Tensor]:
+        """The device part: `prepare` of what `gather` made."""
+        return self.prepare(*gathered)
 
     def prepare(self, encoded: EncodedImages, labels: torch.Tensor,
                 ) -> tuple[PreparedImages, torch.Tensor]:

@@ -154,8 +154,17 @@ class ImageShards:
 
     def __getitem__(self, i: int) -> ImageSample:
         """``(bytes, label)`` of sample ``i``."""
-        raw = self._tar.sample(int(i))
-        s = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return self._sample(int(i), int(np.searchsorted(self._starts, i, side="right")) - 1)
+
+    def read_samples(self, indices: list[int]) -> list[ImageSample]:
+        """Samples ``indices`` in one call: reading draws no random numbers, so `SampleLoader`
+        reads a micro-batch here without seeding each sample."""
+        shards = (np.searchsorted(self._starts, indices, side="right") - 1).tolist()
+        return [self._sample(i, s) for i, s in zip(indices, shards, strict=True)]
+
+    def _sample(self, i: int, s: int) -> ImageSample:
+        """Sample ``i``, of shard number ``s``."""
+        raw = self._tar.sample(i)
         shard, key = self._tar.raw["shards"][s]["tar"], raw["__key__"].decode()
         exts = [e for e in raw if e in IMAGE_EXTS]
         if len(exts) != 1 or "cls" not in raw:
