@@ -157,9 +157,10 @@ class ImagePipeline:
 
     def decode(self, images: EncodedImages | list[torch.Tensor]) -> Decoded:
         """The images that decode, as uint8 (3, H, W) tensors on the device (`decode_batch`)."""
-        t0 = self._clock()
+        t0, cpu0 = self._clock(), time.thread_time()
         out = decode_batch(images, self.device, min_side=self.min_side, stats=self.stats,
                            threads=self.threads, cpu_fraction=self.cpu_fraction)
+        self.stats.decode_cpu_s += time.thread_time() - cpu0
         if self.timed:
             self.stats.decode_s += self._clock() - t0
         return out
@@ -171,8 +172,9 @@ class ImagePipeline:
         if self.train and generator is None:
             raise ValueError("training augmentation needs an explicit torch.Generator "
                              "(augment_generator(seed, step, rank)), so a resume is exact")
-        t0 = self._clock()
+        t0, cpu0 = self._clock(), time.thread_time()
         x, kept = self._augment(out, generator)
+        self.stats.augment_cpu_s += time.thread_time() - cpu0
         if self.timed:
             self.stats.augment_s += self._clock() - t0
         return x, kept

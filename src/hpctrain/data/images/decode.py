@@ -56,6 +56,10 @@ class DecodeStats:
     shards: dict[str, list[int]] = field(default_factory=dict)
     decode_s: float = 0.0  # filled by a timed ImagePipeline
     augment_s: float = 0.0
+    # CPU time of the threads that decoded and augmented (launching nvJPEG and the crop
+    # kernels on CUDA): what the loader thread pays per batch, filled by ImagePipeline.
+    decode_cpu_s: float = 0.0
+    augment_cpu_s: float = 0.0
 
     def note(self, source: tuple[str, str, int], ok: bool, why: str = "") -> None:
         """Count one image; raise DataError once its shard has proven to be all bad."""
