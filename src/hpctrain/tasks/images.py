@@ -225,6 +225,10 @@ class ImageClassifier:
             # fp32 runs (and FSDP, whose mixed precision casts its inputs itself).
             images = images.float()
         logits = model(images)
+        if len(labels) < logits.shape[0]:
+            # Rows past the labels pad a batch that lost images (`DecodeAhead`): one shape
+            # for the compiled model, no loss or metric for them.
+            logits = logits[:len(labels)]
         smoothing = self.cfg.label_smoothing if model.training else 0.0
         if not len(labels):
             # Every image failed to decode: no loss to add, but a zero still tied to the graph

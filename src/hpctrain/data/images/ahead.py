@@ -49,6 +49,12 @@ class DecodeAhead:
     ``side_stream=False`` is for `prepare` called in the training step itself (decoding on the
     step's own stream, serially: the baseline that decoding ahead is measured against).
     ``mixing`` (training only) mixes each batch after its crops, from the same generator.
+
+    A batch that lost images (they do not decode) keeps its size: the first image's crop fills
+    the missing rows, after the kept ones, so a compiled model sees one shape and does not
+    recompile; the labels are those of the kept images only, and the step counts the rows
+    that have one (a copy of a real image, not zeros, so BatchNorm's batch statistics stay
+    those of real pixels).
     """
 
     def __init__(self, pipeline: ImagePipeline, seed: int, *, side_stream: bool = True,
@@ -92,7 +98,7 @@ class DecodeAhead:
             # sync of the step's stream, so only the decode (nvJPEG returns when done) counts.
             augment = (wall_ms_per_image(t1, time.perf_counter(), n)
                        if x.device.type == "cpu" else None)
-            return (PreparedImages(x, wall_ms_per_image(t0, t1, n), augment, lam),
+            return (PreparedImages(_pad(x, n), wall_ms_per_image(t0, t1, n), augment, lam),
                     _kept(labels, kept))
         device = pipe.device
         if self._stream is None:
@@ -106,6 +112,7 @@ class DecodeAhead:
             begin.record()
             x, kept = pipe.augment(out, g)
             x, lam = self._mix(x, g)
+            x = _pad(x, n)
             end.record()  # also the batch's "ready" event
         self._timings.append((begin, end, n))
         return (PreparedImages(x, wall_ms_per_image(t0, t1, n), self._done_augment_ms(), lam,
@@ -136,6 +143,16 @@ def event_ms_per_image(begin, end, n: int) -> float:
     """Milliseconds per image of a batch of ``n`` timed by two recorded CUDA events (their
     ``elapsed_time`` is in milliseconds already)."""
     return begin.elapsed_time(end) / max(1, n)
+
+
+def _pad(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``x`` with copies of its first image appended up to ``n`` rows (none if it has no
+    image: an all-corrupt batch stays empty)."""
+    missing = n - x.shape[0]
+    if missing <= 0 or x.shape[0] == 0:
+        return x
+    return torch.cat([x, x[:1].expand(missing, -1, -1, -1)]).contiguous(
+        memory_format=torch.channels_last)
 
 
 def _kept(labels: torch.Tensor, kept: list[int]) -> torch.Tensor:
