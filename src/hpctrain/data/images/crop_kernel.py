@@ -14,8 +14,8 @@ per-image resize up to float rounding. A flipped sample reads its output columns
 flip costs nothing and needs no host->device copy of which samples flip.
 
 The crop of each sample is read as rows: ``flat.unfold(0, wmax, 1)`` views every offset of the
-buffer as a row of ``wmax`` bytes, so one index of (B, 3, hmax) row starts gathers the (B, 3,
-hmax, wmax) crops without a per-pixel index tensor. Columns past a crop's width (and rows past
+buffer as a row of ``wmax`` bytes, so one index of (B, hmax, 3) row starts gathers the (B, hmax,
+3, wmax) crops without a per-pixel index tensor. Columns past a crop's width (and rows past
 its height) read neighbouring bytes that get weight 0.
 """
 
@@ -79,11 +79,15 @@ def batch_crops(images: Sequence[torch.Tensor], geometry: list[list[int]], size:
     plane = H * W
     offset = plane.mul(3).cumsum(0) - plane * 3  # where each image starts in ``flat``
     rows = torch.minimum(torch.arange(hmax, device=device), (h - 1)[:, None])  # (B, hmax)
-    starts = ((offset + top * W + left)[:, None, None]
-              + torch.arange(3, device=device)[None, :, None] * plane[:, None, None]
-              + (rows * W[:, None])[:, None, :])  # (B, 3, hmax)
-    crops = flat.unfold(0, wmax, 1)[starts].to(compute)  # (B, 3, hmax, wmax)
+    # Row starts in (B, hmax, 3) order: the crops come out as (B, hmax, 3 * wmax), so both
+    # passes are plain batched matmuls over all channels at once.
+    starts = ((offset + top * W + left)[:, None, None] + (rows * W[:, None])[:, :, None]
+              + torch.arange(3, device=device)[None, None, :] * plane[:, None, None])
+    B = len(geometry)
+    crops = flat.unfold(0, wmax, 1)[starts].to(compute).view(B, hmax, 3 * wmax)
     no_flip = torch.zeros_like(flip, dtype=torch.bool)
     wy = _weights(h, out_h, shift_y, no_flip, size, hmax, compute)  # (B, S, hmax)
     wx = _weights(w, out_w, shift_x, flip.bool(), size, wmax, compute)  # (B, S, wmax)
-    return wy[:, None] @ crops @ wx[:, None].transpose(-1, -2)
+    rows_done = torch.bmm(wy, crops).view(B, size * 3, wmax)  # (B, S, 3, wmax)
+    out = torch.bmm(rows_done, wx.transpose(1, 2))  # (B, S, 3, S)
+    return out.view(B, size, 3, size).permute(0, 2, 1, 3)
