@@ -118,7 +118,10 @@ def test_on_cuda_float16_crops_match_and_the_side_stream_hands_over_by_event() -
     geometry = [train_geometry(hw, b, S, k % 2 == 0) for k, (hw, b) in
                 enumerate(zip(sizes, crop_boxes(sizes, torch.Generator().manual_seed(0)),
                               strict=True))]
-    on_gpu = batch_crops([img.cuda() for img in images], geometry, S, torch.float16)
+    on_gpu = [img.cuda() for img in images]
+    # Pillow's layout (HWC memory, a permuted view), as a host decode on CUDA may bring.
+    on_gpu[1] = images[1].permute(1, 2, 0).contiguous().permute(2, 0, 1).cuda()
+    on_gpu = batch_crops(on_gpu, geometry, S, torch.float16)
     assert (on_gpu.float().cpu() - batch_crops(images, geometry, S)).abs().max() < 0.5
 
     from hpctrain.data.images.synthetic import synthetic_jpeg

@@ -73,7 +73,10 @@ def batch_crops(images: Sequence[torch.Tensor], geometry: list[list[int]], size:
         table = table.pin_memory()
     table = table.to(device, non_blocking=True)
     H, W, top, left, h, w, out_h, out_w, shift_y, shift_x, flip = table.unbind(1)
-    # The images end to end; the tail pad lets the last row's window of wmax bytes exist.
+    # The images end to end, each (3, H, W) in that order: CUDA's _chunk_cat copies a dense
+    # tensor's memory as it lies, so a permuted one (Pillow's HWC) is made contiguous first
+    # (nvJPEG's are: no op for them). The tail pad lets the last row's window exist.
+    images = [img if img.is_contiguous() else img.contiguous() for img in images]
     flat = torch._chunk_cat([*images, torch.zeros(wmax, dtype=torch.uint8, device=device)],
                             0, 1)[0]
     plane = H * W

@@ -154,7 +154,9 @@ def _to_device(img: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host-decoded image on ``device``; to CUDA through pinned memory, as a pageable copy
     may wait for the device (the loader thread must not)."""
     if device.type == "cuda":
-        return img.pin_memory().to(device, non_blocking=True)
+        # One copy into pinned memory, contiguous (3, H, W) (Pillow's is a permuted HWC view).
+        pinned = torch.empty(img.shape, dtype=img.dtype, pin_memory=True)
+        return pinned.copy_(img).to(device, non_blocking=True)
     return img.to(device)
 
 
