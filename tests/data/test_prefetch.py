@@ -8,9 +8,10 @@ import threading
 import time
 
 import pytest
+import torch
 
 from hpctrain.data.order import BatchLayout, GlobalOrderSampler
-from hpctrain.data.prefetch import Prefetcher
+from hpctrain.data.prefetch import Prefetcher, read_ahead
 
 
 class SlowSteps(Prefetcher):
@@ -83,3 +84,25 @@ def test_two_stages_keep_the_order_and_pass_each_error_on_in_place() -> None:
         steps._fetch()
     steps.close()
     assert not any(t.is_alive() for t in steps._threads)
+
+
+def test_read_ahead_yields_in_order_raises_in_place_and_leaves_no_thread() -> None:
+    cpu = torch.device("cpu")
+    made_on: set[str] = set()
+
+    def make(i: int) -> int:
+        made_on.add(threading.current_thread().name)
+        if i == 3:
+            raise ValueError("sample 3 does not decode")
+        return i * i
+
+    got = []
+    with pytest.raises(ValueError, match="sample 3"):
+        for x in read_ahead(range(10), make, cpu):
+            got.append(x)
+    assert got == [0, 1, 4] and made_on == {"hpctrain-read-ahead"}
+    assert list(read_ahead(range(5), lambda i: -i, cpu)) == [0, -1, -2, -3, -4]
+    abandoned = read_ahead(range(1000), lambda i: i, cpu)
+    assert next(abandoned) == 0
+    abandoned.close()  # a loop left early: the thread is stopped and joined
+    assert not any(t.name == "hpctrain-read-ahead" for t in threading.enumerate())

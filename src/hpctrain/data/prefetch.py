@@ -15,11 +15,65 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+import torch
 
 from hpctrain.data.order import GlobalOrderSampler
 
 _POLL_S = 0.05  # how often a thread blocked on a queue looks whether close() was called
+
+
+def _put(q: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """Put ``item`` on ``q`` once there is room; False if ``stop`` came first."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=_POLL_S)
+            return True
+        except queue.Full:
+            pass
+    return False
+
+
+def read_ahead(items: Iterable[Any], make: Callable[[Any], Any], device: torch.device,
+               depth: int = 2, name: str = "hpctrain-read-ahead") -> Iterator[Any]:
+    """``make(item)`` of each of ``items``, in order, made up to ``depth`` ahead on a thread
+    whose current device is ``device`` (validation: reading and decoding the next batches while
+    the model runs on this one).
+
+    An error in ``make`` (or in ``items``) is raised here, in its place; the thread is gone once
+    the iteration ends, fails or is abandoned (the generator closed)."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def work() -> None:
+        try:
+            if device.type == "cuda":  # a new thread's is cuda:0, whatever the rank's
+                torch.cuda.set_device(device)
+            for item in items:
+                if not _put(q, (True, make(item)), stop):
+                    return
+            _put(q, (True, _END), stop)
+        except BaseException as e:  # raised in the consuming thread, at its place
+            _put(q, (False, e), stop)
+
+    thread = threading.Thread(target=work, daemon=True, name=name)
+    thread.start()
+    try:
+        while True:
+            ok, value = q.get()
+            if not ok:
+                raise value
+            if value is _END:
+                return
+            yield value
+    finally:
+        stop.set()
+        thread.join()
+
+
+_END = object()  # read_ahead's end of the items
 
 
 class Prefetcher:
@@ -51,16 +105,6 @@ class Prefetcher:
         """The step handed to training, made from what ``_host_step`` read (``two_stage``)."""
         return host
 
-    def _put(self, q: queue.Queue, item: Any) -> bool:
-        """Put ``item`` on ``q`` once there is room; False if close() came first."""
-        while not self._stop.is_set():
-            try:
-                q.put(item, timeout=_POLL_S)
-                return True
-            except queue.Full:
-                pass
-        return False
-
     def _get(self, q: queue.Queue) -> Any:
         """The next item of ``q``; None if close() came first."""
         while not self._stop.is_set():
@@ -72,21 +116,21 @@ class Prefetcher:
 
     def _reader(self, out: queue.Queue) -> None:
         try:
-            while self._put(out, self._host_step() if self.two_stage
-                            else self._finish_step(self._host_step())):
+            while _put(out, self._host_step() if self.two_stage
+                       else self._finish_step(self._host_step()), self._stop):
                 pass
         except BaseException as e:  # surfaced to the training thread at its next fetch
-            self._put(out, e)
+            _put(out, e, self._stop)
 
     def _finisher(self, read: queue.Queue) -> None:
         try:
             while (host := self._get(read)) is not None:
                 if isinstance(host, BaseException):
                     raise host  # the reader's error, passed on in order
-                if not self._put(self._queue, self._finish_step(host)):
+                if not _put(self._queue, self._finish_step(host), self._stop):
                     return
         except BaseException as e:
-            self._put(self._queue, e)
+            _put(self._queue, e, self._stop)
 
     def _start(self) -> None:
         self._queue = queue.Queue(maxsize=self.prefetch)
