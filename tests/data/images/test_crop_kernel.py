@@ -18,7 +18,12 @@ from hpctrain.data.images import (
     augment_generator,
     crop_boxes,
 )
-from hpctrain.data.images.crop_kernel import batch_crops, centre_geometry, train_geometry
+from hpctrain.data.images.crop_kernel import (
+    batch_crops,
+    centre_geometry,
+    groups_by_size,
+    train_geometry,
+)
 from hpctrain.data.images.decode import Decoded
 
 S = 24
@@ -59,6 +64,16 @@ def test_batched_crops_equal_the_per_image_antialiased_resize() -> None:
                                      for hw, b in zip(sizes, boxes, strict=True)], S)
     assert torch.equal(x[flips], unflipped[flips].flip(-1))  # mirrored weights: bit-exact
     assert torch.equal(x[[not f for f in flips]], unflipped[[not f for f in flips]])
+
+    # A batch too large to pad to its largest box in one go is cropped in groups of similar
+    # sizes (the largest alone here), and comes back in batch order.
+    geometry = [train_geometry(hw, b, S, f) for hw, b, f in zip(sizes, boxes, flips, strict=True)]
+    budget = 3 * max(g[4] * g[5] for g in geometry)  # room for the largest box only
+    groups = groups_by_size(geometry, budget)
+    assert len(groups) > 2 and sorted(k for g in groups for k in g) == list(range(len(images)))
+    largest = max(range(len(images)), key=lambda k: geometry[k][4] * geometry[k][5])
+    assert groups[-1] == [largest]
+    assert (batch_crops(images, geometry, S, max_elements=budget) - ref).abs().max() < 1e-3
 
     resize = 28  # torchvision's Resize(28) + CenterCrop(24), image by image
     centre = batch_crops(images, [centre_geometry(hw, resize, S) for hw in sizes], S)

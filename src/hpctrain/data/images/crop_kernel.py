@@ -60,37 +60,84 @@ def _weights(n_in: torch.Tensor, n_out: torch.Tensor, shift: torch.Tensor, flip:
     return (w / w.sum(-1, keepdim=True)).to(dtype)
 
 
+# Elements of one group's padded crops (B, hmax, 3, wmax): ~0.8 GB of uint8 + float16 at most.
+# A batch of ImageNet-sized photos is one group; a 4000 x 3000 photo among them would pad every
+# crop to its size (tens of GB), so the largest boxes go to groups of their own.
+MAX_GROUP_ELEMENTS = 1 << 28
+
+
+def groups_by_size(geometry: list[list[int]], max_elements: int = MAX_GROUP_ELEMENTS,
+                   ) -> list[list[int]]:
+    """The samples in groups whose boxes, padded to the group's largest height and width, hold
+    at most ``max_elements`` (one group, in batch order, when the whole batch fits)."""
+    def padded(rows: list[int]) -> int:
+        return len(rows) * 3 * max(geometry[k][4] for k in rows) * max(
+            geometry[k][5] for k in rows)
+
+    everything = list(range(len(geometry)))
+    if padded(everything) <= max_elements:
+        return [everything]
+    groups: list[list[int]] = [[]]
+    for k in sorted(everything, key=lambda k: (geometry[k][4] * geometry[k][5], k)):
+        if groups[-1] and padded([*groups[-1], k]) > max_elements:
+            groups.append([])
+        groups[-1].append(k)
+    return groups
+
+
 def batch_crops(images: Sequence[torch.Tensor], geometry: list[list[int]], size: int,
-                compute: torch.dtype = torch.float32) -> torch.Tensor:
+                compute: torch.dtype = torch.float32,
+                max_elements: int = MAX_GROUP_ELEMENTS) -> torch.Tensor:
     """uint8 (3, H, W) images -> (B, 3, size, size) of their boxes resized (float, 0..255),
-    in ``compute`` precision (float16 on CUDA keeps uint8 levels exact and halves the traffic)."""
+    in ``compute`` precision (float16 on CUDA keeps uint8 levels exact and halves the traffic).
+    A fixed number of ops per group of `groups_by_size` (one group, as a rule)."""
     device = images[0].device
-    hmax = max(g[4] for g in geometry)
-    wmax = max(g[5] for g in geometry)
-    table = torch.tensor(geometry, dtype=torch.int64)
+    groups = groups_by_size(geometry, max_elements)
+    order = [k for g in groups for k in g]
+    # Rows in group order; the last column puts the results back in batch order.
+    inverse = [0] * len(order)
+    for position, k in enumerate(order):
+        inverse[k] = position
+    table = torch.tensor([[*geometry[k], inverse[i]] for i, k in enumerate(order)],
+                         dtype=torch.int64)
     if device.type == "cuda":
         # A pageable host->device copy can wait on the device: pinned, it only queues.
         table = table.pin_memory()
     table = table.to(device, non_blocking=True)
-    H, W, top, left, h, w, out_h, out_w, shift_y, shift_x, flip = table.unbind(1)
+    H, W = table[:, 0], table[:, 1]
     # The images end to end, each (3, H, W) in that order: CUDA's _chunk_cat copies a dense
     # tensor's memory as it lies, so a permuted one (Pillow's HWC) is made contiguous first
     # (nvJPEG's are: no op for them). The tail pad lets the last row's window exist.
-    images = [img if img.is_contiguous() else img.contiguous() for img in images]
+    images = [images[k] if images[k].is_contiguous() else images[k].contiguous() for k in order]
+    wmax = max(g[5] for g in geometry)
     flat = torch._chunk_cat([*images, torch.zeros(wmax, dtype=torch.uint8, device=device)],
                             0, 1)[0]
     plane = H * W
     offset = plane.mul(3).cumsum(0) - plane * 3  # where each image starts in ``flat``
-    rows = torch.minimum(torch.arange(hmax, device=device), (h - 1)[:, None])  # (B, hmax)
-    # Row starts in (B, hmax, 3) order: the crops come out as (B, hmax, 3 * wmax), so both
+    outs, first = [], 0
+    for g in groups:
+        rows = slice(first, first + len(g))
+        first += len(g)
+        outs.append(_group_crops(flat, table[rows], offset[rows], size, compute,
+                                 max(geometry[k][4] for k in g),
+                                 max(geometry[k][5] for k in g)))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)[table[:, 11]]
+    return out.view(-1, size, 3, size).permute(0, 2, 1, 3)
+
+
+def _group_crops(flat: torch.Tensor, table: torch.Tensor, offset: torch.Tensor, size: int,
+                 compute: torch.dtype, hmax: int, wmax: int) -> torch.Tensor:
+    """(n, size, 3, size): one group's crops resized, from its rows of the geometry table."""
+    H, W, top, left, h, w, out_h, out_w, shift_y, shift_x, flip = table[:, :11].unbind(1)
+    device, n = flat.device, table.shape[0]
+    rows = torch.minimum(torch.arange(hmax, device=device), (h - 1)[:, None])  # (n, hmax)
+    # Row starts in (n, hmax, 3) order: the crops come out as (n, hmax, 3 * wmax), so both
     # passes are plain batched matmuls over all channels at once.
     starts = ((offset + top * W + left)[:, None, None] + (rows * W[:, None])[:, :, None]
-              + torch.arange(3, device=device)[None, None, :] * plane[:, None, None])
-    B = len(geometry)
-    crops = flat.unfold(0, wmax, 1)[starts].to(compute).view(B, hmax, 3 * wmax)
+              + torch.arange(3, device=device)[None, None, :] * (H * W)[:, None, None])
+    crops = flat.unfold(0, wmax, 1)[starts].to(compute).view(n, hmax, 3 * wmax)
     no_flip = torch.zeros_like(flip, dtype=torch.bool)
-    wy = _weights(h, out_h, shift_y, no_flip, size, hmax, compute)  # (B, S, hmax)
-    wx = _weights(w, out_w, shift_x, flip.bool(), size, wmax, compute)  # (B, S, wmax)
-    rows_done = torch.bmm(wy, crops).view(B, size * 3, wmax)  # (B, S, 3, wmax)
-    out = torch.bmm(rows_done, wx.transpose(1, 2))  # (B, S, 3, S)
-    return out.view(B, size, 3, size).permute(0, 2, 1, 3)
+    wy = _weights(h, out_h, shift_y, no_flip, size, hmax, compute)  # (n, S, hmax)
+    wx = _weights(w, out_w, shift_x, flip.bool(), size, wmax, compute)  # (n, S, wmax)
+    rows_done = torch.bmm(wy, crops).view(n, size * 3, wmax)  # (n, S, 3, wmax)
+    return torch.bmm(rows_done, wx.transpose(1, 2))  # (n, S * 3, S)
