@@ -120,8 +120,10 @@ class ImagePipeline:
         if self.resize < size:
             raise ValueError(f"resize {self.resize} must be >= size {size}")
         self.scale, self.ratio, self.flip = scale, ratio, flip
-        self._mean = torch.tensor(mean, device=self.device).view(1, 3, 1, 1) * 255
-        self._std = torch.tensor(std, device=self.device).view(1, 3, 1, 1) * 255
+        # Normalising is x * scale + shift per channel (0..255 levels in): one fused op.
+        std255 = torch.tensor(std, device=self.device).view(1, 3, 1, 1) * 255
+        self._scale = 1 / std255
+        self._shift = -torch.tensor(mean, device=self.device).view(1, 3, 1, 1) * 255 / std255
         self.threads, self.cpu_fraction, self.timed = threads, cpu_fraction, timed
         self.min_side = min_side if train else self.resize
         self.stats = DecodeStats()
@@ -192,8 +194,10 @@ class ImagePipeline:
                                   for img in out], S, self._compute)
         else:
             x = torch.stack([self._centre(img) for img in out])
-        x = (x.float() - self._mean) / self._std
-        return x.to(self.dtype, memory_format=torch.channels_last), out.kept
+        # One pass: normalised, in the dtype asked, channels_last (torch computes in float32).
+        normed = torch.empty(x.shape, dtype=self.dtype, device=self.device,
+                             memory_format=torch.channels_last)
+        return torch.addcmul(self._shift, x, self._scale, out=normed), out.kept
 
     def _train_crops(self, images: list[torch.Tensor], g: torch.Generator) -> torch.Tensor:
         sizes = [tuple(img.shape[-2:]) for img in images]
