@@ -4,8 +4,10 @@
     task = Task(model=..., data=ImageShards(...), collate=DecodeAhead(pipe, seed), step=...)
     # in the step: images, labels = pipe(*batch)   (a PreparedImages batch passes through)
 
-`hpctrain.data.samples.SampleLoader` runs ``collate`` in its prefetch thread, a step or two ahead
-of training. Done there, nvJPEG decoding and the crops run on a CUDA side stream while the
+`hpctrain.data.samples.SampleLoader` runs the collate's two parts on two threads, a step or two
+ahead of training: ``gather`` (the encoded bytes and labels) beside the reading of the shards,
+``finish`` (decode + augment) on the next thread, so reading batch k+1 overlaps decoding batch
+k. Done there, nvJPEG decoding and the crops run on a CUDA side stream while the
 model's kernels run on the default stream (Pillow and PyTorch's CPU kernels release the GIL, so
 on the CPU it overlaps too). The thread never waits for the GPU: the batch carries an event
 recorded on the side stream once it is made, and the step's stream waits for that event
