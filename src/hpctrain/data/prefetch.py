@@ -73,7 +73,7 @@ def read_ahead(items: Iterable[Any], make: Callable[[Any], Any], device: torch.d
         thread.join()
 
 
-_END = object()  # read_ahead's end of the items
+_END = object()  # the end of read_ahead's items, or of a queue that close() stopped
 
 
 class Prefetcher:
@@ -106,13 +106,13 @@ class Prefetcher:
         return host
 
     def _get(self, q: queue.Queue) -> Any:
-        """The next item of ``q``; None if close() came first."""
+        """The next item of ``q``; ``_END`` if close() came first."""
         while not self._stop.is_set():
             try:
                 return q.get(timeout=_POLL_S)
             except queue.Empty:
                 pass
-        return None
+        return _END
 
     def _reader(self, out: queue.Queue) -> None:
         try:
@@ -124,7 +124,7 @@ class Prefetcher:
 
     def _finisher(self, read: queue.Queue) -> None:
         try:
-            while (host := self._get(read)) is not None:
+            while (host := self._get(read)) is not _END:
                 if isinstance(host, BaseException):
                     raise host  # the reader's error, passed on in order
                 if not _put(self._queue, self._finish_step(host), self._stop):
