@@ -200,13 +200,6 @@ class ImageClassifier:
                                               side_stream=cfg.decode_ahead, mixing=mixing)
         return self._decoders[key]
 
-        self.device = torch.device("cpu")
-        self._decoders: dict[tuple[bool, torch.device], DecodeAhead] = {}
-        # Training batches: random-resized crops and flips, seeded by the batch's keys;
-        # validation batches: resize and centre crop.
-        self.collate = ImageCollate(self, train=True)
-        self.eval_collate = ImageCollate(self, train=False)
-
     def step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict]:
         """Cross entropy (label smoothing in training), per-sample top-1/top-5 hits and, in
         training, the milliseconds per image spent decoding (and augmenting, where known)."""
