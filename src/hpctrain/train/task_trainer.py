@@ -283,15 +283,18 @@ class TaskTrainer(Trainer):
         model = self.model.module if isinstance(self.model, nn.parallel.DistributedDataParallel) \
             else self.model
         sums = ExactSums(self.device)
+
+        def collated(rank_batch: tuple) -> tuple:
+            indices, n = rank_batch
+            items = [self._eval_sample(data, int(i)) for i in indices]
+            return call_user(collate, "Task.collate", items), n
+
         model.eval()
         try:
             with torch.no_grad():
                 # The next batches are read and collated (decoded, for images) on a thread
                 # while the model runs on this one.
-                for host, n in read_ahead(rank_batches(sampler), lambda batch: (
-                        call_user(collate, "Task.collate",
-                                  [self._eval_sample(data, int(i)) for i in batch[0]]),
-                        batch[1]), self.device):
+                for host, n in read_ahead(rank_batches(sampler), collated, self.device):
                     batch = to_device(host, self.device)
                     with self._autocast():
                         loss, metrics = self.task.run_step(model, batch)
