@@ -12,6 +12,7 @@
     python benchmarks/images.py --paths b --nproc 8                    # (b) DDP on 8 GPUs
     python benchmarks/images.py --paths b --nproc 8 --strategy fsdp --models vit_b_16
     python benchmarks/images.py --paths a b loader --b-variants gpu,serial,split0.25t8,cpu16
+    python benchmarks/images.py --paths loader --loader-crops batched per-image   # crop kernels
     torchrun --nproc-per-node 8 benchmarks/images.py --paths a c       # (a), (c) DDP
     python benchmarks/images.py --device cpu --tiny                    # a CPU smoke run
 
@@ -30,7 +31,10 @@ Each row says its setting, the decode threads and cores of the process, and the 
 per image spent decoding (wall time: nvJPEG returns when done) and augmenting (the side
 stream's timing events, read once the device has passed them: neither the loader thread nor
 the step's stream ever waits for them; ``serial`` has no augment time, as timing it would sync
-the step's stream).
+the step's stream). The loader row also gives the CPU milliseconds per batch of the loader's
+threads: reading the shards, decoding (launching nvJPEG) and cropping (launching the crop
+kernels), once per ``--loader-crops`` way (the batched kernel training uses on CUDA, or the
+per-image launches).
 """
 
 from __future__ import annotations
