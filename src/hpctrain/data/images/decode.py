@@ -150,14 +150,24 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return _pools[threads]
 
 
-def _to_device(img: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host-decoded image on ``device``; to CUDA through pinned memory, as a pageable copy
-    may wait for the device (the loader thread must not)."""
-    if device.type == "cuda":
-        # One copy into pinned memory, contiguous (3, H, W) (Pillow's is a permuted HWC view).
-        pinned = torch.empty(img.shape, dtype=img.dtype, pin_memory=True)
-        return pinned.copy_(img).to(device, non_blocking=True)
-    return img.to(device)
+def to_device_packed(images: list[torch.Tensor], device: torch.device,
+                     pin: bool | None = None) -> list[torch.Tensor]:
+    """Host-decoded (3, H, W) images on ``device`` in one copy: packed contiguously into one
+    host buffer (pinned for CUDA: a pageable copy may wait for the device, and the loader
+    thread must not), sent at once, and viewed back as images. A pinned buffer per image cost
+    ~10 ms each on an H200 host (the decode split ran at 270 img/s)."""
+    if not images:
+        return []
+    if pin is None:
+        if device.type != "cuda":
+            return [img.to(device) for img in images]  # the CPU path keeps Pillow's tensors
+        pin = True
+    sizes = [img.numel() for img in images]
+    packed = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pin)
+    for img, part in zip(images, packed.split(sizes), strict=True):
+        part.view(img.shape).copy_(img)  # Pillow's is a permuted HWC view: made (3, H, W) here
+    moved = packed.to(device, non_blocking=True) if packed.device != device else packed
+    return [part.view(img.shape) for img, part in zip(images, moved.split(sizes), strict=True)]
 
 
 def decode_batch(images: EncodedImages | Sequence[torch.Tensor], device: str | torch.device,
@@ -189,14 +199,19 @@ def decode_batch(images: EncodedImages | Sequence[torch.Tensor], device: str | t
     if on_gpu:
         for i, img in zip(on_gpu, _nvjpeg([batch.data[i] for i in on_gpu], device), strict=True):
             out[i] = img
+    decoded: dict[int, torch.Tensor] = {}
     for k, i in enumerate(host):
         img, why[i] = (pending[k].result() if pending is not None
                        else _cpu_or_none(batch.data[i], min_side))
-        out[i] = None if img is None else _to_device(img, device)
+        if img is not None:
+            decoded[i] = img
     for i in on_gpu:  # refused by nvJPEG alone (CMYK, ...): Pillow's turn
         if out[i] is None:
             img, why[i] = _cpu_or_none(batch.data[i], min_side)
-            out[i] = None if img is None else _to_device(img, device)
+            if img is not None:
+                decoded[i] = img
+    for i, img in zip(decoded, to_device_packed(list(decoded.values()), device), strict=True):
+        out[i] = img
     kept = []
     for i, img in enumerate(out):
         stats.note(batch.sources[i], img is not None, why[i])
