@@ -159,9 +159,12 @@ def test_bench_model_measures_a_task_file_as_train_runs_it(tmp_path: Path, monke
     assert row["tokens_per_s_per_gpu"] > 0 and row["measured_steps"] == [2, 4]
     layout = next(r for r in model.rank_metrics(out / "train", 1)[0] if r.get("event"))
     assert layout["tokens_per_step_per_gpu"] == 8 * 4  # the task's 4 tokens per sample
-    for flag in (["--size", "1b"], ["--seq-len", "64"], ["--set", "model.n_layers=4"]):
+    for flag, message in ((["--size", "1b"], f"with task {task}"),
+                          (["--seq-len", "64"], f"with task {task}"),
+                          (["--set", "model.n_layers=4"], f"with task {task}"),
+                          (["--ac", "full"], "with a task of your own")):  # training's words
         with pytest.raises(SystemExit) as exc:
             main(["bench", "model", "--config", str(task), "--device", "cpu", "--out",
                   str(out), *flag])
         err = capsys.readouterr().err
-        assert exc.value.code == 2 and f"with task {task}" in err and "Traceback" not in err
+        assert exc.value.code == 2 and message in err and "Traceback" not in err

@@ -294,6 +294,7 @@ def run_model_bench(config: Path | None, overrides: list[str], *, nproc: int, ou
     import shutil
 
     from hpctrain.config import dump_yaml
+    from hpctrain.parallel.layout import check_task_config
     from hpctrain.plan.auto import auto_keys, resolve_auto
     from hpctrain.plan.gpu import node_gpu
 
@@ -314,6 +315,8 @@ def run_model_bench(config: Path | None, overrides: list[str], *, nproc: int, ou
     # The values its `auto` keys take on these ranks, as training's, for the GPU read without
     # CUDA here (the run's own ranks read it with CUDA, after this process wrote their config).
     resolve_auto(cfg, nproc, node_gpu(cfg) if auto_keys(cfg) else None)
+    if cfg.task:  # what training refuses for a task (fp8, activation checkpointing, tp, pp)
+        check_task_config(cfg, nproc)
     # One replica may span tp x pp ranks without a strategy; several replicas need one.
     if nproc > cfg.parallel.tp * cfg.parallel.pp and cfg.parallel.strategy == "none":
         raise ConfigError(f"{nproc} ranks with parallel.strategy=none",
