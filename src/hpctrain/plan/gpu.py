@@ -14,7 +14,9 @@ no context.
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -97,6 +99,14 @@ _ASK_CUDA = ("import json, torch; p = torch.cuda.get_device_properties(0); "
 
 def _gpu_from_child(cfg) -> Gpu:
     """Device 0 as a child process's CUDA reads it."""
+    name, total, major, minor = _child_reading(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return _gpu(cfg, name, float(total), (major, minor))
+
+
+@functools.cache
+def _child_reading(visible: str | None) -> tuple[str, int, int, int]:
+    """(name, total memory, CUDA capability) of device 0 among ``visible``, read once per
+    process (tune reads it again for every candidate it runs)."""
     try:
         done = subprocess.run([sys.executable, "-c", _ASK_CUDA], capture_output=True,
                               text=True, timeout=300)
@@ -105,7 +115,7 @@ def _gpu_from_child(cfg) -> Gpu:
         raise _unreadable([str(e)]) from None
     except (ValueError, IndexError):  # it printed no properties: its error says why
         raise _unreadable(done.stderr.strip().splitlines()[-3:]) from None
-    return _gpu(cfg, name, float(total), (major, minor))
+    return name, total, major, minor
 
 
 def _unreadable(lines: list[str]) -> RuntimeEnvError:
