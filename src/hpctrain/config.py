@@ -128,11 +128,34 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig
     raw: dict[str, Any] = {}
     if path is not None:
         raw = _read_yaml(Path(path))
+        _unset_recorded_grad_accum(Path(path), raw)
     for item in overrides:
         apply_override(raw, item)
     cfg = from_dict(JobConfig, raw)
     cfg.validate()
     return cfg
+
+
+def _unset_recorded_grad_accum(path: Path, raw: dict[str, Any]) -> None:
+    """In a run's recorded config (``RUN/config/config.yaml``) written before grad_accum could
+    be left unset, read its ``grad_accum: 1`` beside ``global_batch_tokens`` as unset.
+
+    Such a record dumped the old default, 1, which then meant "derive it": read as given, it
+    would now fix the micro-batch or be refused, and the run would not resume from its own
+    record. The record is told by its ``auto.yaml`` (always written beside a batch in tokens),
+    which since then also holds what the config held (``given``): one with it is read as is,
+    a 1 there being the user's."""
+    train = raw.get("train")
+    if (path.name != "config.yaml" or path.parent.name != "config" or not isinstance(train, dict)
+            or train.get("global_batch_tokens") is None or train.get("grad_accum") != 1):
+        return
+    try:
+        # The name plan.auto.AUTO_FILE (plan imports this module, not the other way).
+        auto = yaml.safe_load((path.parent / "auto.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return  # not a run's record: a config the user keeps in a folder named config/
+    if isinstance(auto, dict) and isinstance(auto.get("values"), dict) and "given" not in auto:
+        train["grad_accum"] = None
 
 
 # Non-regular files a config path may name (``/dev/stdin`` is a pipe or a terminal).

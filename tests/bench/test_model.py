@@ -1,12 +1,16 @@
-"""`bench model`: warm-up and event lines skipped, HFU factors, and a real 2-rank CPU run."""
+"""`bench model`: warm-up and event lines skipped, HFU factors, a real 2-rank CPU run, and a
+user's task file measured as train runs it."""
 
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 import pytest
 
+from conftest import run_cli
+from hpctrain.bench import model
 from hpctrain.bench.model import add_energy, hfu_factor, kept_windows, summarise
 from hpctrain.cli import main
 from hpctrain.errors import ConfigError
@@ -115,3 +119,52 @@ def test_bench_model_user_errors(argv: list[str], message: str, tmp_path: Path,
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+TASK = """\
+import torch
+from torch import nn
+from hpctrain.task import Task
+
+def task():
+    x = torch.randn(256, 16, generator=torch.Generator().manual_seed(0))
+    return Task(model=lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)),
+                data=torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)),
+                loss=nn.functional.mse_loss, tokens_per_sample=4)
+"""
+
+
+def test_bench_model_measures_a_task_file_as_train_runs_it(tmp_path: Path, monkeypatch,
+                                                          capsys) -> None:
+    """``bench model --config my_task.py`` (was: 'is not valid YAML') trains the task as
+    ``hpctrain train my_task.py`` does and reads its numbers back; the flags that shape the
+    built-in model are refused for it, not ignored."""
+    task = tmp_path / "reg_task.py"
+    task.write_text(textwrap.dedent(TASK))
+
+    def train_forked(argv: list[str], *, timeout: float, env=None, cwd=None):
+        """The same `hpctrain train` command, forked from the preloaded interpreter."""
+        assert argv[1:4] == ["-m", "hpctrain", "train"]
+        done = run_cli(argv[3:], timeout)
+        return done.returncode, done.stdout + done.stderr, 1.0
+
+    monkeypatch.setattr(model, "run_command", train_forked)
+    out = tmp_path / "bench"
+    main(["bench", "model", "--config", str(task), "--device", "cpu", "--micro-batch", "8",
+          "--steps", "4", "--log-every", "2", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert f"bench model: task {task}, none on 1 rank(s)" in text
+    row = json.loads((out / "model.json").read_text())["rows"][0]
+    assert row["size"] == f"task {task}" and row["seq_len"] is None and row["micro_batch"] == 8
+    assert row["tokens_per_s_per_gpu"] > 0 and row["measured_steps"] == [2, 4]
+    layout = next(r for r in model.rank_metrics(out / "train", 1)[0] if r.get("event"))
+    assert layout["tokens_per_step_per_gpu"] == 8 * 4  # the task's 4 tokens per sample
+    for flag, message in ((["--size", "1b"], f"with task {task}"),
+                          (["--seq-len", "64"], f"with task {task}"),
+                          (["--set", "model.n_layers=4"], f"with task {task}"),
+                          (["--ac", "full"], "with a task of your own")):  # training's words
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", "model", "--config", str(task), "--device", "cpu", "--out",
+                  str(out), *flag])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and message in err and "Traceback" not in err

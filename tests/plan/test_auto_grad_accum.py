@@ -8,12 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
-from conftest import DEMO, TINY
+from conftest import DEMO, QUIET, TINY
 from hpctrain.cli import main
 from hpctrain.config import dump_yaml, load_config
 from hpctrain.errors import ConfigError
-from hpctrain.plan.auto import CPU, resolve_auto
+from hpctrain.plan.auto import AUTO_FILE, CPU, resolve_auto
 
 REPO = Path(__file__).resolve().parents[2]
 # 8 samples of 32 tokens per step: 2 micro-batches of 4 on one rank.
@@ -71,3 +72,51 @@ def test_the_error_is_a_config_error_before_any_choice() -> None:
     with pytest.raises(ConfigError) as e:
         _resolved("train.grad_accum=4")
     assert "train.grad_accum = 4" in e.value.what and "drop train.grad_accum" in e.value.hint
+
+
+def _recorded(run: Path, *overrides: str, given: bool) -> Path:
+    """A run directory's config/ as hpctrain records it: config.yaml holds the config as given
+    (grad_accum 1 beside the batch in tokens), auto.yaml the values chosen for its rank, and,
+    since grad_accum can be left unset, what the config held at those keys (``given``)."""
+    cfg = load_config(DEMO, [*TINY, *QUIET, "train.global_batch_tokens=4096",
+                             f"run.out_dir={run.parent}", f"run.name={run.name}", *overrides])
+    chosen = resolve_auto(cfg, 1, CPU)
+    record = chosen.as_given(cfg)
+    record.train.grad_accum = 1  # before: the dumped default; now: only one the user wrote
+    auto = chosen.record(1)
+    if not given:  # written before grad_accum could be left unset
+        auto.pop("given", None)
+    (run / "config").mkdir(parents=True)
+    (run / "config" / "config.yaml").write_text(dump_yaml(record))
+    (run / "config" / AUTO_FILE).write_text(yaml.safe_dump(auto, sort_keys=False))
+    return run / "config" / "config.yaml"
+
+
+@pytest.mark.parametrize("micro_batch, split", [("auto", (64, 2)), ("4", (4, 32))])
+def test_a_run_recorded_before_unset_grad_accum_reads_its_1_as_unset(
+        micro_batch: str, split: tuple[int, int], tmp_path: Path) -> None:
+    """Its config.yaml's grad_accum 1 was hpctrain's default, dumped, not the user's choice: the
+    record loads and auto splits the batch as the run did (before the fix: 1 fixed the
+    micro-batch at 128, or was refused beside micro-batch 4)."""
+    record = _recorded(tmp_path / "old", f"train.micro_batch={micro_batch}", given=False)
+    cfg = load_config(record)
+    assert cfg.train.grad_accum is None
+    resolve_auto(cfg, 1, CPU)
+    assert (cfg.train.micro_batch, cfg.train.grad_accum) == split
+    # A record written since keeps a 1 the user wrote: with micro_batch auto it fixes it.
+    if micro_batch == "auto":
+        cfg = load_config(_recorded(tmp_path / "new", "train.micro_batch=auto", given=True))
+        assert cfg.train.grad_accum == 1
+        resolve_auto(cfg, 1, CPU)
+        assert (cfg.train.micro_batch, cfg.train.grad_accum) == (128, 1)
+
+
+def test_a_run_recorded_before_unset_grad_accum_trains_from_its_record(tmp_path: Path) -> None:
+    """``hpctrain train RUN/config/config.yaml`` (what a refused resume's hint names) trains
+    from the old record without an edit, splitting the batch as the run did."""
+    record = _recorded(tmp_path / "old", "train.micro_batch=auto", given=False)
+    main(["train", str(record), "train.steps=1", "checkpoint.save_at_end=false"])
+    auto = yaml.safe_load((record.parent / AUTO_FILE).read_text())
+    assert auto["values"]["train.micro_batch"] == 64 and auto["values"]["train.grad_accum"] == 2
+    assert auto["given"]["train.grad_accum"] is None  # recorded unset from now on
+    assert "grad_accum: null" in record.read_text()

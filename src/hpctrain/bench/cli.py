@@ -87,9 +87,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--corrupt-rank", type=int, default=None, help=argparse.SUPPRESS)
     common(c, 5, 20)
 
-    md = bsub.add_parser("model", help="tokens/s, MFU and HFU of the built-in model (real runs)")
+    md = bsub.add_parser("model", help="tokens/s, MFU and HFU of a model (real runs): the "
+                         "built-in one or your task's")
     md.add_argument("--config", type=Path, default=None,
-                    help="base training YAML (default: built-in settings for the device)")
+                    help="base training YAML, or a task file (my_task.py: your own model, as "
+                    "`hpctrain train` takes it) (default: built-in settings for the device)")
     md.add_argument("--size", default=None, help="model size: tiny, 125m, 1b, 8b")
     md.add_argument("--strategy", default=None, help="none, ddp or fsdp")
     md.add_argument("--nproc", type=count(1, 4096), default=1, help="local ranks (one per GPU)")
@@ -364,7 +366,7 @@ def _collective_rank(args: argparse.Namespace, opts) -> None:
 
 def _model(args: argparse.Namespace) -> None:
     from hpctrain.bench.common import Results
-    from hpctrain.bench.model import COLUMNS, device_defaults, run_model_bench
+    from hpctrain.bench.model import COLUMNS, describe, device_defaults, run_model_bench
 
     if args.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"unknown device {args.device!r}", expected="auto, cpu or cuda",
@@ -406,7 +408,7 @@ def _model(args: argparse.Namespace) -> None:
                         "note": note})
     first, last = row["measured_steps"]
     unit = "GPU" if on_gpu else "rank"
-    print(f"bench model: {cfg.model.size}, {cfg.parallel.strategy} on {args.nproc} {unit}(s), "
+    print(f"bench model: {describe(cfg)}, {cfg.parallel.strategy} on {args.nproc} {unit}(s), "
           f"steps {first + 1}-{last} measured (earlier ones are warm-up)")
     _print_vertical(row, unit, cfg.train.precision)
     for w in row["slow_windows"]:

@@ -1,8 +1,14 @@
-"""Training throughput of the built-in model: tokens/s per GPU, MFU, HFU (and energy) of real runs.
+"""Training throughput of a model: tokens/s per GPU, MFU, HFU (and energy) of real runs.
 
     hpctrain bench model --size 1b --micro-batch 4 --compile              # one GPU
     hpctrain bench model --size 8b --strategy fsdp --ac full --nproc 4 --micro-batch 2
     hpctrain bench model --device cpu --steps 12                          # tiny model on the CPU
+    hpctrain bench model --config my_task.py --nproc 2 --strategy fsdp    # your own model
+
+The model is the built-in one, or a user's task (``--config my_task.py``, read as ``hpctrain
+train`` reads it: DDP on several ranks; hpctrain.task), whose tokens are its samples times its
+``tokens_per_sample``; the flags that shape the built-in model (--size, --seq-len) are refused
+for a task, as training refuses activation checkpointing for it.
 
 Each measurement is a real ``hpctrain train`` run, started as a user would start it (a child
 process, ``--nproc N`` for several ranks), from a config resolved here and written next to the
@@ -19,7 +25,12 @@ results. The numbers are read back from the run's ``metrics/rank-*.jsonl``:
   and with ``selective`` the matmuls it recomputes over the model's FLOPs per token (3 of the 7
   matmuls of every Llama block with ``ac_save_mm: every_other``; none with ``all``);
 - energy, when a `PowerSampler` ran alongside, is the GPU energy between the end of warm-up and the
-  last logged step (from the metrics' timestamps), divided by the tokens all ranks trained then.
+  last logged step (from the metrics' timestamps), divided by the tokens all GPUs trained then
+  (the trainer's tokens per step per GPU, from the run's layout record).
+
+The process that starts the run never initialises CUDA: ``auto`` values are chosen for the GPU
+that NVML reads (hpctrain.plan.gpu.node_gpu), so no context of its own holds GPU memory while the
+run it measures trains.
 """
 
 from __future__ import annotations
@@ -94,12 +105,15 @@ def device_defaults(on_gpu: bool) -> list[str]:
 
 
 def refuse_gpu_size_on_cpu(config: Path | None, overrides: list[str]) -> None:
-    """With --device auto and no GPU, refuse a model too large for the CPU (--device cpu forces)."""
-    from hpctrain.config import load_config
+    """With --device auto and no GPU, refuse a model too large for the CPU (--device cpu forces;
+    a task's model is sized by its run, once built)."""
     from hpctrain.models import count_params
     from hpctrain.runtime.config import refuse_large_model_on_cpu
 
-    model = load_config(config, overrides).model
+    cfg = _load(config, overrides, 1)
+    if cfg.task:
+        return
+    model = cfg.model
     refuse_large_model_on_cpu(count_params(model.resolve(), include_embedding=True),
                               model=f"model size {model.size}", force="--device cpu")
 
@@ -170,6 +184,9 @@ class ModelResult:
     final_loss: float
     measured_steps: tuple[int, int]  # (end of warm-up, last step)
     measured_span_s: tuple[float, float]  # the same, as metrics timestamps
+    # The trainer's own (a model replica's tokens shared by its tp x pp GPUs; a task's samples
+    # times its tokens_per_sample), from rank 0's layout record; None where it has none.
+    tokens_per_step_per_gpu: float | None = None
     gpu_watts: float | None = None  # mean over the measured span, summed over the run's GPUs
     joules_per_token: float | None = None
     # Per rank, the median wait of the host for its device at a window's end (None where the
@@ -215,6 +232,8 @@ def summarise(run_dir: Path, ranks: int, *, hfu_mult: float = 1.0,
         measured_steps=(warm_end[0]["step"], kept[0][-1]["step"]),
         # Ranks log the same window within a collective's latency; take the widest span.
         measured_span_s=(min(w["ts"] for w in warm_end), max(k[-1]["ts"] for k in kept)),
+        tokens_per_step_per_gpu=next((r["tokens_per_step_per_gpu"] for r in lines[0]
+                                      if r.get("event") == "layout"), None),
         host_wait_s=waits,
         slow_windows=slow_windows(
             windows, [r for rank in lines for r in rank if not _is_window(r)],
@@ -222,8 +241,9 @@ def summarise(run_dir: Path, ranks: int, *, hfu_mult: float = 1.0,
     )
 
 
-def add_energy(result: ModelResult, joules: float, tokens_per_step_per_rank: int) -> None:
-    """Fill gpu_watts and joules/token from the GPU energy over the measured span."""
+def add_energy(result: ModelResult, joules: float, tokens_per_step_per_rank: float) -> None:
+    """Fill gpu_watts and joules/token from the GPU energy over the measured span
+    (``tokens_per_step_per_rank``: each rank's share of a step's tokens)."""
     first, last = result.measured_steps
     t0, t1 = result.measured_span_s
     tokens = (last - first) * tokens_per_step_per_rank * result.ranks
@@ -234,7 +254,7 @@ def add_energy(result: ModelResult, joules: float, tokens_per_step_per_rank: int
 
 
 def measure(config_path: Path, run_dir: Path, nproc: int, *, hfu_mult: float,
-            tokens_per_step_per_rank: int, timeout: float = 900.0,
+            timeout: float = 900.0,
             env: dict[str, str] | None = None, cwd: Path | None = None, sampler=None,
             warmup_frac: float = 0.3) -> tuple[ModelResult, float]:
     """Train `config_path` (whose run directory is `run_dir`) and summarise it.
@@ -255,8 +275,9 @@ def measure(config_path: Path, run_dir: Path, nproc: int, *, hfu_mult: float,
         raise TrainRunError(f"the training run exited with {code}:", lines=tail.splitlines(),
                             hint=f"logs under {run_dir}/logs")
     result = summarise(run_dir, nproc, hfu_mult=hfu_mult, warmup_frac=warmup_frac)
-    if sampler is not None and sampler.samples:
-        add_energy(result, sampler.joules(*result.measured_span_s), tokens_per_step_per_rank)
+    if sampler is not None and sampler.samples and result.tokens_per_step_per_gpu:
+        add_energy(result, sampler.joules(*result.measured_span_s),
+                   result.tokens_per_step_per_gpu)
     return result, wall
 
 
@@ -272,8 +293,10 @@ def run_model_bench(config: Path | None, overrides: list[str], *, nproc: int, ou
     """
     import shutil
 
-    from hpctrain.config import dump_yaml, load_config
-    from hpctrain.plan.auto import resolve_auto
+    from hpctrain.config import dump_yaml
+    from hpctrain.parallel.layout import check_task_config
+    from hpctrain.plan.auto import auto_keys, resolve_auto
+    from hpctrain.plan.gpu import node_gpu
 
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}", expected="at least 1 rank")
@@ -286,8 +309,14 @@ def run_model_bench(config: Path | None, overrides: list[str], *, nproc: int, ou
              f"run.out_dir={out}", "run.name=train", "run.suffix=none",
              "checkpoint.interval=none", "checkpoint.save_at_end=false",
              "checkpoint.resume=never", "metrics.progress=false"]
-    cfg = load_config(config, [*overrides, *fixed])
-    resolve_auto(cfg, nproc)  # the values its `auto` keys take on these ranks, as training's
+    cfg = _load(config, [*overrides, *fixed], nproc)
+    if cfg.task:
+        _refuse_model_shape(cfg.task, overrides)
+    # The values its `auto` keys take on these ranks, as training's, for the GPU read without
+    # CUDA here (the run's own ranks read it with CUDA, after this process wrote their config).
+    resolve_auto(cfg, nproc, node_gpu(cfg) if auto_keys(cfg) else None)
+    if cfg.task:  # what training refuses for a task (fp8, activation checkpointing, tp, pp)
+        check_task_config(cfg, nproc)
     # One replica may span tp x pp ranks without a strategy; several replicas need one.
     if nproc > cfg.parallel.tp * cfg.parallel.pp and cfg.parallel.strategy == "none":
         raise ConfigError(f"{nproc} ranks with parallel.strategy=none",
@@ -302,13 +331,36 @@ def run_model_bench(config: Path | None, overrides: list[str], *, nproc: int, ou
                       seq_len=cfg.data.seq_len, ac_save_mm=pc.ac_save_mm)
     on_gpu = _uses_cuda(cfg.run.device)
     sampler = sampler_factory(list(range(nproc))) if (sampler_factory and on_gpu) else None
-    result, wall = measure(config_path, out / "train", nproc, hfu_mult=mult,
-                           tokens_per_step_per_rank=cfg.train.micro_batch * cfg.train.grad_accum
-                           * cfg.data.seq_len, timeout=timeout, env=env, sampler=sampler,
-                           warmup_frac=warmup_frac)
+    result, wall = measure(config_path, out / "train", nproc, hfu_mult=mult, timeout=timeout,
+                           env=env, sampler=sampler, warmup_frac=warmup_frac)
     row = result_row(result, cfg)
     row["wall_s"] = wall
     return row, cfg
+
+
+def _load(config: Path | None, overrides: list[str], nproc: int):
+    """The config ``hpctrain train CONFIG --nproc nproc`` would train: a YAML file, or a task
+    file (hpctrain.task.load_run_config) named by its absolute path, so that the config
+    written beside the results trains it from anywhere."""
+    from hpctrain.task import load_run_config
+
+    if config is None:
+        from hpctrain.config import load_config
+
+        return load_config(None, overrides)
+    return load_run_config(Path(config).absolute(), overrides, nproc)
+
+
+def _refuse_model_shape(task: str, overrides: list[str]) -> None:
+    """Refuse overrides of the built-in model's shape for a task (its model is its own)."""
+    shape = [o for o in overrides
+             if o.partition("=")[0].startswith("model.") or o.startswith("data.seq_len=")]
+    if shape:
+        raise ConfigError(f"{' '.join(shape)} with task {task}",
+                          expected="a task's own model and samples (the model section and "
+                          "data.seq_len shape the built-in model only)",
+                          hint="drop --size and --seq-len (or those --set values); size the "
+                          "task's model in its own file")
 
 
 def _uses_cuda(device: str) -> bool:
@@ -326,8 +378,8 @@ def result_row(result: ModelResult, cfg) -> dict[str, Any]:
                                         "selective": f"/{pc.ac_save_mm}"}.get(
                                             pc.activation_checkpointing, "")
     return {
-        "size": cfg.model.size, "strategy": pc.strategy, "ranks": result.ranks,
-        "micro_batch": cfg.train.micro_batch, "seq_len": cfg.data.seq_len,
+        "size": describe(cfg), "strategy": pc.strategy, "ranks": result.ranks,
+        "micro_batch": cfg.train.micro_batch, "seq_len": None if cfg.task else cfg.data.seq_len,
         "compile": pc.compile, "ac": ac,
         "tokens_per_s_per_gpu": result.tokens_per_s_per_gpu,
         "mfu_pct": _pct(result.mfu), "hfu_pct": _pct(result.hfu),
@@ -340,6 +392,11 @@ def result_row(result: ModelResult, cfg) -> dict[str, Any]:
             None if w is None else round(1e3 * w, 2) for w in result.host_wait_s],
         "slow_windows": result.slow_windows,
     }
+
+
+def describe(cfg) -> str:
+    """The model measured: the built-in model's size, or ``task SPEC``."""
+    return f"task {cfg.task}" if cfg.task else cfg.model.size
 
 
 def _pct(fraction: float | None) -> float | None:

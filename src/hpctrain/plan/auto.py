@@ -101,8 +101,11 @@ class Resolution:
         return out
 
     def record(self, world_size: int) -> dict[str, Any]:
-        """What a run's config/auto.yaml holds: the values chosen for its ranks, and why."""
-        return {"world_size": world_size, "values": self.values, "reasons": self.reasons}
+        """What a run's config/auto.yaml holds: the values chosen for its ranks, why, and what
+        the config held at those keys (its config.yaml's values there; a record without
+        ``given`` predates an unset grad_accum, hpctrain.config.load_config)."""
+        return {"world_size": world_size, "values": self.values, "reasons": self.reasons,
+                "given": self.given}
 
     def summary(self) -> str:
         """'parallel.strategy=fsdp, train.micro_batch=4, ...' (as overrides would say it)."""

@@ -2,18 +2,26 @@
 
     this_gpu(cfg)          # in a rank: device 0 as torch sees it (the CPU's stand-in if none)
     gpu_without_cuda(cfg)  # in a launcher: the same device read through NVML, or None
+    node_gpu(cfg)          # in tune and bench model: NVML, else a child process asks CUDA
     named_gpu("h100")      # as a rank on an H100 sees it: `plan --gpu`, `tune --gpu`
 
-Only a rank asks CUDA. The process that starts the ranks (`hpctrain train --nproc`) must not:
-reading a device's properties initialises CUDA in it, which holds a context (~0.5 GB) on GPU 0
-for the whole run and leaves CUDA unusable in any child it forks. It reads NVML instead, as
-nvidia-smi does, which creates no context.
+Only a rank asks CUDA. The process that starts the ranks (`hpctrain train --nproc`, `tune`,
+`bench model`) must not: reading a device's properties initialises CUDA in it, which holds a
+context (~0.5 GB) on GPU 0 for the whole run, less memory for the runs it measures, and leaves
+CUDA unusable in any child it forks. It reads NVML instead, as nvidia-smi does, which creates
+no context.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
+from hpctrain.errors import RuntimeEnvError
 from hpctrain.plan.parallel import DEFAULT_PEAK_TFLOPS
 
 CPU_MEM_BYTES = 16e9  # per rank on the CPU, as tune assumes
@@ -27,6 +35,7 @@ class Gpu:
     bytes: float
     peak_tflops: float = DEFAULT_PEAK_TFLOPS
     cpu: bool = False
+    capability: tuple[int, int] | None = None  # CUDA's (major, minor), where it was read
 
 
 CPU = Gpu("cpu", CPU_MEM_BYTES, cpu=True)  # the CPU's stand-in (tests, demo, a login node)
@@ -37,13 +46,9 @@ def this_gpu(cfg) -> Gpu:
     CPU's stand-in."""
     import torch
 
-    from hpctrain.observe.peaks import peak_tflops
-
     if cfg.run.device != "cpu" and torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0)
-        peak = peak_tflops(name, "fp32" if cfg.train.precision == "fp32" else "bf16")
-        return Gpu(name, float(torch.cuda.get_device_properties(0).total_memory),
-                   peak or DEFAULT_PEAK_TFLOPS)
+        props = torch.cuda.get_device_properties(0)
+        return _gpu(cfg, props.name, float(props.total_memory), (props.major, props.minor))
     return CPU
 
 
@@ -54,7 +59,6 @@ def gpu_without_cuda(cfg) -> Gpu | None:
     ranks' torch reports: a launcher's check is never stricter than theirs."""
     import torch
 
-    from hpctrain.observe.peaks import peak_tflops
     from hpctrain.observe.power import PowerUnavailable, load_nvml, nvml_handle
 
     # device_count() asks NVML first, which creates no CUDA context (torch.cuda's note).
@@ -72,13 +76,62 @@ def gpu_without_cuda(cfg) -> Gpu | None:
         handle = nvml_handle(nvml, 0)
         name = nvml.nvmlDeviceGetName(handle)
         total = float(nvml.nvmlDeviceGetMemoryInfo(handle).total)
+        capability = tuple(nvml.nvmlDeviceGetCudaComputeCapability(handle))
     except (PowerUnavailable, nvml.NVMLError):
         return None
     finally:
         nvml.nvmlShutdown()
     name = name.decode() if isinstance(name, bytes) else name  # older pynvml: bytes
+    return _gpu(cfg, name, total, capability)
+
+
+def node_gpu(cfg) -> Gpu:
+    """Device 0 for a process that runs GPU work in child processes (tune, bench model): the
+    CPU's stand-in where no GPU is visible, NVML's reading, else what a short-lived child
+    process reads of CUDA (its context ends with it; ~2 s of imports)."""
+    return gpu_without_cuda(cfg) or _gpu_from_child(cfg)
+
+
+# Run by `python -c` in a child: device 0's properties as JSON.
+_ASK_CUDA = ("import json, torch; p = torch.cuda.get_device_properties(0); "
+             "print(json.dumps([p.name, p.total_memory, p.major, p.minor]))")
+
+
+def _gpu_from_child(cfg) -> Gpu:
+    """Device 0 as a child process's CUDA reads it."""
+    name, total, major, minor = _child_reading(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return _gpu(cfg, name, float(total), (major, minor))
+
+
+@functools.cache
+def _child_reading(visible: str | None) -> tuple[str, int, int, int]:
+    """(name, total memory, CUDA capability) of device 0 among ``visible``, read once per
+    process (tune reads it again for every candidate it runs)."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _ASK_CUDA], capture_output=True,
+                              text=True, timeout=300)
+        name, total, major, minor = json.loads(done.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise _unreadable([str(e)]) from None
+    except (ValueError, IndexError):  # it printed no properties: its error says why
+        raise _unreadable(done.stderr.strip().splitlines()[-3:]) from None
+    return name, total, major, minor
+
+
+def _unreadable(lines: list[str]) -> RuntimeEnvError:
+    return RuntimeEnvError(
+        "GPU 0 could not be read: a child process asking CUDA for its properties failed:",
+        lines=lines, expected="a GPU that CUDA can use (torch.cuda.device_count() > 0 here)",
+        hint="check the node with `hpctrain doctor`; with nvidia-ml-py installed (pip install "
+        "nvidia-ml-py) the GPU is read through NVML instead; run.device=cpu runs on the CPU")
+
+
+def _gpu(cfg, name: str, total: float, capability: tuple[int, int] | None) -> Gpu:
+    """A GPU read by name and memory, with its dense peak for the config's precision."""
+    from hpctrain.observe.peaks import peak_tflops
+
     peak = peak_tflops(name, "fp32" if cfg.train.precision == "fp32" else "bf16")
-    return Gpu(name, total, peak or DEFAULT_PEAK_TFLOPS)
+    return Gpu(name, total, peak or DEFAULT_PEAK_TFLOPS, capability=capability)
 
 
 def named_gpu(name: str, precision: str = "bf16") -> Gpu:

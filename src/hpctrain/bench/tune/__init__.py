@@ -22,7 +22,8 @@ pipeline: its micro-batches). A tuner that changed the batch would change the op
 problem (the loss curve, the learning-rate schedule's meaning) to buy speed: that is not tuning.
 
 How the short list is chosen: every combination is sized with `hpctrain.plan.memory` and dropped
-unless its peak plus 10% fits the GPU (``torch.cuda.get_device_properties``, or
+unless its peak plus 10% fits the GPU (its memory as NVML reads it, or a child process's
+CUDA without nvidia-ml-py: this process, which runs the candidates, holds no CUDA context; or
 ``--gpu-mem-gb``; 16 GB per rank on a CPU; with ``--gpu TYPE --dry-run``, that type's memory and
 peak from the planner's tables, on a machine without it). The rest are ranked by the step-time
 model of ``hpctrain plan parallel`` (predicted tokens/s per GPU). That model has no ZeRO-2 term
@@ -56,6 +57,10 @@ Files in ``--out`` (default ``runs/tune/<config stem>``), written atomically:
 - ``best.overrides``: one ``key=value`` per line (the command's own overrides, then the winner's);
 - ``best.yaml``: the resolved config with the winner applied (``hpctrain train best.yaml``);
 - ``cNN/``: candidate NN's ``bench model`` folder (``config.yaml`` and the run in ``train/``).
+
+A task file (``my_task.py``, a model of the user's own: hpctrain.task) is refused, saying why:
+the short list is sized and ranked by a built-in family's memory and step-time models. Its
+settings are measured one at a time with ``hpctrain bench model --config my_task.py``.
 
 Exit codes: 0 with a winner (also after ``--dry-run``), 1 when every candidate failed (their
 reasons are printed), 2 for bad input (unknown config, ``--gpus`` < 1 or more than visible on a

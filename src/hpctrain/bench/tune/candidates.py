@@ -87,10 +87,12 @@ class TunePlan:
     considered: int  # settings that fit, before the short list
 
 
-def fp8_allowed(config: Path, overrides: list[str], device: str, *, capability=None,
+def fp8_allowed(config: Path, overrides: list[str], device: str, *,
+                capability: tuple[int, int] | None = None,
                 named_gpu: str | None = None) -> tuple[bool, str]:
-    """(whether fp8 candidates are tried, why not) for this config on this device, or on the
-    GPU type ``named_gpu`` (``--gpu``: fp8 where its datasheet lists an fp8 rate)."""
+    """(whether fp8 candidates are tried, why not) for this config on a device of CUDA
+    ``capability``, or on the GPU type ``named_gpu`` (``--gpu``: fp8 where its datasheet lists
+    an fp8 rate)."""
     from hpctrain.config import load_config
     from hpctrain.observe.peaks import peak_tflops
 
@@ -100,9 +102,7 @@ def fp8_allowed(config: Path, overrides: list[str], device: str, *, capability=N
         if peak_tflops(named_gpu, "fp8") is None:
             return False, f"fp8 not tried: no fp8 tensor cores known for {named_gpu}"
     elif capability is None:
-        import torch
-
-        capability = torch.cuda.get_device_capability(0)
+        return False, "fp8 not tried: the GPU's CUDA capability is unknown"
     if named_gpu is None and tuple(capability) < FP8_CAPABILITY:
         return False, (f"fp8 not tried: CUDA capability {capability[0]}.{capability[1]} "
                        "(fp8 tensor cores need 8.9 or newer)")
@@ -260,17 +260,30 @@ def plan_tuning(config: Path | None, overrides: list[str], gpus: int, *,
                 allow_fp8: bool = True, gpu: str | None = None) -> TunePlan:
     """The short list for ``config`` on ``gpus`` GPUs (or CPU ranks) of this machine, or of
     GPUs of type ``gpu`` (``h100``, ``h200``...: memory and peak from the tables, for a short
-    list made where no such GPU is, e.g. a login node)."""
+    list made where no such GPU is, e.g. a login node). This machine's GPU is read without
+    initialising CUDA in this process, which runs the candidates (hpctrain.plan.gpu)."""
     import torch
 
     from hpctrain.config import load_config
     from hpctrain.observe.peaks import peak_tflops
+    from hpctrain.plan.gpu import node_gpu
     from hpctrain.plan.parallel import DEFAULT_PEAK_TFLOPS
+    from hpctrain.task import load_run_config
 
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus}", expected="at least 1")
-    cfg = load_config(config, overrides)
+    cfg = load_run_config(config, overrides, gpus) if config else load_config(None, overrides)
+    if cfg.task:
+        raise ConfigError(
+            f"tune: task {cfg.task} is a model of your own (hpctrain.task)",
+            expected="a config of a built-in model family: tune sizes and ranks its short list "
+            "(layouts, FSDP, activation checkpointing, micro-batch, fp8) with the family's "
+            "memory and step-time models, which a task's model has not",
+            hint="measure a task's settings one by one with `hpctrain bench model --config "
+            "TASK --nproc N --strategy ddp|fsdp --micro-batch M` (real runs), sized first "
+            "with `hpctrain plan memory TASK --gpus N`")
     device = cfg.run.device
+    capability = None  # CUDA's, of this machine's GPU (fp8 tensor cores)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() or gpu else "cpu"
     if gpu is not None:
@@ -297,8 +310,8 @@ def plan_tuning(config: Path | None, overrides: list[str], gpus: int, *,
                               expected=f"at most {visible}",
                               hint="tune runs on one node; CUDA_VISIBLE_DEVICES decides what "
                               "is visible")
-        name = torch.cuda.get_device_name(0)
-        total = torch.cuda.get_device_properties(0).total_memory
+        here = node_gpu(cfg)  # NVML, or a child process: no CUDA context in this one
+        name, total, capability = here.name, here.bytes, here.capability
     else:
         if cfg.run.device == "auto":
             from hpctrain.models import count_params
@@ -312,8 +325,8 @@ def plan_tuning(config: Path | None, overrides: list[str], gpus: int, *,
         if gpu_mem_gb <= 0:
             raise ConfigError(f"--gpu-mem-gb {gpu_mem_gb}", expected="a positive size in GB")
         total = gpu_mem_gb * 1e9
-    fp8, why = (fp8_allowed(config, overrides, device, named_gpu=gpu) if allow_fp8
-                else (False, "fp8 not tried: --no-fp8"))
+    fp8, why = (fp8_allowed(config, overrides, device, capability=capability, named_gpu=gpu)
+                if allow_fp8 else (False, "fp8 not tried: --no-fp8"))
     peak = peak_tflops(name, "fp32" if cfg.train.precision == "fp32" else "bf16")
     batch, _ = global_batch(_resolved(config, overrides, gpus, Gpu(
         name, total, peak or DEFAULT_PEAK_TFLOPS, cpu=device != "cuda")), gpus)

@@ -33,7 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "activation checkpointing, micro-batch, fp8), keep the fastest in "
                        "best.yaml and best.overrides. The global batch stays the config's. "
                        "--dry-run prints the short list and runs nothing.")
-    p.add_argument("config", type=Path, help="YAML config, e.g. configs/llama-8b-fsdp.yaml")
+    p.add_argument("config", type=Path, help="YAML config of a built-in model family, e.g. "
+                   "configs/llama-8b-fsdp.yaml (a task file is refused, saying why)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config overrides applied before tuning (kept in best.overrides)")
     p.add_argument("--gpus", type=count(1, 4096), required=True,
