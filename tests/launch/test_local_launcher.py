@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,11 +29,14 @@ from conftest import (
     REFERENCE,
     TINY,
     processes_mentioning,
+    cli_env,
     run_cli,
     wait_gone,
 )
 from hpctrain.observe.metrics import read_metrics
 from hpctrain.runtime.rundir import RunDir
+import forked
+from hpctrain.launch.local import kill_tree
 from lifecycle import kill_tree_of, start
 
 LAUNCH_TIMEOUT_S = 120.0
@@ -131,13 +135,48 @@ def background(tmp_path_factory: pytest.TempPathFactory, run_pool: ThreadPoolExe
                           nproc=1)
         return out_dir, run_cli(args, timeout=LAUNCH_TIMEOUT_S)
 
+    def port_taken() -> tuple[int | None, str, RunDir]:
+        return launch_with_port_taken(tmp_path_factory.mktemp("port-taken"))
+
     # Both ranks raise a ConfigError after the process group is up: the dataset (6249 samples
     # of 32 tokens) holds fewer samples than one global batch (2 ranks x 4000).
     return {
         "all_fail": run_pool.submit(supervise, tmp_path_factory.mktemp("all-fail"), "all-fail",
                                     *DDP, "train.micro_batch=4000"),
         "single": run_pool.submit(single_rank),
+        "port_taken": run_pool.submit(port_taken),
     }
+
+
+def launch_with_port_taken(tmp: Path) -> tuple[int | None, str, RunDir]:
+    """A 2-rank launch whose rendezvous port is taken by someone else before rank 0 binds it.
+
+    torch elastic picks a port for rank 0's store by binding port 0 and closing the socket,
+    then starts the ranks; for the seconds they take to import, anyone may bind that port
+    (another user's launch on the login node, a job beside ours). Here the test holds the
+    port and torch's pick returns it, which makes that collision certain instead of rare.
+    """
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out_dir, log = tmp / "runs", tmp / "console.txt"
+        argv = train_args(out_dir, "port-taken", *DDP, "train.steps=2", nproc=2)
+        proc = forked.start(_cli_with_rendezvous_port, (port, argv), env=cli_env(), out=log)
+        try:
+            proc.join(LAUNCH_TIMEOUT_S)
+        finally:
+            kill_tree(proc.pid)
+            forked.finish(proc, log)
+    return proc.exitcode, log.read_text(errors="replace"), RunDir(out_dir / "port-taken")
+
+
+def _cli_with_rendezvous_port(port: int, argv: list[str]) -> None:
+    """``python -m hpctrain ARGV`` in which torch elastic's pick of a free port returns `port`."""
+    from torch.distributed.elastic.rendezvous import api
+
+    api.get_free_port = lambda: port
+    forked.cli(argv)
 
 
 # -- failure teardown ---------------------------------------------------------------------------
@@ -190,6 +229,16 @@ def test_every_rank_failing_ends_the_launch(background: dict[str, Future]) -> No
 def test_launcher_exit_info_keeps_the_ranks_reason(background: dict[str, Future]) -> None:
     """exit_info.json should still say *why* the ranks failed, not only that they did."""
     assert "fewer than one global batch" in background["all_fail"].result().exit_info()["reason"]
+
+
+def test_a_rendezvous_port_taken_by_another_process_does_not_break_the_launch(
+        background: dict[str, Future]) -> None:
+    """The launcher's ranks meet on a store it holds open, not on a port chosen, closed and
+    bound again later (a concurrent launch took it in CI: "Failed to recv, got 0 bytes")."""
+    code, output, run_dir = background["port_taken"].result()
+    assert code == 0, output[-3000:]
+    assert [r["step"] for r in read_metrics(run_dir.rank_metrics(1)) if "event" not in r] == \
+        [1, 2]
 
 
 # -- a single rank ------------------------------------------------------------------------------
