@@ -42,9 +42,13 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from hpctrain.cli import command_modules
+
 REPO = Path(__file__).resolve().parents[1]
-# What the fork server imports before it forks the first process.
-PRELOAD = ["torch", "hpctrain.cli", "hpctrain.train.job", "forked", "rank_jobs"]
+# What the fork server imports before it forks the first process (the CLI imports a command's
+# module only when it runs that command).
+PRELOAD = ["torch", "hpctrain.cli", *command_modules(), "hpctrain.train.job", "forked",
+           "rank_jobs"]
 # CPU seconds of the forked processes finished so far (user + system, their children included).
 forked_cpu_s = 0.0
 

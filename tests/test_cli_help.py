@@ -15,7 +15,7 @@ import sys
 import pytest
 
 import hpctrain
-from hpctrain.cli import _parser, has_default
+from hpctrain.cli import COMMANDS, _parser, has_default
 
 
 def _walk(parser: argparse.ArgumentParser, path: str = "hpctrain"):
@@ -68,10 +68,36 @@ def test_descriptions_are_whole_user_sentences(path: str, parser) -> None:
     assert "``" not in text, f"{path}: developer markup in the description: {text!r}"
 
 
-def test_version_prints_the_package_version() -> None:
-    out = subprocess.run([sys.executable, "-m", "hpctrain", "--version"], capture_output=True,
-                         text=True, check=True, timeout=120).stdout
+def _imported(argv: list[str]) -> tuple[str, set[str]]:
+    """``python -m hpctrain ARGV`` in a new interpreter: its stdout and the modules it imported
+    (``-X importtime`` lists each on stderr)."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "hpctrain", *argv],
+                          capture_output=True, text=True, check=True, timeout=120)
+    return done.stdout, {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()
+                         if line.startswith("import time:")}
+
+
+def test_version_prints_the_package_version_without_importing_torch() -> None:
+    out, modules = _imported(["--version"])
     assert out.strip() == f"hpctrain {hpctrain.__version__}"
+    assert "hpctrain.cli" in modules and "torch" not in modules
+
+
+def test_top_level_help_imports_no_command_module() -> None:
+    """`hpctrain --help` answers in a fraction of a second: no torch, no command's module."""
+    out, modules = _imported(["--help"])
+    assert re.search(r"sbatch\s+write a Slurm batch script", out), out
+    assert "torch" not in modules
+    assert not {"hpctrain.launch.sbatch", "hpctrain.observe.cli", "hpctrain.data.cli"} & modules
+
+
+def test_each_command_is_listed_with_its_own_help_line() -> None:
+    """The listing `hpctrain --help` prints without importing the commands (cli.COMMANDS) is
+    what each command's module registers, in the same order."""
+    (commands,) = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    registered = {choice.dest: choice.help for choice in commands._choices_actions}
+    assert list(registered) == list(COMMANDS)
+    assert registered == COMMANDS
 
 
 def test_top_level_help_is_for_users() -> None:
