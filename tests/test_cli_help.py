@@ -91,6 +91,11 @@ def test_top_level_help_imports_no_command_module() -> None:
     assert not {"hpctrain.launch.sbatch", "hpctrain.observe.cli", "hpctrain.data.cli"} & modules
 
 
+def test_runs_reads_records_without_importing_torch(tmp_path) -> None:
+    _, modules = _imported(["runs", str(tmp_path)])  # exit 0: "no runs under ..."
+    assert "hpctrain.observe.runs" in modules and "torch" not in modules
+
+
 def test_each_command_is_listed_with_its_own_help_line() -> None:
     """The listing `hpctrain --help` prints without importing the commands (cli.COMMANDS) is
     what each command's module registers, in the same order."""

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import importlib
 import logging
@@ -260,7 +261,9 @@ def main(argv: list[str] | None = None) -> None:
 
         record(_main)(argv)
         return
-    faulthandler.enable(all_threads=True)  # a crash's Python stack, as record() enables
+    # A crash's Python stack on stderr, as record() enables; not where stderr is no file.
+    with contextlib.suppress(OSError, ValueError):
+        faulthandler.enable(all_threads=True)
     _main(argv)
 
 
