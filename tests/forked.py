@@ -46,9 +46,10 @@ from hpctrain.cli import command_modules
 
 REPO = Path(__file__).resolve().parents[1]
 # What the fork server imports before it forks the first process (the CLI imports a command's
-# module only when it runs that command).
-PRELOAD = ["torch", "hpctrain.cli", *command_modules(), "hpctrain.train.job", "forked",
-           "rank_jobs"]
+# module only when it runs that command; torch._dynamo, which DDP and compile import, only
+# when they run).
+PRELOAD = ["torch", "torch._dynamo", "hpctrain.cli", *command_modules(), "hpctrain.train.job",
+           "forked", "rank_jobs"]
 # CPU seconds of the forked processes finished so far (user + system, their children included).
 forked_cpu_s = 0.0
 

@@ -22,21 +22,21 @@ from pathlib import Path
 import psutil
 import pytest
 
+import forked
 from conftest import (
     DDP,
     DEMO,
     QUIET,
     REFERENCE,
     TINY,
-    processes_mentioning,
     cli_env,
+    processes_mentioning,
     run_cli,
     wait_gone,
 )
+from hpctrain.launch.local import kill_tree
 from hpctrain.observe.metrics import read_metrics
 from hpctrain.runtime.rundir import RunDir
-import forked
-from hpctrain.launch.local import kill_tree
 from lifecycle import kill_tree_of, start
 
 LAUNCH_TIMEOUT_S = 120.0

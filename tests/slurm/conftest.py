@@ -17,8 +17,9 @@ never goes green without having run them.
 
 Settings worth knowing (see FIELD_NOTES "A real Slurm on one Debian 12 machine"): no cgroups
 (proctrack/linuxproc, task/none), no accounting (``sacct`` fails: read ``scontrol show job``),
-``AuthInfo=cred_expire=5`` (Slurm's least) so a requeued job may run again after ~6 s instead of ~121 s, and
-``KillWait=30``: the grace between SIGTERM and SIGKILL that a preemption save relies on.
+``AuthInfo=cred_expire=5`` (Slurm's least) so a requeued job may run again after ~6 s instead
+of ~121 s, and ``KillWait=30``: the grace between SIGTERM and SIGKILL that a preemption save
+relies on.
 
 The two-node cluster runs two slurmd on this one machine, ``hpctrain-n1`` on 127.0.0.1 and
 ``hpctrain-n2`` on 127.0.0.2, each with its own port, spool, pid and log files
