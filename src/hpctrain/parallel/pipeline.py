@@ -18,12 +18,19 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 
 from hpctrain.errors import ConfigError
 from hpctrain.models.registry import family_of
@@ -31,17 +38,12 @@ from hpctrain.models.spec import ModelFamily
 from hpctrain.parallel.layout import ParallelLayout
 from hpctrain.parallel.stages import bubble_estimate, stage_indices
 
-if TYPE_CHECKING:
-    from torch.distributed.pipelining import PipelineStage
-
-# torch.distributed.pipelining is imported where a pipeline is built: it imports torch._dynamo
-# (~0.8 CPU-s), which every rank would pay at start-up, pipelined or not.
 SCHEDULES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "interleaved_zb": "ScheduleInterleavedZeroBubble",
-    "zbv": "ScheduleZBVZeroBubble",
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "interleaved_zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
 }
 
 
@@ -213,8 +215,6 @@ def schedule_supported(schedule: str, device_type: str) -> bool:
     # Before PyTorch's P2P warm-up vote (2.13), a V-shaped pipeline's first step sends from a
     # rank to its own next stage through the process group, which gloo cannot do (seen with
     # 2.11: "Pair is not connected"); NCCL can.
-    from torch.distributed.pipelining import PipelineStage
-
     return not (schedule == "zbv" and device_type == "cpu"
                 and not hasattr(PipelineStage, "_warmup_forward_vote"))
 
@@ -231,13 +231,11 @@ def build_pipeline(parts: list[tuple[int, nn.Module]], layout: ParallelLayout,
             expected="PyTorch >= 2.13 for zbv on CPU (gloo), or a GPU",
             hint="use pp_schedule=interleaved_zb (zero bubble too) or interleaved_1f1b",
         )
-    from torch.distributed import pipelining
-
     group = pp_mesh.get_group()
-    stages = [pipelining.PipelineStage(module, stage_index=s, num_stages=layout.num_stages,
-                                       device=device, group=group) for s, module in parts]
+    stages = [PipelineStage(module, stage_index=s, num_stages=layout.num_stages, device=device,
+                            group=group) for s, module in parts]
     loss = PipelineLoss(loss_fn)
-    cls = getattr(pipelining, SCHEDULES[layout.schedule])
+    cls = SCHEDULES[layout.schedule]
     first = stages[0] if layout.schedule in ("gpipe", "1f1b") else stages
     schedule = cls(first, n_microbatches=layout.microbatches, loss_fn=loss, scale_grads=False)
     bubble = bubble_estimate(layout.schedule, layout.pp, layout.microbatches,

@@ -19,6 +19,7 @@ import socket
 from collections.abc import Callable
 
 import torch
+import torch._inductor.config
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -68,14 +69,12 @@ def enable_async_tp(tp_mesh: DeviceMesh, device: torch.device) -> None:
             expected="the ranks of each tensor-parallel group on one node, their GPUs connected "
             "peer to peer (NVLink): symmetric memory maps each other's buffers",
             hint="drop parallel.async_tp, or keep parallel.tp within the GPUs of one node")
-    # Imported here: the module needs a CUDA build's symmetric-memory bindings, and inductor's
-    # config imports torch._dynamo (~0.8 CPU-s), which every rank would pay at start-up.
-    from torch._inductor import config as inductor_config
+    # Imported here: the module needs a CUDA build's symmetric-memory bindings.
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     # The compiler pass leaves a collective alone unless its group has symmetric memory.
     enable_symm_mem_for_group(group.group_name)
-    inductor_config._micro_pipeline_tp = True
+    torch._inductor.config._micro_pipeline_tp = True
 
 
 def async_tp_obstacle(members: list[tuple[str, int]],
