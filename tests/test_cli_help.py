@@ -8,6 +8,7 @@ text, or with a default its help does not show, fails here.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -68,31 +69,48 @@ def test_descriptions_are_whole_user_sentences(path: str, parser) -> None:
     assert "``" not in text, f"{path}: developer markup in the description: {text!r}"
 
 
-def _imported(argv: list[str]) -> tuple[str, set[str]]:
-    """``python -m hpctrain ARGV`` in a new interpreter: its stdout and the modules it imported
-    (``-X importtime`` lists each on stderr)."""
-    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "hpctrain", *argv],
+# One new interpreter runs ``python -m hpctrain ARGV`` for each ARGV in turn, as ``python -m``
+# does (runpy), and reports what each printed and the modules imported by then.
+_PROBE = """
+import contextlib, io, json, runpy, sys
+report = []
+for argv in json.loads(sys.argv[1]):
+    sys.argv = ["hpctrain", *argv]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        runpy.run_module("hpctrain", run_name="__main__", alter_sys=True)
+    report.append({"stdout": out.getvalue(), "modules": sorted(sys.modules)})
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """``--version``, ``--help`` and ``runs`` of an empty folder, in that order, in one new
+    interpreter: each one's stdout and every module imported up to its end."""
+    commands = {"version": ["--version"], "help": ["--help"],
+                "runs": ["runs", str(tmp_path_factory.mktemp("no-runs"))]}
+    done = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(list(commands.values()))],
                           capture_output=True, text=True, check=True, timeout=120)
-    return done.stdout, {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()
-                         if line.startswith("import time:")}
+    return dict(zip(commands, json.loads(done.stdout.splitlines()[-1]), strict=True))
 
 
-def test_version_prints_the_package_version_without_importing_torch() -> None:
-    out, modules = _imported(["--version"])
-    assert out.strip() == f"hpctrain {hpctrain.__version__}"
-    assert "hpctrain.cli" in modules and "torch" not in modules
+def test_version_prints_the_package_version_without_importing_torch(fresh) -> None:
+    assert fresh["version"]["stdout"].strip() == f"hpctrain {hpctrain.__version__}"
+    assert "hpctrain.cli" in fresh["version"]["modules"]
+    assert "torch" not in fresh["version"]["modules"]
 
 
-def test_top_level_help_imports_no_command_module() -> None:
+def test_top_level_help_imports_no_command_module(fresh) -> None:
     """`hpctrain --help` answers in a fraction of a second: no torch, no command's module."""
-    out, modules = _imported(["--help"])
-    assert re.search(r"sbatch\s+write a Slurm batch script", out), out
+    assert re.search(r"sbatch\s+write a Slurm batch script", fresh["help"]["stdout"])
+    modules = set(fresh["help"]["modules"])
     assert "torch" not in modules
     assert not {"hpctrain.launch.sbatch", "hpctrain.observe.cli", "hpctrain.data.cli"} & modules
 
 
-def test_runs_reads_records_without_importing_torch(tmp_path) -> None:
-    _, modules = _imported(["runs", str(tmp_path)])  # exit 0: "no runs under ..."
+def test_runs_reads_records_without_importing_torch(fresh) -> None:
+    modules = fresh["runs"]["modules"]
     assert "hpctrain.observe.runs" in modules and "torch" not in modules
 
 
