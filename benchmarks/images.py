@@ -12,6 +12,7 @@
     python benchmarks/images.py --paths b --nproc 8                    # (b) DDP on 8 GPUs
     python benchmarks/images.py --paths b --nproc 8 --strategy fsdp --models vit_b_16
     python benchmarks/images.py --paths a b loader --b-variants gpu,serial,split0.25t8,cpu16
+    python benchmarks/images.py --paths loader --loader-crops batched per-image   # crop kernels
     torchrun --nproc-per-node 8 benchmarks/images.py --paths a c       # (a), (c) DDP
     python benchmarks/images.py --device cpu --tiny                    # a CPU smoke run
 
@@ -28,9 +29,12 @@ Pillow threads, the rest to nvJPEG), ``cpu<N>`` (all on N Pillow threads); a suf
 sets the Pillow threads, ``r<S>`` decodes at reduced size (Pillow keeps the shorter side >= S).
 Each row says its setting, the decode threads and cores of the process, and the milliseconds
 per image spent decoding (wall time: nvJPEG returns when done) and augmenting (the side
-stream's timing events, read after the loader thread has waited for that stream: the step's
-stream is never synchronised for them; ``serial`` has no augment time, as timing it would sync
-the step's stream).
+stream's timing events, read once the device has passed them: neither the loader thread nor
+the step's stream ever waits for them; ``serial`` has no augment time, as timing it would sync
+the step's stream). The loader row also gives the CPU milliseconds per batch of the loader's
+threads: reading the shards, decoding (launching nvJPEG) and cropping (launching the crop
+kernels), once per ``--loader-crops`` way (the batched kernel training uses on CUDA, or the
+per-image launches).
 """
 
 from __future__ import annotations
@@ -109,6 +113,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--b-variants", default="gpu",
                    help="comma-separated decode settings; (b) and the loader row run once "
                    "per setting, e.g. gpu,serial,split0.25t8,cpu16,cpu16r160")
+    p.add_argument("--loader-crops", nargs="+", default=["batched"],
+                   choices=["batched", "per-image"],
+                   help="the loader row's crops: the batched kernel (what training uses on "
+                   "CUDA) and/or image by image (the CPU's way; on CUDA: the old launches)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true",
                    help="tiny models, 32-pixel images, few steps: checks the paths run")
@@ -315,20 +323,31 @@ def path_d(args: argparse.Namespace, model: str, variant: Variant | None = None)
     return {"path": "d", **run_lightning(args, model)}
 
 
-def path_loader(args: argparse.Namespace, model: str, variant: Variant) -> dict:
-    """hpctrain's loader alone: images/s read, decoded and augmented (no model)."""
+def path_loader(args: argparse.Namespace, model: str, variant: Variant) -> list[dict]:
+    """hpctrain's loader alone: images/s read, decoded and augmented (no model), once per
+    ``--loader-crops`` way, with the CPU time per batch of its threads."""
     from hpctrain.data.images.throughput import loader_throughput
 
     gpu = args.device == "cuda"
-    row = loader_throughput(args.shards, batch=args.batch, steps=max(2, args.steps // 2),
-                            size=image_size(args), device=args.device,
-                            dtype=torch.bfloat16 if gpu else torch.float32,
-                            threads=variant.decode_threads, cpu_fraction=variant.cpu_fraction,
-                            min_side=variant.decode_min_side or None,
-                            ahead=variant.decode_ahead, timed=True)
-    return {"path": "loader", "images_per_s_per_gpu": row.pop("images_per_s"), "ranks": 1,
-            **_setting(variant),
-            **{k: row[k] for k in ("decode_ms_per_image", "augment_ms_per_image")}}
+    rows = []
+    for crops in args.loader_crops:
+        row = loader_throughput(args.shards, batch=args.batch, steps=max(2, args.steps // 2),
+                                size=image_size(args), device=args.device,
+                                dtype=torch.bfloat16 if gpu else torch.float32,
+                                threads=variant.decode_threads,
+                                cpu_fraction=variant.cpu_fraction,
+                                min_side=variant.decode_min_side or None,
+                                ahead=variant.decode_ahead, timed=not variant.decode_ahead,
+                                batched=crops == "batched")
+        rows.append({"path": "loader", "images_per_s_per_gpu": row.pop("images_per_s"),
+                     "ranks": 1, **_setting(variant), "crops": crops,
+                     **{k: row.get(k) for k in LOADER_KEYS}})
+    return rows
+
+
+# The loader row's timings: per image on the device, and CPU per batch of its threads.
+LOADER_KEYS = ("decode_ms_per_image", "augment_ms_per_image", "read_cpu_ms_per_batch",
+               "decode_cpu_ms_per_batch", "crop_cpu_ms_per_batch")
 
 
 PATHS = {"a": path_a, "b": path_b, "c": path_c, "d": path_d, "loader": path_loader}
@@ -350,10 +369,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       f"(it does on the GPU image)", file=sys.stderr)
                 continue
             for variant in args.variants if path in PER_VARIANT else [None]:
-                row = {"model": model_name(args, model), "device": _device_name(args),
-                       "batch_per_gpu": args.batch, **PATHS[path](args, model, variant)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                made = PATHS[path](args, model, variant)
+                for r in made if isinstance(made, list) else [made]:
+                    row = {"model": model_name(args, model), "device": _device_name(args),
+                           "batch_per_gpu": args.batch, **r}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     if _world()[0] == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=1))
@@ -380,8 +401,9 @@ def table(rows: list[dict]) -> str:
     ceiling = {(r["model"], r["ranks"]): r["images_per_s_per_gpu"] for r in rows
                if r["path"] == "a"}
     lines = ["| model | path | decode setting | ranks | images/s per GPU | of (a) | "
-             "decode threads / cores | decode ms/img | augment ms/img |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "decode threads / cores | decode ms/img | augment ms/img | "
+             "loader CPU ms/batch: read / decode / crop |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         a = ceiling.get((r["model"], r["ranks"]))
         frac = f"{r['images_per_s_per_gpu'] / a:.2f}" if a else "-"
@@ -389,7 +411,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['model']} | ({r['path']}) | {r.get('setting', '-')} | "
                      f"{_ranks(r)} | {r['images_per_s_per_gpu']:,.0f} | {frac} | {cores} | "
                      f"{_ms(r.get('decode_ms_per_image'))} | "
-                     f"{_ms(r.get('augment_ms_per_image'))} |")
+                     f"{_ms(r.get('augment_ms_per_image'))} | {_cpu(r)} |")
     return "\n".join(lines)
 
 
@@ -397,6 +419,14 @@ def _ranks(row: dict) -> str:
     """The row's ranks, and the strategy of (b) on several."""
     strategy = row.get("strategy", "none")
     return f"{row['ranks']}" if strategy == "none" else f"{row['ranks']} {strategy}"
+
+
+def _cpu(row: dict) -> str:
+    """The loader row's CPU milliseconds per batch (read / decode / crop) and its crops."""
+    if "read_cpu_ms_per_batch" not in row:
+        return "-"
+    parts = " / ".join(f"{row[k]:.1f}" for k in LOADER_KEYS[2:])
+    return f"{parts} ({row['crops']})"
 
 
 def _ms(value: float | None) -> str:

@@ -7,8 +7,11 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+import torch
+
 from hpctrain.data.order import BatchLayout, GlobalOrderSampler
-from hpctrain.data.prefetch import Prefetcher
+from hpctrain.data.prefetch import Prefetcher, read_ahead
 
 
 class SlowSteps(Prefetcher):
@@ -32,6 +35,74 @@ def test_close_waits_for_the_thread() -> None:
     time.sleep(0.12)  # the thread is mid-read or waiting on the full queue
     steps.close()
     steps.closed.set()
-    assert not steps._thread.is_alive()
+    assert not any(t.is_alive() for t in steps._threads)
     time.sleep(0.1)
     assert not steps.read_after_close
+
+
+class TwoStage(Prefetcher):
+    """Reading on one thread, finishing on another; each part may fail at a given step."""
+
+    two_stage = True
+
+    def __init__(self, fail_read: int = -1, fail_finish: int = -1) -> None:
+        super().__init__(GlobalOrderSampler(1000, BatchLayout(1, 1, 1, 0), 0), prefetch=2)
+        self.fail_read, self.fail_finish = fail_read, fail_finish
+        self.threads: set[str] = set()
+
+    def _host_step(self) -> int:
+        self.threads.add(threading.current_thread().name)
+        step = self.sampler.step
+        self.sampler.next_step()
+        if step == self.fail_read:
+            raise ValueError(f"shard-000001.tar: sample 'k{step}' is unreadable")
+        return step
+
+    def _finish_step(self, host: int) -> tuple[int, str]:
+        if host == self.fail_finish:
+            raise ValueError(f"sample 'k{host}' does not decode")
+        return host, threading.current_thread().name
+
+
+def test_two_stages_keep_the_order_and_pass_each_error_on_in_place() -> None:
+    steps = TwoStage(fail_read=5)
+    got = [steps._fetch() for _ in range(5)]
+    assert [s for s, _ in got] == [0, 1, 2, 3, 4]
+    # Read on one thread, finished on another (neither the training thread).
+    finishers = {name for _, name in got}
+    assert len(finishers) == 1 and len(steps.threads) == 1 and not finishers & steps.threads
+    for _ in range(2):  # the reader's error, naming what failed, again at every fetch
+        with pytest.raises(ValueError, match="shard-000001.tar: sample 'k5'"):
+            steps._fetch()
+    assert steps.consumed == 5
+    steps.close()
+    assert not any(t.is_alive() for t in steps._threads)
+
+    steps = TwoStage(fail_finish=2)
+    assert [steps._fetch()[0] for _ in range(2)] == [0, 1]
+    with pytest.raises(ValueError, match="'k2' does not decode"):
+        steps._fetch()
+    steps.close()
+    assert not any(t.is_alive() for t in steps._threads)
+
+
+def test_read_ahead_yields_in_order_raises_in_place_and_leaves_no_thread() -> None:
+    cpu = torch.device("cpu")
+    made_on: set[str] = set()
+
+    def make(i: int) -> int:
+        made_on.add(threading.current_thread().name)
+        if i == 3:
+            raise ValueError("sample 3 does not decode")
+        return i * i
+
+    got = []
+    with pytest.raises(ValueError, match="sample 3"):
+        for x in read_ahead(range(10), make, cpu):
+            got.append(x)
+    assert got == [0, 1, 4] and made_on == {"hpctrain-read-ahead"}
+    assert list(read_ahead(range(5), lambda i: -i, cpu)) == [0, -1, -2, -3, -4]
+    abandoned = read_ahead(range(1000), lambda i: i, cpu)
+    assert next(abandoned) == 0
+    abandoned.close()  # a loop left early: the thread is stopped and joined
+    assert not any(t.name == "hpctrain-read-ahead" for t in threading.enumerate())

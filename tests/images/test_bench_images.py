@@ -54,6 +54,7 @@ def test_tiny_cpu_run_of_paths_a_and_b(bench, tmp_path: Path,
         rows = bench.main(["--device", "cpu", "--tiny", "--models", "resnet50", "--paths",
                            "a", "b", "c", "d", "loader", "--jpegs", str(tmp_path / "jpegs"),
                            "--b-variants", "gpu,serialr16",
+                           "--loader-crops", "batched", "per-image",
                            "--shards", str(tmp_path / "shards"),
                            "--out", str(tmp_path / "rows.json")])
     finally:
@@ -66,11 +67,16 @@ def test_tiny_cpu_run_of_paths_a_and_b(bench, tmp_path: Path,
         if r["path"] in ("b", "loader"):  # each says its setting, cores and decode time
             assert r["cores"] >= 1 and r["decode_threads"] == 1, r
             assert r["decode_ms_per_image"] > 0 and r["augment_ms_per_image"] > 0, r
-    assert [r["decode_ahead"] for r in rows if r["path"] == "loader"] == [True, False]
+    loader = [r for r in rows if r["path"] == "loader"]
+    assert [(r["decode_ahead"], r["crops"]) for r in loader] == [
+        (True, "batched"), (True, "per-image"), (False, "batched"), (False, "per-image")]
+    for r in loader:  # where the loader threads' CPU goes, per batch
+        assert all(r[f"{part}_cpu_ms_per_batch"] > 0 for part in ("read", "decode", "crop")), r
     assert json.loads((tmp_path / "rows.json").read_text()) == rows
     out = capsys.readouterr()
     assert "| resnet_tiny | (b) | gpu | 1 |" in out.out
     assert "| resnet_tiny | (b) | serialr16 | 1 |" in out.out
+    assert "(per-image) |" in out.out and "(batched) |" in out.out
     for path, module in (("c", "torchvision"), ("d", "lightning")):
         ran = path in {r["path"] for r in rows}
         said = f"skipping ({path}) for resnet50: {module} does not import" in out.err

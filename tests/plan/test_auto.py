@@ -174,13 +174,14 @@ def test_tune_measurements_on_this_gpu_are_preferred(tmp_path: Path) -> None:
     cfg, res = _resolved([*fixed, f"parallel.tune_results={tmp_path}"], 2, H100)
     assert (cfg.parallel.activation_checkpointing, cfg.train.micro_batch) == ("full", 8)
     assert cfg.parallel.reshard_after_forward is True and "tune's measurements" in res.reasons[0]
-    # With checkpointing fixed to none, no measured setting fits; the model chooses, but never
-    # the setting tune saw fail (none at micro-batch 8).
+    # With checkpointing fixed to none, no measured setting fits; the model chooses (the
+    # largest micro-batch it predicts to fit), but never the setting tune saw fail (none at
+    # micro-batch 8).
     cfg, res = _resolved([*fixed, f"parallel.tune_results={tmp_path}",
                           "parallel.activation_checkpointing=none",
                           "parallel.strategy=fsdp", "parallel.reshard_after_forward=true"],
                          2, H100)
-    assert cfg.train.micro_batch == 4 and "no measured setting" in res.reasons[0]
+    assert cfg.train.micro_batch == 16 and "no measured setting" in res.reasons[0]
     cfg, res = _resolved([*fixed, f"parallel.tune_results={tmp_path}"], 4, H100)
     assert "another GPU count (2, this run: 4)" in res.reasons[0]
     # Measured compiled: a speed of another program than an eager run's.

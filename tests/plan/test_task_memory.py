@@ -123,6 +123,27 @@ def test_plan_memory_of_a_task_config_says_it_measured_nothing_on_cpu(task_file:
     assert data["params"] == 4 * PARAMS  # DDP: whole on every rank
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's report")
+def test_plan_takes_a_task_file_as_train_does(task_file: Path, capsys) -> None:
+    """``hpctrain plan SUBCOMMAND my_task.py KEY=VALUE`` (in process), as ``hpctrain train
+    my_task.py`` reads it: memory sizes the task's model (DDP on --gpus 2, as train --nproc 2
+    would), interval and goodput read its checkpoint keys, parallel says why it does not
+    apply."""
+    main(["plan", "memory", str(task_file), "train.micro_batch=4", "--gpus", "2", "--gpu",
+          "h100"])
+    assert f"task {task_file} ({PARAMS} params), ddp over 2 GPUs" in capsys.readouterr().out
+    main(["plan", "interval", str(task_file), "checkpoint.mttf_gpu_hours=800", "--gpus", "8",
+          "--save-min", "1"])
+    assert "job MTTF 100.00 h" in capsys.readouterr().out
+    main(["plan", "goodput", str(task_file), "checkpoint.mttf_gpu_hours=800", "--gpus", "8",
+          "--save-s", "60", "--restart-s", "300"])
+    assert "job MTTF 100.00 h" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "parallel", str(task_file), "--gpu", "h100"])
+    err = capsys.readouterr().err
+    assert exc.value.code != 0 and "plan parallel: task" in err and "plan memory TASK" in err
+
+
 WIDE_TASK = """\
 import torch
 from torch import nn

@@ -90,3 +90,38 @@ def test_a_micro_batch_that_lost_every_sample_adds_nothing(tmp_path: Path) -> No
     assert step_record["loss"] == pytest.approx(sum(y * y for y in ys) / 4, rel=1e-6)
     assert step_record["big"] == pytest.approx(sum(y > 4 for y in ys) / 4)
     assert step_record["one"] == 1.0
+
+
+def test_an_image_batch_that_lost_an_image_keeps_its_shape_and_counts_the_rest() -> None:
+    """The image task pads a batch that lost an image back to its size (a compiled model sees
+    one shape: no recompile), with a copy of a kept image; its loss and metrics are those of
+    the kept images alone."""
+    import io
+
+    from PIL import Image
+
+    from hpctrain.data.images.reader import ImageSample
+    from hpctrain.tasks.images import ImageClassifier, ImageTaskConfig
+
+    def sample(value: int, data: bytes | None = None) -> ImageSample:
+        if data is None:
+            buf = io.BytesIO()
+            Image.new("RGB", (20, 18), (value, 255 - value, value // 2)).save(buf, "JPEG")
+            data = buf.getvalue()
+        return ImageSample(torch.frombuffer(bytearray(data), dtype=torch.uint8), value % 4,
+                           "shard-000000.tar", f"img{value}", 100)
+
+    parts = ImageClassifier(ImageTaskConfig(data="unused", image_size=16), 4,
+                            build=lambda classes, size: nn.Sequential(
+                                nn.Flatten(), nn.Linear(3 * size * size, classes)))
+    samples = [sample(v) for v in (1, 62, 123, 184)]
+    samples[1] = sample(62, b"\xff\xd8\xff" + bytes(40))  # does not decode: skipped
+    prepared, labels = parts.collate(samples)
+    assert prepared.tensor.shape[0] == 4 and labels.tolist() == [1, 3, 0]
+    assert torch.equal(prepared.tensor[3], prepared.tensor[0])
+    model = parts.model()
+    loss, metrics = parts.step(model, (prepared, labels))
+    kept = prepared.tensor[:3]
+    want = nn.functional.cross_entropy(model(kept), labels, label_smoothing=0.1)
+    torch.testing.assert_close(loss, want)
+    assert metrics["top1"].shape == (3,)

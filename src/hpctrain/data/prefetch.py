@@ -1,9 +1,13 @@
-"""Steps of batches read ahead by a daemon thread, while the device trains on the current one.
+"""Steps of batches read ahead by daemon threads, while the device trains on the current one.
 
 `Prefetcher` is what the token loader (`hpctrain.data.loader.TokenLoader`) and the loader of a
 user's samples (`hpctrain.data.samples.SampleLoader`) share: the thread, its bounded queue, an
 error raised in the thread surfacing (again and again) at the training thread's next fetch, and
 a position that is the steps handed to training, not the steps the thread has read ahead.
+
+A subclass whose steps have a second, separate part (``two_stage``: reading the files, then
+decoding on the GPU) gets a thread per part, so that reading step k+1 overlaps finishing step k;
+each thread takes the steps in order from the one before it, so the order is the sampler's.
 """
 
 from __future__ import annotations
@@ -11,9 +15,65 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import torch
+
 from hpctrain.data.order import GlobalOrderSampler
+
+_POLL_S = 0.05  # how often a thread blocked on a queue looks whether close() was called
+
+
+def _put(q: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """Put ``item`` on ``q`` once there is room; False if ``stop`` came first."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=_POLL_S)
+            return True
+        except queue.Full:
+            pass
+    return False
+
+
+def read_ahead(items: Iterable[Any], make: Callable[[Any], Any], device: torch.device,
+               depth: int = 2, name: str = "hpctrain-read-ahead") -> Iterator[Any]:
+    """``make(item)`` of each of ``items``, in order, made up to ``depth`` ahead on a thread
+    whose current device is ``device`` (validation: reading and decoding the next batches while
+    the model runs on this one).
+
+    An error in ``make`` (or in ``items``) is raised here, in its place; the thread is gone once
+    the iteration ends, fails or is abandoned (the generator closed)."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def work() -> None:
+        try:
+            if device.type == "cuda":  # a new thread's is cuda:0, whatever the rank's
+                torch.cuda.set_device(device)
+            for item in items:
+                if not _put(q, (True, make(item)), stop):
+                    return
+            _put(q, (True, _END), stop)
+        except BaseException as e:  # raised in the consuming thread, at its place
+            _put(q, (False, e), stop)
+
+    thread = threading.Thread(target=work, daemon=True, name=name)
+    thread.start()
+    try:
+        while True:
+            ok, value = q.get()
+            if not ok:
+                raise value
+            if value is _END:
+                return
+            yield value
+    finally:
+        stop.set()
+        thread.join()
+
+
+_END = object()  # the end of read_ahead's items, or of a queue that close() stopped
 
 
 class Prefetcher:
@@ -21,16 +81,19 @@ class Prefetcher:
 
     Subclasses give ``_host_step`` (one step read on the host, in ``sampler``'s order) and turn
     what ``_fetch`` returns into device batches. ``prefetch=0`` reads in the calling thread.
+    With ``two_stage`` set, ``_finish_step`` (what turns a read step into the one handed over)
+    runs on a second thread, one step behind the reading thread.
     """
 
     thread_name = "hpctrain-prefetch"
+    two_stage = False
 
     def __init__(self, sampler: GlobalOrderSampler, prefetch: int):
         self.sampler = sampler
         self.prefetch = prefetch
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._error: BaseException | None = None
         # Steps handed to training; the sampler runs ahead of this by the prefetch depth.
         self.consumed = sampler.step
@@ -38,23 +101,59 @@ class Prefetcher:
     def _host_step(self) -> Any:
         raise NotImplementedError
 
-    def _worker(self) -> None:
+    def _finish_step(self, host: Any) -> Any:
+        """The step handed to training, made from what ``_host_step`` read (``two_stage``)."""
+        return host
+
+    def _get(self, q: queue.Queue) -> Any:
+        """The next item of ``q``; ``_END`` if close() came first."""
+        while not self._stop.is_set():
+            try:
+                return q.get(timeout=_POLL_S)
+            except queue.Empty:
+                pass
+        return _END
+
+    def _reader(self, out: queue.Queue) -> None:
         try:
-            while not self._stop.is_set():
-                self._queue.put(self._host_step())
+            while _put(out, self._host_step() if self.two_stage
+                       else self._finish_step(self._host_step()), self._stop):
+                pass
         except BaseException as e:  # surfaced to the training thread at its next fetch
-            self._queue.put(e)
+            _put(out, e, self._stop)
+
+    def _finisher(self, read: queue.Queue) -> None:
+        try:
+            while (host := self._get(read)) is not _END:
+                if isinstance(host, BaseException):
+                    raise host  # the reader's error, passed on in order
+                if not _put(self._queue, self._finish_step(host), self._stop):
+                    return
+        except BaseException as e:
+            _put(self._queue, e, self._stop)
+
+    def _start(self) -> None:
+        self._queue = queue.Queue(maxsize=self.prefetch)
+        if self.two_stage:
+            read: queue.Queue = queue.Queue(maxsize=1)
+            self._threads = [threading.Thread(target=self._reader, args=(read,), daemon=True,
+                                              name=f"{self.thread_name}-read"),
+                             threading.Thread(target=self._finisher, args=(read,), daemon=True,
+                                              name=self.thread_name)]
+        else:
+            self._threads = [threading.Thread(target=self._reader, args=(self._queue,),
+                                              daemon=True, name=self.thread_name)]
+        for t in self._threads:
+            t.start()
 
     def _fetch(self) -> Any:
-        """The next step as ``_host_step`` made it (counted as consumed)."""
+        """The next step as ``_host_step`` (and ``_finish_step``) made it (counted as
+        consumed)."""
         if self.prefetch == 0:
-            host = self._host_step()
+            host = self._finish_step(self._host_step())
         else:
-            if self._thread is None:
-                self._queue = queue.Queue(maxsize=self.prefetch)
-                self._thread = threading.Thread(target=self._worker, daemon=True,
-                                                name=self.thread_name)
-                self._thread.start()
+            if not self._threads:
+                self._start()
             host = self._queue.get() if self._error is None else self._error
             if isinstance(host, BaseException):
                 self._error = host  # the worker has stopped: keep failing, never wait
@@ -68,20 +167,16 @@ class Prefetcher:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume after ``state['step']`` global batches; call before the first fetch."""
-        if self._thread is not None:
+        if self._threads:
             raise RuntimeError("load_state_dict must come before the first batch is fetched")
         self.sampler.load_state_dict(state)
         self.consumed = self.sampler.step
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the prefetch thread and wait for it, so that the dataset can be closed after
-        this returns without the thread still reading it (it would find its files closed
+        """Stop the prefetch threads and wait for them, so that the dataset can be closed after
+        this returns without a thread still reading it (it would find its files closed
         mid-read, or change their table while the closer walks it)."""
         self._stop.set()
-        if self._thread is None:
-            return
         deadline = time.monotonic() + timeout
-        while self._thread.is_alive() and time.monotonic() < deadline:
-            while not self._queue.empty():  # unblock a worker waiting on a full queue
-                self._queue.get_nowait()
-            self._thread.join(0.05)
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))

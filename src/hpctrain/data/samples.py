@@ -12,13 +12,20 @@ resumes exactly only if it can report and restore its position (``state_dict()``
 Each sample is read inside `hpctrain.task.reading_sample`, so a dataset's random augmentation can
 draw from ``hpctrain.task.sample_rng()``: seeded from (seed, epoch, sample index), the same numbers
 on any number of ranks and after a resume, although a thread reads ahead of training. A dataset
-that draws from a global generator instead is warned about once, at the start.
+that draws from a global generator instead is warned about once, at the start. A dataset that
+draws nothing while reading may offer ``read_samples(indices)`` (`ImageShards` does): a
+micro-batch is then read in one call, with no per-sample seeding to pay for.
+
+A ``collate`` with two parts, ``gather(samples)`` (cheap, on the host) and ``finish(gathered)``
+(decoding on the GPU: `DecodeAhead`), gets a thread per part: reading and gathering step k+1
+overlaps finishing step k, in the same order.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -61,10 +68,12 @@ def build_sample_loader(dataset: Any, layout: BatchLayout, seed: int, device: to
 
 
 def to_device(batch: Any, device: torch.device, pin: bool = False) -> Any:
-    """``batch`` (tensors in tuples, lists and dicts) with every tensor on ``device``."""
+    """``batch`` (tensors in tuples, lists and dicts) with every tensor on ``device``
+    (``pin``: host tensors pinned instead, for a later non-blocking copy)."""
     if isinstance(batch, torch.Tensor):
         if pin:
-            return batch.pin_memory()
+            # Only host memory pins: a tensor a collate put on the GPU stays where it is.
+            return batch.pin_memory() if batch.device.type == "cpu" else batch
         return batch.to(device, non_blocking=True)
     if isinstance(batch, tuple | list):
         return type(batch)(to_device(b, device, pin) for b in batch)
@@ -94,24 +103,46 @@ class SampleLoader(Prefetcher):
         self.seed = seed
         self.device = device
         self.collate = collate
+        self.two_stage = callable(getattr(collate, "gather", None)) and callable(
+            getattr(collate, "finish", None))
+        self._read_many = getattr(dataset, "read_samples", None)
         self._pin = device.type == "cuda"
+        # Seconds of thread CPU time spent reading and gathering (what the loader costs the
+        # host besides decoding: `hpctrain.data.images.throughput` reports it per batch).
+        self.read_cpu_s = 0.0
         warn_if_global_rng(lambda: self._read(range(1), epoch=0))
 
     def _read(self, indices, epoch: int) -> Any:
-        items = []
-        for i in indices:
-            with reading_sample(self.seed, epoch, int(i)):
-                items.append(self.dataset[int(i)])
-        return self.collate(items)
+        """One micro-batch read and collated (only gathered, for a two-part collate)."""
+        if self._read_many is not None:
+            items = self._read_many([int(i) for i in indices])
+        else:
+            items = []
+            for i in indices:
+                with reading_sample(self.seed, epoch, int(i)):
+                    items.append(self.dataset[int(i)])
+        return (self.collate.gather if self.two_stage else self.collate)(items)
 
     def _host_step(self) -> list[Any]:
+        t0 = time.thread_time()
         epoch = self.sampler.step // self.sampler.steps_per_epoch
-        return [to_device(call_user(self._read, "reading the dataset", ix, epoch), self.device,
-                          self._pin) for ix in self.sampler.next_step()]
+        out = [call_user(self._read, "reading the dataset", ix, epoch)
+               for ix in self.sampler.next_step()]
+        self.read_cpu_s += time.thread_time() - t0
+        return out
+
+    def _finish(self, host: Any) -> Any:
+        """One micro-batch as the collate hands it over (its second part, if it has one)."""
+        return call_user(self.collate.finish, "collating samples", host) if self.two_stage \
+            else host
+
+    def _finish_step(self, host: list[Any]) -> list[Any]:
+        return [to_device(self._finish(h), self.device, self._pin) for h in host]
 
     def peek(self, n: int) -> Any:
         """The first ``n`` samples as one batch on the device; the position does not move."""
-        return to_device(call_user(self._read, "reading the dataset", range(n), 0), self.device)
+        return to_device(self._finish(call_user(self._read, "reading the dataset", range(n), 0)),
+                         self.device)
 
     def next_step(self) -> list[Any]:
         """The ``grad_accum`` micro-batches of this rank's next optimizer step, on the device."""

@@ -26,6 +26,8 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from hpctrain.config import JobConfig
 from hpctrain.errors import HpctrainError, LaunchError
+from hpctrain.plan.auto import CPU, resolve_auto
+from hpctrain.plan.gpu import gpu_without_cuda
 from hpctrain.runtime import early_signals
 from hpctrain.runtime.env import detect_env
 from hpctrain.runtime.exit_codes import HUNG, PREEMPTED
@@ -47,6 +49,7 @@ def launch_training(cfg: JobConfig, config: Path, overrides: list[str], nproc: i
     """``hpctrain train CONFIG --nproc N``: lock the run directory, run the ranks, unlock."""
     check_nproc(nproc)  # before the run directory is claimed
     check_device_fits(cfg)  # once here, before any rank starts
+    resolve_for_ranks(cfg, nproc)  # before the claim, which would otherwise ask CUDA
     claim = claim_run_dir(cfg, detect_env(), fresh=fresh, world_size=nproc, ranks=True)
     for note in claim.notes:
         print(f"hpctrain: {note}", file=sys.stderr)
@@ -68,6 +71,14 @@ def launch_training(cfg: JobConfig, config: Path, overrides: list[str], nproc: i
         os.environ.pop(TOKEN_ENV, None)
         os.environ.pop(LAUNCHER_PID_ENV, None)
         claim.lock.release()
+
+
+def resolve_for_ranks(cfg: JobConfig, nproc: int) -> None:
+    """Choose the config's ``auto`` values as the ranks will, without initialising CUDA here
+    (hpctrain.plan.gpu): for this machine's GPU as NVML reads it, so that a job nothing fits
+    is refused before any rank starts; where only CUDA could tell, for the CPU's stand-in,
+    which checks the batch split and the layout (each rank sizes it on its own GPU)."""
+    resolve_auto(cfg, nproc, gpu_without_cuda(cfg) or CPU)
 
 
 def check_nproc(nproc: int) -> None:

@@ -63,6 +63,25 @@ def load_nvml() -> ModuleType:
     return pynvml
 
 
+def nvml_handle(nvml: ModuleType, cuda_index: int):
+    """NVML handle of CUDA device ``cuda_index``, honouring CUDA_VISIBLE_DEVICES (NVML numbers
+    every GPU of the machine; CUDA only the visible ones)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    entries = [e.strip() for e in visible.split(",") if e.strip()] if visible else []
+    try:
+        if entries:
+            if cuda_index >= len(entries):
+                raise PowerUnavailable(
+                    f"CUDA device {cuda_index} but CUDA_VISIBLE_DEVICES={visible}")
+            entry = entries[cuda_index]
+            if entry.isdigit():
+                return nvml.nvmlDeviceGetHandleByIndex(int(entry))
+            return nvml.nvmlDeviceGetHandleByUUID(entry)
+        return nvml.nvmlDeviceGetHandleByIndex(cuda_index)
+    except nvml.NVMLError as e:
+        raise PowerUnavailable(f"NVML has no device for CUDA index {cuda_index}: {e}") from None
+
+
 @dataclass(frozen=True)
 class Sample:
     """One reading: wall time, board power per device (W), energy counter per device (J)."""
@@ -92,7 +111,7 @@ class PowerSampler:
         if count == 0:
             raise PowerUnavailable("NVML sees no GPU")
         wanted = list(devices) if devices is not None else list(range(count))
-        self.handles = [self._handle(i) for i in wanted]
+        self.handles = [nvml_handle(self.nvml, i) for i in wanted]
         self.devices = wanted
         try:
             for h in self.handles:
@@ -100,24 +119,6 @@ class PowerSampler:
             self.has_energy_counter = True
         except (self.nvml.NVMLError, AttributeError):
             self.has_energy_counter = False
-
-    def _handle(self, cuda_index: int):
-        """NVML handle of CUDA device `cuda_index`, honouring CUDA_VISIBLE_DEVICES."""
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-        entries = [e.strip() for e in visible.split(",") if e.strip()] if visible else []
-        try:
-            if entries:
-                if cuda_index >= len(entries):
-                    raise PowerUnavailable(
-                        f"CUDA device {cuda_index} but CUDA_VISIBLE_DEVICES={visible}")
-                entry = entries[cuda_index]
-                if entry.isdigit():
-                    return self.nvml.nvmlDeviceGetHandleByIndex(int(entry))
-                return self.nvml.nvmlDeviceGetHandleByUUID(entry)
-            return self.nvml.nvmlDeviceGetHandleByIndex(cuda_index)
-        except self.nvml.NVMLError as e:
-            raise PowerUnavailable(f"NVML has no device for CUDA index {cuda_index}: {e}") \
-                from None
 
     def sample(self) -> Sample:
         """Take one reading now and keep it."""

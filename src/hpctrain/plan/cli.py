@@ -16,6 +16,10 @@ overrides, read and checked by the same loader (``hpctrain.config``), mapped ont
 model in one place (``MemoryOptions.from_config``). ``plan parallel`` prints the ``hpctrain
 train`` line of the layout it recommends. ``interval`` and ``goodput`` read the checkpoint
 schedule's keys (``checkpoint.mttf_gpu_hours``, ``checkpoint.max_overhead``) the same way.
+A task file (``my_task.py``, hpctrain.task) is read as train reads it: ``memory`` sizes its
+model from a measured step, ``interval`` and ``goodput`` read its checkpoint keys, and
+``parallel`` refuses it (it ranks layouts by a built-in family's memory model and
+tensor-parallel plan, which a model of the user's own has not).
 """
 
 from __future__ import annotations
@@ -191,9 +195,10 @@ def _job_args(q: argparse.ArgumentParser, legacy: tuple[str, ...]) -> None:
     """CONFIG and KEY=VALUE overrides as ``hpctrain train`` takes them, --gpu, and the
     deprecated flags of ``legacy`` (hidden; each prints the override it stands for)."""
     q.add_argument("job", nargs="*", metavar="[CONFIG] KEY=VALUE",
-                   help="the training config (YAML) and its overrides, exactly as `hpctrain "
-                   "train` takes them, e.g. configs/llama-8b-fsdp.yaml train.micro_batch=4 "
-                   "(no CONFIG: train's defaults)")
+                   help="the training config (YAML, or a task file such as my_task.py) and its "
+                   "overrides, exactly as `hpctrain train` takes them, e.g. "
+                   "configs/llama-8b-fsdp.yaml train.micro_batch=4 (no CONFIG: train's "
+                   "defaults)")
     q.add_argument("--gpu", default=None, help="h100, h200, a100-40, ... or memory in GB")
     for dest in legacy:
         q.add_argument(LEGACY_FLAGS[dest][0], dest=f"legacy_{dest}", default=None,
@@ -201,10 +206,13 @@ def _job_args(q: argparse.ArgumentParser, legacy: tuple[str, ...]) -> None:
     _removed_args(q, REMOVED_FLAGS)
 
 
-def _job(args: argparse.Namespace, command: str) -> tuple[Path | None, list[str], JobConfig]:
-    """(CONFIG, overrides, the loaded config) of ``plan <command>``: read and checked by the
-    loader ``hpctrain train`` uses; deprecated flags become the overrides they stand for."""
+def _job(args: argparse.Namespace, command: str, world_size: int = 1
+         ) -> tuple[Path | None, list[str], JobConfig]:
+    """(CONFIG, overrides, the loaded config) of ``plan <command>``: read and checked as
+    ``hpctrain train`` reads them (a YAML config, or a task file for ``world_size`` ranks);
+    deprecated flags become the overrides they stand for."""
     from hpctrain.config import load_config
+    from hpctrain.task import load_run_config
 
     words = list(args.job)
     config = None
@@ -236,7 +244,17 @@ def _job(args: argparse.Namespace, command: str) -> tuple[Path | None, list[str]
                               "pp, micro-batch and activation checkpointing",
                               hint="drop it; `hpctrain plan memory CONFIG "
                               f"{chosen[0]}` sizes that choice")
-    return config, words, load_config(config, words)
+    cfg = (load_config(None, words) if config is None
+           else load_run_config(config, words, world_size))
+    if command == "parallel" and cfg.task:
+        raise ConfigError(
+            f"plan parallel: task {cfg.task} is a model of your own (hpctrain.task)",
+            expected="a config of a built-in model family: plan parallel ranks tensor, "
+            "pipeline and FSDP layouts by the family's memory model and tensor-parallel plan, "
+            "which a task's model has not (a task trains data-parallel, DDP or FSDP)",
+            hint="size a task with `hpctrain plan memory TASK --gpus N --gpu TYPE` (from a "
+            "measured step); plan interval and plan goodput take it too")
+    return config, words, cfg
 
 
 def _memory(args: argparse.Namespace) -> None:
@@ -247,7 +265,7 @@ def _memory(args: argparse.Namespace) -> None:
     from hpctrain.plan.memory import estimate_memory, fmt_gb
     from hpctrain.plan.memory_options import MemoryOptions, gpu_memory_bytes
 
-    _, _, cfg = _job(args, "memory")
+    _, _, cfg = _job(args, "memory", args.gpus or 1)  # a task file: DDP on several, as train
     pc = cfg.parallel
     gpus = args.gpus or pc.tp * pc.pp * pc.dp_replicate
     chosen = _resolve_auto(cfg, gpus, args.gpu)

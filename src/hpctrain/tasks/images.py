@@ -27,8 +27,8 @@ each batch's JPEGs go to Pillow on ``decode_threads`` host threads while nvJPEG 
 rest (1: all on the host); ``decode_min_side`` lets Pillow decode at reduced size;
 ``decode_ahead: false`` decodes in the step on its own stream (serially: the baseline). Training
 metrics carry ``decode_ms_per_image`` (and ``augment_ms_per_image`` where it costs the step's
-stream no sync: the side stream's events, read after the loader thread has waited for that stream,
-or wall time on the CPU).
+stream no sync: the side stream's events, read once the device has passed them, so a step reports
+an earlier batch's; or wall time on the CPU).
 """
 
 from __future__ import annotations
@@ -164,6 +164,10 @@ class ImageClassifier:
         self.cfg, self.num_classes, self.build = cfg, num_classes, build
         self.device = torch.device("cpu")
         self._decoders: dict[tuple[bool, torch.device], DecodeAhead] = {}
+        # Training batches: random-resized crops and flips, seeded by the batch's keys;
+        # validation batches: resize and centre crop.
+        self.collate = ImageCollate(self, train=True)
+        self.eval_collate = ImageCollate(self, train=False)
 
     def model(self) -> nn.Module:
         """The classifier, on the trainer's device (which it remembers for the pipelines)."""
@@ -196,19 +200,6 @@ class ImageClassifier:
                                               side_stream=cfg.decode_ahead, mixing=mixing)
         return self._decoders[key]
 
-    def _collate(self, train: bool, samples: list) -> tuple[Any, torch.Tensor]:
-        if not self.cfg.decode_ahead:
-            return collate_images(samples)  # the step decodes
-        return self._decoder(train)(samples)
-
-    def collate(self, samples: list) -> tuple[Any, torch.Tensor]:
-        """Training batches: random-resized crops and flips, seeded by the batch's keys."""
-        return self._collate(True, samples)
-
-    def eval_collate(self, samples: list) -> tuple[Any, torch.Tensor]:
-        """Validation batches: resize and centre crop."""
-        return self._collate(False, samples)
-
     def step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict]:
         """Cross entropy (label smoothing in training), per-sample top-1/top-5 hits and, in
         training, the milliseconds per image spent decoding (and augmenting, where known)."""
@@ -217,7 +208,7 @@ class ImageClassifier:
         if isinstance(prepared, EncodedImages):  # decode_ahead=false: decode here, serially
             prepared, labels = self._decoder(model.training, device).prepare(prepared, labels)
             labels = labels.to(prepared.tensor.device, non_blocking=True)
-        images = prepared.tensor
+        images = prepared.use()  # the step's stream waits for the loader's side stream
         if device is not None and images.device != device:
             raise TaskError(f"the image batch is on {images.device}, the model on {device}",
                             expected="batches decoded on the model's device",
@@ -227,6 +218,10 @@ class ImageClassifier:
             # fp32 runs (and FSDP, whose mixed precision casts its inputs itself).
             images = images.float()
         logits = model(images)
+        if len(labels) < logits.shape[0]:
+            # Rows past the labels pad a batch that lost images (`DecodeAhead`): one shape
+            # for the compiled model, no loss or metric for them.
+            logits = logits[:len(labels)]
         smoothing = self.cfg.label_smoothing if model.training else 0.0
         if not len(labels):
             # Every image failed to decode: no loss to add, but a zero still tied to the graph
@@ -239,6 +234,29 @@ class ImageClassifier:
             partners = F.cross_entropy(logits.float(), labels.flip(0), label_smoothing=smoothing)
             loss = prepared.lam * loss + (1 - prepared.lam) * partners
         return loss, {**topk_correct(logits.detach(), labels), **_timings(prepared, model)}
+
+
+class ImageCollate:
+    """The task's ``collate``, in two parts that `SampleLoader` runs on two threads: gathering
+    the encoded bytes (with the reading), then decoding and augmenting them (`DecodeAhead`)."""
+
+    def __init__(self, parts: ImageClassifier, train: bool) -> None:
+        self.parts, self.train = parts, train
+
+    def __call__(self, samples: list) -> tuple[Any, torch.Tensor]:
+        """Both parts: the batch as the step takes it."""
+        return self.finish(self.gather(samples))
+
+    def gather(self, samples: list) -> tuple[EncodedImages, torch.Tensor]:
+        """Encoded images and labels, on the host."""
+        return collate_images(samples)
+
+    def finish(self, gathered: tuple[EncodedImages, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        """Decoded and augmented ahead (or left encoded with ``decode_ahead: false``: the step
+        decodes)."""
+        if not self.parts.cfg.decode_ahead:
+            return gathered
+        return self.parts._decoder(self.train).prepare(*gathered)
 
 
 def classifier(build: Callable[[int, int], nn.Module] | None = None, **task_args: Any) -> Task:

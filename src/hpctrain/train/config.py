@@ -16,9 +16,12 @@ class TrainConfig:
     # Samples per rank per micro-batch; the global batch is micro_batch * grad_accum * ranks.
     # auto (with global_batch_tokens): the largest that fits, chosen at start (plan/auto.py).
     micro_batch: int | Literal["auto"] = 8
-    # With global_batch_tokens, derived at start: global_batch_tokens / (micro_batch x
-    # data-parallel ranks x data.seq_len); a value given beside it must equal that.
-    grad_accum: int = 1
+    # Micro-batches accumulated per optimizer step. Unset: 1, or with global_batch_tokens
+    # derived at start, global_batch_tokens / (micro_batch x data-parallel ranks x
+    # data.seq_len). Given beside global_batch_tokens it must equal that (or, with micro_batch
+    # auto, it fixes the micro-batch): unset and 1 differ, so a 1 the user wrote is never
+    # silently replaced (plan/auto.py).
+    grad_accum: int | None = None
     # The global batch in tokens per optimizer step (unset: micro_batch x grad_accum x ranks
     # samples). Fixed whatever the GPU count, micro-batch or grad_accum: `auto` and a resume
     # on another GPU count change how it is split, never the mathematics.
@@ -54,10 +57,12 @@ class TrainConfig:
     loss_chunks: int = 0
 
     def validate(self) -> None:
-        """Check sizes and the clip value."""
+        """Check sizes and the clip value; an unset grad_accum without a batch in tokens is 1."""
+        if self.grad_accum is None and self.global_batch_tokens is None:
+            self.grad_accum = 1  # nothing to derive it from: no accumulation, as always
         for key in ("steps", "micro_batch", "grad_accum"):
             value = getattr(self, key)
-            if value != "auto" and value < 1:
+            if value not in ("auto", None) and value < 1:
                 raise ConfigError(f"train.{key} = {value} must be >= 1")
         if self.global_batch_tokens is not None and self.global_batch_tokens < 1:
             raise ConfigError(f"train.global_batch_tokens = {self.global_batch_tokens} must be "

@@ -27,6 +27,7 @@ from hpctrain import faults
 from hpctrain.config import JobConfig
 from hpctrain.data.loader import ValidationSampler
 from hpctrain.data.order import BatchLayout
+from hpctrain.data.prefetch import read_ahead
 from hpctrain.data.samples import build_sample_loader, is_map_style, to_device
 from hpctrain.errors import ConfigError
 from hpctrain.observe.metrics import MetricsWriter
@@ -282,12 +283,19 @@ class TaskTrainer(Trainer):
         model = self.model.module if isinstance(self.model, nn.parallel.DistributedDataParallel) \
             else self.model
         sums = ExactSums(self.device)
+
+        def collated(rank_batch: tuple) -> tuple:
+            indices, n = rank_batch
+            items = [self._eval_sample(data, int(i)) for i in indices]
+            return call_user(collate, "Task.collate", items), n
+
         model.eval()
         try:
             with torch.no_grad():
-                for indices, n in rank_batches(sampler):
-                    items = [self._eval_sample(data, int(i)) for i in indices]
-                    batch = to_device(call_user(collate, "Task.collate", items), self.device)
+                # The next batches are read and collated (decoded, for images) on a thread
+                # while the model runs on this one.
+                for host, n in read_ahead(rank_batches(sampler), collated, self.device):
+                    batch = to_device(host, self.device)
                     with self._autocast():
                         loss, metrics = self.task.run_step(model, batch)
                     sums.add({"val_loss": loss,

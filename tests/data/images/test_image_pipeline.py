@@ -181,6 +181,7 @@ def test_decode_ahead_in_the_loader_thread_resumes_bit_identically(shards) -> No
         return ld
 
     first = loader(0)
+    assert first.two_stage  # reading and decoding on two threads, in one order
     batches = [pipe(*first.next_step()[0]) for _ in range(3)]  # PreparedImages pass through
     first.close()
     assert all(x.shape == (3, 3, 16, 16) and x.dtype == torch.bfloat16 for x, _ in batches)

@@ -4,12 +4,17 @@
     task = Task(model=..., data=ImageShards(...), collate=DecodeAhead(pipe, seed), step=...)
     # in the step: images, labels = pipe(*batch)   (a PreparedImages batch passes through)
 
-`hpctrain.data.samples.SampleLoader` runs ``collate`` in its prefetch thread, a step or two ahead
-of training. Done there, nvJPEG decoding and the crops run on a CUDA side stream while the
+`hpctrain.data.samples.SampleLoader` runs the collate's two parts on two threads, a step or two
+ahead of training: ``gather`` (the encoded bytes and labels) beside the reading of the shards,
+``finish`` (decode + augment) on the next thread, so reading batch k+1 overlaps decoding batch
+k. Done there, nvJPEG decoding and the crops run on a CUDA side stream while the
 model's kernels run on the default stream (Pillow and PyTorch's CPU kernels release the GIL, so
-on the CPU it overlaps too). The batch is complete before it is handed over (the thread waits
-on its stream), and its memory is recorded as used by the default stream, so the allocator does
-not give it back to the side stream while the step still reads it.
+on the CPU it overlaps too). The thread never waits for the GPU: the batch carries an event
+recorded on the side stream once it is made, and the step's stream waits for that event
+(`PreparedImages.use`: on the device, not the host) and records the memory as its own, so the
+allocator does not give it back to the side stream while the step still reads it. The side
+stream's timing of each augment is read once its events have completed (``query``, no wait):
+a batch reports the timing of an earlier one.
 
 The crops cannot come from a generator seeded by the step (the collate does not know it): they
 come from one seeded by the run seed and the keys of the batch's samples. A resumed run reads the
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import deque
 
 import torch
 
@@ -45,6 +51,12 @@ class DecodeAhead:
     ``side_stream=False`` is for `prepare` called in the training step itself (decoding on the
     step's own stream, serially: the baseline that decoding ahead is measured against).
     ``mixing`` (training only) mixes each batch after its crops, from the same generator.
+
+    A batch that lost images (they do not decode) keeps its size: the first image's crop fills
+    the missing rows, after the kept ones, so a compiled model sees one shape and does not
+    recompile; the labels are those of the kept images only, and the step counts the rows
+    that have one (a copy of a real image, not zeros, so BatchNorm's batch statistics stay
+    those of real pixels).
     """
 
     def __init__(self, pipeline: ImagePipeline, seed: int, *, side_stream: bool = True,
@@ -54,10 +66,22 @@ class DecodeAhead:
         self.side_stream = side_stream
         self.mixing = mixing
         self._stream = None
+        # (begin, end, images) of augments whose events the device has not reached yet.
+        self._timings: deque = deque()
 
     def __call__(self, samples: list) -> tuple[PreparedImages, torch.Tensor]:
         """The prepared batch and its labels (those of the images that decoded)."""
-        return self.prepare(*collate_images(samples))
+        return self.finish(self.gather(samples))
+
+    def gather(self, samples: list) -> tuple[EncodedImages, torch.Tensor]:
+        """The host part: encoded bytes and labels (`SampleLoader` runs it on the reading
+        thread, and `finish` on another)."""
+        return collate_images(samples)
+
+    def finish(self, gathered: tuple[EncodedImages, torch.Tensor],
+               ) -> tuple[PreparedImages, torch.Tensor]:
+        """The device part: `prepare` of what `gather` made."""
+        return self.prepare(*gathered)
 
     def prepare(self, encoded: EncodedImages, labels: torch.Tensor,
                 ) -> tuple[PreparedImages, torch.Tensor]:
@@ -76,7 +100,7 @@ class DecodeAhead:
             # sync of the step's stream, so only the decode (nvJPEG returns when done) counts.
             augment = (wall_ms_per_image(t1, time.perf_counter(), n)
                        if x.device.type == "cpu" else None)
-            return (PreparedImages(x, wall_ms_per_image(t0, t1, n), augment, lam),
+            return (PreparedImages(_pad(x, n), wall_ms_per_image(t0, t1, n), augment, lam),
                     _kept(labels, kept))
         device = pipe.device
         if self._stream is None:
@@ -90,15 +114,20 @@ class DecodeAhead:
             begin.record()
             x, kept = pipe.augment(out, g)
             x, lam = self._mix(x, g)
-            end.record()
-        # The step reads x on the default stream: the allocator must not hand its memory back
-        # to this stream before that stream is done with it.
-        x.record_stream(torch.cuda.default_stream(device))
-        # Waits for this side stream only (never the step's): the batch is complete when the
-        # step gets it, so the step's stream needs no event to wait on.
-        self._stream.synchronize()
-        return (PreparedImages(x, wall_ms_per_image(t0, t1, n), event_ms_per_image(begin, end, n),
-                              lam), _kept(labels, kept))
+            x = _pad(x, n)
+            end.record()  # also the batch's "ready" event
+        self._timings.append((begin, end, n))
+        return (PreparedImages(x, wall_ms_per_image(t0, t1, n), self._done_augment_ms(), lam,
+                               ready=end), _kept(labels, kept))
+
+    def _done_augment_ms(self) -> float | None:
+        """Milliseconds per image of the latest augment the device has finished (None if none
+        has since the last call); never waits."""
+        ms = None
+        while self._timings and self._timings[0][1].query():
+            begin, end, n = self._timings.popleft()
+            ms = event_ms_per_image(begin, end, n)
+        return ms
 
     def _mix(self, x: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, float | None]:
         if self.mixing is None or not self.pipeline.train:
@@ -116,6 +145,16 @@ def event_ms_per_image(begin, end, n: int) -> float:
     """Milliseconds per image of a batch of ``n`` timed by two recorded CUDA events (their
     ``elapsed_time`` is in milliseconds already)."""
     return begin.elapsed_time(end) / max(1, n)
+
+
+def _pad(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``x`` with copies of its first image appended up to ``n`` rows (none if it has no
+    image: an all-corrupt batch stays empty)."""
+    missing = n - x.shape[0]
+    if missing <= 0 or x.shape[0] == 0:
+        return x
+    return torch.cat([x, x[:1].expand(missing, -1, -1, -1)]).contiguous(
+        memory_format=torch.channels_last)
 
 
 def _kept(labels: torch.Tensor, kept: list[int]) -> torch.Tensor:

@@ -56,6 +56,10 @@ class DecodeStats:
     shards: dict[str, list[int]] = field(default_factory=dict)
     decode_s: float = 0.0  # filled by a timed ImagePipeline
     augment_s: float = 0.0
+    # CPU time of the threads that decoded and augmented (launching nvJPEG and the crop
+    # kernels on CUDA): what the loader thread pays per batch, filled by ImagePipeline.
+    decode_cpu_s: float = 0.0
+    augment_cpu_s: float = 0.0
 
     def note(self, source: tuple[str, str, int], ok: bool, why: str = "") -> None:
         """Count one image; raise DataError once its shard has proven to be all bad."""
@@ -146,6 +150,16 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return _pools[threads]
 
 
+def _to_device(img: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-decoded image on ``device``; to CUDA through pinned memory, as a pageable copy
+    may wait for the device (the loader thread must not)."""
+    if device.type == "cuda":
+        # One copy into pinned memory, contiguous (3, H, W) (Pillow's is a permuted HWC view).
+        pinned = torch.empty(img.shape, dtype=img.dtype, pin_memory=True)
+        return pinned.copy_(img).to(device, non_blocking=True)
+    return img.to(device)
+
+
 def decode_batch(images: EncodedImages | Sequence[torch.Tensor], device: str | torch.device,
                  *, min_side: int | None = None, stats: DecodeStats | None = None,
                  threads: int = 1, cpu_fraction: float = 0.0) -> Decoded:
@@ -162,7 +176,8 @@ def decode_batch(images: EncodedImages | Sequence[torch.Tensor], device: str | t
     why = [""] * n
     on_gpu: list[int] = []
     if device.type == "cuda":
-        jpegs = [i for i, d in enumerate(batch.data) if is_jpeg(d[:3].numpy().tobytes())]
+        # numpy slices the head: a torch slice per image would be one more op dispatched.
+        jpegs = [i for i, d in enumerate(batch.data) if is_jpeg(d.numpy()[:3].tobytes())]
         on_gpu = jpegs[:len(jpegs) - round(len(jpegs) * cpu_fraction)]
     gpu = set(on_gpu)
     host = [i for i in range(n) if i not in gpu]
@@ -177,11 +192,11 @@ def decode_batch(images: EncodedImages | Sequence[torch.Tensor], device: str | t
     for k, i in enumerate(host):
         img, why[i] = (pending[k].result() if pending is not None
                        else _cpu_or_none(batch.data[i], min_side))
-        out[i] = None if img is None else img.to(device, non_blocking=True)
+        out[i] = None if img is None else _to_device(img, device)
     for i in on_gpu:  # refused by nvJPEG alone (CMYK, ...): Pillow's turn
         if out[i] is None:
             img, why[i] = _cpu_or_none(batch.data[i], min_side)
-            out[i] = None if img is None else img.to(device, non_blocking=True)
+            out[i] = None if img is None else _to_device(img, device)
     kept = []
     for i, img in enumerate(out):
         stats.note(batch.sources[i], img is not None, why[i])

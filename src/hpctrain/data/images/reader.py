@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -71,9 +72,21 @@ class PreparedImages:
     augment_ms: float | None = None
     # Mixup/CutMix (`Mixing`): the weight of the batch's own labels (their partners' is 1 - it).
     lam: float | None = None
+    # A CUDA event recorded on the side stream once the batch is made (None: ready already).
+    ready: Any = None
 
     def __len__(self) -> int:
         return self.tensor.shape[0]
+
+    def use(self) -> torch.Tensor:
+        """The batch, safe to read on the current stream: the stream (not the host) waits for
+        the side stream that made it, and the allocator keeps its memory until this stream is
+        done with it."""
+        if self.ready is not None:
+            stream = torch.cuda.current_stream(self.tensor.device)
+            stream.wait_event(self.ready)
+            self.tensor.record_stream(stream)
+        return self.tensor
 
 
 def collate_images(samples: list) -> tuple[EncodedImages, torch.Tensor]:
@@ -141,8 +154,17 @@ class ImageShards:
 
     def __getitem__(self, i: int) -> ImageSample:
         """``(bytes, label)`` of sample ``i``."""
-        raw = self._tar.sample(int(i))
-        s = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return self._sample(int(i), int(np.searchsorted(self._starts, i, side="right")) - 1)
+
+    def read_samples(self, indices: list[int]) -> list[ImageSample]:
+        """Samples ``indices`` in one call: reading draws no random numbers, so `SampleLoader`
+        reads a micro-batch here without seeding each sample."""
+        shards = (np.searchsorted(self._starts, indices, side="right") - 1).tolist()
+        return [self._sample(i, s) for i, s in zip(indices, shards, strict=True)]
+
+    def _sample(self, i: int, s: int) -> ImageSample:
+        """Sample ``i``, of shard number ``s``."""
+        raw = self._tar.sample(i)
         shard, key = self._tar.raw["shards"][s]["tar"], raw["__key__"].decode()
         exts = [e for e in raw if e in IMAGE_EXTS]
         if len(exts) != 1 or "cls" not in raw:
