@@ -16,23 +16,25 @@ TORCH ?= torch==2.13.0
 # `make demo` installs the first alone and a later `make test` adds the second.
 BASE_STAMP := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
+# No byte-compiling at install: pip would compile all ~17k files of .venv (~30 CPU-s, serially);
+# Python compiles, and caches, the modules it actually imports (a small part of transformers,
+# torch, mlflow...) the first time.
+PIP := $(BIN)/python -m pip install -q --no-compile
 
 .PHONY: demo test lint clean
 
 $(BASE_STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e .
+	$(PIP) "$(TORCH)" -e .
 	touch $(BASE_STAMP)
 
 # torchtitan 0.2.2 goes into a folder of its own, without its dependencies: only its config
 # package is loaded, by tests/bench/test_peer_flags.py to parse the peer's command lines (tyro,
 # which it parses with, is in dev), so it stays out of the environment's packages.
 $(STAMP): $(BASE_STAMP)
-	$(BIN)/python -m pip install -q -e ".[dev]"
-	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/torchtitan-site \
-		"torchtitan==0.2.2"
+	$(PIP) -e ".[dev]"
+	$(PIP) --no-deps --upgrade --target $(VENV)/torchtitan-site "torchtitan==0.2.2"
 	touch $(STAMP)
 
 # The demo's corpus, prepared into token shards once (a rerun verifies them and returns at once).
@@ -56,9 +58,16 @@ demo: $(BASE_STAMP)
 # compute, so two keep 2 cores busy; tests/conftest.py keeps each file (and all of tests/slurm) on
 # one worker. The 25 slowest tests are listed at the end, then the time pytest took and the
 # time of the whole `make test` (installs included), to keep the suite's time in view.
-test: $(STAMP)
-	bash scripts/install-slurm.sh
-	bash scripts/install-browser.sh
+# The apt installs (downloads and dpkg, tens of seconds on a fresh machine) run in the
+# background while pip fills .venv; their output is printed when both are done, and either
+# failing fails `make test`.
+test:
+	@log=$$(mktemp); \
+	{ bash scripts/install-slurm.sh && bash scripts/install-browser.sh; } > "$$log" 2>&1 & \
+	system=$$!; \
+	$(MAKE) --no-print-directory $(STAMP); venv=$$?; \
+	wait $$system; apt=$$?; cat "$$log"; rm -f "$$log"; \
+	[ $$venv -eq 0 ] && [ $$apt -eq 0 ]
 	$(BIN)/ruff check src tests benchmarks
 	@start=$$(date +%s); \
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25; rc=$$?; \

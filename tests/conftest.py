@@ -133,11 +133,11 @@ LONGEST_GROUPS = (
     "test_readme_recipes.py",  # ~50: twenty commands one after another, forked
     "images/test_digits.py",  # ~30: one kill -9 chain on 2 ranks
     "launch/test_rerun_resumes.py",  # ~35
-    "launch/test_local_launcher.py",  # ~35
     "train/test_goodput_runs.py",  # ~30
     "parallel/test_float8.py",  # ~25
     "observe/test_observe_runs.py",  # ~25
     "checkpoint/test_writer.py",  # ~20
+    "launch/test_local_launcher.py",  # ~20
     "security/test_data_inputs.py",  # ~20
     "train/test_resume_fallback.py",  # ~20
     "security/test_run_lock_cli.py",  # ~15

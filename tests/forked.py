@@ -43,8 +43,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-# What the fork server imports before it forks the first process.
-PRELOAD = ["torch", "hpctrain.cli", "hpctrain.train.job", "forked", "rank_jobs"]
 # CPU seconds of the forked processes finished so far (user + system, their children included).
 forked_cpu_s = 0.0
 
@@ -55,11 +53,21 @@ def start(target: Callable[..., Any], args: tuple, *, env: dict[str, str], out: 
     with exactly ``env``, the repository as working directory, stdout to ``out`` and stderr to
     ``err`` (``out`` too when None)."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # takes effect when this process starts its server
+    ctx.set_forkserver_preload(preload())  # takes effect when this process starts its server
     proc = ctx.Process(target=_child, name=name,
                        args=(target, args, env, str(out), str(err or out)))
     proc.start()
     return proc
+
+
+def preload() -> list[str]:
+    """What the fork server imports before it forks the first process: torch, training, and
+    every command's module (the CLI imports one only when it runs that command)."""
+    # Imported here: command()'s client runs this file without site-packages (-S).
+    from hpctrain.cli import command_modules
+
+    return ["torch", "hpctrain.cli", *command_modules(), "hpctrain.train.job", "forked",
+            "rank_jobs"]
 
 
 def finish(proc: BaseProcess, out: Path, timeout: float | None = 10) -> None:

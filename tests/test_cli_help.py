@@ -8,6 +8,7 @@ text, or with a default its help does not show, fails here.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import sys
 import pytest
 
 import hpctrain
-from hpctrain.cli import _parser, has_default
+from hpctrain.cli import COMMANDS, _parser, has_default
 
 
 def _walk(parser: argparse.ArgumentParser, path: str = "hpctrain"):
@@ -68,10 +69,58 @@ def test_descriptions_are_whole_user_sentences(path: str, parser) -> None:
     assert "``" not in text, f"{path}: developer markup in the description: {text!r}"
 
 
-def test_version_prints_the_package_version() -> None:
-    out = subprocess.run([sys.executable, "-m", "hpctrain", "--version"], capture_output=True,
-                         text=True, check=True, timeout=120).stdout
-    assert out.strip() == f"hpctrain {hpctrain.__version__}"
+# One new interpreter runs ``python -m hpctrain ARGV`` for each ARGV in turn, as ``python -m``
+# does (runpy), and reports what each printed and the modules imported by then.
+_PROBE = """
+import contextlib, io, json, runpy, sys
+report = []
+for argv in json.loads(sys.argv[1]):
+    sys.argv = ["hpctrain", *argv]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        runpy.run_module("hpctrain", run_name="__main__", alter_sys=True)
+    report.append({"stdout": out.getvalue(), "modules": sorted(sys.modules)})
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """``--version``, ``--help`` and ``runs`` of an empty folder, in that order, in one new
+    interpreter: each one's stdout and every module imported up to its end."""
+    commands = {"version": ["--version"], "help": ["--help"],
+                "runs": ["runs", str(tmp_path_factory.mktemp("no-runs"))]}
+    done = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(list(commands.values()))],
+                          capture_output=True, text=True, check=True, timeout=120)
+    return dict(zip(commands, json.loads(done.stdout.splitlines()[-1]), strict=True))
+
+
+def test_version_prints_the_package_version_without_importing_torch(fresh) -> None:
+    assert fresh["version"]["stdout"].strip() == f"hpctrain {hpctrain.__version__}"
+    assert "hpctrain.cli" in fresh["version"]["modules"]
+    assert "torch" not in fresh["version"]["modules"]
+
+
+def test_top_level_help_imports_no_command_module(fresh) -> None:
+    """`hpctrain --help` answers in a fraction of a second: no torch, no command's module."""
+    assert re.search(r"sbatch\s+write a Slurm batch script", fresh["help"]["stdout"])
+    modules = set(fresh["help"]["modules"])
+    assert "torch" not in modules
+    assert not {"hpctrain.launch.sbatch", "hpctrain.observe.cli", "hpctrain.data.cli"} & modules
+
+
+def test_runs_reads_records_without_importing_torch(fresh) -> None:
+    modules = fresh["runs"]["modules"]
+    assert "hpctrain.observe.runs" in modules and "torch" not in modules
+
+
+def test_each_command_is_listed_with_its_own_help_line() -> None:
+    """The listing `hpctrain --help` prints without importing the commands (cli.COMMANDS) is
+    what each command's module registers, in the same order."""
+    (commands,) = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    registered = {choice.dest: choice.help for choice in commands._choices_actions}
+    assert list(registered) == list(COMMANDS)
+    assert registered == COMMANDS
 
 
 def test_top_level_help_is_for_users() -> None:

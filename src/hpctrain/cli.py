@@ -6,27 +6,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
+import importlib
 import logging
 import os
 import sys
+from collections.abc import Callable, Collection
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
 from hpctrain import __version__
-from hpctrain.bench import cli as bench_cli
-from hpctrain.bench.tune import cli as tune_cli
-from hpctrain.data.cli import add_parser as add_data_parser
 from hpctrain.errors import ConfigError, HpctrainError
-from hpctrain.launch import doctor as doctor_cli
-from hpctrain.launch import k8s as k8s_cli
-from hpctrain.launch import pipeline as pipeline_cli
-from hpctrain.launch import sbatch as sbatch_cli
-from hpctrain.launch import submit as submit_cli
 from hpctrain.numeric_args import count
-from hpctrain.observe import cli as observe_cli
-from hpctrain.plan import cli as plan_cli
-from hpctrain.pretrained import cli as pretrained_cli
 from hpctrain.runtime.interrupted import INTERRUPTED, Interrupted
 from hpctrain.runtime.runlock import TOKEN_ENV
 from hpctrain.shown import shown
@@ -94,14 +85,95 @@ def has_default(action: argparse.Action) -> bool:
             and not isinstance(action, argparse._HelpAction | argparse._VersionAction))
 
 
-def _parser() -> argparse.ArgumentParser:
+# The commands in the order `hpctrain --help` lists them, with their line there (each is also
+# the help its module registers: tests/test_cli_help.py checks they agree).
+COMMANDS = {
+    "train": "train a model from a YAML config or a task file",
+    "sbatch": "write a Slurm batch script for a training config",
+    "submit": "write the batch script and submit it to Slurm",
+    "pipeline": "submit a chain of Slurm jobs from a YAML file",
+    "doctor": "preflight: check nodes, GPUs, network, disk before a job",
+    "k8s": "Kubernetes manifests for a multi-node training job",
+    "config": "print the resolved config (defaults + file + overrides)",
+    "data": "prepare and check token shards",
+    "bench": "benchmark GEMM, memory, host<->device and collectives",
+    "tune": "measure a short list of configurations, keep the fastest",
+    "plan": "memory, parallel layout, budget, checkpoint interval",
+    "report": "one self-contained HTML report of one or several runs",
+    "runs": "a table of runs: state, step, loss, tokens/s, goodput",
+    "profile": "where the GPU time of profiled steps went",
+    "import": "convert a Hugging Face model into an hpctrain checkpoint",
+    "export": "write a checkpoint as a Hugging Face model folder",
+    "generate": "continue a prompt with a model (greedy or sampled)",
+    "eval": "perplexity of a model on a prepared split",
+}
+# "module:function" that adds each command's parser (observe's adds report, runs and profile).
+# Only the command being run is imported: most of these modules import torch (~1.5 s), which
+# `hpctrain --help`, `--version` or a typo need not wait for.
+_ADDERS = {
+    "train": "hpctrain.cli:_add_train",
+    "sbatch": "hpctrain.launch.sbatch:add_parser",
+    "submit": "hpctrain.launch.submit:add_parser",
+    "pipeline": "hpctrain.launch.pipeline:add_parser",
+    "doctor": "hpctrain.launch.doctor:add_parser",
+    "k8s": "hpctrain.launch.k8s:add_parser",
+    "config": "hpctrain.cli:_add_config",
+    "data": "hpctrain.data.cli:add_parser",
+    "bench": "hpctrain.bench.cli:add_parser",
+    "tune": "hpctrain.bench.tune.cli:add_parser",
+    "plan": "hpctrain.plan.cli:add_parser",
+    **dict.fromkeys(("report", "runs", "profile"), "hpctrain.observe.cli:add_parser"),
+    "import": "hpctrain.pretrained.cli:add_import_parser",
+    "export": "hpctrain.pretrained.cli:add_export_parser",
+    "generate": "hpctrain.pretrained.cli:add_generate_parser",
+    "eval": "hpctrain.pretrained.cli:add_eval_parser",
+}
+# "module:function" that runs a command whose parser sets no ``handler``.
+_RUNNERS = {
+    "train": "hpctrain.cli:_train",
+    "config": "hpctrain.cli:_config",
+    "bench": "hpctrain.bench.cli:run",
+    "plan": "hpctrain.plan.cli:run",
+    **dict.fromkeys(("report", "runs", "profile"), "hpctrain.observe.cli:run"),
+    **dict.fromkeys(("import", "export", "generate", "eval"), "hpctrain.pretrained.cli:run"),
+}
+
+
+def command_modules() -> list[str]:
+    """The modules of every command: what a process that runs many commands (the tests' fork
+    server) imports once, up front."""
+    return sorted({adder.split(":")[0] for adder in _ADDERS.values()})
+
+
+def _load(target: str) -> Callable:
+    """The function a "module:function" string names, its module imported."""
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The ``hpctrain`` parser with ``commands`` (None: all) built in full; every other
+    command is only its name and help line, its module not imported."""
     p = _Parser(prog="hpctrain", description=DESCRIPTION, epilog=EPILOG,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"hpctrain {__version__}",
                    help="print hpctrain's version and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
                            title="commands")
+    full = {_ADDERS[c] for c in (COMMANDS if commands is None else commands)}
+    added: set[str] = set()
+    for name, help_line in COMMANDS.items():
+        adder = _ADDERS[name]
+        if adder not in full:
+            sub.add_parser(name, help=help_line)
+        elif adder not in added:
+            _load(adder)(sub)
+            added.add(adder)
+    return p
 
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    """Register ``hpctrain train``."""
     t = sub.add_parser("train", help="train a model from a YAML config or a task file",
                        description="Train a model. Overrides are dotted keys: train.steps=100.")
     t.add_argument("config", type=Path, help="YAML config, e.g. configs/demo.yaml, or a task "
@@ -119,25 +191,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="start this run over: an existing run directory of the same name is "
                    "archived as <name>-archived-<time> (never deleted) first")
 
-    sbatch_cli.add_parser(sub)
-    submit_cli.add_parser(sub)
-    pipeline_cli.add_parser(sub)
-    doctor_cli.add_parser(sub)
-    k8s_cli.add_parser(sub)
 
+def _add_config(sub: argparse._SubParsersAction) -> None:
+    """Register ``hpctrain config``."""
     c = sub.add_parser("config", help="print the resolved config (defaults + file + overrides)")
     c.add_argument("config", type=Path, help="YAML config, e.g. configs/demo.yaml")
     c.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
-    add_data_parser(sub)
-    bench_cli.add_parser(sub)
-    tune_cli.add_parser(sub)
-    plan_cli.add_parser(sub)
-    observe_cli.add_parser(sub)  # report, runs, profile
-    pretrained_cli.add_import_parser(sub)
-    pretrained_cli.add_export_parser(sub)
-    pretrained_cli.add_generate_parser(sub)
-    pretrained_cli.add_eval_parser(sub)
-    return p
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -187,26 +246,32 @@ def _config(args: argparse.Namespace) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line as a namespace; options and positionals may come in any order."""
-    return _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # The top level's options take no value: its first other word is the command.
+    command = next((word for word in argv if not word.startswith("-")), None)
+    return _parser({command} & COMMANDS.keys()).parse_args(argv)
 
 
-@record
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``hpctrain`` console script."""
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:
+        # A rank under torch elastic's agent (--nproc, torchrun): record() writes why it
+        # failed to the file the agent reads back (the launcher's exit_info names it).
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        record(_main)(argv)
+        return
+    # A crash's Python stack on stderr, as record() enables; not where stderr is no file.
+    with contextlib.suppress(OSError, ValueError):
+        faulthandler.enable(all_threads=True)
+    _main(argv)
+
+
+def _main(argv: list[str] | None) -> None:
     args = parse_args(argv)
+    runner = _RUNNERS.get(args.command)
     try:
-        {"train": _train, "config": _config, "data": lambda a: a.handler(a),
-         "bench": bench_cli.run, "plan": plan_cli.run,
-         "tune": lambda a: a.handler(a),
-         "sbatch": lambda a: a.handler(a),
-         "submit": lambda a: a.handler(a),
-         "pipeline": lambda a: a.handler(a),
-         "doctor": lambda a: a.handler(a),
-         "k8s": lambda a: a.handler(a),
-         "report": observe_cli.run, "runs": observe_cli.run, "profile": observe_cli.run,
-         "import": pretrained_cli.run, "export": pretrained_cli.run,
-         "generate": pretrained_cli.run, "eval": pretrained_cli.run,
-         }[args.command](args)
+        (_load(runner) if runner else args.handler)(args)
     except Interrupted as e:
         if TOKEN_ENV not in os.environ:  # a rank of our launcher: the launcher says it once
             print(e.line(), file=sys.stderr)

@@ -8,8 +8,10 @@ Each entry is ``kind@key=value,...``; ``step`` takes a number or an inclusive ra
 limits the fault to one rank (default: all). ``slow@step=1-20,rank=1,seconds=0.3`` makes a rank
 a straggler: it sleeps that long inside each forward pass of those steps.
 ``slow_save@step=S,seconds=T`` holds the write of the checkpoint of step S for T seconds (a save
-still in flight, on demand). ``once=1`` makes an entry fire only the first time it matches in a
-process (a rollback repeats step numbers).
+still in flight, on demand). ``hang@step=S,seconds=T,until=PATH`` holds the run before step S
+for T seconds or until the file PATH exists, whichever comes first (a test that has done what
+it held the run for lets it go on; PATH holds no ``,`` or ``;``). ``once=1`` makes an entry fire
+only the first time it matches in a process (a rollback repeats step numbers).
 """
 
 from __future__ import annotations

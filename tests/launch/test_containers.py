@@ -45,7 +45,7 @@ def test_what_they_copy_exists() -> None:
 
 def test_building_is_opt_in() -> None:
     makefile = (REPO / "Makefile").read_text()
-    (test_rule,) = re.findall(r"^test: (.*)$", makefile, re.M)
+    (test_rule,) = re.findall(r"^test:(.*\n(?:\t.*\n)+)", makefile, re.M)
     assert "container-test" not in test_rule and "\ncontainer-test:" in makefile
     (rule,) = re.findall(r"^container-test:\n((?:\t.*\n)+)", makefile, re.M)
     assert "bash scripts/container-test.sh" in rule

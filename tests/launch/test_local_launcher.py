@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from taken_port import TAKEN_PORT_ENV
 
 from conftest import (
     DDP,
@@ -81,14 +83,16 @@ def collect_workers(proc, seen: dict[int, Worker]) -> None:
 
 
 def supervise(tmp_path: Path, name: str, *overrides: str, nproc: int = 2, on_poll=None,
-              timeout: float = LAUNCH_TIMEOUT_S) -> Launch:
+              timeout: float = LAUNCH_TIMEOUT_S, module: str = "hpctrain",
+              env: dict[str, str] | None = None) -> Launch:
     """Launch, watch the workers until the launcher exits, then assert none is left behind.
 
     `on_poll(proc, seen)` is called on every poll; it may act on the run (e.g. kill a rank).
+    `module` and `env` go to lifecycle.start.
     """
     out_dir = tmp_path / "runs"
     run = start(train_args(out_dir, name, *overrides, nproc=nproc),
-                tmp_path / f"{name}.console.txt", out_dir / name)
+                tmp_path / f"{name}.console.txt", out_dir / name, module=module, env=env)
     seen: dict[int, Worker] = {}
     try:
         deadline = time.monotonic() + timeout
@@ -131,13 +135,19 @@ def background(tmp_path_factory: pytest.TempPathFactory, run_pool: ThreadPoolExe
                           nproc=1)
         return out_dir, run_cli(args, timeout=LAUNCH_TIMEOUT_S)
 
+    def all_fail() -> Launch:
+        # The launch also meets a rendezvous port taken by someone else (test_a_rendezvous_
+        # port_taken_...): the test holds the port torch elastic's free-port pick returns.
+        with socket.socket() as taken:
+            taken.bind(("", 0))
+            taken.listen()
+            return supervise(tmp_path_factory.mktemp("all-fail"), "all-fail", *DDP,
+                             "train.micro_batch=4000", module="taken_port",
+                             env={TAKEN_PORT_ENV: str(taken.getsockname()[1])})
+
     # Both ranks raise a ConfigError after the process group is up: the dataset (6249 samples
     # of 32 tokens) holds fewer samples than one global batch (2 ranks x 4000).
-    return {
-        "all_fail": run_pool.submit(supervise, tmp_path_factory.mktemp("all-fail"), "all-fail",
-                                    *DDP, "train.micro_batch=4000"),
-        "single": run_pool.submit(single_rank),
-    }
+    return {"all_fail": run_pool.submit(all_fail), "single": run_pool.submit(single_rank)}
 
 
 # -- failure teardown ---------------------------------------------------------------------------
@@ -190,6 +200,17 @@ def test_every_rank_failing_ends_the_launch(background: dict[str, Future]) -> No
 def test_launcher_exit_info_keeps_the_ranks_reason(background: dict[str, Future]) -> None:
     """exit_info.json should still say *why* the ranks failed, not only that they did."""
     assert "fewer than one global batch" in background["all_fail"].result().exit_info()["reason"]
+
+
+def test_a_rendezvous_port_taken_by_another_process_does_not_break_the_launch(
+        background: dict[str, Future]) -> None:
+    """The ranks meet on a store the launcher holds open, not on a port picked free, closed and
+    bound again by rank 0 seconds later: anyone may take it meanwhile (a concurrent launch did
+    in CI: "Failed to recv, got 0 bytes"). The all-fail launch's pick was taken by the test,
+    yet its group formed: the ranks got as far as their own error."""
+    launch = background["all_fail"].result()
+    assert "fewer than one global batch" in launch.output, launch.output[-3000:]
+    assert "EADDRINUSE" not in launch.output
 
 
 # -- a single rank ------------------------------------------------------------------------------

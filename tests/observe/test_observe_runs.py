@@ -34,16 +34,18 @@ TWO = ["parallel.strategy=ddp", "train.micro_batch=2", "run.device=cpu"]
 OBSERVED = [*TWO, "train.steps=9", "metrics.straggler_threshold=0.05", "profile.steps=[7,8]",
             "profile.signal_steps=2", "track.tensorboard=true", "track.mlflow=true",
             "checkpoint.interval=none", "checkpoint.save_at_end=false"]
-# Rank 1 sleeps 0.5 s in each forward pass; every rank holds 8 s before step 2, time for the
-# test to send SIGURG once the ranks have written their pids (it lands before step 2 ends).
-OBSERVED_FAULTS = "slow@step=1-9,rank=1,seconds=0.5;hang@step=2,seconds=8"
+# Rank 1 sleeps 0.5 s in each forward pass; every rank holds before step 2 until the test has
+# sent SIGURG (once the ranks have written their pids) and created the file `until` names, so
+# the signal lands before step 2 ends.
+OBSERVED_FAULTS = "slow@step=1-9,rank=1,seconds=0.5;hang@step=2,seconds=120,until={signalled}"
 
 
 def _observed(out: Path) -> RunResult:
     args = ["train", DEMO, *TINY, *QUIET, f"run.out_dir={out}", "run.name=observed",
             *OBSERVED, "--nproc", "2"]
     env = cli_env()
-    env["HPCTRAIN_FAULTS"] = OBSERVED_FAULTS
+    sent = out / "sigurg-sent"
+    env["HPCTRAIN_FAULTS"] = OBSERVED_FAULTS.format(signalled=sent)
     proc = forked.Popen(args, env)
     metrics = out / "observed" / "metrics" / "rank-001.jsonl"
     signalled = None
@@ -56,6 +58,7 @@ def _observed(out: Path) -> RunResult:
             if pids:  # written after the handler is installed: the signal is never lost
                 os.kill(pids[-1], signal.SIGURG)
                 signalled = pids[-1]
+                sent.touch()
         out_text, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         kill_group(proc)

@@ -17,8 +17,9 @@ never goes green without having run them.
 
 Settings worth knowing (see FIELD_NOTES "A real Slurm on one Debian 12 machine"): no cgroups
 (proctrack/linuxproc, task/none), no accounting (``sacct`` fails: read ``scontrol show job``),
-``AuthInfo=cred_expire=10`` so a requeued job may run again after ~11 s instead of ~121 s, and
-``KillWait=30``: the grace between SIGTERM and SIGKILL that a preemption save relies on.
+``AuthInfo=cred_expire=5`` (Slurm's least) so a requeued job may run again after ~6 s instead
+of ~121 s, and ``KillWait=30``: the grace between SIGTERM and SIGKILL that a preemption save
+relies on.
 
 The two-node cluster runs two slurmd on this one machine, ``hpctrain-n1`` on 127.0.0.1 and
 ``hpctrain-n2`` on 127.0.0.2, each with its own port, spool, pid and log files
@@ -210,8 +211,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# A requeued job may start again cred_expire+1 s after it ended (default 120 -> ~2 min waits).
-AuthInfo=cred_expire=10
+# A requeued job may start again cred_expire+1 s after it ended (default 120 -> ~2 min waits);
+# 5 is the least Slurm takes (a step's credential must outlive its launch, well under 1 s here).
+AuthInfo=cred_expire=5
 MpiDefault=none
 MailProg=/bin/true
 # No cgroups: works in containers and without systemd.
@@ -231,7 +233,8 @@ KillWait=30
 OverTimeLimit=0
 MinJobAge=600
 SchedulerType=sched/backfill
-SchedulerParameters=sched_interval=2,bf_interval=1,kill_invalid_depend
+# A pending job (after a requeue, a dependency) waits for the next pass: one per second.
+SchedulerParameters=sched_interval=1,bf_interval=1,kill_invalid_depend
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool{per_node}
 SlurmctldPidFile={root}/run/slurmctld.pid

@@ -20,8 +20,9 @@ import pytest
 
 from .conftest import SlurmCluster
 
-# A requeued job may start again cred_expire+1 s (=11 s) after it ended; on top comes up to one
-# sched_interval (2 s). Measured ~12 s per round trip; the timeouts leave plenty of margin.
+# A requeued job may start again cred_expire+1 s (=6 s) after it ended; on top comes up to one
+# sched_interval (1 s). Measured ~12 s per round trip with 10 and 2; the timeouts leave plenty of
+# margin.
 REQUEUE_TIMEOUT_S = 60.0
 
 

@@ -174,11 +174,12 @@ def _all_damaged(ref: RunResult, out: Path) -> RunResult:
 
 def _rollback_past_damage(out: Path) -> RunResult:
     """NaN at steps 7-9 (3 in a row roll back); the newest checkpoint (8, saved during the
-    streak) is damaged while every rank sleeps before step 9, so the rollback falls back to 6.
+    streak) is damaged while the run is held before step 9, so the rollback falls back to 6.
     Later streaks roll back to the new step 8 (saved again), so the run ends."""
     name = "rollback"
     args = _args(out, name, "guard.max_consecutive=3", steps=10)
-    proc = _popen(args, "hang@step=9,seconds=8;nan@step=7-9")
+    damaged = out / f"{name}-damaged"
+    proc = _popen(args, f"hang@step=9,seconds=120,until={damaged};nan@step=7-9")
     latest = _ckpts(out / name) / "latest"
     try:
         deadline = time.monotonic() + 120
@@ -187,6 +188,7 @@ def _rollback_past_damage(out: Path) -> RunResult:
             time.sleep(0.05)
         _wrong_shape(_ckpts(out / name) / "step-00000008")
     finally:
+        damaged.touch()  # the held run goes on at once
         result = _finish(proc, args, out / name)
     return result
 

@@ -107,11 +107,12 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: RunDir, *, run_id:
     """
     check_nproc(nproc)
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(grace_s)))
-    # The agent's shared rendezvous store outlives a restart with the previous attempt's keys
-    # in it: restarted ranks then read dead peers' addresses and the group never forms
-    # (seen with --max-restarts after a kill -9). Unshared, rank 0 of each attempt hosts a
-    # fresh store on a fresh port.
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # The ranks meet on the store the agent hosts (bound once, held for the whole launch).
+    # Unshared, torch picks rank 0's port by binding port 0 and closing it, and rank 0 binds it
+    # again seconds later: a concurrent launch (or any process) can take it meanwhile, and the
+    # group then fails or meets a stranger's store. A restart's stale keys in the shared store
+    # are kept apart by runtime.dist (a prefix per attempt).
+    os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     for name in set(forward_signals) - _AGENT_HANDLED:
         signal.signal(getattr(signal, name), _forward_to_workers)
     if "OMP_NUM_THREADS" not in os.environ:

@@ -150,8 +150,29 @@ def start_process_group(backend: str, env: ProcessEnv, timeout: datetime.timedel
                                 timeout=timeout, **kwargs)
         return
     os.environ.update(export_torch_env(env))
+    store = _agent_store(env, timeout)
+    if store is not None:
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
+                                timeout=timeout, **kwargs)
+        return
     dist.init_process_group(backend, init_method="env://", rank=env.rank,
                             world_size=env.world_size, timeout=timeout, **kwargs)
+
+
+def _agent_store(env: ProcessEnv, timeout: datetime.timedelta) -> dist.Store | None:
+    """The elastic agent's store (torchrun, ``--nproc``), seen under a prefix of this attempt
+    of the group; None where no agent hosts one (rank 0 then hosts it, env://).
+
+    The agent hosts one store for its whole life and every restart of the group meets there.
+    torch's env:// rendezvous uses it without a per-attempt prefix, so a group restarted after
+    a rank died read the dead attempt's keys (its peers' addresses, barrier counts) and never
+    formed; each attempt's keys are its own here."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
+                           timeout=timeout)
+    return dist.PrefixStore(f"hpctrain/attempt-{attempt}", client)
 
 
 def shutdown() -> None:

@@ -38,14 +38,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any
 
 from hpctrain.errors import ConfigError
 from hpctrain.runtime.exit_codes import HUNG
 from hpctrain.runtime.rundir import RunDir, write_json_atomic
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+# torch is imported where it is used: `hpctrain runs` and `report` read this module's records
+# and should not wait for torch to load.
 
 log = logging.getLogger("hpctrain.watchdog")
 
@@ -81,6 +84,8 @@ def enable_flight_recorder(cfg: WatchdogConfig) -> None:
     names = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
     if not cfg.enabled or cfg.flight_recorder <= 0 or any(n in os.environ for n in names):
         return
+    import torch
+
     # PyTorch 2.8 renamed the variable (the old name still works there, with a warning).
     major, minor = (int(p) for p in torch.__version__.split(".")[:2])
     os.environ[names[0] if (major, minor) >= (2, 8) else names[1]] = str(cfg.flight_recorder)
@@ -100,6 +105,8 @@ def dump_flight_recorder(timeout_s: float = 30.0) -> list[dict[str, Any]]:
     result: list[dict[str, Any]] = []
 
     def collect() -> None:
+        import torch
+
         c10d = torch._C._distributed_c10d
         for name in ("_dump_nccl_trace_json", "_dump_fr_trace_json"):
             dump = getattr(c10d, name, None)

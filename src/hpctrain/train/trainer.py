@@ -359,7 +359,7 @@ class Trainer:
                     # act inside the hang (not between the last step and this one) can see it.
                     log.warning("HPCTRAIN_FAULTS: hanging %.0f s before step %d", seconds,
                                 self.step + 1)
-                    self._hang(seconds)
+                    self._hang(seconds, hang.get("until"))
                 self.watchdog.beat(self.step, "data")
                 t0 = time.perf_counter()
                 with self.goodput.part("data_wait"):
@@ -417,15 +417,17 @@ class Trainer:
                 meter, tokens_per_step=self.tokens_per_step * self.dist.world_size,
                 gpus=self.dist.world_size, grid_gco2_per_kwh=self.cfg.metrics.grid_gco2_per_kwh)
 
-    def _hang(self, seconds: float) -> None:
-        """The ``hang`` fault: sleep, unless a preemption signal arrives meanwhile.
+    def _hang(self, seconds: float, until: str | None = None) -> None:
+        """The ``hang`` fault: sleep, unless a preemption signal arrives meanwhile or the file
+        ``until`` appears.
 
         A held run answers a signal as a busy one does, at this step (the fault's purpose is
-        to hold the run at a known step while a test acts), without sitting out the rest."""
+        to hold the run at a known step while a test acts), without sitting out the rest; a
+        test that has acted lets it go on by creating ``until``."""
         deadline = time.monotonic() + seconds
         while self.checkpoints.preempt.requested is None:
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 or (until is not None and os.path.exists(until)):
                 return
             time.sleep(min(left, 0.05))
 
