@@ -6,7 +6,8 @@ tensors into the state before the verdict: it must still be refused naming the f
 fallback must leave exactly the older checkpoint's state (model, optimizer, schedule, RNG, data
 position), and nothing after the tensors (schedule, data position, RNG) may be put back from
 the damaged one. In this process on a 1-rank gloo group; the 2-rank case is
-``test_manager.py``'s ``corrupt`` scenario.
+``test_manager.py``'s ``corrupt`` scenario. Also: tensors read in pieces by
+several threads, and values loaded once for all alike ones, arrive exactly.
 """
 
 from __future__ import annotations
@@ -143,3 +144,25 @@ def test_a_tensor_read_in_pieces_by_several_threads_arrives_whole(pg, no_faults,
     for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         for key, value in opt.state[a].items():
             assert torch.equal(value, fresh_opt.state[b][key]), key
+
+
+def test_alike_values_load_once_and_mutable_ones_are_never_shared(pg, no_faults, tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    """Values saved with the same bytes (the optimizer's settings per parameter) are read
+    once; a list is still its own object in each place, so changing one changes no other."""
+    m = manager(tmp_path)
+    saved = {"w": torch.arange(4.0),
+             "groups": {f"p{i}": {"lr": 0.5, "betas": (0.9, 0.95), "name": "adamw",
+                                  "order": [1, 2]} for i in range(3)}}
+    m.save(1, saved, {"step": 1, "world_size": 1}, blocking=True)
+    state = {"w": torch.zeros(4),
+             "groups": {f"p{i}": {"lr": 0.0, "betas": (0.0, 0.0), "name": "", "order": []}
+                        for i in range(3)}}
+    unpickled = []
+    load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: unpickled.append(1) or load(*a, **k))
+    m.load(tmp_path / step_dir_name(1), state)
+    assert len(unpickled) == 3 + 3 + 1  # lr, betas, name once; each list; the RNG file
+    assert state == {**saved, "w": state["w"]} and torch.equal(state["w"], saved["w"])
+    orders = [group["order"] for group in state["groups"].values()]
+    assert len({id(order) for order in orders}) == 3, "one list shared between values"
