@@ -224,21 +224,29 @@ class SafeFileSystemReader(FileSystemReader):
         for item in plan.items:
             by_file.setdefault(self.storage_data[item.storage_index].relative_path,
                                []).append(item)
-        for name, items in by_file.items():
-            try:
-                with open(Path(self.path) / name, "rb") as f:
-                    spans = [(item, self._direct_span(f, item, planner)) for item in items]
-                    direct = [(item, span) for item, span in spans if span is not None]
-                    _read_spans(f, [span for _, span in direct], self._threads)
-                for item, span in direct:
-                    planner.commit_tensor(item, span.target)
-                items = [item for item, span in spans if span is None]
-                if items:
-                    self._read(plan, items, planner)
-            except (MemoryError, torch.OutOfMemoryError, DamagedCheckpoint):
-                raise
-            except Exception as e:  # noqa: BLE001 - a refused pickle, a short read, a bad shape
-                raise self._damage(name, plan, items, planner, e) from None
+        gpu = next((target.device for target in (
+            planner.resolve_tensor(item) for item in plan.items
+            if item.type == LoadItemType.TENSOR) if target.is_cuda), None)
+        staging = _Staging(self._threads, gpu) if gpu is not None else None
+        try:
+            for name, items in by_file.items():
+                try:
+                    with open(Path(self.path) / name, "rb") as f:
+                        spans = [(item, self._direct_span(f, item, planner)) for item in items]
+                        direct = [(item, span) for item, span in spans if span is not None]
+                        _read_spans(f, [span for _, span in direct], self._threads, staging)
+                    for item, span in direct:
+                        planner.commit_tensor(item, span.target)
+                    items = [item for item, span in spans if span is None]
+                    if items:
+                        self._read(plan, items, planner)
+                except (MemoryError, torch.OutOfMemoryError, DamagedCheckpoint):
+                    raise
+                except Exception as e:  # noqa: BLE001 - a refused pickle, a short read, a bad shape
+                    raise self._damage(name, plan, items, planner, e) from None
+        finally:
+            if staging is not None:
+                staging.close()
         done: Future[None] = Future()
         done.set_result(None)
         return done
@@ -308,28 +316,25 @@ class _Span:
     fqn: str  # its name, for an error
 
 
-def _read_spans(f: BinaryIO, spans: list[_Span], threads: int) -> None:
+def _read_spans(f: BinaryIO, spans: list[_Span], threads: int, staging: _Staging | None) -> None:
     """Fill every span's tensor from ``f``: pieces in file order, read by ``threads`` threads
     at once (system calls release the GIL), each into its destination on the CPU or, for a
-    GPU, into a pinned buffer of its own copied asynchronously on the caller's stream.
+    GPU, into ``staging``'s pinned buffers, copied asynchronously on the caller's stream.
 
     One thread reading a checkpoint, then copying each tensor from pageable memory to the GPU,
     ran at 1.36 GB/s from the page cache on an H200 host: reading is a memory copy per byte,
     pageable host-to-device copies wait for the driver's staging, and nothing overlapped.
     """
-    if not spans:
-        return
     spans = sorted(spans, key=lambda span: span.offset)  # the file's order: read-ahead helps
     pieces = [(span, start, min(_PIECE, span.target.nbytes - start))
               for span in spans for start in range(0, span.target.nbytes, _PIECE)]
-    cuda = next((s.target.device for s in spans if s.target.device.type == "cuda"), None)
-    stream = torch.cuda.current_stream(cuda) if cuda is not None else None
+    if not pieces:
+        return
     queue = iter(pieces)
     lock = threading.Lock()
     failed = threading.Event()
 
-    def work() -> None:
-        staging = _Staging(stream) if stream is not None else None
+    def work(worker: int) -> None:
         try:
             while not failed.is_set():
                 with lock:
@@ -341,52 +346,68 @@ def _read_spans(f: BinaryIO, spans: list[_Span], threads: int) -> None:
                 if flat.device.type == "cpu":
                     _read_into(f, flat, span.offset + start, span.fqn)
                 else:
-                    staging.fill(f, flat, span.offset + start, span.fqn)
+                    staging.fill(worker, f, flat, span.offset + start, span.fqn)
         except BaseException:
             failed.set()
             raise
         finally:
             if staging is not None:
-                staging.wait()
+                staging.wait(worker)
 
     n = min(threads, len(pieces))
     if n == 1:
-        work()
+        work(0)
         return
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="hpctrain-load") as pool:
-        futures = [pool.submit(work) for _ in range(n)]
+        futures = [pool.submit(work, worker) for worker in range(n)]
     for future in futures:
         future.result()
 
 
 class _Staging:
-    """One loading thread's two pinned host buffers: one is read into while the other's copy
-    to the GPU runs on ``stream``."""
+    """Two host buffers for each loading thread, pinned for the load (``cudaHostRegister``,
+    undone by ``close``, so the memory goes back after it): one is read into while the other
+    is copied to the GPU on the caller's stream."""
 
-    def __init__(self, stream: torch.cuda.Stream):
-        self.stream = stream
-        self.buffers = [torch.empty(_PIECE, dtype=torch.uint8, pin_memory=True)
-                        for _ in range(2)]
-        self.copied: list[torch.cuda.Event | None] = [None, None]
-        self.turn = 0
+    def __init__(self, threads: int, device: torch.device):
+        self.stream = torch.cuda.current_stream(device)
+        page = 4096  # registered memory starts on a page
+        raw = torch.empty(threads * 2 * _PIECE + page, dtype=torch.uint8)
+        self.flat = raw[(-raw.data_ptr()) % page:][:threads * 2 * _PIECE]
+        # Unpinned (registration refused), the copies are synchronous: slower, still right.
+        self.pinned = int(torch.cuda.cudart().cudaHostRegister(
+            self.flat.data_ptr(), self.flat.nbytes, 0)) == 0
+        self.buffers = [[self.flat[(2 * t + i) * _PIECE:(2 * t + i + 1) * _PIECE]
+                         for i in range(2)] for t in range(threads)]
+        self.copied: list[list[torch.cuda.Event | None]] = [[None, None] for _ in range(threads)]
+        self.turn = [0] * threads
 
-    def fill(self, f: BinaryIO, dest: torch.Tensor, offset: int, fqn: str) -> None:
-        """Read ``dest``'s bytes from ``offset`` of ``f`` and start their copy into it."""
-        i, self.turn = self.turn, 1 - self.turn
-        if self.copied[i] is not None:
-            self.copied[i].synchronize()  # the buffer's previous copy is done with it
-        host = self.buffers[i][:dest.numel()]
+    def fill(self, worker: int, f: BinaryIO, dest: torch.Tensor, offset: int, fqn: str) -> None:
+        """Read ``dest``'s bytes from ``offset`` of ``f`` into one of ``worker``'s buffers and
+        start their copy into ``dest``."""
+        i = self.turn[worker]
+        self.turn[worker] = 1 - i
+        copied = self.copied[worker]
+        if copied[i] is not None:
+            copied[i].synchronize()  # the buffer's previous copy is done with it
+        host = self.buffers[worker][i][:dest.numel()]
         _read_into(f, host, offset, fqn)
         with torch.cuda.stream(self.stream):
             dest.copy_(host, non_blocking=True)
-            self.copied[i] = torch.cuda.Event()
-            self.copied[i].record(self.stream)
+            copied[i] = torch.cuda.Event()
+            copied[i].record(self.stream)
 
-    def wait(self) -> None:
-        """Until every copy started from these buffers has finished."""
-        for event in self.copied:
+    def wait(self, worker: int) -> None:
+        """Until every copy started from ``worker``'s buffers has finished."""
+        for event in self.copied[worker]:
             if event is not None:
                 event.synchronize()
+
+    def close(self) -> None:
+        """Unpin the buffers (every copy has finished: each worker waited for its own)."""
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
+            self.pinned = False
 
 
 def _read_into(f: BinaryIO, dest: torch.Tensor, offset: int, fqn: str) -> None:
