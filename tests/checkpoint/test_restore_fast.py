@@ -27,7 +27,12 @@ from helpers import (
 )
 
 from hpctrain.checkpoint import safe_io
-from hpctrain.checkpoint.manifest import DamagedCheckpoint, read_manifest, step_dir_name
+from hpctrain.checkpoint.manifest import (
+    DamagedCheckpoint,
+    read_manifest,
+    step_dir_name,
+    verification_share,
+)
 from hpctrain.config import JobConfig
 from hpctrain.train import checkpointing
 from hpctrain.train.checkpointing import TrainState
@@ -166,3 +171,17 @@ def test_alike_values_load_once_and_mutable_ones_are_never_shared(pg, no_faults,
     assert state == {**saved, "w": state["w"]} and torch.equal(state["w"], saved["w"])
     orders = [group["order"] for group in state["groups"].values()]
     assert len({id(order) for order in orders}) == 3, "one list shared between values"
+
+
+def test_each_rank_verifies_the_files_it_wrote_and_every_file_is_verified_once() -> None:
+    """With the same world size a rank checks its own shards (what it loads, on its node);
+    the index, and files of ranks beyond the world size, are dealt out."""
+    names = [".metadata", "__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp",
+             "rng-rank-00000.pt", "rng-rank-00001.pt"]
+    assert verification_share(names, 1, 2) == ["__1_0.distcp", "__1_1.distcp",
+                                                "rng-rank-00001.pt"]
+    assert verification_share(names, 0, 2) == ["__0_0.distcp", "__0_1.distcp",
+                                                "rng-rank-00000.pt", ".metadata"]
+    for world in (1, 2, 3):
+        shares = [verification_share(names, rank, world) for rank in range(world)]
+        assert sorted(n for share in shares for n in share) == sorted(names), world

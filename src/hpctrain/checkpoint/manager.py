@@ -61,6 +61,7 @@ from hpctrain.checkpoint.manifest import (
     Verification,
     read_manifest,
     step_dir_name,
+    verification_share,
 )
 from hpctrain.checkpoint.safe_io import (
     SafeFileSystemReader,
@@ -374,8 +375,8 @@ class CheckpointManager:
 
     def _verification(self, path: Path, manifest: dict[str, Any]) -> Verification:
         """This rank's share of ``path``'s files, verifying from now on."""
-        names = sorted(manifest["files"])
-        return Verification(path, manifest["files"], names[self.rank::self.world_size])
+        return Verification(path, manifest["files"], verification_share(
+            manifest["files"], self.rank, self.world_size))
 
     def _settle(self, path: Path) -> None:
         """Wait for the verification ``restore`` started for ``path``, if ``load`` has not

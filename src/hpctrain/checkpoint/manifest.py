@@ -12,6 +12,7 @@ import json
 import os
 import re
 import threading
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _CHUNK = 8 << 20
 _STEP_DIR = re.compile(r"step-(\d+)")
+# Files one rank writes: DCP's shards (``__<rank>_<n>.distcp``) and its RNG states.
+_WRITER = re.compile(r"__(\d+)_\d+\.distcp|rng-rank-(\d+)\.pt")
 # What read_manifest checks before anything acts on a manifest; the trainer's own fields
 # (schedule, data position, ...) are checked by the trainer (train/checkpointing.py).
 _MANIFEST = Record({
@@ -123,6 +126,22 @@ def is_plain_name(name: object) -> bool:
     """A file name inside the checkpoint directory: no separators, no ``..``, not empty."""
     return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
             and "\\" not in name and "\0" not in name)
+
+
+def verification_share(names: Collection[str], rank: int, world_size: int) -> list[str]:
+    """The files ``rank`` verifies: those it wrote (its shards, its RNG states; with the same
+    world size, what it loads, so each file is read on the node that needs it), the others
+    (the index, another world size's) dealt out in turn."""
+    mine, others = [], []
+    for name in sorted(names):
+        match = _WRITER.fullmatch(name)
+        writer = int(match[1] or match[2]) if match else None
+        if writer is not None and writer < world_size:
+            if writer == rank:
+                mine.append(name)
+        else:
+            others.append(name)
+    return mine + others[rank::world_size]
 
 
 def verify_files(ckpt_dir: Path, files: dict[str, dict[str, Any]], names: list[str]) -> None:
