@@ -185,3 +185,24 @@ def test_each_rank_verifies_the_files_it_wrote_and_every_file_is_verified_once()
     for world in (1, 2, 3):
         shares = [verification_share(names, rank, world) for rank in range(world)]
         assert sorted(n for share in shares for n in share) == sorted(names), world
+
+
+def test_a_prefetched_checkpoint_is_checked_once_and_damage_still_refused(
+        pg, no_faults, tmp_path: Path, monkeypatch) -> None:
+    """``prefetch`` (while the model is built) starts the checks the restore then waits for:
+    each file is hashed once, and a damaged newest one is still passed over."""
+    from hpctrain.checkpoint import manifest
+
+    s = _run(tmp_path, (2, 3))
+    flip_in_tensor(tmp_path / step_dir_name(3), s.model.inp.weight)
+    hashed: list[str] = []
+    real = manifest.checksum
+    monkeypatch.setattr(manifest, "checksum", lambda path, stop=None: hashed.append(
+        f"{path.parent.name}/{path.name}") or real(path, stop))
+    m = manager(tmp_path, keep_last=5)
+    m.prefetch()
+    resumed = _train_state(1)
+    found = m.restore_newest(_restorer(m, resumed))
+    assert found is not None and found[0].name == step_dir_name(2)
+    newest = [h for h in hashed if h.startswith(step_dir_name(3))]
+    assert newest and len(newest) == len(set(newest)), hashed

@@ -127,8 +127,9 @@ class CheckpointManager:
         # The newest checkpoint known to be committed: set when a save's commit is known (by
         # the thread that committed it) and by a resume; never when a save merely starts.
         self.last_committed: str | None = None
-        # The checksums of the checkpoint ``restore`` is loading, being verified meanwhile.
-        self._verifying: tuple[Path, Verification] | None = None
+        # The checks of the checkpoint about to be loaded (started by ``prefetch`` or
+        # ``restore``, taken by ``load``): its path, the manifest's files, the checks.
+        self._verifying: tuple[Path, dict[str, Any], Verification] | None = None
 
     # -- the writer process -------------------------------------------------------------------
 
@@ -358,7 +359,7 @@ class CheckpointManager:
         loader does after it (schedule, data position, "resumed") happens for a damaged one.
         """
         manifest = self._agreed_manifest(path)
-        self._verifying = (path, self._verification(path, manifest))
+        self._verifying_now(path, manifest)
         try:
             load(path, manifest)
         except (DamagedCheckpoint, ConfigError):
@@ -373,6 +374,32 @@ class CheckpointManager:
         self.last_committed, self.store.last_bytes = path.name, manifest_bytes(manifest)
         return manifest
 
+    def prefetch(self, path: Path | None = None) -> None:
+        """Start checking ``path`` (by default the newest committed checkpoint) in threads now,
+        so that the restore of it that follows finds its files checked and in the page cache:
+        a resume reads its checkpoint while the model is built. Not collective; nothing starts
+        where there is nothing to read (the restore will say why)."""
+        if path is None:
+            committed = self.committed()
+            if not committed:
+                return
+            path = committed[-1]
+        try:
+            self._verifying_now(path, read_manifest(path))
+        except DamagedCheckpoint:
+            return
+
+    def _verifying_now(self, path: Path, manifest: dict[str, Any]) -> Verification:
+        """The checks of ``path`` in flight (``prefetch``'s, for the same files) or new ones."""
+        if self._verifying is not None:
+            where, files, verification = self._verifying
+            if where == path and files == manifest["files"]:
+                return verification
+            self._abandon()
+        verification = self._verification(path, manifest)
+        self._verifying = (path, manifest["files"], verification)
+        return verification
+
     def _verification(self, path: Path, manifest: dict[str, Any]) -> Verification:
         """This rank's share of ``path``'s files, verifying from now on."""
         return Verification(path, manifest["files"], verification_share(
@@ -382,14 +409,14 @@ class CheckpointManager:
         """Wait for the verification ``restore`` started for ``path``, if ``load`` has not
         (collective); DamagedCheckpoint on every rank if any rank found a bad file."""
         if self._verifying is not None and self._verifying[0] == path:
-            _, verification = self._verifying
+            verification = self._verifying[2]
             self._verifying = None
             self._agree_verified(verification)
 
     def _abandon(self) -> None:
         """Stop a verification nobody will wait for (the load failed otherwise)."""
         if self._verifying is not None:
-            self._verifying[1].cancel()
+            self._verifying[2].cancel()
             self._verifying = None
 
     def restore_newest(self, load: Loader) -> tuple[Path, dict[str, Any]] | None:
@@ -451,10 +478,8 @@ class CheckpointManager:
         hold some of the damaged checkpoint's tensors; the RNG is put back only after.
         """
         manifest = self._agreed_manifest(path)
-        if self._verifying is not None and self._verifying[0] == path:
-            verification, self._verifying = self._verifying[1], None  # started by restore
-        else:
-            verification = self._verification(path, manifest)
+        verification = self._verifying_now(path, manifest)  # restore's, prefetch's or new
+        self._verifying = None
         failure: CheckpointError | None = None
         try:
             # The same share of the cores as a save's threads; two at least, so that one
@@ -511,6 +536,7 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Finish the in-flight save (raising its error), then stop the writer process."""
+        self._abandon()
         try:
             self.wait()
         finally:
