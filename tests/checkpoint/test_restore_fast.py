@@ -1,13 +1,13 @@
-"""Restore verifies the checksums while it loads, not before: what must still hold.
+"""A restore reads its checkpoint once, verifying the checksums while it loads: what must hold.
 
-A resume reads the checkpoint once, its files verified in threads while DCP fills the state
-(``CheckpointManager.restore`` and ``load``). So a damaged checkpoint may put some of its
-tensors into the state before the verdict: it must still be refused naming the file, the
-fallback must leave exactly the older checkpoint's state (model, optimizer, schedule, RNG, data
-position), and nothing after the tensors (schedule, data position, RNG) may be put back from
-the damaged one. In this process on a 1-rank gloo group; the 2-rank case is
-``test_manager.py``'s ``corrupt`` scenario. Also: tensors read in pieces by
-several threads, and values loaded once for all alike ones, arrive exactly.
+Each rank checks the files it wrote in threads while DCP fills the state (``restore``/``load``),
+from ``prefetch`` on in a resume (while the model is built). So a damaged checkpoint may put
+some of its tensors into the state before the verdict: it must still be refused naming the
+file, the fallback must leave exactly the older checkpoint's state (model, optimizer, schedule,
+RNG, data position), and nothing after the tensors (schedule, data position, RNG) may be put
+back from the damaged one. In this process on a 1-rank gloo group; the 2-rank case is
+``test_manager.py``'s ``corrupt`` scenario. Also: tensors read in pieces by several threads,
+and values unpickled once for all alike ones, arrive exactly.
 """
 
 from __future__ import annotations
