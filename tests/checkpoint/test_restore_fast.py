@@ -206,3 +206,18 @@ def test_a_prefetched_checkpoint_is_checked_once_and_damage_still_refused(
     assert found is not None and found[0].name == step_dir_name(2)
     newest = [h for h in hashed if h.startswith(step_dir_name(3))]
     assert newest and len(newest) == len(set(newest)), hashed
+
+
+def test_a_named_damaged_checkpoint_is_an_error_and_nothing_after_the_tensors_is_restored(
+        pg, no_faults, tmp_path: Path) -> None:
+    """``checkpoint.resume=<path>``: no fallback; the schedule and data position stay."""
+    s = _run(tmp_path, (2,))
+    shard = flip_in_tensor(tmp_path / step_dir_name(2), s.model.out.weight)
+    m = manager(tmp_path)
+    m.prefetch(tmp_path / step_dir_name(2))  # what a resume of this path starts
+    resumed = _train_state(1)
+    with pytest.raises(DamagedCheckpoint) as e:
+        m.restore(tmp_path / step_dir_name(2), _restorer(m, resumed))
+    assert shard.name in e.value.what and "checksum" in e.value.what, e.value.what
+    assert resumed.loader.given == [] and resumed.scheduler.last_epoch == 0
+    assert m.last_committed is None
