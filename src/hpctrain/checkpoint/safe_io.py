@@ -224,10 +224,11 @@ class SafeFileSystemReader(FileSystemReader):
         for item in plan.items:
             by_file.setdefault(self.storage_data[item.storage_index].relative_path,
                                []).append(item)
-        gpu = next((target.device for target in (
-            planner.resolve_tensor(item) for item in plan.items
-            if item.type == LoadItemType.TENSOR) if target.is_cuda), None)
-        staging = _Staging(self._threads, gpu) if gpu is not None else None
+        on_gpu = [target for target in (planner.resolve_tensor(item) for item in plan.items
+                                        if item.type == LoadItemType.TENSOR) if target.is_cuda]
+        # Buffers no larger than the largest GPU tensor: a small model pins little.
+        staging = _Staging(self._threads, on_gpu[0].device,
+                           min(_PIECE, max(t.nbytes for t in on_gpu))) if on_gpu else None
         try:
             for name, items in by_file.items():
                 try:
@@ -369,15 +370,16 @@ class _Staging:
     undone by ``close``, so the memory goes back after it): one is read into while the other
     is copied to the GPU on the caller's stream."""
 
-    def __init__(self, threads: int, device: torch.device):
+    def __init__(self, threads: int, device: torch.device, size: int):
         self.stream = torch.cuda.current_stream(device)
         page = 4096  # registered memory starts on a page
-        raw = torch.empty(threads * 2 * _PIECE + page, dtype=torch.uint8)
-        self.flat = raw[(-raw.data_ptr()) % page:][:threads * 2 * _PIECE]
+        size = -(-size // page) * page
+        raw = torch.empty(threads * 2 * size + page, dtype=torch.uint8)
+        self.flat = raw[(-raw.data_ptr()) % page:][:threads * 2 * size]
         # Unpinned (registration refused), the copies are synchronous: slower, still right.
         self.pinned = int(torch.cuda.cudart().cudaHostRegister(
             self.flat.data_ptr(), self.flat.nbytes, 0)) == 0
-        self.buffers = [[self.flat[(2 * t + i) * _PIECE:(2 * t + i + 1) * _PIECE]
+        self.buffers = [[self.flat[(2 * t + i) * size:(2 * t + i + 1) * size]
                          for i in range(2)] for t in range(threads)]
         self.copied: list[list[torch.cuda.Event | None]] = [[None, None] for _ in range(threads)]
         self.turn = [0] * threads
