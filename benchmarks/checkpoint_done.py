@@ -19,8 +19,9 @@ as soon as it is measured):
   (after the last step, the final save's wait and the last validation: the attempt's ``end``).
   Compilation inside the first step is in it; the process start and model build are not.
 - ``resume``: the default run resumed for 20 more steps (its checkpoint's pages dropped from the
-  page cache first): restore GB/s (checkpoint bytes / ``checkpoint_load`` seconds: find, verify
-  every checksum, load) and the resumed time to first step against the cold run's.
+  page cache first): restore GB/s (checkpoint bytes / ``checkpoint_load`` seconds: what the run
+  waits for once the model is built; the checkpoint is read and its checksums checked from the
+  model build on, overlapping it) and the resumed time to first step against the cold run's.
 - ``8b``: `configs/llama-8b-fsdp.yaml`, FSDP on all GPUs: a cold run of ``--big-steps`` steps whose
   only save is the final one, then a resume of 10 steps: save and restore GB/s per node (all
   ranks' bytes over the slowest rank), cold vs resumed start-up. Where the fp32 state (16 bytes a
@@ -475,8 +476,9 @@ def report(out: Path) -> str:
     if any(r.get("saves") or r.get("restore_gbps") for _, r in saving):
         lines += ["", "Save and restore beside `hpctrain bench disk` on the same path (GB/s per "
                   "node; save = all ranks' bytes over the slowest rank's write, restore = the "
-                  "checkpoint's bytes over the slowest rank's load: find, verify, read; its pages "
-                  "dropped from the page cache first):", "",
+                  "checkpoint's bytes over the slowest rank's load: what it waits for once the "
+                  "model is built, the checkpoint being read and checked from the model build "
+                  "on; its pages dropped from the page cache first):", "",
                   "| model | layout | checkpoint GB | save GB/s | vs disk write | restore GB/s "
                   "| vs disk read | disk write / read GB/s (method) |", "|---|---|---|---|---|---|"
                   "---|---|"]

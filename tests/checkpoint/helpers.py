@@ -92,6 +92,19 @@ def flip_byte(path: Path, offset: int | None = None) -> None:
     path.write_bytes(bytes(raw))
 
 
+def flip_in_tensor(ckpt_dir: Path, tensor: torch.Tensor) -> Path:
+    """Corrupt a byte inside ``tensor``'s saved bytes (found in whichever shard holds them), so
+    that the checkpoint still loads, with a wrong value: only a checksum can notice. Returns
+    the shard."""
+    needle = tensor.detach().contiguous().view(torch.uint8).numpy().tobytes()
+    for shard in sorted(ckpt_dir.glob("*.distcp")):
+        at = shard.read_bytes().find(needle)
+        if at >= 0:
+            flip_byte(shard, at + len(needle) // 2)
+            return shard
+    raise AssertionError(f"no shard of {ckpt_dir} holds the tensor's bytes")
+
+
 def free_port() -> int:
     """A TCP port nobody listens on right now (for a gloo rendezvous)."""
     with socket.socket() as s:

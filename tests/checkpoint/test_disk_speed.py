@@ -106,19 +106,18 @@ def test_restore_reads_whole_tensors_directly_and_the_rest_through_dcp(saved, mo
                                                                        ) -> None:
     path, state, _, _ = saved
     direct: list[str] = []
-    real = safe_io.SafeFileSystemReader._read_direct
+    real = safe_io.SafeFileSystemReader._direct_span
 
     def spy(self, f, item, planner):
-        done = real(self, f, item, planner)
-        if done:
+        span = real(self, f, item, planner)
+        if span is not None:
             direct.append(item.storage_index.fqn)
-        return done
+        return span
 
-    monkeypatch.setattr(safe_io.SafeFileSystemReader, "_read_direct", spy)
+    monkeypatch.setattr(safe_io.SafeFileSystemReader, "_direct_span", spy)
     target = _zeroed(state)
     target["model"]["b"] = target["model"]["b"].clone()[::1]
-    # A destination that is not contiguous is read into a host buffer and copied (the path
-    # of a GPU destination).
+    # A destination that is not contiguous takes DCP's path (loaded, then copied).
     target["optim"]["state"]["w"]["exp_avg"] = torch.zeros(32, 64).t()
     import torch.distributed as dist
 
@@ -126,8 +125,8 @@ def test_restore_reads_whole_tensors_directly_and_the_rest_through_dcp(saved, mo
                           device=torch.device("cpu"), group=dist.group.WORLD)
     m.restore(path, lambda p, _m: m.load(p, target))
     _assert_same(target, state)
-    assert sorted(direct) == ["model.b", "model.flag", "model.w", "optim.state.w.exp_avg"]
-    # The scalar step and the plain values (learning rate, betas) take DCP's own path.
+    assert sorted(direct) == ["model.b", "model.flag", "model.w", "optim.state.w.step"]
+    # The plain values (learning rate, betas) take DCP's own path.
 
 
 def test_a_saved_layout_unlike_the_destination_is_not_read_directly(saved) -> None:
@@ -160,9 +159,9 @@ def test_verification_reads_the_files_in_parallel_and_names_the_first_bad(tmp_pa
     together = threading.Barrier(len(names), timeout=20)
     real = manifest.checksum
 
-    def meeting(path):
+    def meeting(path, stop=None):
         together.wait()
-        return real(path)
+        return real(path, stop)
 
     monkeypatch.setattr(manifest, "checksum", meeting)
     with pytest.raises(DamagedCheckpoint, match=r"/b checksum .* \(corrupted\)"):

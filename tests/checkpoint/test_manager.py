@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from helpers import (
     flip_byte,
+    flip_in_tensor,
     fsdp_model,
     init_env,
     make_model,
@@ -45,6 +46,7 @@ from hpctrain.checkpoint.manifest import (
     read_manifest,
 )
 from hpctrain.checkpoint.safe_io import SafeFileSystemReader
+from hpctrain.checkpoint.staging import tensors_of
 
 # Steps at which the 2-rank scenario injects a failing save (sync, async, rank 1 only).
 RANK_FAULTS = "save_io_error@step=8;save_io_error@step=9;save_io_error@step=10,rank=1"
@@ -105,11 +107,15 @@ def _failures(out: Path, m: CheckpointManager) -> dict:
 
 
 def _corrupt(out: Path, m: CheckpointManager) -> dict:
-    """Flip a byte in the newest checkpoint's biggest shard; resume must fall back."""
+    """Flip a byte inside a tensor of the newest checkpoint (it still loads: only the checksum
+    tells); resume must fall back, to exactly the older checkpoint's state."""
     newest = m.root / step_dir_name(7)
-    shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
-    if dist.get_rank() == 0:
-        flip_byte(shard)
+    probe = state_of(*_trained(seed=4))
+    m.load(newest, probe)
+    shard = [flip_in_tensor(newest, probe["model"]["inp.weight"])] if dist.get_rank() == 0 \
+        else [None]
+    dist.broadcast_object_list(shard, src=0)
+    shard = Path(shard[0])
     dist.barrier()
     try:
         m.verify(newest)
@@ -125,7 +131,13 @@ def _corrupt(out: Path, m: CheckpointManager) -> dict:
         found = m.restore_newest(lambda path, _manifest: m.load(path, state))
     finally:
         logging.getLogger("hpctrain.checkpoint").removeHandler(handler)
-    return {"found": found[0].name if found else None, "logged": records,
+    rng = torch.rand(3)  # the RNG stream as the fallback left it
+    clean = state_of(*_trained(seed=5))
+    m.load(m.root / step_dir_name(6), clean)
+    exact = torch.equal(torch.rand(3), rng) and all(torch.equal(a, b) for a, b in zip(
+        tensors_of(state), tensors_of(clean), strict=True)) \
+        and state["optim"]["param_groups"] == clean["optim"]["param_groups"]
+    return {"found": found[0].name if found else None, "logged": records, "exact": exact,
             "explicit": explicit, "shard": str(shard),
             "set_aside": sorted(p.name for p in (m.root / "damaged").iterdir()),
             "latest": m.latest_name()}
@@ -480,6 +492,7 @@ def test_two_ranks_resume_skips_corrupted_newest(two_ranks) -> None:
     shard = Path(res[0]["shard"]).name
     for r, seen in enumerate(res):
         assert seen["found"] == "step-00000006", f"rank {r}: {seen}"
+        assert seen["exact"], f"rank {r}: the state is not exactly step-00000006's"
         assert seen["explicit"] and shard in seen["explicit"] and "checksum" in seen["explicit"]
     logged = [m for m in res[0]["logged"] if "skipping" in m]
     assert logged and "step-00000007" in logged[0] and shard in logged[0], res[0]["logged"]

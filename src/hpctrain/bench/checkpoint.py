@@ -3,12 +3,13 @@
     hpctrain bench checkpoint /scratch/$USER --params 1e9     # 10 GB: bf16 + two fp32 moments
 
 The state is what Adam training holds per rank: bf16 parameters and two fp32 moments per
-parameter (10 bytes), in tensors of a transformer's sizes, random bytes. It goes through
+parameter (10 bytes), in tensors of a transformer's sizes, random bytes, on the GPU where there
+is one (as training holds it: a save copies it to the host, a restore to the GPU). It goes through
 ``CheckpointManager`` as training does: the save is timed from the call until the background
 writer has committed it (staging, serialisation, fsync, checksums, manifest, rename: what the
 user pays before the next save can start; ``write`` is the writer's part alone, from its start
 to the commit, the number to hold against the disk's), the restore from the call until the state
-is filled (verification of every checksum, then DCP's load), with the page cache of the
+is filled (DCP's load, with every checksum verified meanwhile), with the page cache of the
 checkpoint's files dropped first where the file system has one. Everything is written to a
 temporary folder under the path and removed afterwards. ``cpu_s`` is the CPU time this process
 and the writer process spent on the operation: on a busy shared machine a steadier comparison
@@ -37,8 +38,10 @@ COLUMNS = ["op", "size", "seconds", "gbps", "pct_of_disk", "cpu_s", "method"]
 _TENSOR = 2048 * 2048
 
 
-def model_state(params: int, seed: int = 0) -> dict[str, Any]:
-    """Model and Adam state of ``params`` bf16 parameters (fp32 moments), random values."""
+def model_state(params: int, seed: int = 0, device: torch.device | None = None
+                ) -> dict[str, Any]:
+    """Model and Adam state of ``params`` bf16 parameters (fp32 moments), random values, on
+    ``device`` (the CPU by default)."""
     g = torch.Generator().manual_seed(seed)
     model: dict[str, torch.Tensor] = {}
     moments: dict[str, dict[str, torch.Tensor]] = {}
@@ -46,11 +49,11 @@ def model_state(params: int, seed: int = 0) -> dict[str, Any]:
     while left > 0:
         n = min(_TENSOR, left)
         name = f"tensors.{i}"
-        model[name] = torch.rand(n, generator=g).to(torch.bfloat16).view(-1, 2048 if n % 2048
-                                                                         == 0 else 1)
+        model[name] = torch.rand(n, generator=g).to(device, torch.bfloat16).view(
+            -1, 2048 if n % 2048 == 0 else 1)
         moments[name] = {"step": torch.tensor(10.0),
-                         "exp_avg": torch.rand(model[name].shape, generator=g),
-                         "exp_avg_sq": torch.rand(model[name].shape, generator=g)}
+                         "exp_avg": torch.rand(model[name].shape, generator=g).to(device),
+                         "exp_avg_sq": torch.rand(model[name].shape, generator=g).to(device)}
         left, i = left - n, i + 1
     return {"model": model, "optimizer": {"state": moments, "param_groups": [
         {"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "params": list(model)}]}}
@@ -70,14 +73,16 @@ def run_checkpoint_bench(path: Path, params: int, *, saves: int = 2, write_threa
     check_folder(path)
     say = echo or (lambda _line: None)
     threads = auto_threads(write_threads)
-    state = model_state(params)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    state = model_state(params, device=device)
     nbytes = state_bytes(state)
     res = Results("checkpoint", COLUMNS, meta={
         "path": str(path), "fs_type": fs_type(path), "params": params, "writer": writer,
+        "state_on": device.type,
         "write_threads": threads, "gb": "1e9 bytes",
         "save": "call to commit (staging, write, fsync, xxh3, manifest, rename)",
         "write": "the writer's part of the save (write to commit), best of the saves",
-        "restore": "call to filled state (verify every checksum, DCP load)"})
+        "restore": "call to filled state (DCP load, every checksum verified meanwhile)"})
     disk_gbps: dict[str, float] = {}
     if disk:
         for r in run_disk(path, nbytes, threads=threads, echo=say):
@@ -94,7 +99,7 @@ def run_checkpoint_bench(path: Path, params: int, *, saves: int = 2, write_threa
         work = Path(tempfile.mkdtemp(prefix=".hpctrain-bench-checkpoint-", dir=path))
         cfg = CheckpointConfig(keep_last=1, write_threads=threads)
         manager = CheckpointManager(cfg, work, rank=0, world_size=1,
-                                    device=torch.device("cpu"), group=dist.group.WORLD)
+                                    device=device, group=dist.group.WORLD)
         if writer == "process":
             manager.start_writer()
             manager.prepare(state)
@@ -119,7 +124,11 @@ def run_checkpoint_bench(path: Path, params: int, *, saves: int = 2, write_threa
                 pct_of_disk=_pct(written / write / 1e9, disk_gbps.get("write")), cpu_s=None,
                 method="the writer alone: write, fsync, xxh3, manifest, commit")
         ckpt = work / manager.latest_name()
-        expected = {k: v.clone() for k, v in list(state["model"].items())[:2]}
+        # A tensor of each kind, the last one short: each must come back bit for bit.
+        last = list(state["model"])[-1]
+        expected = {k: v.clone() for k, v in [*list(state["model"].items())[:2],
+                                              (last, state["model"][last])]}
+        moment = state["optimizer"]["state"][last]["exp_avg"].clone()
         for t in tensors_of(state):
             t.zero_()
         memory_fs = in_memory(path)
@@ -132,18 +141,20 @@ def run_checkpoint_bench(path: Path, params: int, *, saves: int = 2, write_threa
         manager.restore(ckpt, lambda p, _m: manager.load(p, state))
         seconds = time.perf_counter() - start
         cpu = _cpu_s() - cpu
-        for k, v in expected.items():
-            if not torch.equal(state["model"][k], v):
-                raise CheckpointError(
-                    f"bench checkpoint: tensor {k} restored with other values than were saved",
-                    expected="a bit-exact round trip of the saved state",
-                    hint=f"the file system at {path} returned other bytes than were written, "
-                    "or the checkpoint code has a bug: run `hpctrain bench disk` on the same "
-                    "path and report it with this output")
+        wrong = [k for k, v in expected.items() if not torch.equal(state["model"][k], v)]
+        if not torch.equal(state["optimizer"]["state"][last]["exp_avg"], moment):
+            wrong.append(f"{last}.exp_avg")
+        if wrong:
+            raise CheckpointError(
+                f"bench checkpoint: {', '.join(wrong)} restored with other values than saved",
+                expected="a bit-exact round trip of the saved state",
+                hint=f"the file system at {path} returned other bytes than were written, "
+                "or the checkpoint code has a bug: run `hpctrain bench disk` on the same "
+                "path and report it with this output")
         res.add(op="restore", size=written, seconds=seconds, gbps=written / seconds / 1e9,
                 pct_of_disk=_pct(written / seconds / 1e9, disk_gbps.get("read")), cpu_s=cpu,
-                method="verify + load, " + ("page cache (tmpfs)" if memory_fs
-                                            else "page cache dropped first"))
+                method=f"load + verify at once into {device.type} tensors, "
+                + ("page cache (tmpfs)" if memory_fs else "page cache dropped first"))
         return res
     finally:
         if manager is not None:

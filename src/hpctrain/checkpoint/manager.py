@@ -58,9 +58,10 @@ from hpctrain.checkpoint.config import CheckpointConfig
 from hpctrain.checkpoint.manifest import (
     CheckpointError,
     DamagedCheckpoint,
+    Verification,
     read_manifest,
     step_dir_name,
-    verify_files,
+    verification_share,
 )
 from hpctrain.checkpoint.safe_io import (
     SafeFileSystemReader,
@@ -76,16 +77,19 @@ from hpctrain.checkpoint.store import (
     first_line,
     free_bytes,
     manifest_bytes,
+    write_threads,
 )
 from hpctrain.checkpoint.writer import WriterDied, WriterProcess
+from hpctrain.errors import ConfigError
 from hpctrain.runtime.rundir import fsync_dir
 
 log = logging.getLogger("hpctrain.checkpoint")
 
 __all__ = ["LATEST", "CheckpointManager", "Loader", "step_dir_name"]
 
-# Fills the caller's state from a verified checkpoint; raises DamagedCheckpoint when the
-# checkpoint cannot be used (the caller's own checks of the manifest's values included).
+# Fills the caller's state from a checkpoint through ``CheckpointManager.load`` (which returns
+# only once every file has verified); raises DamagedCheckpoint when the checkpoint cannot be
+# used (the caller's own checks of the manifest's values included).
 Loader = Callable[[Path, dict[str, Any]], None]
 
 
@@ -123,6 +127,9 @@ class CheckpointManager:
         # The newest checkpoint known to be committed: set when a save's commit is known (by
         # the thread that committed it) and by a resume; never when a save merely starts.
         self.last_committed: str | None = None
+        # The checks of the checkpoint about to be loaded (started by ``prefetch`` or
+        # ``restore``, taken by ``load``): its path, the manifest's files, the checks.
+        self._verifying: tuple[Path, dict[str, Any], Verification] | None = None
 
     # -- the writer process -------------------------------------------------------------------
 
@@ -337,22 +344,80 @@ class CheckpointManager:
     def verify(self, path: Path) -> dict[str, Any]:
         """Check the manifest and every file of a checkpoint (split over ranks); return the
         manifest, or raise DamagedCheckpoint on every rank naming what is wrong."""
-        error, manifest = None, {}
-        try:
-            manifest = read_manifest(path)
-            names = sorted(manifest["files"])
-            verify_files(path, manifest["files"], names[self.rank::self.world_size])
-        except DamagedCheckpoint as e:
-            error = e.what
-        self._agree(error)
+        manifest = self._agreed_manifest(path)
+        self._agree_verified(self._verification(path, manifest))
         return manifest
 
     def restore(self, path: Path, load: Loader) -> dict[str, Any]:
-        """Verify ``path`` and ``load`` it; damage is an error here (the user chose it)."""
-        manifest = self.verify(path)
-        load(path, manifest)
+        """Load ``path`` with ``load`` while its files verify; damage is an error here (the
+        user chose it).
+
+        The checksums are checked in threads from the start, while the caller builds its
+        state and ``load`` reads it: one pass over the checkpoint's bytes where the page cache
+        holds them, not a verification and then a load. ``load`` fills the state through
+        :meth:`load`, which returns only once every rank's files have verified, so nothing the
+        loader does after it (schedule, data position, "resumed") happens for a damaged one.
+        """
+        manifest = self._agreed_manifest(path)
+        self._verifying_now(path, manifest)
+        try:
+            load(path, manifest)
+        except (DamagedCheckpoint, ConfigError):
+            # The loader refused the manifest's values before loading (the same on every rank):
+            # damage found by the checksums, as before the loader ran, is the reason given.
+            self._settle(path)
+            raise
+        except BaseException:
+            self._abandon()
+            raise
+        self._settle(path)  # a loader that did not call ``load``: verified before returning
         self.last_committed, self.store.last_bytes = path.name, manifest_bytes(manifest)
         return manifest
+
+    def prefetch(self, path: Path | None = None) -> None:
+        """Start checking ``path`` (by default the newest committed checkpoint) in threads now,
+        so that the restore of it that follows finds its files checked and in the page cache:
+        a resume reads its checkpoint while the model is built. Not collective; nothing starts
+        where there is nothing to read (the restore will say why)."""
+        if path is None:
+            committed = self.committed()
+            if not committed:
+                return
+            path = committed[-1]
+        try:
+            self._verifying_now(path, read_manifest(path))
+        except DamagedCheckpoint:
+            return
+
+    def _verifying_now(self, path: Path, manifest: dict[str, Any]) -> Verification:
+        """The checks of ``path`` in flight (``prefetch``'s, for the same files) or new ones."""
+        if self._verifying is not None:
+            where, files, verification = self._verifying
+            if where == path and files == manifest["files"]:
+                return verification
+            self._abandon()
+        verification = self._verification(path, manifest)
+        self._verifying = (path, manifest["files"], verification)
+        return verification
+
+    def _verification(self, path: Path, manifest: dict[str, Any]) -> Verification:
+        """This rank's share of ``path``'s files, verifying from now on."""
+        return Verification(path, manifest["files"], verification_share(
+            manifest["files"], self.rank, self.world_size))
+
+    def _settle(self, path: Path) -> None:
+        """Wait for the verification ``restore`` started for ``path``, if ``load`` has not
+        (collective); DamagedCheckpoint on every rank if any rank found a bad file."""
+        if self._verifying is not None and self._verifying[0] == path:
+            verification = self._verifying[2]
+            self._verifying = None
+            self._agree_verified(verification)
+
+    def _abandon(self) -> None:
+        """Stop a verification nobody will wait for (the load failed otherwise)."""
+        if self._verifying is not None:
+            self._verifying[2].cancel()
+            self._verifying = None
 
     def restore_newest(self, load: Loader) -> tuple[Path, dict[str, Any]] | None:
         """Load the newest checkpoint that verifies and loads, falling back past damaged ones.
@@ -405,18 +470,36 @@ class CheckpointManager:
         log.warning("checkpoint %s moved to %s (damaged: %s)", path.name, target, why)
 
     def load(self, path: Path, state: dict[str, Any]) -> None:
-        """Fill ``state`` (current model/optimizer state dicts) in place from ``path``.
+        """Fill ``state`` (current model/optimizer state dicts) in place from ``path``, every
+        file's checksum verified (split over ranks) while it loads; returns once all have.
 
-        Raises DamagedCheckpoint on every rank when the checkpoint's content is at fault.
+        Raises DamagedCheckpoint on every rank when the checkpoint's content is at fault: a bad
+        checksum is named first (before a load failure it caused). Until then ``state`` may
+        hold some of the damaged checkpoint's tensors; the RNG is put back only after.
         """
         manifest = self._agreed_manifest(path)
-        reader = SafeFileSystemReader(path, files=manifest["files"])
-        self._agree_on(reader.read_metadata)
+        verification = self._verifying_now(path, manifest)  # restore's, prefetch's or new
+        self._verifying = None
+        failure: CheckpointError | None = None
         try:
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
-                     process_group=self.group)
-        except CheckpointException as e:  # a BaseException carrying each rank's failure
-            raise _load_failure(path, e) from None
+            # The same share of the cores as a save's threads; two at least, so that one
+            # thread's read overlaps another's copy.
+            reader = SafeFileSystemReader(path, files=manifest["files"],
+                                          threads=max(2, write_threads(0)))
+            self._agree_on(reader.read_metadata)
+            try:
+                dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
+                         process_group=self.group)
+            except CheckpointException as e:  # a BaseException carrying each rank's failure
+                raise _load_failure(path, e) from None
+        except CheckpointError as e:  # agreed by every rank (``_agree_on``, DCP's gather)
+            failure = e
+        except BaseException:
+            verification.cancel()
+            raise
+        self._agree_verified(verification)
+        if failure is not None:
+            raise failure
         rng_path = path / f"rng-rank-{self.rank:05d}.pt"
         if manifest.get("world_size") == self.world_size and rng_path.name in manifest["files"]:
             self._agree_on(lambda: _restore_rng(rng_path, self.device))
@@ -439,6 +522,11 @@ class CheckpointManager:
             error = e.what
         self._agree(error)
 
+    def _agree_verified(self, verification: Verification) -> None:
+        """Wait for this rank's checks; DamagedCheckpoint on every rank if any found damage."""
+        problem = verification.problem()
+        self._agree(problem.what if problem is not None else None)
+
     def _agree(self, error: str | None) -> None:
         errors: list[Any] = [None] * self.world_size
         dist.all_gather_object(errors, error, group=self.group)
@@ -448,6 +536,7 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Finish the in-flight save (raising its error), then stop the writer process."""
+        self._abandon()
         try:
             self.wait()
         finally:

@@ -9,8 +9,11 @@ checked for type and consistency before anything acts on it.
 from __future__ import annotations
 
 import json
+import os
 import re
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Collection
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,8 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _CHUNK = 8 << 20
 _STEP_DIR = re.compile(r"step-(\d+)")
+# Files one rank writes: DCP's shards (``__<rank>_<n>.distcp``) and its RNG states.
+_WRITER = re.compile(r"__(\d+)_\d+\.distcp|rng-rank-(\d+)\.pt")
 # What read_manifest checks before anything acts on a manifest; the trainer's own fields
 # (schedule, data position, ...) are checked by the trainer (train/checkpointing.py).
 _MANIFEST = Record({
@@ -67,12 +72,17 @@ def is_int(value: object, minimum: int = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
-def checksum(path: Path) -> str:
-    """xxh3-64 of a file's bytes, hex (fast enough to hash GBs per second per core)."""
+def checksum(path: Path, stop: threading.Event | None = None) -> str:
+    """xxh3-64 of a file's bytes, hex (fast enough to hash GBs per second per core); ``stop``
+    set: gives up between chunks (the result is then meaningless)."""
     h = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        if hasattr(os, "posix_fadvise"):  # read ahead more eagerly: a resume reads cold
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        while (n := f.readinto(buf)) and not (stop is not None and stop.is_set()):
+            h.update(view[:n])
     return h.hexdigest()
 
 
@@ -118,25 +128,71 @@ def is_plain_name(name: object) -> bool:
             and "\\" not in name and "\0" not in name)
 
 
+def verification_share(names: Collection[str], rank: int, world_size: int) -> list[str]:
+    """The files ``rank`` verifies: those it wrote (its shards, its RNG states; with the same
+    world size, what it loads, so each file is read on the node that needs it), the others
+    (the index, another world size's) dealt out in turn."""
+    mine, others = [], []
+    for name in sorted(names):
+        match = _WRITER.fullmatch(name)
+        writer = int(match[1] or match[2]) if match else None
+        if writer is not None and writer < world_size:
+            if writer == rank:
+                mine.append(name)
+        else:
+            others.append(name)
+    return mine + others[rank::world_size]
+
+
 def verify_files(ckpt_dir: Path, files: dict[str, dict[str, Any]], names: list[str]) -> None:
-    """Check size and checksum of ``names``; raise DamagedCheckpoint naming the first bad file.
+    """Check size and checksum of ``names``; raise DamagedCheckpoint naming the first bad file."""
+    problem = Verification(ckpt_dir, files, names).problem()
+    if problem is not None:
+        raise problem
+
+
+class Verification:
+    """Size and checksum checks of ``names`` running in threads from construction on, so that
+    the caller can do other work meanwhile (a resume loads the state while its files verify).
 
     The files are read in parallel (up to 8 at once: reads release the GIL, and a parallel
     file system serves several streams faster than one); the first bad one in ``names``' order
     is the one named.
     """
-    if len(names) <= 1:
-        problems = [_problem(ckpt_dir / name, files[name]) for name in names]
-    else:
-        with ThreadPoolExecutor(max_workers=min(8, len(names))) as pool:
-            problems = list(pool.map(lambda n: _problem(ckpt_dir / n, files[n]), names))
-    for problem in problems:
-        if problem is not None:
-            raise problem
+
+    def __init__(self, ckpt_dir: Path, files: dict[str, dict[str, Any]], names: list[str]):
+        self._stop = threading.Event()
+        self._futures: list[Future[DamagedCheckpoint | None]] = []
+        if names:
+            pool = ThreadPoolExecutor(max_workers=min(8, len(names)),
+                                      thread_name_prefix="hpctrain-verify")
+            self._futures = [pool.submit(_problem, ckpt_dir / n, files[n], self._stop)
+                             for n in names]
+            pool.shutdown(wait=False)  # its threads end with the last check
+
+    def problem(self) -> DamagedCheckpoint | None:
+        """Wait for the checks; the first bad file's error in ``names``' order, or None."""
+        for future in self._futures:
+            problem = future.result()
+            if problem is not None:
+                self.cancel()  # the verdict is in: the files after it need not be read
+                return problem
+        return None
+
+    def cancel(self) -> None:
+        """Stop reading (between chunks) and wait for the threads; no verdict after this."""
+        self._stop.set()
+        for future in self._futures:
+            future.cancel()
+        for future in self._futures:
+            if not future.cancelled():
+                future.exception()  # waits; a stopped check's result means nothing
 
 
-def _problem(path: Path, want: dict[str, Any]) -> DamagedCheckpoint | None:
-    """What is wrong with one file against its manifest entry, if anything."""
+def _problem(path: Path, want: dict[str, Any], stop: threading.Event | None = None
+             ) -> DamagedCheckpoint | None:
+    """What is wrong with one file against its manifest entry, if anything (None once
+    ``stop`` is set)."""
     if not path.is_file():
         return DamagedCheckpoint(f"{path} is missing")
     try:
@@ -144,9 +200,11 @@ def _problem(path: Path, want: dict[str, Any]) -> DamagedCheckpoint | None:
         if size != want["size"]:
             return DamagedCheckpoint(f"{path} is {size} bytes, the manifest says "
                                      f"{want['size']} (truncated or overwritten)")
-        got = checksum(path)
+        got = checksum(path, stop)
     except OSError as e:
         return DamagedCheckpoint(f"{path} is unreadable: {e}")
+    if stop is not None and stop.is_set():
+        return None
     if got != want["xxh3"]:
         return DamagedCheckpoint(f"{path} checksum {got} does not match the manifest's "
                                  f"{want['xxh3']} (corrupted)")

@@ -55,6 +55,10 @@ class RunCheckpoints:
         if self._saves_in_background():
             # Started first: the writer's interpreter starts while the model is built.
             ckpt.start_writer()
+        if cfg.checkpoint.resume != "never":
+            # The checkpoint to resume is read (and checked) while the model is built.
+            ckpt.prefetch(None if cfg.checkpoint.resume == "auto"
+                          else Path(cfg.checkpoint.resume))
         # Rank 0 decides time-based saves, so only it asks Slurm when the job ends (once).
         end_time = (job_end_time() if self.rank == 0 and cfg.checkpoint.saves_before_limit
                     else None)

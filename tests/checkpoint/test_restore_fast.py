@@ -1,0 +1,223 @@
+"""A restore reads its checkpoint once, verifying the checksums while it loads: what must hold.
+
+Each rank checks the files it wrote in threads while DCP fills the state (``restore``/``load``),
+from ``prefetch`` on in a resume (while the model is built). So a damaged checkpoint may put
+some of its tensors into the state before the verdict: it must still be refused naming the
+file, the fallback must leave exactly the older checkpoint's state (model, optimizer, schedule,
+RNG, data position), and nothing after the tensors (schedule, data position, RNG) may be put
+back from the damaged one. In this process on a 1-rank gloo group; the 2-rank case is
+``test_manager.py``'s ``corrupt`` scenario. Also: tensors read in pieces by several threads,
+and values unpickled once for all alike ones, arrive exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import (
+    flip_in_tensor,
+    make_model,
+    make_optimizer,
+    manager,
+    put_state,
+    state_of,
+    train_steps,
+)
+
+from hpctrain.checkpoint import safe_io
+from hpctrain.checkpoint.manifest import (
+    DamagedCheckpoint,
+    read_manifest,
+    step_dir_name,
+    verification_share,
+)
+from hpctrain.config import JobConfig
+from hpctrain.train import checkpointing
+from hpctrain.train.checkpointing import TrainState
+
+
+class _Position:
+    """The data position (the token loader's protocol), recording every position it is given."""
+
+    def __init__(self, step: int = 0):
+        self.state = {"step": step, "global_batch": 8, "seed": 0}
+        self.given: list[int] = []
+
+    def state_dict(self) -> dict[str, int]:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.given.append(state["step"])
+        self.state = dict(state)
+
+
+def _train_state(seed: int) -> TrainState:
+    model = make_model(seed)
+    opt = make_optimizer(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    return TrainState(model, opt, sched, _Position(), None)
+
+
+def _run(root: Path, steps: tuple[int, ...]) -> TrainState:
+    """Train, saving after each of ``steps`` (each save with its own RNG stream)."""
+    s = _train_state(0)
+    m = manager(root, keep_last=5)
+    done = 0
+    for step in steps:
+        while done < step:
+            train_steps(s.model, s.optimizer, 1, seed=done)
+            s.scheduler.step()
+            done += 1
+        s.loader.state["step"] = step
+        torch.manual_seed(100 + step)
+        m.save(step, checkpointing.tensor_state(s),
+               checkpointing.meta_state(s, JobConfig(), step=step, world_size=1), blocking=True)
+    return s
+
+
+def _restorer(m, s: TrainState):
+    return lambda path, manifest: checkpointing.restore(s, m, path, manifest, JobConfig(),
+                                                        data=True)
+
+
+def _same(a: TrainState, b: TrainState) -> None:
+    for (name, x), y in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(x, y), name
+    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for key, entry in sa["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(value, sb["state"][key][name]), (key, name)
+    assert a.scheduler.state_dict() == b.scheduler.state_dict()
+    assert a.loader.state_dict() == b.loader.state_dict()
+
+
+def test_load_verifies_every_checksum_and_leaves_the_rng(pg, no_faults, tmp_path: Path) -> None:
+    """A flipped byte inside a tensor loads without error: only its checksum can refuse it,
+    and ``load`` itself must (the RNG is not put back from a refused checkpoint)."""
+    s = _run(tmp_path, (2,))
+    ckpt = tmp_path / step_dir_name(2)
+    shard = flip_in_tensor(ckpt, s.model.inp.weight)
+    state = checkpointing.tensor_state(_train_state(1))
+    torch.manual_seed(7)
+    rng = torch.get_rng_state()
+    with pytest.raises(DamagedCheckpoint) as e:
+        manager(tmp_path).load(ckpt, state)
+    assert shard.name in e.value.what and "checksum" in e.value.what, e.value.what
+    assert torch.equal(torch.get_rng_state(), rng), "RNG put back from a damaged checkpoint"
+
+
+def test_fallback_leaves_exactly_the_older_checkpoints_state(pg, no_faults,
+                                                             tmp_path: Path) -> None:
+    """The newest checkpoint loads in full (a tensor's byte flipped) before its verdict; the
+    older one then leaves the state exactly as a clean restore of it does."""
+    s = _run(tmp_path, (2, 3))
+    flip_in_tensor(tmp_path / step_dir_name(3), s.optimizer.state[s.model.out.weight]["exp_avg"])
+    m = manager(tmp_path, keep_last=5)
+    resumed = _train_state(1)
+    found = m.restore_newest(_restorer(m, resumed))
+    assert found is not None and found[0].name == step_dir_name(2)
+    assert resumed.loader.given == [2], "the damaged checkpoint's data position was put back"
+    after_resume = torch.rand(4)
+
+    clean = _train_state(2)
+    older = m.root / step_dir_name(2)
+    checkpointing.restore(clean, m, older, read_manifest(older), JobConfig(), data=True)
+    assert torch.equal(torch.rand(4), after_resume), "RNG differs from the older checkpoint's"
+    _same(resumed, clean)
+
+
+def test_a_tensor_read_in_pieces_by_several_threads_arrives_whole(pg, no_faults, tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    """Tensors larger than one read are split between the reading threads, each piece landing
+    at its place (pieces of 64 bytes here: every tensor of the model is several)."""
+    model = make_model(0)
+    opt = make_optimizer(model)
+    train_steps(model, opt, 2)
+    m = manager(tmp_path)
+    m.save(2, state_of(model, opt), {"step": 2, "world_size": 1}, blocking=True)
+    monkeypatch.setattr(safe_io, "_PIECE", 64)
+    fresh = make_model(1)
+    fresh_opt = make_optimizer(fresh)
+    state = state_of(fresh, fresh_opt)
+    m.load(tmp_path / step_dir_name(2), state)
+    put_state(fresh, fresh_opt, state)
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        for key, value in opt.state[a].items():
+            assert torch.equal(value, fresh_opt.state[b][key]), key
+
+
+def test_alike_values_load_once_and_mutable_ones_are_never_shared(pg, no_faults, tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    """Values saved with the same bytes (the optimizer's settings per parameter) are read
+    once; a list is still its own object in each place, so changing one changes no other."""
+    m = manager(tmp_path)
+    saved = {"w": torch.arange(4.0),
+             "groups": {f"p{i}": {"lr": 0.5, "betas": (0.9, 0.95), "name": "adamw",
+                                  "order": [1, 2]} for i in range(3)}}
+    m.save(1, saved, {"step": 1, "world_size": 1}, blocking=True)
+    state = {"w": torch.zeros(4),
+             "groups": {f"p{i}": {"lr": 0.0, "betas": (0.0, 0.0), "name": "", "order": []}
+                        for i in range(3)}}
+    unpickled = []
+    load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: unpickled.append(1) or load(*a, **k))
+    m.load(tmp_path / step_dir_name(1), state)
+    assert len(unpickled) == 3 + 3 + 1  # lr, betas, name once; each list; the RNG file
+    assert state == {**saved, "w": state["w"]} and torch.equal(state["w"], saved["w"])
+    orders = [group["order"] for group in state["groups"].values()]
+    assert len({id(order) for order in orders}) == 3, "one list shared between values"
+
+
+def test_each_rank_verifies_the_files_it_wrote_and_every_file_is_verified_once() -> None:
+    """With the same world size a rank checks its own shards (what it loads, on its node);
+    the index, and files of ranks beyond the world size, are dealt out."""
+    names = [".metadata", "__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp",
+             "rng-rank-00000.pt", "rng-rank-00001.pt"]
+    assert verification_share(names, 1, 2) == ["__1_0.distcp", "__1_1.distcp",
+                                                "rng-rank-00001.pt"]
+    assert verification_share(names, 0, 2) == ["__0_0.distcp", "__0_1.distcp",
+                                                "rng-rank-00000.pt", ".metadata"]
+    for world in (1, 2, 3):
+        shares = [verification_share(names, rank, world) for rank in range(world)]
+        assert sorted(n for share in shares for n in share) == sorted(names), world
+
+
+def test_a_prefetched_checkpoint_is_checked_once_and_damage_still_refused(
+        pg, no_faults, tmp_path: Path, monkeypatch) -> None:
+    """``prefetch`` (while the model is built) starts the checks the restore then waits for:
+    each file is hashed once, and a damaged newest one is still passed over."""
+    from hpctrain.checkpoint import manifest
+
+    s = _run(tmp_path, (2, 3))
+    flip_in_tensor(tmp_path / step_dir_name(3), s.model.inp.weight)
+    hashed: list[str] = []
+    real = manifest.checksum
+    monkeypatch.setattr(manifest, "checksum", lambda path, stop=None: hashed.append(
+        f"{path.parent.name}/{path.name}") or real(path, stop))
+    m = manager(tmp_path, keep_last=5)
+    m.prefetch()
+    resumed = _train_state(1)
+    found = m.restore_newest(_restorer(m, resumed))
+    assert found is not None and found[0].name == step_dir_name(2)
+    newest = [h for h in hashed if h.startswith(step_dir_name(3))]
+    assert newest and len(newest) == len(set(newest)), hashed
+
+
+def test_a_named_damaged_checkpoint_is_an_error_and_nothing_after_the_tensors_is_restored(
+        pg, no_faults, tmp_path: Path) -> None:
+    """``checkpoint.resume=<path>``: no fallback; the schedule and data position stay."""
+    s = _run(tmp_path, (2,))
+    shard = flip_in_tensor(tmp_path / step_dir_name(2), s.model.out.weight)
+    m = manager(tmp_path)
+    m.prefetch(tmp_path / step_dir_name(2))  # what a resume of this path starts
+    resumed = _train_state(1)
+    with pytest.raises(DamagedCheckpoint) as e:
+        m.restore(tmp_path / step_dir_name(2), _restorer(m, resumed))
+    assert shard.name in e.value.what and "checksum" in e.value.what, e.value.what
+    assert resumed.loader.given == [] and resumed.scheduler.last_epoch == 0
+    assert m.last_committed is None
