@@ -10,9 +10,8 @@ as soon as it is measured):
   time; the table says so), else one after the other. From each: the steady tokens/s (rank 0's
   step records' wall clock, steps WARMUP..last), goodput.json, the saves (``checkpoint`` events:
   bytes, write time, GB/s) and the interval's reason from the log.
-- energy, during every run: nvidia-smi's ``total_energy_consumption`` (mJ since the driver
-  loaded) polled every 0.5 s by this script, read at the start and end of the window goodput's
-  energy covers, beside goodput.json's kWh (target: within 5%). That window is one attempt's
+- energy, during every run: nvidia-smi's board power (``power.draw``) polled every 0.2 s by
+  this script and integrated, read at the start and end of the window goodput's energy covers, beside goodput.json's kWh (target: within 5%). That window is one attempt's
   training loop: from the first reading of rank 0's meter, taken just before the first step (after
   imports, process group, model build, checkpoint load, compile-cache load: the attempt's
   ``start`` + its start-up parts up to ``other``), to its last reading when the attempt ends
@@ -75,12 +74,16 @@ TARGETS = {"steady_ratio": 0.99, "goodput": 0.95, "save_vs_disk": 0.8, "restore_
 
 
 class SmiEnergy:
-    """nvidia-smi's energy counters polled in a thread: [(unix time, {GPU index: joules})]."""
+    """nvidia-smi's power readings polled in a thread and integrated (trapezoids) into a
+    running energy per GPU: [(unix time, {GPU index: joules since the first reading})].
 
-    QUERY = ["nvidia-smi", "--query-gpu=index,total_energy_consumption",
-             "--format=csv,noheader,nounits"]
+    nvidia-smi has no energy counter to query (driver 580: "total_energy_consumption is not a
+    valid field"), and NVML's counter is what hpctrain's own meter reads; the board power that
+    nvidia-smi prints, sampled every 0.2 s, is the independent reference."""
 
-    def __init__(self, interval_s: float = 0.5):
+    QUERY = ["nvidia-smi", "--query-gpu=index,power.draw", "--format=csv,noheader,nounits"]
+
+    def __init__(self, interval_s: float = 0.2):
         self.interval_s = interval_s
         self.samples: list[tuple[float, dict[int, float]]] = []
         self._stop = threading.Event()
@@ -94,6 +97,7 @@ class SmiEnergy:
         return self
 
     def _run(self) -> None:
+        last: tuple[float, dict[int, float]] | None = None
         while not self._stop.is_set():
             before = time.time()
             try:
@@ -102,10 +106,21 @@ class SmiEnergy:
             except (OSError, subprocess.SubprocessError):
                 text = ""
             after = time.time()
-            counters = parse_smi(text)
-            if counters:  # the reading's time: the middle of the call
-                self.samples.append(((before + after) / 2, counters))
+            watts = parse_smi(text)
+            if watts:  # the reading's time: the middle of the call
+                last = self.add((before + after) / 2, watts, last)
             self._stop.wait(self.interval_s)
+
+    def add(self, t: float, watts: dict[int, float],
+            last: tuple[float, dict[int, float]] | None) -> tuple[float, dict[int, float]]:
+        """Fold one power reading at time ``t`` into the running energies; the new last."""
+        joules = dict(self.samples[-1][1]) if self.samples else {}
+        for gpu, w in watts.items():
+            before = last[1].get(gpu) if last is not None else None
+            joules[gpu] = joules.get(gpu, 0.0) + (
+                (t - last[0]) * (before + w) / 2 if before is not None else 0.0)
+        self.samples.append((t, joules))
+        return t, watts
 
     def stop(self) -> list[tuple[float, dict[int, float]]]:
         """Stop polling; the samples."""
@@ -116,13 +131,13 @@ class SmiEnergy:
 
 
 def parse_smi(text: str) -> dict[int, float]:
-    """{GPU index: joules} from nvidia-smi's ``index, mJ`` lines ([N/A] lines skipped)."""
+    """{GPU index: watts} from nvidia-smi's ``index, W`` lines ([N/A] lines skipped)."""
     out = {}
     for line in text.splitlines():
         parts = [p.strip() for p in line.split(",")]
         if len(parts) == 2 and parts[0].isdigit():
             try:
-                out[int(parts[0])] = float(parts[1]) / 1000
+                out[int(parts[0])] = float(parts[1])
             except ValueError:
                 continue
     return out
@@ -527,7 +542,7 @@ def report(out: Path) -> str:
         ("8b cold", res.get("8b", {}).get("energy_cold")),
         ("8b resumed", res.get("8b", {}).get("energy"))) if e]
     if energy:
-        lines += ["", "Energy: goodput.json's kWh beside nvidia-smi's `total_energy_consumption` "
+        lines += ["", "Energy: goodput.json's kWh beside nvidia-smi's power readings integrated "
                   "over the same window (one attempt's training loop: first step to the end of "
                   "the attempt, final save and last validation included; not the process start "
                   "or model build); within 5%:", "",

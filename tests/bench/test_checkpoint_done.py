@@ -1,5 +1,5 @@
-"""benchmarks/checkpoint_done.py: the energy window against nvidia-smi's counters, the steady
-rate, per-node save bandwidth, the 8b choice and the report, on recorded numbers (the script's
+"""benchmarks/checkpoint_done.py: the energy window against nvidia-smi's integrated power, the
+steady rate, per-node save bandwidth, the 8b choice and the report, on recorded numbers (the script's
 runs themselves are checked by its --cpu-smoke)."""
 
 from __future__ import annotations
@@ -38,9 +38,14 @@ def test_energy_compares_the_loop_window_only(done) -> None:
     def counter(t: float) -> float:
         return 100 * t if t < 10 else 1000 + 1000 * (t - 10)
 
+    # nvidia-smi prints board power; SmiEnergy integrates its readings into running joules.
+    assert done.parse_smi("3, 100.00\n4, 7.5\n5, [N/A]\n") == {3: 100.0, 4: 7.5}
+    smi, last = done.SmiEnergy(), None
+    for t in range(0, 40):
+        last = smi.add(float(t), {3: 100.0 if t < 10 else 1000.0, 4: 0.0}, last)
+    # Trapezoids: the step from 100 W to 1000 W between t=9 and t=10 counts 550 J.
+    assert smi.samples[10][1][3] == pytest.approx(900 + 550)
     samples = [(float(t), {3: counter(t), 4: 7.0}) for t in range(0, 40)]
-    text = "\n".join(f"{g}, {j * 1000:.0f}" for g, j in samples[5][1].items()) + "\n3, [N/A]"
-    assert done.parse_smi(text) == pytest.approx(samples[5][1])
     # The attempt started at 0; its start-up parts before the loop sum to 10 s; ended at 30.
     attempt = {"start": 0.0, "end": 30.0, "energy_kwh": 20_000 / 3.6e6,
                "startup_parts": {"start": 4.0, "model_build": 5.0, "other": 1.0,
