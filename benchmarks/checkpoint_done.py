@@ -10,13 +10,14 @@ as soon as it is measured):
   time; the table says so), else one after the other. From each: the steady tokens/s (rank 0's
   step records' wall clock, steps WARMUP..last), goodput.json, the saves (``checkpoint`` events:
   bytes, write time, GB/s) and the interval's reason from the log.
-- energy, during every run: nvidia-smi's board power (``power.draw``) polled every 0.2 s by
-  this script and integrated, read at the start and end of the window goodput's energy covers, beside goodput.json's kWh (target: within 5%). That window is one attempt's
-  training loop: from the first reading of rank 0's meter, taken just before the first step (after
-  imports, process group, model build, checkpoint load, compile-cache load: the attempt's
-  ``start`` + its start-up parts up to ``other``), to its last reading when the attempt ends
-  (after the last step, the final save's wait and the last validation: the attempt's ``end``).
-  Compilation inside the first step is in it; the process start and model build are not.
+- energy, during every run: nvidia-smi's board power (``power.draw``) polled every 0.2 s by this
+  script and integrated, read at the start and end of the window goodput's energy covers, beside
+  goodput.json's kWh (target: within 5%). That window is one attempt's training loop: from the
+  first reading of rank 0's meter, taken just before the first step (after imports, process group,
+  model build, checkpoint load, compile-cache load: the attempt's ``start`` + its start-up parts
+  up to ``other``), to its last reading when the attempt ends (after the last step, the final
+  save's wait and the last validation: the attempt's ``end``). Compilation inside the first step
+  is in it; the process start and model build are not.
 - ``resume``: the default run resumed for 20 more steps (its checkpoint's pages dropped from the
   page cache first): restore GB/s (checkpoint bytes / ``checkpoint_load`` seconds: what the run
   waits for once the model is built; the checkpoint is read and its checksums checked from the

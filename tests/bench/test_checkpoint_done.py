@@ -1,6 +1,6 @@
 """benchmarks/checkpoint_done.py: the energy window against nvidia-smi's integrated power, the
-steady rate, per-node save bandwidth, the 8b choice and the report, on recorded numbers (the script's
-runs themselves are checked by its --cpu-smoke)."""
+steady rate, per-node save bandwidth, the 8b choice and the report, on recorded numbers (the
+script's runs themselves are checked by its --cpu-smoke)."""
 
 from __future__ import annotations
 
