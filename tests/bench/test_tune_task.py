@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 import rank_jobs
 from hpctrain.bench import model
 from hpctrain.bench.tune import measure
 from hpctrain.bench.tune.task_candidates import plan_task_tuning
 from hpctrain.cli import main
 from hpctrain.config import load_config
-from hpctrain.errors import HpctrainError
+from hpctrain.errors import ConfigError, HpctrainError
 from hpctrain.plan.auto import CPU, resolve_auto
 from hpctrain.task import load_run_config
 
@@ -106,3 +108,9 @@ def test_a_tasks_candidates_run_smallest_first_and_an_oom_skips_the_larger(
         "failed", "not run: micro-batch 8 of this setting ran out of memory")
     assert status[("ddp", 4)][0] == status[("fsdp", 32)][0] == "ok"
     assert plan.candidates[measure.winner(plan.candidates)].setting.micro_batch == 32
+    # What training refuses for any task is refused as training says it, not as "no setting".
+    with pytest.raises(ConfigError) as refused:
+        plan_task_tuning(MLP, [*ON_CPU, "parallel.activation_checkpointing=full"], 2,
+                         max_candidates=6)
+    assert refused.value.what == ("parallel.activation_checkpointing = full with a task of "
+                                  "your own")

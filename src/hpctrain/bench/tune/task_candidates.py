@@ -101,9 +101,11 @@ def plan_task_tuning(config: Path, overrides: list[str], gpus: int, *,
     cfg = resolved([])
     candidates, notes, considered = task_candidates(cfg, gpus, max_candidates, refusal)
     if not candidates:
+        # The config as given is refused, and with it what only varies its strategy and
+        # micro-batch: training's own refusal says why, in its words.
+        check_task_config(cfg, gpus)
         raise ConfigError(f"no setting of task {cfg.task} that training accepts on {gpus} "
-                          "rank(s)", lines=notes,
-                          hint="see `hpctrain train` on the config as given for the reason")
+                          "rank(s)", lines=notes)
     batch, _ = global_batch(cfg, gpus)
     return TunePlan(candidates, device, name, total, batch, False, notes, considered,
                     task=cfg.task)
