@@ -183,17 +183,18 @@ def print_results(plan: TunePlan, best: int | None) -> None:
     from rich.table import Table
 
     table = Table(title="tune results")
-    for col in ("#", "candidate", f"{rate_unit(plan)} per GPU", "MFU %", "peak GB", "predicted GB",
-                "measured/predicted", "status"):
+    predicted = () if plan.task else ("predicted GB", "measured/predicted")  # none for a task
+    for col in ("#", "candidate", f"{rate_unit(plan)} per GPU", "MFU %", "peak GB", *predicted,
+                "status"):
         table.add_column(col, justify="left" if col in ("candidate", "status") else "right")
     for i, c in enumerate(plan.candidates):
         m = c.measured or {}
         status = c.status + (f": {c.reason}" if c.reason and c.status == "failed" else "")
         table.add_row(str(i + 1) + (" *" if i == best else ""), c.label,
                       _num(m.get("tokens_per_s_per_gpu"), ",.0f"), _num(m.get("mfu_pct"), ".1f"),
-                      _num(m.get("peak_mem_gb"), ".2f"), _num(c.predicted_peak / 1e9 or None,
-                                                              ".2f"),
-                      _num(c.mem_ratio, ".2f"), status)
+                      _num(m.get("peak_mem_gb"), ".2f"),
+                      *([] if plan.task else [f"{c.predicted_peak / 1e9:.2f}",
+                                              _num(c.mem_ratio, ".2f")]), status)
     Console(width=200).print(table)
     if plan.device == "cpu" and not plan.task:
         print("note: on the CPU the measured peak is the process's RSS; the model predicts GPU "
