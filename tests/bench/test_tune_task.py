@@ -52,7 +52,7 @@ def test_a_task_file_is_tuned_and_auto_takes_its_winner(tmp_path: Path, monkeypa
                       "FSDP ZeRO-2 dp2, mb 8 x 1, no AC, fp32"]
     assert [c["status"] for c in doc["candidates"]] == ["ok", "ok"]
     assert all(c["measured"]["tokens_per_sample"] == 1 and c["measured"]["tokens_per_s_per_gpu"]
-               > 0 for c in doc["candidates"])
+               == c["measured"]["samples_per_s_per_gpu"] > 0 for c in doc["candidates"])
     assert doc["meta"]["global_batch"] == 16 and doc["winner"] in (0, 1)
     best = doc["candidates"][doc["winner"]]
     assert "samples/s per GPU" in text and f"winner: [{doc['winner'] + 1}]" in text

@@ -66,9 +66,10 @@ as ever). Its model has no memory or step-time model, so nothing is predicted: a
 as given, the candidates run in order of memory appetite (the smaller micro-batch first, and at
 one micro-batch ZeRO-3, ZeRO-2, then DDP), and one that runs out of memory records the larger
 micro-batches of its setting as failed without running them. They are ranked by measured
-samples/s per GPU (tokens/s where the task gives ``tokens_per_sample``), and the same files are
-written. Training takes the winner with ``$(cat best.overrides)``, or ``best.yaml``; a config
-that leaves ``parallel.strategy`` / ``reshard_after_forward`` to ``auto`` takes it from
+samples/s per GPU (``samples_per_s_per_gpu`` beside tokens/s in results.json; the two differ
+where the task gives ``tokens_per_sample``), and the same files are written.
+Training takes the winner with ``$(cat best.overrides)``, or ``best.yaml``; a config that
+leaves ``parallel.strategy`` / ``reshard_after_forward`` to ``auto`` takes it from
 ``parallel.tune_results=OUT`` (its ``train.micro_batch`` is a number: ``auto`` is refused for a
 task).
 

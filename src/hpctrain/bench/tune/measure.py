@@ -73,6 +73,9 @@ def measure(plan: TunePlan, config: Path | None, overrides: list[str], gpus: int
         c.measured = {key: row.get(key) for key in (
             "tokens_per_s_per_gpu", "tokens_per_sample", "mfu_pct", "hfu_pct", "peak_mem_gb",
             "step_time_s", "final_loss", "measured_steps", "wall_s")}
+        if plan.task:  # a task's trainer counts tokens_per_sample tokens per sample
+            c.measured["samples_per_s_per_gpu"] = (row["tokens_per_s_per_gpu"]
+                                                   / (row.get("tokens_per_sample") or 1))
         mfu = "unknown" if row["mfu_pct"] is None else f"{row['mfu_pct']:.1f}%"
         unit = "tokens/s" if not plan.task or (row.get("tokens_per_sample") or 1) > 1 \
             else "samples/s"
