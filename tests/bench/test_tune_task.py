@@ -114,3 +114,42 @@ def test_a_tasks_candidates_run_smallest_first_and_an_oom_skips_the_larger(
                          max_candidates=6)
     assert refused.value.what == ("parallel.activation_checkpointing = full with a task of "
                                   "your own")
+
+
+def test_on_a_gpu_a_tasks_candidates_are_sized_by_a_measured_step(monkeypatch) -> None:
+    """On a GPU each strategy's step is measured once (a `plan memory --json` child), its peak
+    extrapolated to every micro-batch; what would not fit (peak + 10%) is left out and said
+    so, and a strategy whose measurement failed stays in, unsized, with the reason."""
+    from hpctrain.bench.tune import task_candidates
+
+    def memory(states: float, gathered: float) -> dict:
+        """`plan memory --json` of a task's measured step (hpctrain.plan.task_memory)."""
+        return {"n_params": 1, "params": states / 4, "grads": states / 4,
+                "optimizer": states / 2, "gathered": gathered, "working": 2e9,
+                "activations": 8 * 2e9, "per_sample": 2e9, "update_working": 1e9,
+                "measured_on": "NVIDIA H100 80GB HBM3", "gpu_bytes": None, "peak": 0, "gpus": 2}
+
+    asked = []
+
+    def child(config, overrides, gpus):
+        values = dict(o.split("=", 1) for o in overrides)
+        asked.append((values["parallel.strategy"], values.get("parallel.reshard_after_forward")))
+        return {("ddp", None): memory(16e9, 0.0), ("fsdp", "true"): memory(8e9, 1e9)}.get(
+            asked[-1], "plan memory exited with 1: torch.OutOfMemoryError: CUDA out of memory.")
+
+    monkeypatch.setattr(task_candidates, "tuning_device",
+                        lambda cfg, gpus, **kw: ("cuda", "NVIDIA H100 80GB HBM3", 80e9, (9, 0)))
+    monkeypatch.setattr(task_candidates, "measured_memory", child)
+    plan = plan_task_tuning(MLP, [*ON_CPU, "train.grad_accum=4"], 2, max_candidates=100)
+    assert sorted(asked) == [("ddp", None), ("fsdp", "false"), ("fsdp", "true")]
+    peaks = {(c.setting.strategy, c.setting.zero, c.setting.micro_batch): c.predicted_peak
+             for c in plan.candidates}
+    # DDP: 16 GB of states + 2 GB working + 2 GB a sample; ZeRO-3: 8 + 1 gathered + 2 + 2 each.
+    assert peaks[("ddp", 3, 8)] == 34e9 and peaks[("fsdp", 3, 16)] == 43e9
+    assert ("ddp", 3, 32) not in peaks and ("fsdp", 3, 32) not in peaks  # 82 and 75 GB
+    assert peaks[("fsdp", 2, 32)] == 0.0 and len(plan.candidates) == 10  # unsized, kept
+    assert any(n.startswith("left out, their measured peak + 10% exceeding 80.0 GB per GPU: "
+                            "DDP dp2, mb 32 x 1") for n in plan.notes), plan.notes
+    assert ("FSDP ZeRO-2 dp2, mb 8 x 4, no AC, fp32 and its other micro-batches not sized: "
+            "plan memory exited with 1: torch.OutOfMemoryError: CUDA out of memory."
+            in plan.notes)

@@ -161,15 +161,16 @@ def print_shortlist(plan: TunePlan, gpus: int) -> None:
     table = Table(title=f"{len(plan.candidates)} of {plan.considered} settings {fit} "
                   f"{gpus} {unit}(s) of {plan.gpu_bytes / 1e9:.0f} GB ({plan.device_name}), "
                   f"global batch {plan.global_batch}")
-    # A task's candidates have no predictions (task_candidates): their running order only.
-    cols = ("#", "candidate") if plan.task else (
-        "#", "candidate", "predicted tokens/s per GPU", "predicted peak GB")
-    for col in cols:
+    # A task's candidates have no predicted speed, and a peak only where a step was measured
+    # (task_candidates: on a GPU).
+    speed, sized = not plan.task, _sized(plan)
+    for col in ("#", "candidate", *(["predicted tokens/s per GPU"] if speed else []),
+                *(["predicted peak GB"] if sized else [])):
         table.add_column(col, justify="left" if col == "candidate" else "right")
     for i, c in enumerate(plan.candidates, 1):
-        predicted = [] if plan.task else [
-            f"{c.predicted_tokens_per_s:,.0f}" if on_gpu else "-", f"{c.predicted_peak / 1e9:.2f}"]
-        table.add_row(str(i), c.label, *predicted)
+        table.add_row(str(i), c.label,
+                      *([f"{c.predicted_tokens_per_s:,.0f}" if on_gpu else "-"] if speed else []),
+                      *([_num(c.predicted_peak / 1e9 or None, ".2f")] if sized else []))
     Console(width=160).print(table)
     if not on_gpu and not plan.task:
         print("note: on the CPU the step-time model (made for GPUs) only orders the candidates")
@@ -183,7 +184,8 @@ def print_results(plan: TunePlan, best: int | None) -> None:
     from rich.table import Table
 
     table = Table(title="tune results")
-    predicted = () if plan.task else ("predicted GB", "measured/predicted")  # none for a task
+    sized = _sized(plan)
+    predicted = ("predicted GB", "measured/predicted") if sized else ()
     for col in ("#", "candidate", f"{rate_unit(plan)} per GPU", "MFU %", "peak GB", *predicted,
                 "status"):
         table.add_column(col, justify="left" if col in ("candidate", "status") else "right")
@@ -193,12 +195,18 @@ def print_results(plan: TunePlan, best: int | None) -> None:
         table.add_row(str(i + 1) + (" *" if i == best else ""), c.label,
                       _num(m.get("tokens_per_s_per_gpu"), ",.0f"), _num(m.get("mfu_pct"), ".1f"),
                       _num(m.get("peak_mem_gb"), ".2f"),
-                      *([] if plan.task else [f"{c.predicted_peak / 1e9:.2f}",
-                                              _num(c.mem_ratio, ".2f")]), status)
+                      *([_num(c.predicted_peak / 1e9 or None, ".2f"),
+                         _num(c.mem_ratio, ".2f")] if sized else []), status)
     Console(width=200).print(table)
     if plan.device == "cpu" and not plan.task:
         print("note: on the CPU the measured peak is the process's RSS; the model predicts GPU "
               "memory, so the ratio says little here")
+
+
+def _sized(plan: TunePlan) -> bool:
+    """Whether the candidates have a predicted peak: a family's always, a task's where its
+    step was measured (on a GPU: task_candidates)."""
+    return not plan.task or any(c.predicted_peak for c in plan.candidates)
 
 
 def _names_task(config: Path, overrides: list[str], gpus: int) -> bool:
