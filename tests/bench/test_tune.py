@@ -472,15 +472,3 @@ def test_a_named_gpu_is_refused_where_it_cannot_apply(argv: list[str], message: 
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "HINT" in err and "Traceback" not in err
-
-
-def test_a_task_file_is_refused_saying_why(tmp_path: Path, capsys) -> None:
-    """``tune my_task.py`` (was: 'is not valid YAML'): read as train reads it, then refused
-    because the short list needs a built-in family's models, pointing to bench model."""
-    task = tmp_path / "own_task.py"
-    task.write_text("def task():\n    raise AssertionError('tune must not build the task')\n")
-    with pytest.raises(SystemExit) as exc:
-        main(["tune", str(task), "--gpus", "1", "--dry-run", "--out", str(tmp_path)])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and f"tune: task {task} is a model of your own" in err
-    assert "bench model --config TASK" in err and "Traceback" not in err

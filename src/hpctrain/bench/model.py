@@ -110,7 +110,7 @@ def refuse_gpu_size_on_cpu(config: Path | None, overrides: list[str]) -> None:
     from hpctrain.models import count_params
     from hpctrain.runtime.config import refuse_large_model_on_cpu
 
-    cfg = _load(config, overrides, 1)
+    cfg = run_config(config, overrides, 1)
     if cfg.task:
         return
     model = cfg.model
@@ -187,6 +187,7 @@ class ModelResult:
     # The trainer's own (a model replica's tokens shared by its tp x pp GPUs; a task's samples
     # times its tokens_per_sample), from rank 0's layout record; None where it has none.
     tokens_per_step_per_gpu: float | None = None
+    tokens_per_sample: int | None = None  # a task's (1: its tokens/s are samples/s); None: built-in
     gpu_watts: float | None = None  # mean over the measured span, summed over the run's GPUs
     joules_per_token: float | None = None
     # Per rank, the median wait of the host for its device at a window's end (None where the
@@ -216,6 +217,7 @@ def summarise(run_dir: Path, ranks: int, *, hfu_mult: float = 1.0,
             if all(isinstance(r.get("mfu"), int | float) for r in k)]
     mfu = statistics.mean(mfus) if len(mfus) == ranks else None
     flat = [r for k in kept for r in k]
+    layout = next((r for r in lines[0] if r.get("event") == "layout"), {})
     step_t = statistics.median(r["step_time_s"] for r in flat)
     data_t = statistics.median(r["data_time_s"] for r in flat)
     waits = [statistics.median(r["host_wait_s"] for r in k)
@@ -232,8 +234,8 @@ def summarise(run_dir: Path, ranks: int, *, hfu_mult: float = 1.0,
         measured_steps=(warm_end[0]["step"], kept[0][-1]["step"]),
         # Ranks log the same window within a collective's latency; take the widest span.
         measured_span_s=(min(w["ts"] for w in warm_end), max(k[-1]["ts"] for k in kept)),
-        tokens_per_step_per_gpu=next((r["tokens_per_step_per_gpu"] for r in lines[0]
-                                      if r.get("event") == "layout"), None),
+        tokens_per_step_per_gpu=layout.get("tokens_per_step_per_gpu"),
+        tokens_per_sample=layout.get("tokens_per_sample"),
         host_wait_s=waits,
         slow_windows=slow_windows(
             windows, [r for rank in lines for r in rank if not _is_window(r)],
@@ -309,7 +311,7 @@ def run_model_bench(config: Path | None, overrides: list[str], *, nproc: int, ou
              f"run.out_dir={out}", "run.name=train", "run.suffix=none",
              "checkpoint.interval=none", "checkpoint.save_at_end=false",
              "checkpoint.resume=never", "metrics.progress=false"]
-    cfg = _load(config, [*overrides, *fixed], nproc)
+    cfg = run_config(config, [*overrides, *fixed], nproc)
     if cfg.task:
         _refuse_model_shape(cfg.task, overrides)
     # The values its `auto` keys take on these ranks, as training's, for the GPU read without
@@ -338,7 +340,7 @@ def run_model_bench(config: Path | None, overrides: list[str], *, nproc: int, ou
     return row, cfg
 
 
-def _load(config: Path | None, overrides: list[str], nproc: int):
+def run_config(config: Path | None, overrides: list[str], nproc: int):
     """The config ``hpctrain train CONFIG --nproc nproc`` would train: a YAML file, or a task
     file (hpctrain.task.load_run_config) named by its absolute path, so that the config
     written beside the results trains it from anywhere."""
@@ -382,6 +384,7 @@ def result_row(result: ModelResult, cfg) -> dict[str, Any]:
         "micro_batch": cfg.train.micro_batch, "seq_len": None if cfg.task else cfg.data.seq_len,
         "compile": pc.compile, "ac": ac,
         "tokens_per_s_per_gpu": result.tokens_per_s_per_gpu,
+        "tokens_per_sample": result.tokens_per_sample,
         "mfu_pct": _pct(result.mfu), "hfu_pct": _pct(result.hfu),
         "peak_mem_gb": result.peak_mem_gb, "step_time_s": result.step_time_s,
         "data_time_pct": 100 * result.data_time_frac,

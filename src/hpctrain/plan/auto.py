@@ -24,7 +24,8 @@ How the values are chosen, in order:
    recomputation first (none, selective, full), then the fastest by the step-time model of
    `hpctrain plan parallel` (which tune ranks its short list with), then the larger micro-batch,
    ZeRO-2 before ZeRO-3.
-3. A model the memory model does not know (a user's task, a family without one): DDP (or none)
+3. A model the memory model does not know (a user's task, a family without one): tune's
+   measurements as in 1. (``hpctrain tune my_task.py``) where they apply, else DDP (or none)
    without checkpointing, said in the log; ``micro_batch: auto`` is refused there.
 
 Where nothing fits a GPU, the run is refused before anything is allocated (with the hint of
@@ -155,7 +156,13 @@ def resolve_auto(cfg, world_size: int, gpu: Gpu | None = None, *, must_fit: bool
         pick = Pick(pc.strategy, 3, pc.activation_checkpointing, tc.micro_batch,
                     accumulated(cfg, replica))
     elif cfg.task or not family_of_args(cfg.model.resolve()).plan_memory:
-        pick = fallback(cfg, dp, replica, reasons)
+        # No memory model: tune's measurements where they apply (a task tuned by `hpctrain
+        # tune my_task.py`), else the fallback.
+        tuned = None
+        if cfg.parallel.tune_results is not None and cfg.train.micro_batch != AUTO:
+            tuned = from_tune(cfg, world_size, gpu or this_gpu(cfg), replica, dp, reasons,
+                              must_fit, model=False)
+        pick = tuned or fallback(cfg, dp, replica, reasons)
     else:
         gpu = gpu or this_gpu(cfg)
         # The CPU's memory is the host's, which the stand-in's 16 GB only guesses: never refuse.

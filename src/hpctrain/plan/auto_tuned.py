@@ -17,9 +17,11 @@ from hpctrain.plan.gpu import Gpu
 
 
 def from_tune(cfg, world_size: int, gpu: Gpu, replica: int, dp: int,
-              reasons: list[str], must_fit: bool = True) -> Pick | None:
+              reasons: list[str], must_fit: bool = True, *, model: bool = True) -> Pick | None:
     """The fastest measured setting of tune's results that this run may take
-    (hpctrain.plan.auto, 1.); None (said in ``reasons``) where there are none."""
+    (hpctrain.plan.auto, 1.); None (said in ``reasons``) where there are none. Where none
+    of the measured settings applies, the memory model chooses (``model``; else None: a task's
+    model has none)."""
     path = cfg.parallel.tune_results
     if path is None:
         return None
@@ -38,7 +40,9 @@ def from_tune(cfg, world_size: int, gpu: Gpu, replica: int, dp: int,
             allowed.append((c["measured"]["tokens_per_s_per_gpu"], -len(allowed), pick))
     if not allowed:
         reasons.append(f"tune results {path}: no measured setting fits the config's fixed "
-                       "values; the memory model chooses")
+                       "values" + ("; the memory model chooses" if model else ""))
+        if not model:
+            return None
         return from_model(cfg, world_size, gpu, replica, dp, reasons, frozenset(failed),
                            must_fit=must_fit)
     tps, _, pick = max(allowed)
@@ -67,7 +71,9 @@ def _tune_doc(cfg, path: Path, world_size: int, gpu: Gpu, samples: int
     checks = [("GPU", meta.get("device_name"), gpu.name),
               ("GPU count", meta.get("gpus"), world_size),
               ("global batch (samples)", meta.get("global_batch"), samples),
-              ("model", best.get("model"), model)]
+              ("model", best.get("model"), model),
+              ("task", _task_file(best.get("task")), _task_file(cfg.task)),
+              ("task_args", best.get("task_args"), cfg.task_args)]
     # The values tune keeps as its config gives them (it varies the others per candidate):
     # measured with others, its speeds are another program's.
     fsdp = (best.get("parallel") or {}).get("strategy") == "fsdp"
@@ -113,6 +119,15 @@ def _fits_config(cfg, s: dict, pick: Pick, replica: int) -> bool:
             and pick.zero != zeros(cfg, "fsdp")[0]):
         return False
     return accepted(cfg, pick)  # the parallel section's own rules, as for the model's picks
+
+
+def _task_file(spec: str | None) -> str | None:
+    """A task spec with its file made absolute (``my_task.py:fn`` as tune's best.yaml names
+    it, from wherever the run starts); a module's spec as it is."""
+    if not spec:
+        return spec
+    where, colon, name = spec.rpartition(":") if ":" in spec else (spec, "", "")
+    return str(Path(where).resolve()) + colon + name if where.endswith(".py") else spec
 
 
 def _short(value: Any) -> str:

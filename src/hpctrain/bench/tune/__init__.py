@@ -58,15 +58,30 @@ Files in ``--out`` (default ``runs/tune/<config stem>``), written atomically:
 - ``best.yaml``: the resolved config with the winner applied (``hpctrain train best.yaml``);
 - ``cNN/``: candidate NN's ``bench model`` folder (``config.yaml`` and the run in ``train/``).
 
-A task file (``my_task.py``, a model of the user's own: hpctrain.task) is refused, saying why:
-the short list is sized and ranked by a built-in family's memory and step-time models. Its
-settings are measured one at a time with ``hpctrain bench model --config my_task.py``.
+A task of your own (``my_task.py``, or a config with ``task:``; hpctrain.task) is read as
+``hpctrain train`` reads it (DDP on several ranks) and tuned over what training accepts for a
+task: one replica on one GPU; DDP, FSDP ZeRO-2 and ZeRO-3 on several; each at the micro-batches
+its own value, x2, x4 and /2 that divide each rank's share of the global batch (the config's,
+as ever). Its model has no memory or step-time model: on this node's GPU each strategy's step
+is measured as ``hpctrain plan memory TASK`` measures it (in a child process), and settings
+whose extrapolated peak plus 10% would not fit are left out; no speed is predicted. After the
+config as given, the candidates run in order of memory appetite (the smaller micro-batch
+first, and at one micro-batch ZeRO-3, ZeRO-2, then DDP), and one that runs out of memory
+records the larger micro-batches of its setting as failed without running them. They are
+ranked by measured samples/s per GPU (``samples_per_s_per_gpu`` beside tokens/s in
+results.json; the two differ where the task gives ``tokens_per_sample``), and the same files are
+written.
+Training takes the winner with ``$(cat best.overrides)``, or ``best.yaml``; a config that
+leaves ``parallel.strategy`` / ``reshard_after_forward`` to ``auto`` takes it from
+``parallel.tune_results=OUT`` (its ``train.micro_batch`` is a number: ``auto`` is refused for a
+task).
 
 Exit codes: 0 with a winner (also after ``--dry-run``), 1 when every candidate failed (their
 reasons are printed), 2 for bad input (unknown config, ``--gpus`` < 1 or more than visible on a
 GPU machine, no candidate that fits), 130 after Ctrl-C.
 
 Modules, each importing only those before it: ``space`` (a setting, the search space, what the
-models predict of a setting), ``candidates`` (the short list), ``measure`` (running it, resume,
-the files above), ``cli`` (the parser, the command, its tables).
+models predict of a setting), ``candidates`` (the short list), ``measure`` (running it, resume, the
+files above), ``task_candidates`` (a task's short list), ``cli`` (the parser, the command, its
+tables).
 """

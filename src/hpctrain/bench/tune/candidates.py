@@ -40,7 +40,9 @@ class Candidate:
 
     setting: Setting
     dp: int
-    source: str  # "config" (the config as given) or "model" (chosen by the memory model)
+    # "config" (the config as given), "model" (chosen by the memory model) or "task" (a task's
+    # setting, listed without a model: hpctrain.bench.tune.task_candidates)
+    source: str
     predicted_peak: float  # bytes per GPU
     predicted_tokens_per_s: float  # per GPU, the planner's step-time model
     overrides: list[str] = field(default_factory=list)
@@ -85,6 +87,7 @@ class TunePlan:
     fp8: bool
     notes: list[str]
     considered: int  # settings that fit, before the short list
+    task: str | None = None  # a task of the user's own: nothing predicted (task_candidates)
 
 
 def fp8_allowed(config: Path, overrides: list[str], device: str, *,
@@ -262,26 +265,45 @@ def plan_tuning(config: Path | None, overrides: list[str], gpus: int, *,
     GPUs of type ``gpu`` (``h100``, ``h200``...: memory and peak from the tables, for a short
     list made where no such GPU is, e.g. a login node). This machine's GPU is read without
     initialising CUDA in this process, which runs the candidates (hpctrain.plan.gpu)."""
-    import torch
-
     from hpctrain.config import load_config
     from hpctrain.observe.peaks import peak_tflops
-    from hpctrain.plan.gpu import node_gpu
     from hpctrain.plan.parallel import DEFAULT_PEAK_TFLOPS
-    from hpctrain.task import load_run_config
+
+    cfg = load_config(config, overrides)
+    device, name, total, capability = tuning_device(cfg, gpus, gpu=gpu, gpu_mem_gb=gpu_mem_gb)
+    fp8, why = (fp8_allowed(config, overrides, device, capability=capability, named_gpu=gpu)
+                if allow_fp8 else (False, "fp8 not tried: --no-fp8"))
+    peak = peak_tflops(name, "fp32" if cfg.train.precision == "fp32" else "bf16")
+    batch, _ = global_batch(_resolved(config, overrides, gpus, Gpu(
+        name, total, peak or DEFAULT_PEAK_TFLOPS, cpu=device != "cuda")), gpus)
+    candidates, notes, considered = build_candidates(
+        config, overrides, gpus, device=device, gpu_bytes=total,
+        peak_tflops=peak or DEFAULT_PEAK_TFLOPS, fp8=fp8, max_candidates=max_candidates)
+    if why:
+        notes.append(why)
+    if not candidates:
+        raise ConfigError(
+            f"no configuration of this model fits {gpus} x {total / 1e9:.0f} GB at the "
+            f"config's global batch of {batch} samples",
+            expected="a layout whose predicted peak plus 10% fits the memory",
+            hint="see `hpctrain plan memory`; shorten data.seq_len, lower the global batch, "
+            "or use more GPUs" + (" (--gpu-mem-gb sets the size assumed)"
+                                  if device == "cpu" else ""))
+    return TunePlan(candidates, device, name, total, batch, fp8, notes, considered)
+
+
+def tuning_device(cfg, gpus: int, *, gpu: str | None = None, gpu_mem_gb: float | None = None
+                  ) -> tuple[str, str, float, tuple[int, int] | None]:
+    """(device, its name, memory per GPU or rank, CUDA capability) that ``cfg`` is tuned for
+    on ``gpus`` GPUs of this machine, or of type ``gpu``; read without initialising CUDA here
+    (hpctrain.plan.gpu)."""
+    import torch
+
+    from hpctrain.observe.peaks import peak_tflops
+    from hpctrain.plan.gpu import node_gpu
 
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus}", expected="at least 1")
-    cfg = load_run_config(config, overrides, gpus) if config else load_config(None, overrides)
-    if cfg.task:
-        raise ConfigError(
-            f"tune: task {cfg.task} is a model of your own (hpctrain.task)",
-            expected="a config of a built-in model family: tune sizes and ranks its short list "
-            "(layouts, FSDP, activation checkpointing, micro-batch, fp8) with the family's "
-            "memory and step-time models, which a task's model has not",
-            hint="measure a task's settings one by one with `hpctrain bench model --config "
-            "TASK --nproc N --strategy ddp|fsdp --micro-batch M` (real runs), sized first "
-            "with `hpctrain plan memory TASK --gpus N`")
     device = cfg.run.device
     capability = None  # CUDA's, of this machine's GPU (fp8 tensor cores)
     if device == "auto":
@@ -313,7 +335,7 @@ def plan_tuning(config: Path | None, overrides: list[str], gpus: int, *,
         here = node_gpu(cfg)  # NVML, or a child process: no CUDA context in this one
         name, total, capability = here.name, here.bytes, here.capability
     else:
-        if cfg.run.device == "auto":
+        if cfg.run.device == "auto" and not cfg.task:  # a task's model is sized by its run
             from hpctrain.models import count_params
             from hpctrain.runtime.config import refuse_large_model_on_cpu
 
@@ -325,22 +347,4 @@ def plan_tuning(config: Path | None, overrides: list[str], gpus: int, *,
         if gpu_mem_gb <= 0:
             raise ConfigError(f"--gpu-mem-gb {gpu_mem_gb}", expected="a positive size in GB")
         total = gpu_mem_gb * 1e9
-    fp8, why = (fp8_allowed(config, overrides, device, capability=capability, named_gpu=gpu)
-                if allow_fp8 else (False, "fp8 not tried: --no-fp8"))
-    peak = peak_tflops(name, "fp32" if cfg.train.precision == "fp32" else "bf16")
-    batch, _ = global_batch(_resolved(config, overrides, gpus, Gpu(
-        name, total, peak or DEFAULT_PEAK_TFLOPS, cpu=device != "cuda")), gpus)
-    candidates, notes, considered = build_candidates(
-        config, overrides, gpus, device=device, gpu_bytes=total,
-        peak_tflops=peak or DEFAULT_PEAK_TFLOPS, fp8=fp8, max_candidates=max_candidates)
-    if why:
-        notes.append(why)
-    if not candidates:
-        raise ConfigError(
-            f"no configuration of this model fits {gpus} x {total / 1e9:.0f} GB at the "
-            f"config's global batch of {batch} samples",
-            expected="a layout whose predicted peak plus 10% fits the memory",
-            hint="see `hpctrain plan memory`; shorten data.seq_len, lower the global batch, "
-            "or use more GPUs" + (" (--gpu-mem-gb sets the size assumed)"
-                                  if device == "cpu" else ""))
-    return TunePlan(candidates, device, name, total, batch, fp8, notes, considered)
+    return device, name, total, capability

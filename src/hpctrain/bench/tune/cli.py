@@ -12,7 +12,14 @@ import time
 from pathlib import Path
 
 from hpctrain.bench.tune.candidates import MAX_CANDIDATES, TunePlan, plan_tuning
-from hpctrain.bench.tune.measure import measure, resume_from, winner, write_results
+from hpctrain.bench.tune.measure import (
+    measure,
+    rate_unit,
+    resume_from,
+    winner,
+    write_results,
+)
+from hpctrain.bench.tune.task_candidates import plan_task_tuning
 from hpctrain.errors import ConfigError, HpctrainError
 from hpctrain.numeric_args import count, real
 from hpctrain.plan.auto import CPU
@@ -31,14 +38,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Measure the configurations of CONFIG that the memory model "
                        "lets fit --gpus GPUs of this node (layout, DDP or FSDP ZeRO-2/3, "
                        "activation checkpointing, micro-batch, fp8), keep the fastest in "
-                       "best.yaml and best.overrides. The global batch stays the config's. "
+                       "best.yaml and best.overrides. For a task of your own (my_task.py): "
+                       "DDP or FSDP ZeRO-2/3 at micro-batches around its own, smallest first. "
+                       "The global batch stays the config's. "
                        "--dry-run prints the short list and runs nothing.")
     p.add_argument("config", type=Path, help="YAML config of a built-in model family, e.g. "
-                   "configs/llama-8b-fsdp.yaml (a task file is refused, saying why)")
+                   "configs/llama-8b-fsdp.yaml, or a task file (my_task.py, as train takes it)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config overrides applied before tuning (kept in best.overrides)")
     p.add_argument("--gpus", type=count(1, 4096), required=True,
                    help="GPUs of this node to tune for (CPU ranks without a GPU)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default=None,
+                   help="run.device for every candidate (kept in best.overrides)")
     p.add_argument("--gpu-mem-gb", type=real(0, 1e6, open_min=True), default=None,
                    help="memory per GPU the model sizes against (default: the GPU's; "
                    f"{CPU.bytes / 1e9:g} per rank on a CPU)")
@@ -72,10 +83,17 @@ def run(args: argparse.Namespace) -> None:
         raise ConfigError(f"--gpu {args.gpu} without --dry-run",
                           expected="--gpu only with --dry-run (measuring needs the GPUs "
                           "themselves)", hint="add --dry-run, or run on a node with the GPUs")
+    if args.device is not None:
+        args.overrides = [*args.overrides, f"run.device={args.device}"]
     try:
-        plan = plan_tuning(args.config, args.overrides, args.gpus, gpu_mem_gb=args.gpu_mem_gb,
-                           max_candidates=args.max_candidates, allow_fp8=not args.no_fp8,
-                           gpu=args.gpu)
+        if _names_task(args.config, args.overrides, args.gpus):
+            plan = plan_task_tuning(args.config, args.overrides, args.gpus,
+                                    gpu_mem_gb=args.gpu_mem_gb,
+                                    max_candidates=args.max_candidates, gpu=args.gpu)
+        else:
+            plan = plan_tuning(args.config, args.overrides, args.gpus,
+                               gpu_mem_gb=args.gpu_mem_gb, max_candidates=args.max_candidates,
+                               allow_fp8=not args.no_fp8, gpu=args.gpu)
     except TooLargeForCPU as e:
         if not args.dry_run:
             raise
@@ -87,7 +105,8 @@ def run(args: argparse.Namespace) -> None:
                           "it for CPU ranks instead") from None
     on_gpu = plan.device == "cuda"
     steps = args.steps or (30 if on_gpu else 8)
-    log_every = args.log_every or (5 if on_gpu else 2)
+    # A short --steps keeps two windows (the first is warm-up) unless --log-every says otherwise.
+    log_every = args.log_every or max(1, min(5 if on_gpu else 2, steps // 2))
     if log_every < 1 or steps < 2 * log_every:
         raise ConfigError(f"--steps {steps} with --log-every {log_every}",
                           expected="steps >= 2 x log_every >= 2 (the first window is warm-up)",
@@ -138,16 +157,22 @@ def print_shortlist(plan: TunePlan, gpus: int) -> None:
 
     on_gpu = plan.device == "cuda"
     unit = "GPU" if on_gpu else "rank"
-    table = Table(title=f"{len(plan.candidates)} of {plan.considered} settings that fit "
+    fit = "that training accepts on" if plan.task else "that fit"
+    table = Table(title=f"{len(plan.candidates)} of {plan.considered} settings {fit} "
                   f"{gpus} {unit}(s) of {plan.gpu_bytes / 1e9:.0f} GB ({plan.device_name}), "
                   f"global batch {plan.global_batch}")
-    for col in ("#", "candidate", "predicted tokens/s per GPU", "predicted peak GB"):
+    # A task's candidates have no predicted speed, and a peak only where a step was measured
+    # (task_candidates: on a GPU).
+    speed, sized = not plan.task, _sized(plan)
+    for col in ("#", "candidate", *(["predicted tokens/s per GPU"] if speed else []),
+                *(["predicted peak GB"] if sized else [])):
         table.add_column(col, justify="left" if col == "candidate" else "right")
     for i, c in enumerate(plan.candidates, 1):
-        table.add_row(str(i), c.label, f"{c.predicted_tokens_per_s:,.0f}" if on_gpu else "-",
-                      f"{c.predicted_peak / 1e9:.2f}")
+        table.add_row(str(i), c.label,
+                      *([f"{c.predicted_tokens_per_s:,.0f}" if on_gpu else "-"] if speed else []),
+                      *([_num(c.predicted_peak / 1e9 or None, ".2f")] if sized else []))
     Console(width=160).print(table)
-    if not on_gpu:
+    if not on_gpu and not plan.task:
         print("note: on the CPU the step-time model (made for GPUs) only orders the candidates")
     for note in plan.notes:
         print(f"note: {note}")
@@ -159,20 +184,36 @@ def print_results(plan: TunePlan, best: int | None) -> None:
     from rich.table import Table
 
     table = Table(title="tune results")
-    for col in ("#", "candidate", "tokens/s per GPU", "MFU %", "peak GB", "predicted GB",
-                "measured/predicted", "status"):
+    sized = _sized(plan)
+    predicted = ("predicted GB", "measured/predicted") if sized else ()
+    for col in ("#", "candidate", f"{rate_unit(plan)} per GPU", "MFU %", "peak GB", *predicted,
+                "status"):
         table.add_column(col, justify="left" if col in ("candidate", "status") else "right")
     for i, c in enumerate(plan.candidates):
         m = c.measured or {}
         status = c.status + (f": {c.reason}" if c.reason and c.status == "failed" else "")
         table.add_row(str(i + 1) + (" *" if i == best else ""), c.label,
                       _num(m.get("tokens_per_s_per_gpu"), ",.0f"), _num(m.get("mfu_pct"), ".1f"),
-                      _num(m.get("peak_mem_gb"), ".2f"), f"{c.predicted_peak / 1e9:.2f}",
-                      _num(c.mem_ratio, ".2f"), status)
+                      _num(m.get("peak_mem_gb"), ".2f"),
+                      *([_num(c.predicted_peak / 1e9 or None, ".2f"),
+                         _num(c.mem_ratio, ".2f")] if sized else []), status)
     Console(width=200).print(table)
-    if plan.device == "cpu":
+    if plan.device == "cpu" and not plan.task:
         print("note: on the CPU the measured peak is the process's RSS; the model predicts GPU "
               "memory, so the ratio says little here")
+
+
+def _sized(plan: TunePlan) -> bool:
+    """Whether the candidates have a predicted peak: a family's always, a task's where its
+    step was measured (on a GPU: task_candidates)."""
+    return not plan.task or any(c.predicted_peak for c in plan.candidates)
+
+
+def _names_task(config: Path, overrides: list[str], gpus: int) -> bool:
+    """Whether ``config`` (a task file, or a YAML with ``task:``) trains a task of one's own."""
+    from hpctrain.bench.model import run_config
+
+    return bool(run_config(config, overrides, gpus).task)
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -182,7 +223,7 @@ def _num(value: float | None, fmt: str) -> str:
 def _announce(plan: TunePlan, best: int, config: Path, out: Path, gpus: int) -> None:
     c = plan.candidates[best]
     tok = c.measured["tokens_per_s_per_gpu"]
-    line = f"winner: [{best + 1}] {c.label}: {tok:,.0f} tokens/s per GPU"
+    line = f"winner: [{best + 1}] {c.label}: {tok:,.0f} {rate_unit(plan)} per GPU"
     base = next((b for b in plan.candidates if b.source == "config" and b.status == "ok"), None)
     if base is not None and base is not c:
         gain = tok / base.measured["tokens_per_s_per_gpu"] - 1

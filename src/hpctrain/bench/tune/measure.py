@@ -31,6 +31,15 @@ def failure_reason(err: BaseException) -> str:
     return line if len(line) <= 200 else line[:197] + "..."
 
 
+def rate_unit(plan: TunePlan) -> str:
+    """What the candidates are ranked by: samples/s for a task whose samples are not tokens
+    (its tokens/s are its samples/s, hpctrain.task), else tokens/s."""
+    if plan.task and all((c.measured or {}).get("tokens_per_sample") in (None, 1)
+                         for c in plan.candidates):
+        return "samples/s"
+    return "tokens/s"
+
+
 def measure(plan: TunePlan, config: Path | None, overrides: list[str], gpus: int, out: Path, *,
             steps: int, log_every: int, timeout: float,
             echo: Callable[[str], None] = print) -> bool:
@@ -57,15 +66,35 @@ def measure(plan: TunePlan, config: Path | None, overrides: list[str], gpus: int
         except HpctrainError as e:
             c.status, c.reason = "failed", failure_reason(e)
             echo(f"[{i}/{n}] failed: {c.reason}")
+            if plan.task and c.reason.startswith("out of memory"):
+                _skip_larger(plan.candidates[i:], c, echo)
             continue
         c.status = "ok"
         c.measured = {key: row.get(key) for key in (
-            "tokens_per_s_per_gpu", "mfu_pct", "hfu_pct", "peak_mem_gb", "step_time_s",
-            "final_loss", "measured_steps", "wall_s")}
+            "tokens_per_s_per_gpu", "tokens_per_sample", "mfu_pct", "hfu_pct", "peak_mem_gb",
+            "step_time_s", "final_loss", "measured_steps", "wall_s")}
+        if plan.task:  # a task's trainer counts tokens_per_sample tokens per sample
+            c.measured["samples_per_s_per_gpu"] = (row["tokens_per_s_per_gpu"]
+                                                   / (row.get("tokens_per_sample") or 1))
         mfu = "unknown" if row["mfu_pct"] is None else f"{row['mfu_pct']:.1f}%"
-        echo(f"[{i}/{n}] {row['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {mfu}, "
-             f"peak {row['peak_mem_gb']:.2f} GB (predicted {c.predicted_peak / 1e9:.2f})")
+        unit = "tokens/s" if not plan.task or (row.get("tokens_per_sample") or 1) > 1 \
+            else "samples/s"
+        predicted = f" (predicted {c.predicted_peak / 1e9:.2f})" if c.predicted_peak else ""
+        echo(f"[{i}/{n}] {row['tokens_per_s_per_gpu']:,.0f} {unit} per GPU, MFU {mfu}, "
+             f"peak {row['peak_mem_gb']:.2f} GB{predicted}")
     return False
+
+
+def _skip_larger(rest: list[Candidate], oom: Candidate, echo: Callable[[str], None]) -> None:
+    """Record the candidates of ``oom``'s setting at a larger micro-batch as failed, unrun: a
+    task's candidates run smallest first (task_candidates), and more samples need more memory."""
+    s = oom.setting
+    for c in rest:
+        if (c.status == "pending" and (c.setting.strategy, c.setting.zero) == (s.strategy, s.zero)
+                and c.setting.micro_batch > s.micro_batch):
+            c.status = "failed"
+            c.reason = f"not run: micro-batch {s.micro_batch} of this setting ran out of memory"
+            echo(f"skipping {c.label}: {c.reason}")
 
 
 def resume_from(plan: TunePlan, path: Path, same: dict[str, Any]) -> int:
@@ -104,7 +133,8 @@ def winner(candidates: list[Candidate]) -> int | None:
 def write_results(plan: TunePlan, out: Path, meta: dict[str, Any], best: int | None,
                   config: Path | None, overrides: list[str]) -> list[Path]:
     """Write results.json and, with a winner, best.overrides and best.yaml; return the paths."""
-    from hpctrain.config import dump_yaml, load_config
+    from hpctrain.bench.model import run_config
+    from hpctrain.config import dump_yaml
     from hpctrain.data.shards import atomic_write
 
     out.mkdir(parents=True, exist_ok=True)
@@ -118,9 +148,9 @@ def write_results(plan: TunePlan, out: Path, meta: dict[str, Any], best: int | N
     lines = [*overrides, *c.overrides]
     atomic_write(out / "best.overrides", ["".join(f"{x}\n" for x in lines).encode()])
     tok = c.measured["tokens_per_s_per_gpu"]
-    header = (f"# hpctrain tune: {c.label}, {tok:,.0f} tokens/s per GPU on {meta['gpus']} x "
-              f"{plan.device_name} ({out / 'results.json'})\n")
-    text = header + dump_yaml(load_config(config, lines))
+    header = (f"# hpctrain tune: {c.label}, {tok:,.0f} {rate_unit(plan)} per GPU on "
+              f"{meta['gpus']} x {plan.device_name} ({out / 'results.json'})\n")
+    text = header + dump_yaml(run_config(config, lines, meta["gpus"]))
     atomic_write(out / "best.yaml", [text.encode()])
     return [*paths, out / "best.overrides", out / "best.yaml"]
 
