@@ -50,6 +50,9 @@ def test_bench_model_chooses_auto_for_the_gpu_nvml_reads(tmp_path: Path, monkeyp
 def test_without_nvml_a_child_process_asks_cuda(monkeypatch) -> None:
     """No nvidia-ml-py: a child process reads the GPU (here it finds none, and says so)."""
     gpu_node(monkeypatch, nvml=False)
+    # The child must find no GPU on a GPU machine too (its answer is cached per
+    # CUDA_VISIBLE_DEVICES value: "" is this test's own).
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.raises(RuntimeEnvError, match="child process") as e:
         node_gpu(load_config(DEMO, AUTO))
     assert e.value.lines and "nvidia-ml-py" in e.value.hint

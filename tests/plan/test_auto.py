@@ -3,6 +3,7 @@ measurements; the global batch in tokens never changes; a run records what it re
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -166,7 +167,7 @@ def test_tune_measurements_on_this_gpu_are_preferred(tmp_path: Path) -> None:
         c.measured = {"tokens_per_s_per_gpu": tps, "peak_mem_gb": 50.0} if tps else None
         return c
 
-    cands = [cand("none", 8, "failed", None), cand("selective", 4, "ok", 900.0),
+    cands = [cand("none", 16, "failed", None), cand("selective", 4, "ok", 900.0),
              cand("full", 8, "ok", 1000.0)]
     plan = TunePlan(cands, "cuda", H100.name, H100.bytes, 16, False, [], 3)
     meta = {"device_name": H100.name, "gpus": 2, "global_batch": 32, "config": str(LLAMA_1B)}
@@ -174,20 +175,30 @@ def test_tune_measurements_on_this_gpu_are_preferred(tmp_path: Path) -> None:
     cfg, res = _resolved([*fixed, f"parallel.tune_results={tmp_path}"], 2, H100)
     assert (cfg.parallel.activation_checkpointing, cfg.train.micro_batch) == ("full", 8)
     assert cfg.parallel.reshard_after_forward is True and "tune's measurements" in res.reasons[0]
-    # With checkpointing fixed to none, no measured setting fits; the model chooses (the
-    # largest micro-batch it predicts to fit), but never the setting tune saw fail (none at
-    # micro-batch 8).
+    # With checkpointing fixed to none, no measured setting fits; the model chooses the
+    # largest micro-batch it predicts to fit (16, checked below), but
+    # never the setting tune saw fail (none at micro-batch 16): 8.
     cfg, res = _resolved([*fixed, f"parallel.tune_results={tmp_path}",
                           "parallel.activation_checkpointing=none",
                           "parallel.strategy=fsdp", "parallel.reshard_after_forward=true"],
                          2, H100)
-    assert cfg.train.micro_batch == 16 and "no measured setting" in res.reasons[0]
+    assert cfg.train.micro_batch == 8 and "no measured setting" in res.reasons[0]
+    cfg, _ = _resolved([*fixed, "parallel.activation_checkpointing=none",
+                        "parallel.strategy=fsdp", "parallel.reshard_after_forward=true"], 2, H100)
+    assert cfg.train.micro_batch == 16  # what it takes without tune's failure
     cfg, res = _resolved([*fixed, f"parallel.tune_results={tmp_path}"], 4, H100)
     assert "another GPU count (2, this run: 4)" in res.reasons[0]
     # Measured compiled: a speed of another program than an eager run's.
     cfg, res = _resolved([*fixed, f"parallel.tune_results={tmp_path}", "parallel.compile=false"],
                          2, H100)
     assert "another parallel.compile (True, this run: False)" in res.reasons[0]
+    # A results file whose candidates are damaged is refused in words, not a KeyError.
+    doc = json.loads((tmp_path / "results.json").read_text())
+    for c in doc["candidates"]:
+        c.pop("measured", None)
+    (tmp_path / "results.json").write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match="not tune's results"):
+        _resolved([*fixed, f"parallel.tune_results={tmp_path}"], 2, H100)
 
 
 def test_a_resume_on_another_gpu_count_is_the_same_training_config() -> None:

@@ -29,15 +29,13 @@ def from_tune(cfg, world_size: int, gpu: Gpu, replica: int, dp: int,
     if doc is None:
         reasons.append(f"tune results {path} not used: {why}")
         return None
-    allowed, failed = [], set()
-    for c in doc["candidates"]:
-        s = c.get("settings") or {}
-        pick = Pick(s.get("strategy"), s.get("zero", 3), s.get("ac"), s.get("micro_batch", 0),
-                    s.get("grad_accum", 0), s.get("ac_every", 0))
-        if c.get("status") == "failed":
-            failed.add(pick_key(pick))
-        if c.get("status") == "ok" and _fits_config(cfg, s, pick, replica):
-            allowed.append((c["measured"]["tokens_per_s_per_gpu"], -len(allowed), pick))
+    try:
+        allowed, failed = _measured(cfg, doc, replica)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"parallel.tune_results={path}: its candidates are not tune's "
+                          f"results ({type(e).__name__}: {e})",
+                          expected="the results.json `hpctrain tune` writes",
+                          hint="rerun `hpctrain tune`, or drop parallel.tune_results") from None
     if not allowed:
         reasons.append(f"tune results {path}: no measured setting fits the config's fixed "
                        "values" + ("; the memory model chooses" if model else ""))
@@ -50,6 +48,21 @@ def from_tune(cfg, world_size: int, gpu: Gpu, replica: int, dp: int,
                    f"{len(allowed)} measured settings this config allows, {tps:,.0f} tokens/s "
                    "per GPU")
     return pick
+
+
+def _measured(cfg, doc: dict, replica: int) -> tuple[list, set]:
+    """(settings tune measured that this config allows, with their speed; keys of those that
+    failed) from a results document."""
+    allowed, failed = [], set()
+    for c in doc["candidates"]:
+        s = c.get("settings") or {}
+        pick = Pick(s.get("strategy"), s.get("zero", 3), s.get("ac"), s.get("micro_batch", 0),
+                    s.get("grad_accum", 0), s.get("ac_every", 0))
+        if c.get("status") == "failed":
+            failed.add(pick_key(pick))
+        if c.get("status") == "ok" and _fits_config(cfg, s, pick, replica):
+            allowed.append((c["measured"]["tokens_per_s_per_gpu"], -len(allowed), pick))
+    return allowed, failed
 
 
 def _tune_doc(cfg, path: Path, world_size: int, gpu: Gpu, samples: int
