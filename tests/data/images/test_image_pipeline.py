@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -233,3 +236,38 @@ def test_host_decoded_images_travel_packed_in_one_buffer() -> None:
     base = out[0].untyped_storage().data_ptr()
     assert all(o.untyped_storage().data_ptr() == base for o in out)  # one buffer
     assert to_device_packed([], torch.device("cpu")) == []
+
+
+class _QueriedTogether(_RecordedEvent):
+    """An end event whose ``query`` returns once two threads are in it (or 0.3 s passed)."""
+
+    def __init__(self, ms: float, barrier: threading.Barrier) -> None:
+        super().__init__(ms)
+        self.barrier = barrier
+
+    def query(self) -> bool:
+        with contextlib.suppress(threading.BrokenBarrierError):
+            self.barrier.wait(timeout=0.3)
+        return True
+
+
+def test_two_threads_sharing_decode_ahead_pop_each_timing_once() -> None:
+    # The training loader's thread and validation's read-ahead thread share one DecodeAhead:
+    # both saw the finished timing, both popped it, one on an empty deque (IndexError).
+    ahead = DecodeAhead(ImagePipeline(8), seed=0)
+    ahead._timings.append((_RecordedEvent(0.0), _QueriedTogether(8.0, threading.Barrier(2)), 4))
+    with ThreadPoolExecutor(2) as pool:
+        got = [f.result() for f in [pool.submit(ahead._done_augment_ms) for _ in range(2)]]
+    assert sorted(got, key=lambda ms: ms is None) == [2.0, None]
+
+
+def test_a_batch_that_lost_images_is_padded_with_the_kept_ones_in_turn(shards) -> None:
+    images, labels = collate_images([shards[i] for i in range(5)])
+    for bad in (1, 3):
+        images.data[bad] = _bytes(b"\xff\xd8\xff" + bytes(40))
+        images.sources[bad] = ("shard-000009.tar", f"bad{bad}", 100)
+    prepared, kept = DecodeAhead(ImagePipeline(8), seed=0).prepare(images, labels)
+    x = prepared.tensor
+    assert x.shape[0] == 5 and torch.equal(kept, labels[[0, 2, 4]])
+    # The kept rows 0..2, then rows 0 and 1 again (not row 0 twice: BatchNorm would lean on it).
+    assert torch.equal(x[3], x[0]) and torch.equal(x[4], x[1]) and not torch.equal(x[4], x[0])
