@@ -29,8 +29,9 @@ from hpctrain.data.images.ahead import event_ms_per_image, wall_ms_per_image
 from hpctrain.data.images.pack import PackSettings, pack_images
 from hpctrain.data.images.throughput import loader_throughput
 from hpctrain.data.order import BatchLayout
-from hpctrain.data.samples import SampleLoader
+from hpctrain.data.samples import SampleLoader, batch_reader
 from hpctrain.errors import DataError
+from hpctrain.task import sample_rng
 
 
 def _bytes(b: bytes) -> torch.Tensor:
@@ -238,6 +239,29 @@ def test_host_decoded_images_travel_packed_in_one_buffer() -> None:
     assert to_device_packed([], torch.device("cpu")) == []
 
 
+class _Relabelled(ImageShards):
+    """A user's subclass that relabels in ``__getitem__`` (and draws from ``sample_rng()``)."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        data, label = super().__getitem__(i)
+        torch.rand(1, generator=sample_rng())  # outside reading_sample this raises
+        return data, 100 + label
+
+
+def test_a_subclass_that_overrides_getitem_is_read_through_it(shards) -> None:
+    # read_samples reads what ImageShards.__getitem__ would: a subclass's own __getitem__
+    # (and its seeding) must not be bypassed by it.
+    relabelled = _Relabelled(shards.root.parent)
+    try:
+        loader = SampleLoader(relabelled, BatchLayout(4, 1, 1, 0), seed=3,
+                              device=torch.device("cpu"), collate=collate_images, prefetch=0)
+        _, labels = loader.next_step()[0]
+        assert all(label >= 100 for label in labels.tolist())
+        assert batch_reader(shards) is not None and batch_reader(relabelled) is None
+    finally:
+        relabelled.close()
+
+
 class _QueriedTogether(_RecordedEvent):
     """An end event whose ``query`` returns once two threads are in it (or 0.3 s passed)."""
 
@@ -271,3 +295,41 @@ def test_a_batch_that_lost_images_is_padded_with_the_kept_ones_in_turn(shards) -
     assert x.shape[0] == 5 and torch.equal(kept, labels[[0, 2, 4]])
     # The kept rows 0..2, then rows 0 and 1 again (not row 0 twice: BatchNorm would lean on it).
     assert torch.equal(x[3], x[0]) and torch.equal(x[4], x[1]) and not torch.equal(x[4], x[0])
+
+
+def test_packing_checks_its_images_and_leaves_cpu_images_alone() -> None:
+    from hpctrain.data.images.decode import to_device_packed
+
+    images = [torch.zeros((3, 2, 2), dtype=torch.uint8), torch.ones((3, 1, 4), dtype=torch.uint8)]
+    out = to_device_packed(images, torch.device("cpu"))  # pin=None on the CPU: no packing
+    assert all(o is i for o, i in zip(out, images, strict=True))
+    for wrong in (torch.zeros((3, 2, 2)), torch.zeros((2, 2), dtype=torch.uint8)):
+        with pytest.raises(DataError, match=r"uint8 \(3, H, W\)"):
+            to_device_packed([images[0], wrong], torch.device("cpu"), pin=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the lead's run)")
+def test_host_decoded_images_reach_the_gpu_through_one_pinned_buffer() -> None:
+    from hpctrain.data.images.decode import to_device_packed
+
+    g = torch.Generator().manual_seed(0)
+    hwc = torch.randint(0, 256, (5, 7, 3), dtype=torch.uint8, generator=g)
+    images = [torch.randint(0, 256, (3, 4, 6), dtype=torch.uint8, generator=g),
+              hwc.permute(2, 0, 1)]
+    out = to_device_packed(images, torch.device("cuda"))
+    torch.cuda.synchronize()
+    assert all(o.is_cuda for o in out)
+    assert all(torch.equal(o.cpu(), i) for o, i in zip(out, images, strict=True))
+    assert len({o.untyped_storage().data_ptr() for o in out}) == 1  # one copy of one buffer
+
+
+def test_loader_throughput_counts_the_images_kept_not_the_padding(tmp_path) -> None:
+    # Ahead, a batch that lost an image is padded to its size: images/s counts the kept ones.
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    for j in range(4):
+        (src / "a" / f"img{j}.jpg").write_bytes(tiny_jpeg(j))
+    (src / "a" / "img4.jpg").write_bytes(b"\xff\xd8\xff" + bytes(40))
+    pack_images(src, tmp_path / "out", PackSettings())
+    r = loader_throughput(tmp_path / "out", batch=5, steps=1, warmup=1, size=8, ahead=True)
+    assert r["images"] == 4 and r["skipped_images"] >= 2  # and in the batches read ahead

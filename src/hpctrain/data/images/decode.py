@@ -158,6 +158,15 @@ def to_device_packed(images: list[torch.Tensor], device: torch.device,
     ~10 ms each on an H200 host (the decode split ran at 270 img/s)."""
     if not images:
         return []
+    for k, img in enumerate(images):
+        # The buffer is uint8 and each part is viewed back as (3, H, W): anything else would
+        # come back as other pixels, or fail in a view far from its cause.
+        if img.dtype != torch.uint8 or img.dim() != 3:
+            raise DataError(f"image {k} of the batch to send to {device} is a {img.dtype} "
+                            f"tensor of shape {tuple(img.shape)}",
+                            expected="uint8 (3, H, W) tensors, as Pillow's decode returns",
+                            hint="decode with decode_batch, or convert the images to uint8 "
+                            "(C, H, W) first")
     if pin is None:
         if device.type != "cuda":
             return [img.to(device) for img in images]  # the CPU path keeps Pillow's tensors
