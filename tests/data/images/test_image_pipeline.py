@@ -333,3 +333,21 @@ def test_loader_throughput_counts_the_images_kept_not_the_padding(tmp_path) -> N
     pack_images(src, tmp_path / "out", PackSettings())
     r = loader_throughput(tmp_path / "out", batch=5, steps=1, warmup=1, size=8, ahead=True)
     assert r["images"] == 4 and r["skipped_images"] >= 2  # and in the batches read ahead
+
+
+def test_packing_a_batch_is_one_op() -> None:
+    # Pillow's threads make the images (3, H, W)-contiguous on the CUDA path: the loader
+    # thread then packs the whole batch in one cat (it copied image by image: an op each).
+    from test_crop_kernel import _CountOps
+
+    from hpctrain.data.images.decode import _cpu_or_none, to_device_packed
+
+    images = [_cpu_or_none(_bytes(tiny_jpeg(i, (8 + i, 6))), None, contiguous=True)[0]
+              for i in range(6)]
+    assert all(img.is_contiguous() and img.shape == (3, 6, 8 + i) for i, img in
+               enumerate(images))
+    with _CountOps() as mode:
+        out = to_device_packed(images, torch.device("cpu"), pin=False)
+    copies = {op: k for op, k in mode.ops.items() if "view" not in op and "split" not in op}
+    assert copies == {"aten.empty.memory_format": 1, "aten.cat.out": 1}, copies
+    assert all(torch.equal(o, i) for o, i in zip(out, images, strict=True))
