@@ -138,7 +138,7 @@ def test_the_batched_pipeline_dispatches_as_many_ops_for_32_images_as_for_4() ->
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the lead's run)")
 
 
-# ~0.5 s of a GPU's clock: the side streams are still asleep while the host queues the rest.
+# ~0.5 s of a GPU's clock: a side stream is still asleep while the host queues the rest.
 _SLEEP_CYCLES = 10**9
 
 
@@ -167,7 +167,7 @@ def test_on_cuda_float16_crops_match_the_cpu() -> None:
 
 @cuda
 def test_batches_made_on_sleeping_side_streams_are_handed_over_intact() -> None:
-    """Batches a then b (same sizes, other pixels) prepared while the side streams sleep,
+    """Batches a then b (same sizes, other pixels) prepared while the crops' stream sleeps,
     compared at once with a serial prepare: the step's stream must wait for a's event, and b's
     nvJPEG outputs (written on torchvision's own stream, which waits for none of ours) must not
     take the blocks of a's images while a's crops are still queued."""
@@ -175,11 +175,12 @@ def test_batches_made_on_sleeping_side_streams_are_handed_over_intact() -> None:
     pipe = ImagePipeline(S, train=True, device="cuda", dtype=torch.bfloat16)
     serial = [DecodeAhead(pipe, 3, side_stream=False).prepare(x, torch.arange(8))[0].tensor
               for x in (a, b)]
-    torch.cuda.synchronize()
     ahead = DecodeAhead(pipe, 3)
-    for stream in ahead.cuda_streams():
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(_SLEEP_CYCLES)
+    for x in (a, b):  # the streams' memory pools warmed up: no cudaMalloc while they sleep
+        ahead.prepare(x, torch.arange(8))
+    torch.cuda.synchronize()
+    with torch.cuda.stream(ahead.cuda_streams()[1]):
+        torch.cuda._sleep(_SLEEP_CYCLES)
     prepared = [ahead.prepare(x, torch.arange(8))[0] for x in (a, b)]
     assert all(p.ready is not None for p in prepared)  # the loader thread did not wait
     assert not prepared[0].ready.query()  # still asleep: the comparison below is a real test
