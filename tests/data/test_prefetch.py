@@ -106,3 +106,44 @@ def test_read_ahead_yields_in_order_raises_in_place_and_leaves_no_thread() -> No
     assert next(abandoned) == 0
     abandoned.close()  # a loop left early: the thread is stopped and joined
     assert not any(t.name == "hpctrain-read-ahead" for t in threading.enumerate())
+
+
+class _TwoParts:
+    """A two-part collate (as `DecodeAhead`): gathering beside reading, finishing after."""
+
+    def gather(self, items: list) -> list:
+        return items
+
+    def finish(self, gathered: list) -> list:
+        return gathered
+
+
+def test_loader_threads_make_the_ranks_gpu_their_current_device(monkeypatch) -> None:
+    # A new thread's current device is cuda:0 whatever the rank's: a collate's ``.cuda()``
+    # (or a pinned copy) in the reader or finisher thread landed on GPU 0 on every rank.
+    # set_device is recorded, not run: the CPU stands in for the GPU here.
+    from hpctrain.data.samples import SampleLoader
+
+    calls: list[tuple[torch.device, str]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(
+        (torch.device(d), threading.current_thread().name)))
+    gpu1 = torch.device("cuda", 1)
+    loader = SampleLoader(list(range(40)), BatchLayout(2, 1, 1, 0), seed=0, device=gpu1,
+                          collate=_TwoParts(), prefetch=2)
+    loader.next_step()
+    loader.close()
+    assert {d for d, _ in calls} == {gpu1}
+    assert {name for _, name in calls} == {"hpctrain-samples-read", "hpctrain-samples"}
+
+
+def test_close_drops_the_steps_read_ahead() -> None:
+    # Finished GPU batches left in the queue would hold their memory until the loader itself
+    # is collected.
+    steps = TwoStage()
+    steps._fetch()
+    deadline = time.monotonic() + 10
+    while not steps._queue.full() and time.monotonic() < deadline:
+        time.sleep(0.01)  # no event says that the queue filled: look
+    assert steps._queue.full()
+    steps.close()
+    assert steps._queue.empty()

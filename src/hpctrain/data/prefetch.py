@@ -49,8 +49,7 @@ def read_ahead(items: Iterable[Any], make: Callable[[Any], Any], device: torch.d
 
     def work() -> None:
         try:
-            if device.type == "cuda":  # a new thread's is cuda:0, whatever the rank's
-                torch.cuda.set_device(device)
+            use_device(device)
             for item in items:
                 if not _put(q, (True, make(item)), stop):
                     return
@@ -76,6 +75,13 @@ def read_ahead(items: Iterable[Any], make: Callable[[Any], Any], device: torch.d
 _END = object()  # the end of read_ahead's items, or of a queue that close() stopped
 
 
+def use_device(device: torch.device | None) -> None:
+    """Make ``device`` this thread's current CUDA device (a no-op for others): a new thread's
+    is cuda:0 whatever the rank's, and what it allocates or pins "on cuda" would land there."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 class Prefetcher:
     """Runs ``_host_step()`` ``prefetch`` steps ahead on a thread; ``_fetch()`` takes the next.
 
@@ -87,6 +93,9 @@ class Prefetcher:
 
     thread_name = "hpctrain-prefetch"
     two_stage = False
+    # The device the steps go to: each thread makes it its current one (`use_device`), so that a
+    # collate's ``.cuda()`` or a pinned copy lands on this rank's GPU, not GPU 0.
+    device: torch.device | None = None
 
     def __init__(self, sampler: GlobalOrderSampler, prefetch: int):
         self.sampler = sampler
@@ -116,6 +125,7 @@ class Prefetcher:
 
     def _reader(self, out: queue.Queue) -> None:
         try:
+            use_device(self.device)
             while _put(out, self._host_step() if self.two_stage
                        else self._finish_step(self._host_step()), self._stop):
                 pass
@@ -124,6 +134,7 @@ class Prefetcher:
 
     def _finisher(self, read: queue.Queue) -> None:
         try:
+            use_device(self.device)
             while (host := self._get(read)) is not _END:
                 if isinstance(host, BaseException):
                     raise host  # the reader's error, passed on in order
@@ -175,8 +186,21 @@ class Prefetcher:
     def close(self, timeout: float = 30.0) -> None:
         """Stop the prefetch threads and wait for them, so that the dataset can be closed after
         this returns without a thread still reading it (it would find its files closed
-        mid-read, or change their table while the closer walks it)."""
+        mid-read, or change their table while the closer walks it). The steps read ahead
+        are dropped: finished GPU batches would otherwise hold their memory until the loader
+        itself is collected."""
         self._stop.set()
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        if self._queue is not None:
+            _drain(self._queue)
+
+
+def _drain(q: queue.Queue) -> None:
+    """Drop what ``q`` holds."""
+    while True:
+        try:
+            q.get_nowait()
+        except queue.Empty:
+            return

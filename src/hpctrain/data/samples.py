@@ -14,7 +14,8 @@ draw from ``hpctrain.task.sample_rng()``: seeded from (seed, epoch, sample index
 on any number of ranks and after a resume, although a thread reads ahead of training. A dataset
 that draws from a global generator instead is warned about once, at the start. A dataset that
 draws nothing while reading may offer ``read_samples(indices)`` (`ImageShards` does): a
-micro-batch is then read in one call, with no per-sample seeding to pay for.
+micro-batch is then read in one call, with no per-sample seeding to pay for (not for a subclass
+that overrides ``__getitem__``: its own is what reads a sample then).
 
 A ``collate`` with two parts, ``gather(samples)`` (cheap, on the host) and ``finish(gathered)``
 (decoding on the GPU: `DecodeAhead`), gets a thread per part: reading and gathering step k+1
@@ -105,7 +106,7 @@ class SampleLoader(Prefetcher):
         self.collate = collate
         self.two_stage = callable(getattr(collate, "gather", None)) and callable(
             getattr(collate, "finish", None))
-        self._read_many = getattr(dataset, "read_samples", None)
+        self._read_many = batch_reader(dataset)
         self._pin = device.type == "cuda"
         # Seconds of thread CPU time spent reading and gathering (what the loader costs the
         # host besides decoding: `hpctrain.data.images.throughput` reports it per batch).
@@ -147,6 +148,21 @@ class SampleLoader(Prefetcher):
     def next_step(self) -> list[Any]:
         """The ``grad_accum`` micro-batches of this rank's next optimizer step, on the device."""
         return [to_device(b, self.device) for b in self._fetch()]
+
+
+def batch_reader(dataset: Any) -> Callable[[list[int]], list[Any]] | None:
+    """``dataset.read_samples`` if it reads what ``dataset[i]`` would, else None.
+
+    It does if the class that defines ``read_samples`` defines ``__getitem__`` as well, and no
+    subclass overrides the latter: a subclass of `ImageShards` that relabels in ``__getitem__``
+    (or draws from ``sample_rng()`` there) must be read item by item, seeded, through it."""
+    read_many = getattr(dataset, "read_samples", None)
+    if not callable(read_many):
+        return None
+    owner = next((c for c in type(dataset).__mro__ if "read_samples" in c.__dict__), None)
+    if owner is None or type(dataset).__getitem__ is not owner.__dict__.get("__getitem__"):
+        return None
+    return read_many
 
 
 def warn_if_global_rng(read: Callable[[], Any]) -> None:

@@ -69,7 +69,7 @@ def test_batched_crops_equal_the_per_image_antialiased_resize() -> None:
     # sizes (the largest alone here), and comes back in batch order.
     geometry = [train_geometry(hw, b, S, f) for hw, b, f in zip(sizes, boxes, flips, strict=True)]
     budget = 3 * max(g[4] * g[5] for g in geometry)  # room for the largest box only
-    groups = groups_by_size(geometry, budget)
+    groups = groups_by_size(geometry, S, budget)
     assert len(groups) > 2 and sorted(k for g in groups for k in g) == list(range(len(images)))
     largest = max(range(len(images)), key=lambda k: geometry[k][4] * geometry[k][5])
     assert groups[-1] == [largest]
@@ -95,6 +95,18 @@ def test_batched_pipeline_crops_the_same_seeded_boxes_as_the_per_image_one() -> 
         y, _ = slow.augment(images, augment_generator(1, 5, 0))
         assert kept == images.kept and x.is_contiguous(memory_format=torch.channels_last)
         assert (x - y).abs().max() <= 1.01 / (255 * 0.224)
+
+
+def test_the_group_budget_counts_the_weights_of_small_boxes_resized_up() -> None:
+    # 16 x 16 boxes resized to 224: each crop is 768 elements, its weights (224 x 16, twice,
+    # float32 then float16) and resized rows (224 x 3 x 16, float16) ~28 times that. A budget
+    # of 2x the crops alone held all 64 in one group, its temporaries ~15x the budget.
+    geometry = [train_geometry((32, 32), (0, 0, 16, 16), 224, False)] * 64
+    crops = 64 * 3 * 16 * 16
+    groups = groups_by_size(geometry, 224, 2 * crops)
+    assert len(groups) == 16 and sorted(k for g in groups for k in g) == list(range(64))
+    assert groups_by_size(geometry, 224, 64 * (crops // 64 + 4 * 224 * 16 + 2 * 224 * 16)) == [
+        list(range(64))]  # exactly the count: one group
 
 
 class _CountOps(TorchDispatchMode):
@@ -126,8 +138,21 @@ def test_the_batched_pipeline_dispatches_as_many_ops_for_32_images_as_for_4() ->
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the lead's run)")
 
 
+# ~0.5 s of a GPU's clock: a side stream is still asleep while the host queues the rest.
+_SLEEP_CYCLES = 10**9
+
+
+def _jpegs(first: int) -> EncodedImages:
+    """8 JPEGs of fixed sizes whose pixels depend on ``first`` (the same crops for any)."""
+    from hpctrain.data.images.synthetic import synthetic_jpeg
+
+    return EncodedImages([torch.frombuffer(bytearray(synthetic_jpeg(first + i, 1, (60 + i,
+                                                                                 40 + 2 * i))),
+                                           dtype=torch.uint8) for i in range(8)])
+
+
 @cuda
-def test_on_cuda_float16_crops_match_and_the_side_stream_hands_over_by_event() -> None:
+def test_on_cuda_float16_crops_match_the_cpu() -> None:
     images = _images(12)
     sizes = [tuple(img.shape[-2:]) for img in images]
     geometry = [train_geometry(hw, b, S, k % 2 == 0) for k, (hw, b) in
@@ -139,13 +164,43 @@ def test_on_cuda_float16_crops_match_and_the_side_stream_hands_over_by_event() -
     on_gpu = batch_crops(on_gpu, geometry, S, torch.float16)
     assert (on_gpu.float().cpu() - batch_crops(images, geometry, S)).abs().max() < 0.5
 
-    from hpctrain.data.images.synthetic import synthetic_jpeg
-    jpegs = EncodedImages([torch.frombuffer(bytearray(synthetic_jpeg(i, 1, (60 + i, 40 + 2 * i))),
-                                            dtype=torch.uint8) for i in range(8)])
+
+@cuda
+def test_batches_made_on_sleeping_side_streams_are_handed_over_intact() -> None:
+    """Batches a then b (same sizes, other pixels) prepared while the crops' stream sleeps,
+    compared at once with a serial prepare: the step's stream must wait for a's event, and b's
+    nvJPEG outputs (written on torchvision's own stream, which waits for none of ours) must not
+    take the blocks of a's images while a's crops are still queued."""
+    a, b = _jpegs(0), _jpegs(100)
     pipe = ImagePipeline(S, train=True, device="cuda", dtype=torch.bfloat16)
-    prepared, _ = DecodeAhead(pipe, 3).prepare(jpegs, torch.arange(8))
-    assert prepared.ready is not None  # the loader thread did not wait: the step's stream will
-    serial, _ = DecodeAhead(pipe, 3, side_stream=False).prepare(jpegs, torch.arange(8))
+    serial = [DecodeAhead(pipe, 3, side_stream=False).prepare(x, torch.arange(8))[0].tensor
+              for x in (a, b)]
+    ahead = DecodeAhead(pipe, 3)
+    for x in (a, b):  # the streams' memory pools warmed up: no cudaMalloc while they sleep
+        ahead.prepare(x, torch.arange(8))
+    torch.cuda.synchronize()
+    with torch.cuda.stream(ahead.cuda_streams()[1]):
+        torch.cuda._sleep(_SLEEP_CYCLES)
+    prepared = [ahead.prepare(x, torch.arange(8))[0] for x in (a, b)]
+    assert all(p.ready is not None for p in prepared)  # the loader thread did not wait
+    assert not prepared[0].ready.query()  # still asleep: the comparison below is a real test
     # Side stream or not, the same crops (cuBLAS may pick another workspace per stream: to
     # within a bf16 step, not bit for bit).
-    torch.testing.assert_close(prepared.use().float(), serial.tensor.float(), rtol=0, atol=0.05)
+    for p, want in zip(prepared, serial, strict=True):
+        torch.testing.assert_close(p.use().float(), want.float(), rtol=0, atol=0.05)
+
+
+@cuda
+def test_the_side_streams_start_after_what_the_default_stream_queued() -> None:
+    # The pipeline's constants (normalisation) are computed on the default stream when it is
+    # built: a side stream that did not wait for it could read them before they exist.
+    pipe = ImagePipeline(S, device="cuda")
+    t = torch.zeros(1 << 16, device=pipe.device)
+    torch.cuda._sleep(_SLEEP_CYCLES)
+    t.fill_(7)  # queued behind the sleep
+    seen = []
+    for stream in DecodeAhead(pipe, 0).cuda_streams():
+        with torch.cuda.stream(stream):
+            seen.append(t.clone())
+    torch.cuda.synchronize()
+    assert all(bool((x == 7).all()) for x in seen)

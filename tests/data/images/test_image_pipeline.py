@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -26,8 +29,9 @@ from hpctrain.data.images.ahead import event_ms_per_image, wall_ms_per_image
 from hpctrain.data.images.pack import PackSettings, pack_images
 from hpctrain.data.images.throughput import loader_throughput
 from hpctrain.data.order import BatchLayout
-from hpctrain.data.samples import SampleLoader
+from hpctrain.data.samples import SampleLoader, batch_reader
 from hpctrain.errors import DataError
+from hpctrain.task import sample_rng
 
 
 def _bytes(b: bytes) -> torch.Tensor:
@@ -233,3 +237,117 @@ def test_host_decoded_images_travel_packed_in_one_buffer() -> None:
     base = out[0].untyped_storage().data_ptr()
     assert all(o.untyped_storage().data_ptr() == base for o in out)  # one buffer
     assert to_device_packed([], torch.device("cpu")) == []
+
+
+class _Relabelled(ImageShards):
+    """A user's subclass that relabels in ``__getitem__`` (and draws from ``sample_rng()``)."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        data, label = super().__getitem__(i)
+        torch.rand(1, generator=sample_rng())  # outside reading_sample this raises
+        return data, 100 + label
+
+
+def test_a_subclass_that_overrides_getitem_is_read_through_it(shards) -> None:
+    # read_samples reads what ImageShards.__getitem__ would: a subclass's own __getitem__
+    # (and its seeding) must not be bypassed by it.
+    relabelled = _Relabelled(shards.root.parent)
+    try:
+        loader = SampleLoader(relabelled, BatchLayout(4, 1, 1, 0), seed=3,
+                              device=torch.device("cpu"), collate=collate_images, prefetch=0)
+        _, labels = loader.next_step()[0]
+        assert all(label >= 100 for label in labels.tolist())
+        assert batch_reader(shards) is not None and batch_reader(relabelled) is None
+    finally:
+        relabelled.close()
+
+
+class _QueriedTogether(_RecordedEvent):
+    """An end event whose ``query`` returns once two threads are in it (or 0.3 s passed)."""
+
+    def __init__(self, ms: float, barrier: threading.Barrier) -> None:
+        super().__init__(ms)
+        self.barrier = barrier
+
+    def query(self) -> bool:
+        with contextlib.suppress(threading.BrokenBarrierError):
+            self.barrier.wait(timeout=0.3)
+        return True
+
+
+def test_two_threads_sharing_decode_ahead_pop_each_timing_once() -> None:
+    # The training loader's thread and validation's read-ahead thread share one DecodeAhead:
+    # both saw the finished timing, both popped it, one on an empty deque (IndexError).
+    ahead = DecodeAhead(ImagePipeline(8), seed=0)
+    ahead._timings.append((_RecordedEvent(0.0), _QueriedTogether(8.0, threading.Barrier(2)), 4))
+    with ThreadPoolExecutor(2) as pool:
+        got = [f.result() for f in [pool.submit(ahead._done_augment_ms) for _ in range(2)]]
+    assert sorted(got, key=lambda ms: ms is None) == [2.0, None]
+
+
+def test_a_batch_that_lost_images_is_padded_with_the_kept_ones_in_turn(shards) -> None:
+    images, labels = collate_images([shards[i] for i in range(5)])
+    for bad in (1, 3):
+        images.data[bad] = _bytes(b"\xff\xd8\xff" + bytes(40))
+        images.sources[bad] = ("shard-000009.tar", f"bad{bad}", 100)
+    prepared, kept = DecodeAhead(ImagePipeline(8), seed=0).prepare(images, labels)
+    x = prepared.tensor
+    assert x.shape[0] == 5 and torch.equal(kept, labels[[0, 2, 4]])
+    # The kept rows 0..2, then rows 0 and 1 again (not row 0 twice: BatchNorm would lean on it).
+    assert torch.equal(x[3], x[0]) and torch.equal(x[4], x[1]) and not torch.equal(x[4], x[0])
+
+
+def test_packing_checks_its_images_and_leaves_cpu_images_alone() -> None:
+    from hpctrain.data.images.decode import to_device_packed
+
+    images = [torch.zeros((3, 2, 2), dtype=torch.uint8), torch.ones((3, 1, 4), dtype=torch.uint8)]
+    out = to_device_packed(images, torch.device("cpu"))  # pin=None on the CPU: no packing
+    assert all(o is i for o, i in zip(out, images, strict=True))
+    for wrong in (torch.zeros((3, 2, 2)), torch.zeros((2, 2), dtype=torch.uint8)):
+        with pytest.raises(DataError, match=r"uint8 \(3, H, W\)"):
+            to_device_packed([images[0], wrong], torch.device("cpu"), pin=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the lead's run)")
+def test_host_decoded_images_reach_the_gpu_through_one_pinned_buffer() -> None:
+    from hpctrain.data.images.decode import to_device_packed
+
+    g = torch.Generator().manual_seed(0)
+    hwc = torch.randint(0, 256, (5, 7, 3), dtype=torch.uint8, generator=g)
+    images = [torch.randint(0, 256, (3, 4, 6), dtype=torch.uint8, generator=g),
+              hwc.permute(2, 0, 1)]
+    out = to_device_packed(images, torch.device("cuda"))
+    torch.cuda.synchronize()
+    assert all(o.is_cuda for o in out)
+    assert all(torch.equal(o.cpu(), i) for o, i in zip(out, images, strict=True))
+    assert len({o.untyped_storage().data_ptr() for o in out}) == 1  # one copy of one buffer
+
+
+def test_loader_throughput_counts_the_images_kept_not_the_padding(tmp_path) -> None:
+    # Ahead, a batch that lost an image is padded to its size: images/s counts the kept ones.
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    for j in range(4):
+        (src / "a" / f"img{j}.jpg").write_bytes(tiny_jpeg(j))
+    (src / "a" / "img4.jpg").write_bytes(b"\xff\xd8\xff" + bytes(40))
+    pack_images(src, tmp_path / "out", PackSettings())
+    r = loader_throughput(tmp_path / "out", batch=5, steps=1, warmup=1, size=8, ahead=True)
+    assert r["images"] == 4 and r["skipped_images"] >= 2  # and in the batches read ahead
+
+
+def test_packing_a_batch_is_one_op() -> None:
+    # Pillow's threads make the images (3, H, W)-contiguous on the CUDA path: the loader
+    # thread then packs the whole batch in one cat (it copied image by image: an op each).
+    from test_crop_kernel import _CountOps
+
+    from hpctrain.data.images.decode import _cpu_or_none, to_device_packed
+
+    images = [_cpu_or_none(_bytes(tiny_jpeg(i, (8 + i, 6))), None, contiguous=True)[0]
+              for i in range(6)]
+    assert all(img.is_contiguous() and img.shape == (3, 6, 8 + i) for i, img in
+               enumerate(images))
+    with _CountOps() as mode:
+        out = to_device_packed(images, torch.device("cpu"), pin=False)
+    copies = {op: k for op, k in mode.ops.items() if "view" not in op and "split" not in op}
+    assert copies == {"aten.empty.memory_format": 1, "aten.cat.out": 1}, copies
+    assert all(torch.equal(o, i) for o, i in zip(out, images, strict=True))

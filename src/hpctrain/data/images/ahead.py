@@ -7,7 +7,7 @@
 `hpctrain.data.samples.SampleLoader` runs the collate's two parts on two threads, a step or two
 ahead of training: ``gather`` (the encoded bytes and labels) beside the reading of the shards,
 ``finish`` (decode + augment) on the next thread, so reading batch k+1 overlaps decoding batch
-k. Done there, nvJPEG decoding and the crops run on a CUDA side stream while the
+k. Done there, nvJPEG decoding and the crops run on CUDA side streams while the
 model's kernels run on the default stream (Pillow and PyTorch's CPU kernels release the GIL, so
 on the CPU it overlaps too). The thread never waits for the GPU: the batch carries an event
 recorded on the side stream once it is made, and the step's stream waits for that event
@@ -15,6 +15,15 @@ recorded on the side stream once it is made, and the step's stream waits for tha
 allocator does not give it back to the side stream while the step still reads it. The side
 stream's timing of each augment is read once its events have completed (``query``, no wait):
 a batch reports the timing of an earlier one.
+
+Decoding has a stream of its own. torchvision's ``decode_jpeg(device="cuda")`` allocates its
+outputs on the caller's current stream but writes them on a stream of its own pool, which waits
+for nothing of ours (it syncs that stream on the host before and after, then makes the caller's
+stream wait for it). Decoded under the crops' stream, batch k+1's outputs could take the blocks
+of batch k's images, freed while batch k's crops are still queued there, and be overwritten
+before those crops ran. So the images are allocated on the decode stream, the crops' stream
+waits for it, and each image is recorded as used by the crops' stream: its block goes back to
+the decode stream only once the crops queued before its release have run (no host wait).
 
 The crops cannot come from a generator seeded by the step (the collate does not know it): they
 come from one seeded by the run seed and the keys of the batch's samples. A resumed run reads the
@@ -24,6 +33,7 @@ same batches in the same order (the global order), so it crops them the same way
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections import deque
 
@@ -52,8 +62,8 @@ class DecodeAhead:
     step's own stream, serially: the baseline that decoding ahead is measured against).
     ``mixing`` (training only) mixes each batch after its crops, from the same generator.
 
-    A batch that lost images (they do not decode) keeps its size: the first image's crop fills
-    the missing rows, after the kept ones, so a compiled model sees one shape and does not
+    A batch that lost images (they do not decode) keeps its size: the kept images' crops, in
+    turn, fill the missing rows after them, so a compiled model sees one shape and does not
     recompile; the labels are those of the kept images only, and the step counts the rows
     that have one (a copy of a real image, not zeros, so BatchNorm's batch statistics stay
     those of real pixels).
@@ -65,9 +75,12 @@ class DecodeAhead:
         self.seed = seed
         self.side_stream = side_stream
         self.mixing = mixing
-        self._stream = None
+        self._streams: tuple | None = None  # (decode, crops) on CUDA, made at first use
         # (begin, end, images) of augments whose events the device has not reached yet.
         self._timings: deque = deque()
+        # The training loader's thread and validation's read-ahead thread may share this
+        # collate: the streams are made once, and the timings popped by one of them.
+        self._lock = threading.Lock()
 
     def __call__(self, samples: list) -> tuple[PreparedImages, torch.Tensor]:
         """The prepared batch and its labels (those of the images that decoded)."""
@@ -102,31 +115,51 @@ class DecodeAhead:
                        if x.device.type == "cpu" else None)
             return (PreparedImages(_pad(x, n), wall_ms_per_image(t0, t1, n), augment, lam),
                     _kept(labels, kept))
-        device = pipe.device
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
+        decode_stream, crop_stream = self.cuda_streams()
         # This thread's current device is cuda:0 whatever the rank's is: set both.
-        with torch.cuda.device(device), torch.cuda.stream(self._stream):
-            t0 = time.perf_counter()
-            out = pipe.decode(encoded)
-            t1 = time.perf_counter()
-            begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            begin.record()
-            x, kept = pipe.augment(out, g)
-            x, lam = self._mix(x, g)
-            x = _pad(x, n)
-            end.record()  # also the batch's "ready" event
-        self._timings.append((begin, end, n))
+        with torch.cuda.device(pipe.device):
+            with torch.cuda.stream(decode_stream):
+                t0 = time.perf_counter()
+                out = pipe.decode(encoded)
+                t1 = time.perf_counter()
+            crop_stream.wait_stream(decode_stream)
+            for img in out:  # freed after the crops are queued: reused once they have run
+                img.record_stream(crop_stream)
+            with torch.cuda.stream(crop_stream):
+                begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                begin.record()
+                x, kept = pipe.augment(out, g)
+                x, lam = self._mix(x, g)
+                x = _pad(x, n)
+                end.record()  # also the batch's "ready" event
+        with self._lock:
+            self._timings.append((begin, end, n))
         return (PreparedImages(x, wall_ms_per_image(t0, t1, n), self._done_augment_ms(), lam,
                                ready=end), _kept(labels, kept))
+
+    def cuda_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """The (decode, crops) side streams on the pipeline's device, made at the first call.
+
+        The crops read the pipeline's constants (normalisation), which the default stream
+        computed when the pipeline was built, maybe still queued: both streams start after
+        what that stream has queued so far."""
+        with self._lock:
+            if self._streams is None:
+                device = self.pipeline.device
+                made_on = torch.cuda.default_stream(device)
+                self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+                for stream in self._streams:
+                    stream.wait_stream(made_on)
+            return self._streams
 
     def _done_augment_ms(self) -> float | None:
         """Milliseconds per image of the latest augment the device has finished (None if none
         has since the last call); never waits."""
         ms = None
-        while self._timings and self._timings[0][1].query():
-            begin, end, n = self._timings.popleft()
-            ms = event_ms_per_image(begin, end, n)
+        with self._lock:  # checked and popped as one: another thread may pop the same entry
+            while self._timings and self._timings[0][1].query():
+                begin, end, n = self._timings.popleft()
+                ms = event_ms_per_image(begin, end, n)
         return ms
 
     def _mix(self, x: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, float | None]:
@@ -148,12 +181,13 @@ def event_ms_per_image(begin, end, n: int) -> float:
 
 
 def _pad(x: torch.Tensor, n: int) -> torch.Tensor:
-    """``x`` with copies of its first image appended up to ``n`` rows (none if it has no
-    image: an all-corrupt batch stays empty)."""
-    missing = n - x.shape[0]
-    if missing <= 0 or x.shape[0] == 0:
+    """``x`` with copies of its images, in turn, appended up to ``n`` rows (none if it has no
+    image: an all-corrupt batch stays empty). In turn, not the first one ``missing`` times:
+    BatchNorm's statistics should not lean on one image."""
+    missing, k = n - x.shape[0], x.shape[0]
+    if missing <= 0 or k == 0:
         return x
-    return torch.cat([x, x[:1].expand(missing, -1, -1, -1)]).contiguous(
+    return torch.cat([x, x[torch.arange(missing, device=x.device) % k]]).contiguous(
         memory_format=torch.channels_last)
 
 

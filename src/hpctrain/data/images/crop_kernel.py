@@ -55,24 +55,32 @@ def _weights(n_in: torch.Tensor, n_out: torch.Tensor, shift: torch.Tensor, flip:
     invscale = torch.where(scale >= 1, 1.0 / scale, torch.ones_like(scale))
     center = scale * (i[:, :, None] + 0.5)
     j = torch.arange(span, device=device, dtype=torch.float32)
-    w = (1 - ((j - center + 0.5) * invscale).abs()).clamp_(min=0)
-    w = w * (j < n_in[:, None, None])
-    return (w / w.sum(-1, keepdim=True)).to(dtype)
+    # One (B, size, span) float32 buffer, built in place (`groups_by_size` counts it): out of
+    # place, each step of the formula would be one more.
+    w = torch.sub(j, center)
+    w.add_(0.5).mul_(invscale).abs_().neg_().add_(1).clamp_(min=0)
+    w.mul_(j < n_in[:, None, None])
+    return w.div_(w.sum(-1, keepdim=True)).to(dtype)
 
 
-# Elements of one group's padded crops (B, hmax, 3, wmax): ~0.8 GB of uint8 + float16 at most.
-# A batch of ImageNet-sized photos is one group; a 4000 x 3000 photo among them would pad every
-# crop to its size (tens of GB), so the largest boxes go to groups of their own.
+# Elements of one group's temporaries, each counted as 3 bytes: the padded crops (B, hmax, 3,
+# wmax) in uint8 + float16; twice the weights (B, S, hmax) and (B, S, wmax), each built in one
+# float32 buffer then cast to float16; twice the rows resized (B, S, 3, wmax) in float16:
+# ~0.8 GB at most. A batch of ImageNet-sized photos
+# is one group; a 4000 x 3000 photo among them would pad every crop to its size (tens of GB),
+# so the largest boxes go to groups of their own.
 MAX_GROUP_ELEMENTS = 1 << 28
 
 
-def groups_by_size(geometry: list[list[int]], max_elements: int = MAX_GROUP_ELEMENTS,
-                   ) -> list[list[int]]:
-    """The samples in groups whose boxes, padded to the group's largest height and width, hold
-    at most ``max_elements`` (one group, in batch order, when the whole batch fits)."""
+def groups_by_size(geometry: list[list[int]], size: int,
+                   max_elements: int = MAX_GROUP_ELEMENTS) -> list[list[int]]:
+    """The samples in groups whose temporaries (boxes padded to the group's largest height
+    and width, resized to ``size``) hold at most ``max_elements`` (one group, in batch order,
+    when the whole batch fits)."""
     def padded(rows: list[int]) -> int:
-        return len(rows) * 3 * max(geometry[k][4] for k in rows) * max(
-            geometry[k][5] for k in rows)
+        hmax = max(geometry[k][4] for k in rows)
+        wmax = max(geometry[k][5] for k in rows)
+        return len(rows) * (3 * hmax * wmax + 2 * size * (hmax + wmax) + 2 * size * wmax)
 
     everything = list(range(len(geometry)))
     if padded(everything) <= max_elements:
@@ -92,7 +100,7 @@ def batch_crops(images: Sequence[torch.Tensor], geometry: list[list[int]], size:
     in ``compute`` precision (float16 on CUDA keeps uint8 levels exact and halves the traffic).
     A fixed number of ops per group of `groups_by_size` (one group, as a rule)."""
     device = images[0].device
-    groups = groups_by_size(geometry, max_elements)
+    groups = groups_by_size(geometry, size, max_elements)
     order = [k for g in groups for k in g]
     # Rows in group order; the last column puts the results back in batch order.
     inverse = [0] * len(order)

@@ -131,9 +131,14 @@ def _nvjpeg(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor
         return out
 
 
-def _cpu_or_none(data: torch.Tensor, min_side: int | None) -> tuple[torch.Tensor | None, str]:
+def _cpu_or_none(data: torch.Tensor, min_side: int | None, contiguous: bool = False,
+                 ) -> tuple[torch.Tensor | None, str]:
+    """One image decoded by Pillow, or None and why not. ``contiguous``: as a (3, H, W) copy
+    rather than Pillow's permuted HWC view (for the GPU: done by the decoding thread, in
+    parallel, so that `to_device_packed` packs the batch in one plain copy)."""
     try:
-        return _pil_decode(data, min_side), ""
+        img = _pil_decode(data, min_side)
+        return (img.contiguous() if contiguous else img), ""
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - Pillow raises OSError, SyntaxError, ValueError...
@@ -158,14 +163,25 @@ def to_device_packed(images: list[torch.Tensor], device: torch.device,
     ~10 ms each on an H200 host (the decode split ran at 270 img/s)."""
     if not images:
         return []
+    for k, img in enumerate(images):
+        # The buffer is uint8 and each part is viewed back as (3, H, W): anything else would
+        # come back as other pixels, or fail in a view far from its cause.
+        if img.dtype != torch.uint8 or img.dim() != 3:
+            raise DataError(f"image {k} of the batch to send to {device} is a {img.dtype} "
+                            f"tensor of shape {tuple(img.shape)}",
+                            expected="uint8 (3, H, W) tensors, as Pillow's decode returns",
+                            hint="decode with decode_batch, or convert the images to uint8 "
+                            "(C, H, W) first")
     if pin is None:
         if device.type != "cuda":
             return [img.to(device) for img in images]  # the CPU path keeps Pillow's tensors
         pin = True
     sizes = [img.numel() for img in images]
     packed = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pin)
-    for img, part in zip(images, packed.split(sizes), strict=True):
-        part.view(img.shape).copy_(img)  # Pillow's is a permuted HWC view: made (3, H, W) here
+    # One op for the batch (a copy per image was one more dispatch each, in the loader thread).
+    # `decode_batch` has its Pillow threads make the images (3, H, W)-contiguous; a permuted
+    # one is copied by reshape first.
+    torch.cat([img.reshape(-1) for img in images], out=packed)
     moved = packed.to(device, non_blocking=True) if packed.device != device else packed
     return [part.view(img.shape) for img, part in zip(images, moved.split(sizes), strict=True)]
 
@@ -185,15 +201,18 @@ def decode_batch(images: EncodedImages | Sequence[torch.Tensor], device: str | t
     out: list[torch.Tensor | None] = [None] * n
     why = [""] * n
     on_gpu: list[int] = []
-    if device.type == "cuda":
+    on_cuda = device.type == "cuda"  # the host-decoded images are packed for one copy there
+    if on_cuda:
         # numpy slices the head: a torch slice per image would be one more op dispatched.
         jpegs = [i for i, d in enumerate(batch.data) if is_jpeg(d.numpy()[:3].tobytes())]
         on_gpu = jpegs[:len(jpegs) - round(len(jpegs) * cpu_fraction)]
     gpu = set(on_gpu)
     host = [i for i in range(n) if i not in gpu]
-    # Host decodes start first, so they overlap the nvJPEG call below.
-    if threads > 1 and len(host) > 1:
-        pending = [_pool(threads).submit(_cpu_or_none, batch.data[i], min_side) for i in host]
+    # Host decodes start first, on the pool, so they overlap the nvJPEG call below (which
+    # releases the GIL while it waits for the device): even a single thread's.
+    if host and (threads > 1 and len(host) > 1 or on_gpu):
+        pending = [_pool(threads).submit(_cpu_or_none, batch.data[i], min_side, on_cuda)
+                   for i in host]
     else:
         pending = None
     if on_gpu:
@@ -202,12 +221,12 @@ def decode_batch(images: EncodedImages | Sequence[torch.Tensor], device: str | t
     decoded: dict[int, torch.Tensor] = {}
     for k, i in enumerate(host):
         img, why[i] = (pending[k].result() if pending is not None
-                       else _cpu_or_none(batch.data[i], min_side))
+                       else _cpu_or_none(batch.data[i], min_side, on_cuda))
         if img is not None:
             decoded[i] = img
     for i in on_gpu:  # refused by nvJPEG alone (CMYK, ...): Pillow's turn
         if out[i] is None:
-            img, why[i] = _cpu_or_none(batch.data[i], min_side)
+            img, why[i] = _cpu_or_none(batch.data[i], min_side, on_cuda)
             if img is not None:
                 decoded[i] = img
     for i, img in zip(decoded, to_device_packed(list(decoded.values()), device), strict=True):

@@ -73,11 +73,11 @@ def loader_throughput(path: str | Path, *, split: str = "train", batch: int = 25
                                     ("augment", encoded.augment_ms)):
                     if value is not None:
                         ms[name].append(value)
-            x, _ = pipe(encoded, labels, augment_generator(seed, step, 0))
+            _, kept = pipe(encoded, labels, augment_generator(seed, step, 0))
             _sync(device)
             wait += t1 - t0
             work += time.perf_counter() - t1
-            images += x.shape[0]
+            images += len(kept)  # a batch ahead is padded to its size: its labels are not
         total = time.perf_counter() - t_start
     finally:
         loader.close()
