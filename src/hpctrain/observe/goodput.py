@@ -24,11 +24,11 @@ its attempt in the run directory; the account over all ledgers is ``goodput.json
 ``startup_parts`` splits an attempt's start-up, in the order they happen (``STARTUP_PARTS``):
 ``start`` (process start, imports, the run directory's lock; the process group too for ranks
 started by srun or torchrun, which join it before the lock), ``process_group``, ``model_build``
-(model, parallelism, optimizer, data), ``checkpoint_load`` (what is left of finding, verifying and loading
-the checkpoint once the model is built: its files are read and checked from the trainer's
-creation on), ``compile_cache`` (loading a saved compile cache), ``other`` (up to the loop), and
-``first_step``: the first step of the attempt, compilation included (it runs inside it; the
-compile cache shortens it). A part that did not happen is absent.
+(model, parallelism, optimizer, data), ``checkpoint_load`` (what is left of finding, verifying
+and loading the checkpoint once the model is built: its files are read and checked from the
+trainer's creation on), ``compile_cache`` (loading a saved compile cache), ``other`` (up to the
+loop), and ``first_step``: the first step of the attempt, compilation included (it runs inside
+it; the compile cache shortens it). A part that did not happen is absent.
 
 ``checkpoint_cost_s`` is what one periodic save cost the run (the checkpoint part over the saves
 that count, less the end of an attempt's flush: the final save and the wait for the writes in
