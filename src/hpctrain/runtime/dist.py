@@ -166,8 +166,16 @@ def _agent_store(env: ProcessEnv, timeout: datetime.timedelta) -> dist.Store | N
     The agent hosts one store for its whole life and every restart of the group meets there.
     torch's env:// rendezvous uses it without a per-attempt prefix, so a group restarted after
     a rank died read the dead attempt's keys (its peers' addresses, barrier counts) and never
-    formed; each attempt's keys are its own here."""
+    formed; each attempt's keys are its own here.
+
+    Only where one agent runs the whole group (``--nproc``, single-node torchrun): the restart
+    count is each agent's own, and an agent restarted for a membership change does not count
+    up, so the agents of a multi-node job can name one attempt differently and their ranks
+    would wait for each other under two prefixes until the timeout. There torch's env://
+    rendezvous on the agent store stays as it was."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
         return None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     client = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
