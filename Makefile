@@ -60,11 +60,14 @@ demo: $(BASE_STAMP)
 # time of the whole `make test` (installs included), to keep the suite's time in view.
 # The apt installs (downloads and dpkg, tens of seconds on a fresh machine) run in the
 # background while pip fills .venv; their output is printed when both are done, and either
-# failing fails `make test`.
+# failing fails `make test`. Interrupted (Ctrl-C, a CI kill), the recipe still waits for them:
+# a background job ignores SIGINT, and a dpkg left running would hold the lock of the next run.
 test:
 	@log=$$(mktemp); \
 	{ bash scripts/install-slurm.sh && bash scripts/install-browser.sh; } > "$$log" 2>&1 & \
 	system=$$!; \
+	trap 'echo "make test: interrupted; waiting for the apt installs"; wait $$system; \
+	      cat "$$log"; rm -f "$$log"; exit 130' INT TERM; \
 	$(MAKE) --no-print-directory $(STAMP); venv=$$?; \
 	wait $$system; apt=$$?; cat "$$log"; rm -f "$$log"; \
 	[ $$venv -eq 0 ] && [ $$apt -eq 0 ]

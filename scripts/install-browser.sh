@@ -65,7 +65,7 @@ if ! apt-get update -q; then
     cannot_install "'apt-get update' failed (offline, or no package mirror reachable)" \
         "give this machine access to a Debian mirror (or a local one), then rerun"
 fi
-if ! apt-get install -y -q --no-install-recommends "${PACKAGES[@]}"; then
+if ! apt-get install -o DPkg::Lock::Timeout=300 -y -q --no-install-recommends "${PACKAGES[@]}"; then
     cannot_install "'apt-get install' failed (offline, or the packages are not in the lists)" \
         "give this machine access to a Debian mirror (or a local one), then rerun"
 fi

@@ -85,7 +85,7 @@ printf '#!/bin/sh\n# installed by hpctrain scripts/install-slurm.sh for the inst
     > "$POLICY"
 chmod 755 "$POLICY"
 
-if ! apt-get install -y -q --no-install-recommends "${PACKAGES[@]}"; then
+if ! apt-get install -o DPkg::Lock::Timeout=300 -y -q --no-install-recommends "${PACKAGES[@]}"; then
     cannot_install "'apt-get install' failed (offline, or the packages are not in the lists)" \
         "give this machine access to a Debian mirror (or a local one), then rerun"
 fi
