@@ -1,7 +1,7 @@
 """Small models, optimizers and file damage for the checkpoint tests (no pytest fixtures here).
 
-Imported by the tests in this folder and by the spawned gloo ranks of ``test_manager.py``, so
-it must stay importable by path from a fresh interpreter (``torch.multiprocessing`` spawn).
+Imported by the tests in this folder and by their gloo ranks (forked from the preloaded
+interpreter, which imports it by name as the tests do).
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+import forked
 from hpctrain.checkpoint.config import CheckpointConfig
 from hpctrain.checkpoint.manager import CheckpointManager
+from hpctrain.launch.local import kill_tree
 
 SPAWN_TIMEOUT_S = 150
 
@@ -144,25 +145,30 @@ def fsdp_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 @contextmanager
 def two_spawned_ranks(rank_main: Callable[[int, int, int, str], None], out: Path,
                       what: str) -> Iterator[Callable[[], tuple[Path, list[dict]]]]:
-    """Start ``rank_main(rank, 2, port, out)`` on 2 spawned ranks now; yield ``result()``, which
-    joins them (once) and returns (out, each rank's ``rank-N.json``). Leftovers are killed."""
-    ctx = mp.start_processes(rank_main, args=(2, free_port(), str(out)), nprocs=2, join=False,
-                             start_method="spawn")
+    """Start ``rank_main(rank, 2, port, out)`` on 2 ranks now, forked from the preloaded
+    interpreter (tests/forked.py: no ~4 CPU-s of imports each); yield ``result()``, which joins
+    them (once) and returns (out, each rank's ``rank-N.json``). Leftovers are killed."""
+    port, logs = free_port(), [out / f"rank-{r}.log" for r in range(2)]
+    procs = [forked.start(rank_main, (r, 2, port, str(out)), env=dict(os.environ), out=logs[r])
+             for r in range(2)]
     ranks: list[dict] = []
 
     def result() -> tuple[Path, list[dict]]:
         if not ranks:
             deadline = time.monotonic() + SPAWN_TIMEOUT_S
-            while not ctx.join(timeout=1):
+            while any(p.exitcode is None for p in procs):
                 if time.monotonic() > deadline:
                     pytest.fail(f"2-rank {what} did not finish in {SPAWN_TIMEOUT_S} s")
+                time.sleep(0.05)
+            assert all(p.exitcode == 0 for p in procs), "\n".join(
+                f"--- rank {r} (exit {p.exitcode}) ---\n{logs[r].read_text()[-3000:]}"
+                for r, p in enumerate(procs))
             ranks.extend(json.loads((out / f"rank-{r}.json").read_text()) for r in range(2))
         return out, ranks
 
     try:
         yield result
     finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        for r, p in enumerate(procs):
+            kill_tree(p.pid)
+            forked.finish(p, logs[r])

@@ -111,14 +111,14 @@ def test_example_killed_and_rerun_on_2_fsdp_ranks_resumes_bit_identically(
             "train.micro_batch=8", "parallel.strategy=fsdp", *common, "run.suffix=none",
             "checkpoint.every=3", "run.name=killed"]
     run = start(argv, tmp_path / "killed.log", tmp_path / "killed",
-                env={"HPCTRAIN_FAULTS": "hang@step=6,seconds=600"}, fresh=True)
+                env={"HPCTRAIN_FAULTS": "hang@step=6,seconds=600"})
     try:
         run.wait_for("step 5 and the checkpoint of step 3",
                      lambda: run.steps() >= 5 and run.latest() == "step-00000003", timeout=200)
     finally:
         kill_tree_of(run)
     before = logged(tmp_path, "killed")
-    rerun = start(argv, tmp_path / "rerun.log", tmp_path / "killed", fresh=True)
+    rerun = start(argv, tmp_path / "rerun.log", tmp_path / "killed")
     assert rerun.proc.wait(timeout=240) == 0, rerun.output()[-3000:]
     after = logged(tmp_path, "killed")  # the rerun's records of steps 4-6 come last
     assert "resumed from step-00000003" in rerun.output()

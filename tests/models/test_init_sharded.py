@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 
-from conftest import free_port
+from conftest import spawn_ranks
 from hpctrain.models import ModelArgs, Transformer
 
 ARGS = ModelArgs(
@@ -17,9 +16,11 @@ ARGS = ModelArgs(
 )
 
 
-def _worker(rank: int, world_size: int, port: int, results: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def _worker(rank: int, port: int, results: Any) -> None:
+    """One rank of 2 (forked from the preloaded interpreter): what init_weights made, on the
+    queue."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
     try:
         with torch.device("meta"):
             model = Transformer(ARGS)
@@ -31,24 +32,24 @@ def _worker(rank: int, world_size: int, port: int, results: dict) -> None:
         model.init_weights()
         weight = model.layers[0].attention.wq.weight
         full = {k: v.full_tensor() for k, v in model.state_dict().items()}
-        results[rank] = {
+        results.put({
+            "rank": rank,
             "is_dtensor": type(weight).__name__ == "DTensor",
             "finite": all(bool(torch.isfinite(v).all()) for v in full.values()),
             "emb_std": full["tok_embeddings.weight"].std().item(),
-            "rope": model.rope.clone(),
-        }
+            # By value: a queued tensor is shared memory, which the rank's exit frees.
+            "rope": model.rope.numpy().copy(),
+        })
     finally:
         dist.destroy_process_group()
 
 
 def test_init_weights_on_fsdp2_shards() -> None:
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_worker, args=(2, free_port(), results), nprocs=2, join=True)
-        results = dict(results)
+    results = sorted(spawn_ranks(_worker, 2), key=lambda r: r["rank"])
     expected_rope = Transformer(ARGS).rope
-    for rank in range(2):
-        assert results[rank]["is_dtensor"]
-        assert results[rank]["finite"]
-        assert abs(results[rank]["emb_std"] - 0.02) < 0.002
-        torch.testing.assert_close(results[rank]["rope"], expected_rope, rtol=0, atol=0)
+    assert [r["rank"] for r in results] == [0, 1]
+    for result in results:
+        assert result["is_dtensor"]
+        assert result["finite"]
+        assert abs(result["emb_std"] - 0.02) < 0.002
+        torch.testing.assert_close(torch.from_numpy(result["rope"]), expected_rope, rtol=0, atol=0)

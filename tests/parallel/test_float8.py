@@ -12,13 +12,12 @@ through the real entry point in two launches side by side (``rank_jobs.py``: glo
 
 Loss curves cannot tell a right float8 all-gather from a subtly wrong one (scales from each
 shard's own maximum moved this model's loss by no more than the right ones), so a third launch,
-2 ranks running this file, checks the gathered float8 weights bit for bit (``_rank_check``).
+2 ranks forked from the preloaded interpreter, checks the gathered float8 weights bit for bit
+(``_rank_check``).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DEMO, QUIET, TINY, run_cli
+from conftest import DEMO, QUIET, TINY, fork_spawn, run_cli
 from hpctrain.config import load_config
 from hpctrain.errors import ConfigError
 from hpctrain.models import Transformer
@@ -41,7 +40,7 @@ from hpctrain.parallel.float8 import (
 )
 from hpctrain.parallel.layout import ParallelLayout
 from hpctrain.plan.memory_options import MemoryOptions, resolve_model
-from rank_jobs import REPO, free_port, launch
+from rank_jobs import free_port, launch
 from run_records import assert_close, checkpoint_dir, logged
 
 try:
@@ -218,7 +217,7 @@ def test_mfu_is_against_the_bf16_peak() -> None:
 # -- training runs -------------------------------------------------------------------------
 
 
-def _rank_check() -> None:
+def _rank_check(rank: int, port: int) -> None:
     """One rank of 2 (gloo): FSDP with float8 all-gather gathers exactly the float8 weight
     that the whole weight casts to with the scale of its global maximum."""
     import torch.distributed as dist
@@ -231,7 +230,9 @@ def _rank_check() -> None:
     from hpctrain.parallel.parallelize import parallelize
     from hpctrain.runtime.dist import MESH_AXES
 
-    dist.init_process_group("gloo")
+    torch.set_num_threads(1)  # 2 ranks and 2 training launches beside them
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
     mesh = init_device_mesh("cpu", (1, 1, 2, 1), mesh_dim_names=MESH_AXES)
     cfg = load_config(DEMO, [*TINY, "parallel.strategy=fsdp"])
     par = parallelize(_tiny_model(), cfg.parallel, ParallelLayout(1, 1, 2, 1), mesh,
@@ -257,31 +258,6 @@ def _rank_check() -> None:
                                expected._data.view(torch.uint8)), name
         block.reshard()
     dist.destroy_process_group()
-
-
-def _launch_rank_check(nproc: int, workdir: Path, timeout: float) -> None:
-    """Run ``_rank_check`` on ``nproc`` ranks; fail with their logs if one fails."""
-    from hpctrain.launch.local import kill_tree
-
-    workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    procs = []
-    for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO / "src")]))
-        with (workdir / f"rank-{rank}.log").open("w") as log:
-            procs.append(subprocess.Popen([sys.executable, __file__], cwd=REPO, env=env,
-                                          stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
-    try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            kill_tree(p.pid)
-            p.wait(timeout=10)
-    logs = "\n".join((workdir / f"rank-{r}.log").read_text()[-3000:] for r in range(nproc))
-    assert codes == [0] * nproc, f"rank check exit codes {codes}:\n{logs}"
 
 
 @pytest.fixture(scope="module")
@@ -312,7 +288,8 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with ThreadPoolExecutor(max_workers=3) as pool:
         first = pool.submit(launch, 1, one, root / "launch-1", LAUNCH_TIMEOUT_S)
         second = pool.submit(launch, 2, two, root / "launch-2", LAUNCH_TIMEOUT_S)
-        check = pool.submit(_launch_rank_check, 2, root / "rank-check", LAUNCH_TIMEOUT_S)
+        # Forked from the preloaded interpreter, as rank_jobs' ranks are.
+        check = pool.submit(fork_spawn, _rank_check, (free_port(),), 2, LAUNCH_TIMEOUT_S)
         first.result()
         second.result()
         try:
@@ -381,6 +358,3 @@ def test_checkpoints_cross_precisions(out: Path, saved: str, resumed: str) -> No
     (load,) = [r for r in records if r.get("event") == "checkpoint_load"]
     assert load["step"] == 3
 
-
-if __name__ == "__main__":
-    _rank_check()

@@ -1,16 +1,20 @@
-"""hpctrain's preemption protocol against a real Slurm: signal → checkpoint → requeue → resume.
+"""hpctrain's preemption protocol against a real Slurm: signal → checkpoint → requeue → resume,
+and the goodput of a run requeued into a second allocation.
 
 The batch scripts are the ones `hpctrain sbatch` generates; ranks are `srun` tasks on CPU (gloo).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from pathlib import Path
 
 import pytest
 
 from hpctrain.checkpoint.manifest import read_manifest, verify_files
+from hpctrain.observe.goodput import PARTS
 
 from .jobs import REPO, ReferenceLosses, diagnosis, exit_info, script, wait_for_steps
 
@@ -77,3 +81,19 @@ def test_array_task_requeues_only_itself(slurm_cluster, tmp_path: Path) -> None:
     assert slurm_cluster.job_info(f"{job}_1")["RestartCnt"] == "1"
     assert exit_info(tmp_path / "runs" / f"arr-{job}_0")["extra"]["steps"] == 40
     assert exit_info(run_1)["extra"]["steps"] == 40
+    # Task 1's goodput holds both of its attempts, in two allocations, found from the run
+    # directory alone: nothing lost, and no restart gap (it held no devices while queued).
+    account = json.loads((run_1 / "goodput.json").read_text())
+    first, second = account["attempts"]
+    assert (first["exit_code"], first["resumed_from_step"], first["last_step"]) == (75, None, 6)
+    assert (second["exit_code"], second["resumed_from_step"], second["last_step"]) == (0, 6, 40)
+    parts = account["parts"]
+    assert set(parts) == set(PARTS) and account["lost_steps"] == 0
+    assert parts["restart_gap"] == 0 and parts["lost_work"] == 0
+    # The queue time between the allocations is not in the wall time.
+    assert second["start"] - first["end"] > 5
+    held = sum(a["end"] - a["start"] for a in account["attempts"])
+    assert math.isclose(account["wall_s"], held, rel_tol=0.02)
+    assert math.isclose(sum(parts.values()), account["wall_s"], rel_tol=0.02)
+    log = (tmp_path / "logs" / f"arr-{job}_1.out").read_text()
+    assert "goodput" in log and "over 2 attempts" in log, log[-3000:]
