@@ -419,6 +419,11 @@ class CheckpointManager:
             self._verifying[2].cancel()
             self._verifying = None
 
+    def cancel_prefetch(self) -> None:
+        """Stop the checks ``prefetch`` started if no restore took them (not collective): a run
+        that fails before it resumes must not hash the whole checkpoint on its way out."""
+        self._abandon()
+
     def restore_newest(self, load: Loader) -> tuple[Path, dict[str, Any]] | None:
         """Load the newest checkpoint that verifies and loads, falling back past damaged ones.
 
