@@ -12,6 +12,8 @@ and values unpickled once for all alike ones, arrive exactly.
 
 from __future__ import annotations
 
+import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -221,3 +223,66 @@ def test_a_named_damaged_checkpoint_is_an_error_and_nothing_after_the_tensors_is
     assert shard.name in e.value.what and "checksum" in e.value.what, e.value.what
     assert resumed.loader.given == [] and resumed.scheduler.last_epoch == 0
     assert m.last_committed is None
+
+
+def _ours_alive() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.is_alive()
+            and t.name.startswith(("hpctrain-load", "hpctrain-verify"))]
+
+
+def test_ctrl_c_while_the_pieces_load_stops_every_thread(pg, no_faults, tmp_path: Path,
+                                                        monkeypatch) -> None:
+    """SIGINT after the first piece: ``load`` raises KeyboardInterrupt (not damage), and no
+    loading or checking thread is left writing into the state or reading the files."""
+    _run(tmp_path, (2,))
+    monkeypatch.setattr(safe_io, "_PIECE", 64)
+    gate, pieces = threading.Event(), []
+    read = safe_io._read_into
+
+    def interrupting(f, dest, offset, fqn) -> None:
+        pieces.append(offset)
+        if len(pieces) == 1:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        else:
+            gate.wait(1.0)  # the later pieces take long: a thread left behind is still reading
+        read(f, dest, offset, fqn)
+
+    monkeypatch.setattr(safe_io, "_read_into", interrupting)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            manager(tmp_path).load(tmp_path / step_dir_name(2),
+                                   checkpointing.tensor_state(_train_state(1)))
+        assert _ours_alive() == []
+    finally:
+        gate.set()
+
+
+def test_ctrl_c_while_waiting_for_the_checksums_stops_them(pg, no_faults, tmp_path: Path,
+                                                           monkeypatch) -> None:
+    """SIGINT while ``load`` waits for its checks (the state loaded): none goes on hashing."""
+    from hpctrain.checkpoint import manifest
+
+    _run(tmp_path, (2,))
+    release, loaded = threading.Event(), threading.Event()
+    real = manifest.checksum
+
+    def held(path: Path, stop: threading.Event | None = None) -> str:
+        """Interrupts ``load`` once it waits for the verdict; hashes only when stopped."""
+        assert loaded.wait(30)
+        if path.name == ".metadata":
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        while not (stop is not None and stop.is_set()) and not release.is_set():
+            release.wait(0.01)
+        return real(path, stop)
+
+    problem = manifest.Verification.problem
+    monkeypatch.setattr(manifest, "checksum", held)
+    monkeypatch.setattr(manifest.Verification, "problem",
+                        lambda self: (loaded.set(), problem(self))[1])
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            manager(tmp_path).load(tmp_path / step_dir_name(2),
+                                   checkpointing.tensor_state(_train_state(1)))
+        assert _ours_alive() == []
+    finally:
+        release.set()

@@ -496,13 +496,19 @@ class CheckpointManager:
                 dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
                          process_group=self.group)
             except CheckpointException as e:  # a BaseException carrying each rank's failure
+                if isinstance(e.failures.get(self.rank, (None,))[0], KeyboardInterrupt):
+                    raise KeyboardInterrupt from None  # Ctrl-C here, not damage
                 raise _load_failure(path, e) from None
         except CheckpointError as e:  # agreed by every rank (``_agree_on``, DCP's gather)
             failure = e
         except BaseException:
             verification.cancel()
             raise
-        self._agree_verified(verification)
+        try:
+            self._agree_verified(verification)
+        except BaseException:
+            verification.cancel()  # Ctrl-C while waiting: no thread goes on hashing
+            raise
         if failure is not None:
             raise failure
         rng_path = path / f"rng-rank-{self.rank:05d}.pt"
@@ -559,6 +565,8 @@ def _load_failure(path: Path, e: CheckpointException) -> CheckpointError:
     inner = causes(e)[0]
     if isinstance(inner, DamagedCheckpoint):
         return DamagedCheckpoint(inner.what)
+    if any(isinstance(cause, KeyboardInterrupt) for cause in causes(e)):
+        return CheckpointError(f"loading {path} was interrupted on another rank")
     if isinstance(inner, MemoryError | torch.OutOfMemoryError):
         return CheckpointError(f"loading {path} failed: {first_line(e)}")
     return DamagedCheckpoint(f"loading {path} failed: {first_line(e)}")

@@ -26,7 +26,7 @@ import pickle
 import re
 import threading
 from collections.abc import Collection
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path, PosixPath
 from typing import Any, BinaryIO
 
@@ -334,9 +334,13 @@ def _read_spans(f: BinaryIO, spans: list[_Span], threads: int, staging: _Staging
     queue = iter(pieces)
     lock = threading.Lock()
     failed = threading.Event()
+    # Set once every worker is submitted: an interrupt inside ``submit`` leaves a thread the
+    # pool does not track yet, which must then find ``failed`` set before it reads anything.
+    go = threading.Event()
 
     def work(worker: int) -> None:
         try:
+            go.wait()
             while not failed.is_set():
                 with lock:
                     piece = next(queue, None)
@@ -357,12 +361,23 @@ def _read_spans(f: BinaryIO, spans: list[_Span], threads: int, staging: _Staging
 
     n = min(threads, len(pieces))
     if n == 1:
+        go.set()
         work(0)
         return
-    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="hpctrain-load") as pool:
-        futures = [pool.submit(work, worker) for worker in range(n)]
-    for future in futures:
-        future.result()
+    pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="hpctrain-load")
+    futures = []
+    try:
+        futures.extend(pool.submit(work, worker) for worker in range(n))
+        go.set()
+        for future in futures:
+            future.result()
+    finally:
+        # Interrupted (Ctrl-C) or failed: the others stop at their next piece, and nothing
+        # returns while a thread still reads into a tensor or a buffer the caller frees.
+        failed.set()
+        go.set()
+        wait(futures)
+        pool.shutdown()
 
 
 class _Staging:
@@ -406,7 +421,9 @@ class _Staging:
                 event.synchronize()
 
     def close(self) -> None:
-        """Unpin the buffers (every copy has finished: each worker waited for its own)."""
+        """Unpin the buffers once every copy from them has finished."""
+        # Each worker waited for its own copies, unless an error or Ctrl-C cut that short.
+        self.stream.synchronize()
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
             self.pinned = False
