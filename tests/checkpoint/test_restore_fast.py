@@ -286,3 +286,20 @@ def test_ctrl_c_while_waiting_for_the_checksums_stops_them(pg, no_faults, tmp_pa
         assert _ours_alive() == []
     finally:
         release.set()
+
+
+def test_a_shard_or_step_folder_that_is_a_link_is_never_followed(pg, no_faults,
+                                                                 tmp_path: Path) -> None:
+    """A checkpoint folder's writer could link a shard (or a whole step-N) to any file the
+    reader can read: refused even when the bytes match the manifest."""
+    _run(tmp_path, (2,))
+    ckpt = tmp_path / step_dir_name(2)
+    shard = next(ckpt.glob("*.distcp"))
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.distcp"
+    shard.rename(outside)
+    shard.symlink_to(outside)
+    m = manager(tmp_path)
+    with pytest.raises(DamagedCheckpoint, match="symbolic link"):
+        m.load(ckpt, checkpointing.tensor_state(_train_state(1)))
+    (tmp_path / step_dir_name(3)).symlink_to(ckpt)
+    assert [p.name for p in m.committed()] == [step_dir_name(2)]

@@ -8,14 +8,17 @@ checked for type and consistency before anything acts on it.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import re
+import stat
 import threading
 from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import xxhash
 
@@ -78,12 +81,33 @@ def checksum(path: Path, stop: threading.Event | None = None) -> str:
     h = xxhash.xxh3_64()
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    with open_file(path) as f:
         if hasattr(os, "posix_fadvise"):  # read ahead more eagerly: a resume reads cold
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         while (n := f.readinto(buf)) and not (stop is not None and stop.is_set()):
             h.update(view[:n])
     return h.hexdigest()
+
+
+def open_file(path: Path) -> BinaryIO:
+    """Open a checkpoint's file to read; DamagedCheckpoint if it is a symbolic link (followed,
+    it would pull any file the reader can read into the weights) or not a regular file. The
+    folder may be a link (a user's own choice); only the file's name is not followed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise DamagedCheckpoint(f"{path} is a symbolic link (a checkpoint's files are "
+                                    "its own)") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO would block a read forever
+            raise DamagedCheckpoint(f"{path} is not a regular file")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return open(path, "rb", opener=lambda *_: fd)  # named by its path, for errors
 
 
 def describe(path: Path) -> dict[str, Any]:
@@ -193,14 +217,22 @@ def _problem(path: Path, want: dict[str, Any], stop: threading.Event | None = No
              ) -> DamagedCheckpoint | None:
     """What is wrong with one file against its manifest entry, if anything (None once
     ``stop`` is set)."""
-    if not path.is_file():
-        return DamagedCheckpoint(f"{path} is missing")
     try:
-        size = path.stat().st_size
-        if size != want["size"]:
-            return DamagedCheckpoint(f"{path} is {size} bytes, the manifest says "
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            # Followed, it would pull any file the reader can read into the weights.
+            return DamagedCheckpoint(f"{path} is a symbolic link (a checkpoint's files are "
+                                     "its own)")
+        if not stat.S_ISREG(st.st_mode):
+            return DamagedCheckpoint(f"{path} is not a regular file")
+        if st.st_size != want["size"]:
+            return DamagedCheckpoint(f"{path} is {st.st_size} bytes, the manifest says "
                                      f"{want['size']} (truncated or overwritten)")
         got = checksum(path, stop)
+    except FileNotFoundError:
+        return DamagedCheckpoint(f"{path} is missing")
+    except DamagedCheckpoint as e:  # replaced by a link since the check above
+        return e
     except OSError as e:
         return DamagedCheckpoint(f"{path} is unreadable: {e}")
     if stop is not None and stop.is_set():

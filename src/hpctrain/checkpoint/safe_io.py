@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from hpctrain.checkpoint.manifest import DamagedCheckpoint, is_int, is_plain_name
+from hpctrain.checkpoint.manifest import DamagedCheckpoint, is_int, is_plain_name, open_file
 from hpctrain.shown import shown
 
 # What a tensor's or a value's bytes may hold is torch's weights-only allow-list; these
@@ -121,7 +121,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 def load_index(path: Path, files: Collection[str] | None = None) -> Metadata:
     """Unpickle and check a DCP ``.metadata`` index; ``files``: what the manifest lists."""
     try:
-        with open(path, "rb") as f:
+        with open_file(path) as f:  # a link in the checkpoint is refused
             metadata = _MetadataUnpickler(f).load()
     except RefusedGlobal as e:
         raise DamagedCheckpoint(f"{path}: {e} (a checkpoint index may hold only DCP's "
@@ -185,7 +185,7 @@ def _python3_name(name: str) -> str:
 def load_weights_only(path: Path) -> Any:
     """``torch.load(weights_only=True)`` of one checkpoint file; DamagedCheckpoint otherwise."""
     try:
-        with open(path, "rb") as f:
+        with open_file(path) as f:  # a link in the checkpoint is refused
             return torch.load(f, map_location="cpu", weights_only=True)
     except (MemoryError, torch.OutOfMemoryError):
         raise
@@ -232,7 +232,7 @@ class SafeFileSystemReader(FileSystemReader):
         try:
             for name, items in by_file.items():
                 try:
-                    with open(Path(self.path) / name, "rb") as f:
+                    with open_file(Path(self.path) / name) as f:
                         spans = [(item, self._direct_span(f, item, planner)) for item in items]
                         direct = [(item, span) for item, span in spans if span is not None]
                         _read_spans(f, [span for _, span in direct], self._threads, staging)
