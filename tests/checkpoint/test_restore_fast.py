@@ -303,3 +303,24 @@ def test_a_shard_or_step_folder_that_is_a_link_is_never_followed(pg, no_faults,
         m.load(ckpt, checkpointing.tensor_state(_train_state(1)))
     (tmp_path / step_dir_name(3)).symlink_to(ckpt)
     assert [p.name for p in m.committed()] == [step_dir_name(2)]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_the_loading_threads_work_on_the_targets_gpu(monkeypatch, tmp_path: Path) -> None:
+    """Restoring into cuda:1 tensors, no reading thread runs on (and makes a context on) GPU 0."""
+    devices: list[int] = []
+    read = safe_io._read_into
+    monkeypatch.setattr(safe_io, "_read_into", lambda *a: (devices.append(
+        torch.cuda.current_device()), read(*a))[1])
+    monkeypatch.setattr(safe_io, "_PIECE", 4096)
+    source = torch.arange(1 << 16, dtype=torch.float32)
+    (tmp_path / "w").write_bytes(source.numpy().tobytes())
+    target = torch.zeros(1 << 16, device="cuda:1")
+    staging = safe_io._Staging(2, target.device, 4096)
+    try:
+        with open(tmp_path / "w", "rb") as f:
+            safe_io._read_spans(f, [safe_io._Span(target, 0, "w")], 2, staging)
+    finally:
+        staging.close()
+    assert torch.equal(target.cpu(), source)
+    assert devices and set(devices) == {1}, devices

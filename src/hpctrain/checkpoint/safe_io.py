@@ -364,7 +364,11 @@ def _read_spans(f: BinaryIO, spans: list[_Span], threads: int, staging: _Staging
         go.set()
         work(0)
         return
-    pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="hpctrain-load")
+    # A new thread starts on GPU 0: its first CUDA call would make a context there on every
+    # rank; the caller's thread is on its own device already.
+    pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="hpctrain-load",
+                              initializer=None if staging is None else torch.cuda.set_device,
+                              initargs=() if staging is None else (staging.stream.device,))
     futures = []
     try:
         futures.extend(pool.submit(work, worker) for worker in range(n))
