@@ -30,6 +30,7 @@ from helpers import (
 
 from hpctrain.checkpoint import safe_io
 from hpctrain.checkpoint.manifest import (
+    CheckpointError,
     DamagedCheckpoint,
     read_manifest,
     step_dir_name,
@@ -324,3 +325,22 @@ def test_the_loading_threads_work_on_the_targets_gpu(monkeypatch, tmp_path: Path
         staging.close()
     assert torch.equal(target.cpu(), source)
     assert devices and set(devices) == {1}, devices
+
+
+@pytest.mark.parametrize(("raised", "kind"), [(ValueError("odd"), DamagedCheckpoint),
+                                              (MemoryError(), CheckpointError)])
+def test_a_check_that_raises_is_a_verdict_on_every_rank(pg, no_faults, tmp_path: Path,
+                                                        monkeypatch, raised, kind) -> None:
+    """Whatever a check raises is a verdict, never an exception on one rank while its peers
+    wait for it: damage, except no memory (which must not set a good checkpoint aside)."""
+    from hpctrain.checkpoint import manifest
+
+    _run(tmp_path, (2,))
+    monkeypatch.setattr(manifest, "checksum", lambda path, stop=None: (_ for _ in ()).throw(
+        raised))
+    with pytest.raises(CheckpointError) as e:
+        manager(tmp_path).load(tmp_path / step_dir_name(2),
+                               checkpointing.tensor_state(_train_state(1)))
+    assert type(e.value) is kind, e.value.what
+    assert ("could not be checked" if kind is DamagedCheckpoint else "out of memory") \
+        in e.value.what

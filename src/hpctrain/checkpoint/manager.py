@@ -530,20 +530,23 @@ class CheckpointManager:
             fn()
             error = None
         except DamagedCheckpoint as e:
-            error = e.what
+            error = e
         self._agree(error)
 
     def _agree_verified(self, verification: Verification) -> None:
         """Wait for this rank's checks; DamagedCheckpoint on every rank if any found damage."""
-        problem = verification.problem()
-        self._agree(problem.what if problem is not None else None)
+        self._agree(verification.problem())
 
-    def _agree(self, error: str | None) -> None:
+    def _agree(self, error: CheckpointError | None) -> None:
+        """Raise on every rank what any rank found: damage, unless a rank could not tell (a
+        CheckpointError that is not damage, which must not set a good checkpoint aside)."""
         errors: list[Any] = [None] * self.world_size
-        dist.all_gather_object(errors, error, group=self.group)
+        mine = None if error is None else (isinstance(error, DamagedCheckpoint), error.what)
+        dist.all_gather_object(errors, mine, group=self.group)
         bad = [e for e in errors if e]
         if bad:
-            raise DamagedCheckpoint(bad[0])
+            damaged, what = next((e for e in bad if not e[0]), bad[0])
+            raise (DamagedCheckpoint if damaged else CheckpointError)(what)
 
     def close(self) -> None:
         """Finish the in-flight save (raising its error), then stop the writer process."""

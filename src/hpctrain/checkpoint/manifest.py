@@ -186,7 +186,7 @@ class Verification:
 
     def __init__(self, ckpt_dir: Path, files: dict[str, dict[str, Any]], names: list[str]):
         self._stop = threading.Event()
-        self._futures: list[Future[DamagedCheckpoint | None]] = []
+        self._futures: list[Future[CheckpointError | None]] = []
         if names:
             pool = ThreadPoolExecutor(max_workers=min(8, len(names)),
                                       thread_name_prefix="hpctrain-verify")
@@ -194,8 +194,9 @@ class Verification:
                              for n in names]
             pool.shutdown(wait=False)  # its threads end with the last check
 
-    def problem(self) -> DamagedCheckpoint | None:
-        """Wait for the checks; the first bad file's error in ``names``' order, or None."""
+    def problem(self) -> CheckpointError | None:
+        """Wait for the checks; the first bad file's error in ``names``' order, or None
+        (a CheckpointError that is not damage: the checks could not run, e.g. no memory)."""
         for future in self._futures:
             problem = future.result()
             if problem is not None:
@@ -214,9 +215,24 @@ class Verification:
 
 
 def _problem(path: Path, want: dict[str, Any], stop: threading.Event | None = None
-             ) -> DamagedCheckpoint | None:
+             ) -> CheckpointError | None:
     """What is wrong with one file against its manifest entry, if anything (None once
-    ``stop`` is set)."""
+    ``stop`` is set). Never raises: a check that raised on one rank would leave its peers
+    waiting for its verdict; a failure to check stops the other checks."""
+    try:
+        return _file_problem(path, want, stop)
+    except MemoryError:
+        if stop is not None:
+            stop.set()
+        return CheckpointError(f"checking {path} ran out of memory")
+    except Exception as e:  # noqa: BLE001 - whatever reading it raised, it cannot be trusted
+        if stop is not None:
+            stop.set()
+        return DamagedCheckpoint(f"{path} could not be checked: {type(e).__name__}: {e}")
+
+
+def _file_problem(path: Path, want: dict[str, Any], stop: threading.Event | None
+                  ) -> DamagedCheckpoint | None:
     try:
         st = os.lstat(path)
         if stat.S_ISLNK(st.st_mode):
