@@ -344,3 +344,22 @@ def test_a_check_that_raises_is_a_verdict_on_every_rank(pg, no_faults, tmp_path:
     assert type(e.value) is kind, e.value.what
     assert ("could not be checked" if kind is DamagedCheckpoint else "out of memory") \
         in e.value.what
+
+
+def test_a_checkpoint_known_damaged_is_not_loaded(pg, no_faults, tmp_path: Path,
+                                                  monkeypatch) -> None:
+    """A shard cut short is damage known before any byte is read: the fallback loads only the
+    older checkpoint."""
+    _run(tmp_path, (2, 3))
+    shard = next((tmp_path / step_dir_name(3)).glob("*.distcp"))
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 1)
+    read = safe_io.SafeFileSystemReader.read_data
+    loaded: list[str] = []
+    monkeypatch.setattr(safe_io.SafeFileSystemReader, "read_data", lambda self, *a: (
+        loaded.append(Path(self.path).name), read(self, *a))[1])
+    m = manager(tmp_path, keep_last=5)
+    m.prefetch()
+    found = m.restore_newest(_restorer(m, _train_state(1)))
+    assert found is not None and found[0].name == step_dir_name(2)
+    assert loaded == [step_dir_name(2)]

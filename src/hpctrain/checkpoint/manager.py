@@ -487,6 +487,8 @@ class CheckpointManager:
         self._verifying = None
         failure: CheckpointError | None = None
         try:
+            # A verdict already in (a file missing or cut short) is acted on before the load.
+            self._agree(verification.known)
             # The same share of the cores as a save's threads; two at least, so that one
             # thread's read overlaps another's copy.
             reader = SafeFileSystemReader(path, files=manifest["files"],

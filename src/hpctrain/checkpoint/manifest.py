@@ -187,7 +187,11 @@ class Verification:
     def __init__(self, ckpt_dir: Path, files: dict[str, dict[str, Any]], names: list[str]):
         self._stop = threading.Event()
         self._futures: list[Future[CheckpointError | None]] = []
-        if names:
+        # Checked here, before a byte is read: a file missing, a link or of the wrong size is
+        # a verdict that the load need not wait for (nor load the checkpoint first).
+        self.known = next((problem for problem in (
+            _problem(ckpt_dir / n, files[n], read=False) for n in names) if problem), None)
+        if names and self.known is None:
             pool = ThreadPoolExecutor(max_workers=min(8, len(names)),
                                       thread_name_prefix="hpctrain-verify")
             self._futures = [pool.submit(_problem, ckpt_dir / n, files[n], self._stop)
@@ -197,6 +201,8 @@ class Verification:
     def problem(self) -> CheckpointError | None:
         """Wait for the checks; the first bad file's error in ``names``' order, or None
         (a CheckpointError that is not damage: the checks could not run, e.g. no memory)."""
+        if self.known is not None:
+            return self.known
         for future in self._futures:
             problem = future.result()
             if problem is not None:
@@ -214,13 +220,14 @@ class Verification:
                 future.exception()  # waits; a stopped check's result means nothing
 
 
-def _problem(path: Path, want: dict[str, Any], stop: threading.Event | None = None
-             ) -> CheckpointError | None:
+def _problem(path: Path, want: dict[str, Any], stop: threading.Event | None = None, *,
+             read: bool = True) -> CheckpointError | None:
     """What is wrong with one file against its manifest entry, if anything (None once
-    ``stop`` is set). Never raises: a check that raised on one rank would leave its peers
-    waiting for its verdict; a failure to check stops the other checks."""
+    ``stop`` is set; ``read`` False: all but the checksum). Never raises: a check that raised
+    on one rank would leave its peers waiting for its verdict; a failure to check stops the
+    other checks."""
     try:
-        return _file_problem(path, want, stop)
+        return _file_problem(path, want, stop, read)
     except MemoryError:
         if stop is not None:
             stop.set()
@@ -231,8 +238,8 @@ def _problem(path: Path, want: dict[str, Any], stop: threading.Event | None = No
         return DamagedCheckpoint(f"{path} could not be checked: {type(e).__name__}: {e}")
 
 
-def _file_problem(path: Path, want: dict[str, Any], stop: threading.Event | None
-                  ) -> DamagedCheckpoint | None:
+def _file_problem(path: Path, want: dict[str, Any], stop: threading.Event | None,
+                  read: bool) -> DamagedCheckpoint | None:
     try:
         st = os.lstat(path)
         if stat.S_ISLNK(st.st_mode):
@@ -244,6 +251,8 @@ def _file_problem(path: Path, want: dict[str, Any], stop: threading.Event | None
         if st.st_size != want["size"]:
             return DamagedCheckpoint(f"{path} is {st.st_size} bytes, the manifest says "
                                      f"{want['size']} (truncated or overwritten)")
+        if not read:
+            return None
         got = checksum(path, stop)
     except FileNotFoundError:
         return DamagedCheckpoint(f"{path} is missing")
