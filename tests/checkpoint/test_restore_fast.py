@@ -363,3 +363,16 @@ def test_a_checkpoint_known_damaged_is_not_loaded(pg, no_faults, tmp_path: Path,
     found = m.restore_newest(_restorer(m, _train_state(1)))
     assert found is not None and found[0].name == step_dir_name(2)
     assert loaded == [step_dir_name(2)]
+
+
+def test_a_load_reads_with_the_configured_threads(pg, no_faults, tmp_path: Path,
+                                                  monkeypatch) -> None:
+    """``checkpoint.write_threads`` sets the threads of a load as of a save."""
+    _run(tmp_path, (2,))
+    used: list[int] = []
+    spans = safe_io._read_spans
+    monkeypatch.setattr(safe_io, "_read_spans", lambda f, s, threads, staging: (
+        used.append(threads), spans(f, s, threads, staging))[1])
+    manager(tmp_path, write_threads=3).load(tmp_path / step_dir_name(2),
+                                            checkpointing.tensor_state(_train_state(1)))
+    assert used and set(used) == {3}, used

@@ -489,10 +489,10 @@ class CheckpointManager:
         try:
             # A verdict already in (a file missing or cut short) is acted on before the load.
             self._agree(verification.known)
-            # The same share of the cores as a save's threads; two at least, so that one
-            # thread's read overlaps another's copy.
-            reader = SafeFileSystemReader(path, files=manifest["files"],
-                                          threads=max(2, write_threads(0)))
+            # As many threads as a save (checkpoint.write_threads); left to auto, two at least,
+            # so that one thread's read overlaps another's copy.
+            threads = self.cfg.write_threads or max(2, write_threads(0))
+            reader = SafeFileSystemReader(path, files=manifest["files"], threads=threads)
             self._agree_on(reader.read_metadata)
             try:
                 dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
