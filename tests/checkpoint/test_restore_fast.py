@@ -376,3 +376,17 @@ def test_a_load_reads_with_the_configured_threads(pg, no_faults, tmp_path: Path,
     manager(tmp_path, write_threads=3).load(tmp_path / step_dir_name(2),
                                             checkpointing.tensor_state(_train_state(1)))
     assert used and set(used) == {3}, used
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_refused_pinning_leaves_no_cuda_error_behind() -> None:
+    """Buffers already registered are refused a second registration; the next kernel launch
+    must not report that refusal as its own failure."""
+    first = safe_io._Staging(1, torch.device("cuda"), 4096)
+    try:
+        assert first.pinned
+        assert not safe_io._cuda_call("cudaHostRegister", torch.cuda.cudart().cudaHostRegister(
+            first.flat.data_ptr(), first.flat.nbytes, 0))
+        assert torch.ones(4, device="cuda").sum().item() == 4.0
+    finally:
+        first.close()

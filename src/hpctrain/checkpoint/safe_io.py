@@ -19,8 +19,11 @@ code, and its manifest has no key (anyone who can write a file can reseal the ch
 from __future__ import annotations
 
 import _compat_pickle
+import ctypes
 import dataclasses
+import functools
 import io
+import logging
 import os
 import pickle
 import re
@@ -51,6 +54,8 @@ from torch.futures import Future
 
 from hpctrain.checkpoint.manifest import DamagedCheckpoint, is_int, is_plain_name, open_file
 from hpctrain.shown import shown
+
+log = logging.getLogger("hpctrain.checkpoint")
 
 # What a tensor's or a value's bytes may hold is torch's weights-only allow-list; these
 # patterns pull the refused global out of its (long, advice-laden) message.
@@ -396,8 +401,8 @@ class _Staging:
         raw = torch.empty(threads * 2 * size + page, dtype=torch.uint8)
         self.flat = raw[(-raw.data_ptr()) % page:][:threads * 2 * size]
         # Unpinned (registration refused), the copies are synchronous: slower, still right.
-        self.pinned = int(torch.cuda.cudart().cudaHostRegister(
-            self.flat.data_ptr(), self.flat.nbytes, 0)) == 0
+        self.pinned = _cuda_call("cudaHostRegister", torch.cuda.cudart().cudaHostRegister(
+            self.flat.data_ptr(), self.flat.nbytes, 0))
         self.buffers = [[self.flat[(2 * t + i) * size:(2 * t + i + 1) * size]
                          for i in range(2)] for t in range(threads)]
         self.copied: list[list[torch.cuda.Event | None]] = [[None, None] for _ in range(threads)]
@@ -429,8 +434,32 @@ class _Staging:
         # Each worker waited for its own copies, unless an error or Ctrl-C cut that short.
         self.stream.synchronize()
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
+            _cuda_call("cudaHostUnregister",
+                       torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr()))
             self.pinned = False
+
+
+def _cuda_call(name: str, status: object) -> bool:
+    """Whether a raw CUDA runtime call succeeded; a failure is logged and its error cleared
+    (left pending, the next kernel launch would report it as its own)."""
+    code = int(status)
+    if code == 0:
+        return True
+    cudart = _cudart()
+    if cudart is not None:
+        cudart.cudaGetLastError()
+    log.warning("%s failed (CUDA error %d%s): restoring without pinned buffers", name, code,
+                "" if cudart is not None else "; could not clear it: libcudart not found")
+    return False
+
+
+@functools.cache
+def _cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime torch loaded (opened by its soname: the same library, not another)."""
+    try:
+        return ctypes.CDLL(f"libcudart.so.{torch.version.cuda.split('.')[0]}")
+    except (OSError, AttributeError):
+        return None
 
 
 def _read_into(f: BinaryIO, dest: torch.Tensor, offset: int, fqn: str) -> None:
