@@ -12,6 +12,8 @@ and values unpickled once for all alike ones, arrive exactly.
 
 from __future__ import annotations
 
+import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,7 @@ from helpers import (
 
 from hpctrain.checkpoint import safe_io
 from hpctrain.checkpoint.manifest import (
+    CheckpointError,
     DamagedCheckpoint,
     read_manifest,
     step_dir_name,
@@ -221,3 +224,169 @@ def test_a_named_damaged_checkpoint_is_an_error_and_nothing_after_the_tensors_is
     assert shard.name in e.value.what and "checksum" in e.value.what, e.value.what
     assert resumed.loader.given == [] and resumed.scheduler.last_epoch == 0
     assert m.last_committed is None
+
+
+def _ours_alive() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.is_alive()
+            and t.name.startswith(("hpctrain-load", "hpctrain-verify"))]
+
+
+def test_ctrl_c_while_the_pieces_load_stops_every_thread(pg, no_faults, tmp_path: Path,
+                                                        monkeypatch) -> None:
+    """SIGINT after the first piece: ``load`` raises KeyboardInterrupt (not damage), and no
+    loading or checking thread is left writing into the state or reading the files."""
+    _run(tmp_path, (2,))
+    monkeypatch.setattr(safe_io, "_PIECE", 64)
+    gate, pieces = threading.Event(), []
+    read = safe_io._read_into
+
+    def interrupting(f, dest, offset, fqn) -> None:
+        pieces.append(offset)
+        if len(pieces) == 1:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        else:
+            gate.wait(1.0)  # the later pieces take long: a thread left behind is still reading
+        read(f, dest, offset, fqn)
+
+    monkeypatch.setattr(safe_io, "_read_into", interrupting)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            manager(tmp_path).load(tmp_path / step_dir_name(2),
+                                   checkpointing.tensor_state(_train_state(1)))
+        assert _ours_alive() == []
+    finally:
+        gate.set()
+
+
+def test_ctrl_c_while_waiting_for_the_checksums_stops_them(pg, no_faults, tmp_path: Path,
+                                                           monkeypatch) -> None:
+    """SIGINT while ``load`` waits for its checks (the state loaded): none goes on hashing."""
+    from hpctrain.checkpoint import manifest
+
+    _run(tmp_path, (2,))
+    release, loaded = threading.Event(), threading.Event()
+    real = manifest.checksum
+
+    def held(path: Path, stop: threading.Event | None = None) -> str:
+        """Interrupts ``load`` once it waits for the verdict; hashes only when stopped."""
+        assert loaded.wait(30)
+        if path.name == ".metadata":
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        while not (stop is not None and stop.is_set()) and not release.is_set():
+            release.wait(0.01)
+        return real(path, stop)
+
+    problem = manifest.Verification.problem
+    monkeypatch.setattr(manifest, "checksum", held)
+    monkeypatch.setattr(manifest.Verification, "problem",
+                        lambda self: (loaded.set(), problem(self))[1])
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            manager(tmp_path).load(tmp_path / step_dir_name(2),
+                                   checkpointing.tensor_state(_train_state(1)))
+        assert _ours_alive() == []
+    finally:
+        release.set()
+
+
+def test_a_shard_or_step_folder_that_is_a_link_is_never_followed(pg, no_faults,
+                                                                 tmp_path: Path) -> None:
+    """A checkpoint folder's writer could link a shard (or a whole step-N) to any file the
+    reader can read: refused even when the bytes match the manifest."""
+    _run(tmp_path, (2,))
+    ckpt = tmp_path / step_dir_name(2)
+    shard = next(ckpt.glob("*.distcp"))
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.distcp"
+    shard.rename(outside)
+    shard.symlink_to(outside)
+    m = manager(tmp_path)
+    with pytest.raises(DamagedCheckpoint, match="symbolic link"):
+        m.load(ckpt, checkpointing.tensor_state(_train_state(1)))
+    (tmp_path / step_dir_name(3)).symlink_to(ckpt)
+    assert [p.name for p in m.committed()] == [step_dir_name(2)]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_the_loading_threads_work_on_the_targets_gpu(monkeypatch, tmp_path: Path) -> None:
+    """Restoring into cuda:1 tensors, no reading thread runs on (and makes a context on) GPU 0."""
+    devices: list[int] = []
+    read = safe_io._read_into
+    monkeypatch.setattr(safe_io, "_read_into", lambda *a: (devices.append(
+        torch.cuda.current_device()), read(*a))[1])
+    monkeypatch.setattr(safe_io, "_PIECE", 4096)
+    source = torch.arange(1 << 16, dtype=torch.float32)
+    (tmp_path / "w").write_bytes(source.numpy().tobytes())
+    target = torch.zeros(1 << 16, device="cuda:1")
+    staging = safe_io._Staging(2, target.device, 4096)
+    try:
+        with open(tmp_path / "w", "rb") as f:
+            safe_io._read_spans(f, [safe_io._Span(target, 0, "w")], 2, staging)
+    finally:
+        staging.close()
+    assert torch.equal(target.cpu(), source)
+    assert devices and set(devices) == {1}, devices
+
+
+@pytest.mark.parametrize(("raised", "kind"), [(ValueError("odd"), DamagedCheckpoint),
+                                              (MemoryError(), CheckpointError)])
+def test_a_check_that_raises_is_a_verdict_on_every_rank(pg, no_faults, tmp_path: Path,
+                                                        monkeypatch, raised, kind) -> None:
+    """Whatever a check raises is a verdict, never an exception on one rank while its peers
+    wait for it: damage, except no memory (which must not set a good checkpoint aside)."""
+    from hpctrain.checkpoint import manifest
+
+    _run(tmp_path, (2,))
+    monkeypatch.setattr(manifest, "checksum", lambda path, stop=None: (_ for _ in ()).throw(
+        raised))
+    with pytest.raises(CheckpointError) as e:
+        manager(tmp_path).load(tmp_path / step_dir_name(2),
+                               checkpointing.tensor_state(_train_state(1)))
+    assert type(e.value) is kind, e.value.what
+    assert ("could not be checked" if kind is DamagedCheckpoint else "out of memory") \
+        in e.value.what
+
+
+def test_a_checkpoint_known_damaged_is_not_loaded(pg, no_faults, tmp_path: Path,
+                                                  monkeypatch) -> None:
+    """A shard cut short is damage known before any byte is read: the fallback loads only the
+    older checkpoint."""
+    _run(tmp_path, (2, 3))
+    shard = next((tmp_path / step_dir_name(3)).glob("*.distcp"))
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 1)
+    read = safe_io.SafeFileSystemReader.read_data
+    loaded: list[str] = []
+    monkeypatch.setattr(safe_io.SafeFileSystemReader, "read_data", lambda self, *a: (
+        loaded.append(Path(self.path).name), read(self, *a))[1])
+    m = manager(tmp_path, keep_last=5)
+    m.prefetch()
+    found = m.restore_newest(_restorer(m, _train_state(1)))
+    assert found is not None and found[0].name == step_dir_name(2)
+    assert loaded == [step_dir_name(2)]
+
+
+def test_a_load_reads_with_the_configured_threads(pg, no_faults, tmp_path: Path,
+                                                  monkeypatch) -> None:
+    """``checkpoint.write_threads`` sets the threads of a load as of a save."""
+    _run(tmp_path, (2,))
+    used: list[int] = []
+    spans = safe_io._read_spans
+    monkeypatch.setattr(safe_io, "_read_spans", lambda f, s, threads, staging: (
+        used.append(threads), spans(f, s, threads, staging))[1])
+    manager(tmp_path, write_threads=3).load(tmp_path / step_dir_name(2),
+                                            checkpointing.tensor_state(_train_state(1)))
+    assert used and set(used) == {3}, used
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_refused_pinning_leaves_no_cuda_error_behind() -> None:
+    """Buffers already registered are refused a second registration; the next kernel launch
+    must not report that refusal as its own failure."""
+    first = safe_io._Staging(1, torch.device("cuda"), 4096)
+    try:
+        assert first.pinned
+        assert not safe_io._cuda_call("cudaHostRegister", torch.cuda.cudart().cudaHostRegister(
+            first.flat.data_ptr(), first.flat.nbytes, 0))
+        assert torch.ones(4, device="cuda").sum().item() == 4.0
+    finally:
+        first.close()

@@ -419,6 +419,11 @@ class CheckpointManager:
             self._verifying[2].cancel()
             self._verifying = None
 
+    def cancel_prefetch(self) -> None:
+        """Stop the checks ``prefetch`` started if no restore took them (not collective): a run
+        that fails before it resumes must not hash the whole checkpoint on its way out."""
+        self._abandon()
+
     def restore_newest(self, load: Loader) -> tuple[Path, dict[str, Any]] | None:
         """Load the newest checkpoint that verifies and loads, falling back past damaged ones.
 
@@ -482,22 +487,30 @@ class CheckpointManager:
         self._verifying = None
         failure: CheckpointError | None = None
         try:
-            # The same share of the cores as a save's threads; two at least, so that one
-            # thread's read overlaps another's copy.
-            reader = SafeFileSystemReader(path, files=manifest["files"],
-                                          threads=max(2, write_threads(0)))
+            # A verdict already in (a file missing or cut short) is acted on before the load.
+            self._agree(verification.known)
+            # As many threads as a save (checkpoint.write_threads); left to auto, two at least,
+            # so that one thread's read overlaps another's copy.
+            threads = self.cfg.write_threads or max(2, write_threads(0))
+            reader = SafeFileSystemReader(path, files=manifest["files"], threads=threads)
             self._agree_on(reader.read_metadata)
             try:
                 dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
                          process_group=self.group)
             except CheckpointException as e:  # a BaseException carrying each rank's failure
+                if isinstance(e.failures.get(self.rank, (None,))[0], KeyboardInterrupt):
+                    raise KeyboardInterrupt from None  # Ctrl-C here, not damage
                 raise _load_failure(path, e) from None
         except CheckpointError as e:  # agreed by every rank (``_agree_on``, DCP's gather)
             failure = e
         except BaseException:
             verification.cancel()
             raise
-        self._agree_verified(verification)
+        try:
+            self._agree_verified(verification)
+        except BaseException:
+            verification.cancel()  # Ctrl-C while waiting: no thread goes on hashing
+            raise
         if failure is not None:
             raise failure
         rng_path = path / f"rng-rank-{self.rank:05d}.pt"
@@ -519,20 +532,23 @@ class CheckpointManager:
             fn()
             error = None
         except DamagedCheckpoint as e:
-            error = e.what
+            error = e
         self._agree(error)
 
     def _agree_verified(self, verification: Verification) -> None:
         """Wait for this rank's checks; DamagedCheckpoint on every rank if any found damage."""
-        problem = verification.problem()
-        self._agree(problem.what if problem is not None else None)
+        self._agree(verification.problem())
 
-    def _agree(self, error: str | None) -> None:
+    def _agree(self, error: CheckpointError | None) -> None:
+        """Raise on every rank what any rank found: damage, unless a rank could not tell (a
+        CheckpointError that is not damage, which must not set a good checkpoint aside)."""
         errors: list[Any] = [None] * self.world_size
-        dist.all_gather_object(errors, error, group=self.group)
+        mine = None if error is None else (isinstance(error, DamagedCheckpoint), error.what)
+        dist.all_gather_object(errors, mine, group=self.group)
         bad = [e for e in errors if e]
         if bad:
-            raise DamagedCheckpoint(bad[0])
+            damaged, what = next((e for e in bad if not e[0]), bad[0])
+            raise (DamagedCheckpoint if damaged else CheckpointError)(what)
 
     def close(self) -> None:
         """Finish the in-flight save (raising its error), then stop the writer process."""
@@ -554,6 +570,8 @@ def _load_failure(path: Path, e: CheckpointException) -> CheckpointError:
     inner = causes(e)[0]
     if isinstance(inner, DamagedCheckpoint):
         return DamagedCheckpoint(inner.what)
+    if any(isinstance(cause, KeyboardInterrupt) for cause in causes(e)):
+        return CheckpointError(f"loading {path} was interrupted on another rank")
     if isinstance(inner, MemoryError | torch.OutOfMemoryError):
         return CheckpointError(f"loading {path} failed: {first_line(e)}")
     return DamagedCheckpoint(f"loading {path} failed: {first_line(e)}")

@@ -8,14 +8,17 @@ checked for type and consistency before anything acts on it.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import re
+import stat
 import threading
 from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import xxhash
 
@@ -78,12 +81,33 @@ def checksum(path: Path, stop: threading.Event | None = None) -> str:
     h = xxhash.xxh3_64()
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    with open_file(path) as f:
         if hasattr(os, "posix_fadvise"):  # read ahead more eagerly: a resume reads cold
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         while (n := f.readinto(buf)) and not (stop is not None and stop.is_set()):
             h.update(view[:n])
     return h.hexdigest()
+
+
+def open_file(path: Path) -> BinaryIO:
+    """Open a checkpoint's file to read; DamagedCheckpoint if it is a symbolic link (followed,
+    it would pull any file the reader can read into the weights) or not a regular file. The
+    folder may be a link (a user's own choice); only the file's name is not followed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise DamagedCheckpoint(f"{path} is a symbolic link (a checkpoint's files are "
+                                    "its own)") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO would block a read forever
+            raise DamagedCheckpoint(f"{path} is not a regular file")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return open(path, "rb", opener=lambda *_: fd)  # named by its path, for errors
 
 
 def describe(path: Path) -> dict[str, Any]:
@@ -162,16 +186,23 @@ class Verification:
 
     def __init__(self, ckpt_dir: Path, files: dict[str, dict[str, Any]], names: list[str]):
         self._stop = threading.Event()
-        self._futures: list[Future[DamagedCheckpoint | None]] = []
-        if names:
+        self._futures: list[Future[CheckpointError | None]] = []
+        # Checked here, before a byte is read: a file missing, a link or of the wrong size is
+        # a verdict that the load need not wait for (nor load the checkpoint first).
+        self.known = next((problem for problem in (
+            _problem(ckpt_dir / n, files[n], read=False) for n in names) if problem), None)
+        if names and self.known is None:
             pool = ThreadPoolExecutor(max_workers=min(8, len(names)),
                                       thread_name_prefix="hpctrain-verify")
             self._futures = [pool.submit(_problem, ckpt_dir / n, files[n], self._stop)
                              for n in names]
             pool.shutdown(wait=False)  # its threads end with the last check
 
-    def problem(self) -> DamagedCheckpoint | None:
-        """Wait for the checks; the first bad file's error in ``names``' order, or None."""
+    def problem(self) -> CheckpointError | None:
+        """Wait for the checks; the first bad file's error in ``names``' order, or None
+        (a CheckpointError that is not damage: the checks could not run, e.g. no memory)."""
+        if self.known is not None:
+            return self.known
         for future in self._futures:
             problem = future.result()
             if problem is not None:
@@ -189,18 +220,44 @@ class Verification:
                 future.exception()  # waits; a stopped check's result means nothing
 
 
-def _problem(path: Path, want: dict[str, Any], stop: threading.Event | None = None
-             ) -> DamagedCheckpoint | None:
+def _problem(path: Path, want: dict[str, Any], stop: threading.Event | None = None, *,
+             read: bool = True) -> CheckpointError | None:
     """What is wrong with one file against its manifest entry, if anything (None once
-    ``stop`` is set)."""
-    if not path.is_file():
-        return DamagedCheckpoint(f"{path} is missing")
+    ``stop`` is set; ``read`` False: all but the checksum). Never raises: a check that raised
+    on one rank would leave its peers waiting for its verdict; a failure to check stops the
+    other checks."""
     try:
-        size = path.stat().st_size
-        if size != want["size"]:
-            return DamagedCheckpoint(f"{path} is {size} bytes, the manifest says "
+        return _file_problem(path, want, stop, read)
+    except MemoryError:
+        if stop is not None:
+            stop.set()
+        return CheckpointError(f"checking {path} ran out of memory")
+    except Exception as e:  # noqa: BLE001 - whatever reading it raised, it cannot be trusted
+        if stop is not None:
+            stop.set()
+        return DamagedCheckpoint(f"{path} could not be checked: {type(e).__name__}: {e}")
+
+
+def _file_problem(path: Path, want: dict[str, Any], stop: threading.Event | None,
+                  read: bool) -> DamagedCheckpoint | None:
+    try:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            # Followed, it would pull any file the reader can read into the weights.
+            return DamagedCheckpoint(f"{path} is a symbolic link (a checkpoint's files are "
+                                     "its own)")
+        if not stat.S_ISREG(st.st_mode):
+            return DamagedCheckpoint(f"{path} is not a regular file")
+        if st.st_size != want["size"]:
+            return DamagedCheckpoint(f"{path} is {st.st_size} bytes, the manifest says "
                                      f"{want['size']} (truncated or overwritten)")
+        if not read:
+            return None
         got = checksum(path, stop)
+    except FileNotFoundError:
+        return DamagedCheckpoint(f"{path} is missing")
+    except DamagedCheckpoint as e:  # replaced by a link since the check above
+        return e
     except OSError as e:
         return DamagedCheckpoint(f"{path} is unreadable: {e}")
     if stop is not None and stop.is_set():

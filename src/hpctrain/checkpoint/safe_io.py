@@ -19,14 +19,17 @@ code, and its manifest has no key (anyone who can write a file can reseal the ch
 from __future__ import annotations
 
 import _compat_pickle
+import ctypes
 import dataclasses
+import functools
 import io
+import logging
 import os
 import pickle
 import re
 import threading
 from collections.abc import Collection
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path, PosixPath
 from typing import Any, BinaryIO
 
@@ -49,8 +52,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from hpctrain.checkpoint.manifest import DamagedCheckpoint, is_int, is_plain_name
+from hpctrain.checkpoint.manifest import DamagedCheckpoint, is_int, is_plain_name, open_file
 from hpctrain.shown import shown
+
+log = logging.getLogger("hpctrain.checkpoint")
 
 # What a tensor's or a value's bytes may hold is torch's weights-only allow-list; these
 # patterns pull the refused global out of its (long, advice-laden) message.
@@ -121,7 +126,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 def load_index(path: Path, files: Collection[str] | None = None) -> Metadata:
     """Unpickle and check a DCP ``.metadata`` index; ``files``: what the manifest lists."""
     try:
-        with open(path, "rb") as f:
+        with open_file(path) as f:  # a link in the checkpoint is refused
             metadata = _MetadataUnpickler(f).load()
     except RefusedGlobal as e:
         raise DamagedCheckpoint(f"{path}: {e} (a checkpoint index may hold only DCP's "
@@ -185,7 +190,7 @@ def _python3_name(name: str) -> str:
 def load_weights_only(path: Path) -> Any:
     """``torch.load(weights_only=True)`` of one checkpoint file; DamagedCheckpoint otherwise."""
     try:
-        with open(path, "rb") as f:
+        with open_file(path) as f:  # a link in the checkpoint is refused
             return torch.load(f, map_location="cpu", weights_only=True)
     except (MemoryError, torch.OutOfMemoryError):
         raise
@@ -232,7 +237,7 @@ class SafeFileSystemReader(FileSystemReader):
         try:
             for name, items in by_file.items():
                 try:
-                    with open(Path(self.path) / name, "rb") as f:
+                    with open_file(Path(self.path) / name) as f:
                         spans = [(item, self._direct_span(f, item, planner)) for item in items]
                         direct = [(item, span) for item, span in spans if span is not None]
                         _read_spans(f, [span for _, span in direct], self._threads, staging)
@@ -334,9 +339,13 @@ def _read_spans(f: BinaryIO, spans: list[_Span], threads: int, staging: _Staging
     queue = iter(pieces)
     lock = threading.Lock()
     failed = threading.Event()
+    # Set once every worker is submitted: an interrupt inside ``submit`` leaves a thread the
+    # pool does not track yet, which must then find ``failed`` set before it reads anything.
+    go = threading.Event()
 
     def work(worker: int) -> None:
         try:
+            go.wait()
             while not failed.is_set():
                 with lock:
                     piece = next(queue, None)
@@ -357,12 +366,27 @@ def _read_spans(f: BinaryIO, spans: list[_Span], threads: int, staging: _Staging
 
     n = min(threads, len(pieces))
     if n == 1:
+        go.set()
         work(0)
         return
-    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="hpctrain-load") as pool:
-        futures = [pool.submit(work, worker) for worker in range(n)]
-    for future in futures:
-        future.result()
+    # A new thread starts on GPU 0: its first CUDA call would make a context there on every
+    # rank; the caller's thread is on its own device already.
+    pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="hpctrain-load",
+                              initializer=None if staging is None else torch.cuda.set_device,
+                              initargs=() if staging is None else (staging.stream.device,))
+    futures = []
+    try:
+        futures.extend(pool.submit(work, worker) for worker in range(n))
+        go.set()
+        for future in futures:
+            future.result()
+    finally:
+        # Interrupted (Ctrl-C) or failed: the others stop at their next piece, and nothing
+        # returns while a thread still reads into a tensor or a buffer the caller frees.
+        failed.set()
+        go.set()
+        wait(futures)
+        pool.shutdown()
 
 
 class _Staging:
@@ -377,8 +401,8 @@ class _Staging:
         raw = torch.empty(threads * 2 * size + page, dtype=torch.uint8)
         self.flat = raw[(-raw.data_ptr()) % page:][:threads * 2 * size]
         # Unpinned (registration refused), the copies are synchronous: slower, still right.
-        self.pinned = int(torch.cuda.cudart().cudaHostRegister(
-            self.flat.data_ptr(), self.flat.nbytes, 0)) == 0
+        self.pinned = _cuda_call("cudaHostRegister", torch.cuda.cudart().cudaHostRegister(
+            self.flat.data_ptr(), self.flat.nbytes, 0))
         self.buffers = [[self.flat[(2 * t + i) * size:(2 * t + i + 1) * size]
                          for i in range(2)] for t in range(threads)]
         self.copied: list[list[torch.cuda.Event | None]] = [[None, None] for _ in range(threads)]
@@ -406,10 +430,36 @@ class _Staging:
                 event.synchronize()
 
     def close(self) -> None:
-        """Unpin the buffers (every copy has finished: each worker waited for its own)."""
+        """Unpin the buffers once every copy from them has finished."""
+        # Each worker waited for its own copies, unless an error or Ctrl-C cut that short.
+        self.stream.synchronize()
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
+            _cuda_call("cudaHostUnregister",
+                       torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr()))
             self.pinned = False
+
+
+def _cuda_call(name: str, status: object) -> bool:
+    """Whether a raw CUDA runtime call succeeded; a failure is logged and its error cleared
+    (left pending, the next kernel launch would report it as its own)."""
+    code = int(status)
+    if code == 0:
+        return True
+    cudart = _cudart()
+    if cudart is not None:
+        cudart.cudaGetLastError()
+    log.warning("%s failed (CUDA error %d%s): restoring without pinned buffers", name, code,
+                "" if cudart is not None else "; could not clear it: libcudart not found")
+    return False
+
+
+@functools.cache
+def _cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime torch loaded (opened by its soname: the same library, not another)."""
+    try:
+        return ctypes.CDLL(f"libcudart.so.{torch.version.cuda.split('.')[0]}")
+    except (OSError, AttributeError):
+        return None
 
 
 def _read_into(f: BinaryIO, dest: torch.Tensor, offset: int, fqn: str) -> None:

@@ -247,7 +247,8 @@ class CheckpointStore:
         found = []
         for path in self.root.iterdir():
             step = step_of(path.name)
-            if step is not None and path.is_dir():
+            # A link named step-N is not this run's: followed, it would load another folder.
+            if step is not None and path.is_dir() and not path.is_symlink():
                 found.append((step, path))
             elif not path.name.startswith(".") and path.name not in (LATEST, DAMAGED):
                 self.warn_once(path.name, "ignoring %s: not a checkpoint of this run (expected "

@@ -215,7 +215,7 @@ def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | 
            chosen: Resolution | None = None) -> TrainResult:
     """Everything after the lock: process group, Trainer, exit info."""
     started = time.time()
-    watchdog = trainer = None
+    watchdog = trainer = ckpt = None
     # An earlier attempt's account, which a refusal of this one must leave as it is.
     earlier = run_dir.exit_info_path.exists()
     training = False  # until the loop starts, a user error is a refusal (see _REFUSALS)
@@ -284,6 +284,13 @@ def _train(cfg: JobConfig, env: ProcessEnv, run_dir: RunDir, ctx: Distributed | 
                 extra={"rank": env.rank, "host": socket.gethostname()})
         raise
     finally:
+        if ckpt is not None:
+            try:
+                # A failure before the resume (the model's build) leaves the prefetch's checks
+                # running, and the interpreter's exit would wait for them to hash every file.
+                ckpt.cancel_prefetch()
+            except Exception:  # noqa: BLE001 - never in place of the error being raised
+                log.exception("stopping the checkpoint's verification failed")
         if watchdog is not None:
             watchdog.stop()
         shutdown()
