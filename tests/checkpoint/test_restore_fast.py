@@ -231,6 +231,18 @@ def _ours_alive() -> list[str]:
             and t.name.startswith(("hpctrain-load", "hpctrain-verify"))]
 
 
+def _load_interrupted(tmp_path: Path, release: threading.Event) -> None:
+    """Load step 2 into a fresh state, expecting the Ctrl-C the caller arranged: no thread of
+    ours outlives it; ``release`` then lets the caller's held threads go."""
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            manager(tmp_path).load(tmp_path / step_dir_name(2),
+                                   checkpointing.tensor_state(_train_state(1)))
+        assert _ours_alive() == []
+    finally:
+        release.set()
+
+
 def test_ctrl_c_while_the_pieces_load_stops_every_thread(pg, no_faults, tmp_path: Path,
                                                         monkeypatch) -> None:
     """SIGINT after the first piece: ``load`` raises KeyboardInterrupt (not damage), and no
@@ -249,13 +261,7 @@ def test_ctrl_c_while_the_pieces_load_stops_every_thread(pg, no_faults, tmp_path
         read(f, dest, offset, fqn)
 
     monkeypatch.setattr(safe_io, "_read_into", interrupting)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            manager(tmp_path).load(tmp_path / step_dir_name(2),
-                                   checkpointing.tensor_state(_train_state(1)))
-        assert _ours_alive() == []
-    finally:
-        gate.set()
+    _load_interrupted(tmp_path, gate)
 
 
 def test_ctrl_c_while_waiting_for_the_checksums_stops_them(pg, no_faults, tmp_path: Path,
@@ -280,13 +286,7 @@ def test_ctrl_c_while_waiting_for_the_checksums_stops_them(pg, no_faults, tmp_pa
     monkeypatch.setattr(manifest, "checksum", held)
     monkeypatch.setattr(manifest.Verification, "problem",
                         lambda self: (loaded.set(), problem(self))[1])
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            manager(tmp_path).load(tmp_path / step_dir_name(2),
-                                   checkpointing.tensor_state(_train_state(1)))
-        assert _ours_alive() == []
-    finally:
-        release.set()
+    _load_interrupted(tmp_path, release)
 
 
 def test_a_shard_or_step_folder_that_is_a_link_is_never_followed(pg, no_faults,
