@@ -190,21 +190,36 @@ def run_theirs(name: str, layout: Layout, steps: int, out: Path, timeout: float)
 
 
 def table(rows: list[dict], device: str, notes: dict[str, str]) -> str:
-    """Side-by-side Markdown: per layout, the median of each side's runs and their ratio, and
-    the layout's note (``notes``, by layout name)."""
+    """Side-by-side Markdown: per layout, the median of each side's runs, and the ratio as the
+    median of the same-call pairs' ratios (each of our runs over the peer's run of the same
+    pair: the machine's drift between pairs cancels), each pair's ratio listed; the layout's
+    note (``notes``, by layout name)."""
     lines = [f"Device: {device}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}", "",
              "| layout | hpctrain tok/s/GPU | MFU | mem GB | torchtitan tok/s/GPU | MFU | "
-             "mem GiB | ratio | note |", "|---|---|---|---|---|---|---|---|---|"]
+             "mem GiB | ratio (median of pairs) | pairs | note |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, tag in dict.fromkeys((r["layout"], r.get("tag", "")) for r in rows):
         ours = [r for r in rows if (r["layout"], r.get("tag", "")) == (name, tag)
                 and r["side"] == "hpctrain"]
         theirs = [r for r in rows if (r["layout"], r.get("tag", "")) == (name, tag)
                   and r["side"] == "torchtitan"]
         a, b = _summary(ours, "peak_mem_gb"), _summary(theirs, "peak_mem_gib")
-        ratio = f"{a[0] / b[0]:.2f}x" if a[0] and b[0] else "n/a"
+        pairs = pair_ratios(ours, theirs)
+        ratio = f"{statistics.median(pairs):.2f}x" if pairs else "n/a"
+        shown = " / ".join(f"{x:.3f}" for x in pairs)
         lines.append(f"| {name}{tag} | {a[3]} | {a[1]} | {a[2]} | {b[3]} | {b[1]} | {b[2]} | "
-                     f"{ratio} | {notes.get(name, '')} |")
+                     f"{ratio} | {shown} | {notes.get(name, '')} |")
     return "\n".join(lines)
+
+
+def pair_ratios(ours: list[dict], theirs: list[dict]) -> list[float]:
+    """Our tokens/s over the peer's, pair by pair (rows of the same ``pair`` index), for the
+    pairs where both sides ran."""
+    def rates(rows: list[dict]) -> dict[int, float]:
+        return {r.get("pair", 0): r["tokens_per_s_per_gpu"] for r in rows
+                if "error" not in r and r.get("tokens_per_s_per_gpu")}
+    a, b = rates(ours), rates(theirs)
+    return [a[i] / b[i] for i in sorted(a) if i in b]
 
 
 def _summary(rows: list[dict], mem_key: str) -> tuple[float | None, str, str, str]:
@@ -329,6 +344,7 @@ def main() -> None:
                 print(f"== {name} {side}", flush=True)
                 row = run(name, layout, args.steps, out, args.timeout)
                 row["tag"] = args.tag
+                row["pair"] = i
                 print(json.dumps({k: v for k, v in row.items() if k != "log_tail"}), flush=True)
                 if "error" in row:
                     print(row.get("log_tail", ""), flush=True)

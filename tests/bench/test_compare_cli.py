@@ -90,3 +90,21 @@ def test_a_set_the_peer_cannot_follow_stops_before_any_run(compare) -> None:
         _chosen(compare, "1b-1gpu", "--set", "train.precision=fp32")
     assert "the peer cannot follow --set train.precision=fp32" in str(e.value)
     assert "--only hpctrain" in str(e.value)
+
+
+def test_the_ratio_is_the_median_of_same_call_pairs(compare) -> None:
+    """Each pair's ratio is ours over the peer's run of the same pair, and the table shows their
+    median: the peer's best run against our worst is no pair."""
+    def row(side: str, pair: int, rate: float) -> dict:
+        return {"side": side, "layout": "1b-1gpu", "pair": pair, "tag": "",
+                "tokens_per_s_per_gpu": rate, "mfu_pct": 40.0, "peak_mem_gb": 10.0,
+                "peak_mem_gib": 9.0}
+    rows = [row("hpctrain", 0, 110.0), row("torchtitan", 0, 100.0),
+            row("torchtitan", 1, 120.0), row("hpctrain", 1, 126.0),
+            row("hpctrain", 2, 90.0), row("torchtitan", 2, 75.0),
+            {"side": "torchtitan", "layout": "1b-1gpu", "pair": 3, "error": "OOM"}]
+    ours = [r for r in rows if r["side"] == "hpctrain"]
+    theirs = [r for r in rows if r["side"] == "torchtitan"]
+    assert compare.pair_ratios(ours, theirs) == pytest.approx([1.10, 1.05, 1.20])
+    line = compare.table(rows, "cpu", {}).splitlines()[-1]
+    assert "| 1.10x | 1.100 / 1.050 / 1.200 |" in line
