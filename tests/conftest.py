@@ -14,7 +14,6 @@ import os
 import queue as queues
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,15 +30,9 @@ import pytest
 
 import forked
 from hpctrain.observe.metrics import read_metrics
+from ports import free_port  # noqa: F401 - tests import it from here
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (the rendezvous of spawned gloo ranks)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn_ranks(target, nranks: int, timeout: float = 120) -> list:

@@ -20,23 +20,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import forked
+from ports import free_port  # noqa: F401 - tests import it from here
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 600.0
-
-
-def free_port() -> int:
-    """A TCP port free right now on localhost."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(nproc: int, spec: dict[str, Any], workdir: Path, timeout: float,
