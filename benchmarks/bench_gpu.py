@@ -7,9 +7,10 @@ against their measured peak, the roofline of the GEMM/copy results, and `bench n
     python3 benchmarks/bench_gpu.py --dry-run          # print the commands and the estimates
 
 Every step is the CLI a user runs (``python -m hpctrain bench ...``), started with NVLink
-multicast off. GPU power (J/token) needs nvidia-ml-py; without it those columns say n/a and the
-rest runs. Prints Markdown for benchmarks/RESULTS.md and writes summary.json. 269 s on 4 H200
-(torch 2.11); ``--skip model`` leaves out the five training runs (about 3 of those minutes).
+multicast off. GPU power (J/token) is read through NVML; where NVML cannot start those columns
+say n/a and the rest runs. Prints Markdown for benchmarks/RESULTS.md and writes summary.json.
+269 s on 4 H200 (torch 2.11); ``--skip model`` leaves out the five training runs (about 3 of
+those minutes).
 """
 
 from __future__ import annotations

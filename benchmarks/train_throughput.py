@@ -2,7 +2,7 @@
 
 Each variant is measured by `hpctrain.bench.model` (the code behind ``hpctrain bench model``): a
 real ``hpctrain train`` run, the numbers read back from its per-rank metrics after the warm-up
-windows (compilation, allocator growth), GPU energy per token when nvidia-ml-py is installed.
+windows (compilation, allocator growth), GPU energy per token through NVML.
 
     python benchmarks/train_throughput.py                      # every variant that fits the GPUs
     python benchmarks/train_throughput.py --only 1gpu-compile fsdp4-compile --steps 60
