@@ -148,5 +148,4 @@ def test_the_real_bindings_without_a_driver_name_what_is_missing(monkeypatch) ->
     assert factory is None and "libnvidia-ml.so.1" in note and "pip install" not in note
     from hpctrain.plan.gpu import gpu_name
 
-    with pytest.raises(PowerUnavailable, match="libnvidia-ml.so.1"):
-        gpu_name(0)
+    assert "libnvidia-ml.so.1" in gpu_name(0)

@@ -88,9 +88,14 @@ def node_gpu(cfg) -> Gpu:
 
 
 def gpu_name(index: int = 0) -> str:
-    """CUDA device ``index``'s name as NVML reads it, for a process that starts ranks and so
-    must hold no CUDA context; PowerUnavailable says why NVML cannot read it."""
-    return nvml_reading(index)[0]
+    """CUDA device ``index``'s name as NVML reads it (``GPU N (unread: why)`` where it cannot),
+    for a process that starts ranks and so must hold no CUDA context: a benchmark's caption."""
+    from hpctrain.observe.power import PowerUnavailable
+
+    try:
+        return nvml_reading(index)[0]
+    except PowerUnavailable as e:
+        return f"GPU {index} (unread: {e.what})"
 
 
 def nvml_reading(index: int) -> tuple[str, float, tuple[int, int]]:
