@@ -1,7 +1,8 @@
-"""The benchmark scripts that start ranks count and name the GPUs without initialising CUDA in
-their own process: a context there holds ~0.5 GB of GPU 0 for every run they measure. Each
-script's parent path runs here (its runs replaced by rows that say so) on a CPU made to look like
-a node with H100s (tests/gpu_node.py: NVML a stand-in, CUDA's initialisation fails the test)."""
+"""The benchmark scripts that start ranks count, name and time the GPUs without initialising
+CUDA in their own process: a context there holds ~0.5 GB of GPU 0 for every run they measure.
+Each script's parent path runs here (its runs replaced by rows that say so) on a CPU made to look
+like a node with H100s (tests/gpu_node.py: NVML a stand-in, CUDA's initialisation fails the
+test)."""
 
 from __future__ import annotations
 
@@ -82,4 +83,26 @@ def test_compare_and_the_peers_mfu(h100s: pytest.MonkeyPatch, compare, tmp_path:
     compare.main()
     assert f"Device: {H100_NAME};" in capsys.readouterr().out
     assert sys.modules["torchtitan_peer"].hpctrain_mfu("1b", 2048, 10_000.0) > 0
+    assert not torch.cuda.is_initialized()
+
+
+def test_bench_gpu_times_its_plain_matmul_in_a_child(h100s: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
+    """bench_gpu's reference matmul ran in its own process, whose context then stayed for
+    every run after it (membw, collectives, the training runs)."""
+    bench = _script("bench_gpu.py")
+
+    def run(cmd: list[str], dry: bool, timeout: float = 300) -> None:
+        if cmd[3:5] == ["bench", "gemm"]:  # what `bench gemm` writes, for the summary
+            (tmp_path / "gemm").mkdir()
+            (tmp_path / "gemm" / "gemm.json").write_text(json.dumps(
+                {"rows": [{"dtype": "bf16", "m": 8192, "tflops": 700.0}]}))
+
+    h100s.setattr(bench, "run", run)
+    h100s.setattr(bench, "plain_matmul_in_child", lambda: 800.0)
+    h100s.setattr(sys, "argv", ["bench_gpu.py", "--out", str(tmp_path), "--skip", "allreduce",
+                                "model", "roofline", "node"])
+    bench.main()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["gemm_bf16_8192"]["ratio"] == 700.0 / 800.0
     assert not torch.cuda.is_initialized()
