@@ -13,6 +13,7 @@
     python benchmarks/images.py --paths b --nproc 8 --strategy fsdp --models vit_b_16
     python benchmarks/images.py --paths a b loader --b-variants gpu,serial,split0.25t8,cpu16
     python benchmarks/images.py --paths loader --loader-crops batched per-image   # crop kernels
+    python benchmarks/images.py --models resnet50 --paths a b loader --decoders hardware cuda
     torchrun --nproc-per-node 8 benchmarks/images.py --paths a c       # (a), (c) DDP
     python benchmarks/images.py --device cpu --tiny                    # a CPU smoke run
 
@@ -27,6 +28,11 @@ image task (`hpctrain.tasks.images`): ``gpu`` (nvJPEG on a side stream, ahead of
 ``serial`` (nvJPEG in the step, on its stream), ``split<F>`` (the share F of each batch to
 Pillow threads, the rest to nvJPEG), ``cpu<N>`` (all on N Pillow threads); a suffix ``t<N>``
 sets the Pillow threads, ``r<S>`` decodes at reduced size (Pillow keeps the shorter side >= S).
+``--decoders`` runs each setting once per JPEG decoder on CUDA (``hardware``: the GPU's JPEG
+engines, ``cuda``: nvJPEG on the SMs through torchvision, ``auto``: the engines where they
+work), the row named ``SETTING-DECODER`` and saying the decoder asked for and the one used
+(and, for the loader, how many images the engines decoded). A decoder that cannot run here
+(``hardware`` without engines) is skipped with the reason.
 Each row says its setting, the decode threads and cores of the process, and the milliseconds
 per image spent decoding (wall time: nvJPEG returns when done) and augmenting (the side
 stream's timing events, read once the device has passed them: neither the loader thread nor
@@ -47,8 +53,9 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -73,6 +80,7 @@ class Variant:
     cpu_fraction: float = 0.0
     decode_ahead: bool = True
     decode_min_side: int = 0
+    jpeg_decoder: str = "auto"
 
     def task_args(self) -> list[str]:
         """The ``task_args.KEY=VALUE`` overrides of this setting."""
@@ -80,7 +88,8 @@ class Variant:
                 for k, v in (("decode_threads", self.decode_threads),
                              ("cpu_fraction", self.cpu_fraction),
                              ("decode_ahead", self.decode_ahead),
-                             ("decode_min_side", self.decode_min_side))]
+                             ("decode_min_side", self.decode_min_side),
+                             ("jpeg_decoder", self.jpeg_decoder))]
 
 
 def parse_variant(name: str, threads: int) -> Variant:
@@ -113,6 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--b-variants", default="gpu",
                    help="comma-separated decode settings; (b) and the loader row run once "
                    "per setting, e.g. gpu,serial,split0.25t8,cpu16,cpu16r160")
+    p.add_argument("--decoders", nargs="+", default=["auto"], choices=["auto", "hardware", "cuda"],
+                   help="JPEG decoders of (b) and the loader row (each setting once per "
+                   "decoder): the GPU's JPEG engines, nvJPEG on the SMs, or auto")
     p.add_argument("--loader-crops", nargs="+", default=["batched"],
                    choices=["batched", "per-image"],
                    help="the loader row's crops: the batched kernel (what training uses on "
@@ -134,10 +146,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench-images" / "results.json")
     args = p.parse_args(argv)
     try:
-        args.variants = [parse_variant(v, args.decode_threads)
-                         for v in args.b_variants.split(",") if v]
+        variants = [parse_variant(v, args.decode_threads)
+                    for v in args.b_variants.split(",") if v]
     except ValueError as e:
         p.error(str(e))
+    named = len(args.decoders) > 1 or args.decoders != ["auto"]
+    args.variants = [replace(v, name=f"{v.name}-{d}" if named else v.name, jpeg_decoder=d)
+                     for v in variants for d in args.decoders]
     if args.tiny:
         args.batch, args.steps = min(args.batch, 8), min(args.steps, 6)
         args.images = min(args.images, 48)
@@ -299,7 +314,7 @@ def path_b(args: argparse.Namespace, model: str, variant: Variant) -> dict:
 
     return {"path": "b", "images_per_s_per_gpu": median("samples_per_s"), "ranks": args.nproc,
             "strategy": args.strategy if args.nproc > 1 else "none",
-            **_setting(variant),
+            **_setting(variant), "decoder_used": decoder_used(args, variant),
             "data_time_pct": statistics.median(100 * r["data_time_s"] / r["step_time_s"]
                                                for r in late),
             "mfu_pct": statistics.median(100 * (r["mfu"] or 0.0) for r in late),
@@ -307,9 +322,29 @@ def path_b(args: argparse.Namespace, model: str, variant: Variant) -> dict:
             "augment_ms_per_image": median("augment_ms_per_image")}
 
 
+def decoder_used(args: argparse.Namespace, variant: Variant) -> str:
+    """The JPEG decoder a row's setting gets here: hardware or cuda on CUDA (as the image
+    pipeline chooses it), pillow on the CPU."""
+    if args.device != "cuda":
+        return "pillow"
+    from hpctrain.data.images.nvjpeg_hw import choose_decoder
+
+    return choose_decoder(variant.jpeg_decoder, torch.device("cuda", torch.cuda.current_device()))
+
+
+def _unavailable(args: argparse.Namespace, variant: Variant | None) -> str | None:
+    """Why a row's JPEG decoder cannot run here (None: it can)."""
+    if variant is None or args.device != "cuda" or variant.jpeg_decoder != "hardware":
+        return None
+    from hpctrain.data.images.nvjpeg_hw import hardware_unavailable
+
+    return hardware_unavailable(torch.device("cuda", torch.cuda.current_device()))
+
+
 def _setting(variant: Variant) -> dict:
     """The columns that say a row's decode setting and the cores it had."""
-    return {"setting": variant.name, "decode_threads": variant.decode_threads,
+    return {"setting": variant.name, "jpeg_decoder": variant.jpeg_decoder,
+            "decode_threads": variant.decode_threads,
             "cpu_fraction": variant.cpu_fraction, "decode_ahead": variant.decode_ahead,
             "decode_min_side": variant.decode_min_side,
             "cores": len(os.sched_getaffinity(0))}
@@ -338,9 +373,11 @@ def path_loader(args: argparse.Namespace, model: str, variant: Variant) -> list[
                                 cpu_fraction=variant.cpu_fraction,
                                 min_side=variant.decode_min_side or None,
                                 ahead=variant.decode_ahead, timed=not variant.decode_ahead,
-                                batched=crops == "batched")
+                                batched=crops == "batched", jpeg_decoder=variant.jpeg_decoder)
         rows.append({"path": "loader", "images_per_s_per_gpu": row.pop("images_per_s"),
                      "ranks": 1, **_setting(variant), "crops": crops,
+                     "decoder_used": row["jpeg_decoder"],
+                     "hardware_share": row["hardware_share"],
                      **{k: row.get(k) for k in LOADER_KEYS}})
     return rows
 
@@ -369,10 +406,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       f"(it does on the GPU image)", file=sys.stderr)
                 continue
             for variant in args.variants if path in PER_VARIANT else [None]:
-                made = PATHS[path](args, model, variant)
+                why = _unavailable(args, variant)
+                if why is not None:
+                    print(f"skipping ({path}) {variant.name} for {model}: {why}",
+                          file=sys.stderr)
+                    continue
+                with engine_use(args) as use:
+                    made = PATHS[path](args, model, variant)
                 for r in made if isinstance(made, list) else [made]:
                     row = {"model": model_name(args, model), "device": _device_name(args),
-                           "batch_per_gpu": args.batch, **r}
+                           "batch_per_gpu": args.batch, **r, **use}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     if _world()[0] == 0:
@@ -380,6 +423,50 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.out.write_text(json.dumps(rows, indent=1))
         print(table(rows))
     return rows
+
+
+@contextlib.contextmanager
+def engine_use(args: argparse.Namespace, interval_s: float = 0.1):
+    """The GPU's JPEG engine and SM utilisation (%, NVML's, every ``interval_s``) while the
+    block runs, mean and peak: whether a decoder really decodes on the engines. Filled in
+    the yielded dict at the end; empty on the CPU."""
+    found: dict = {}
+    if args.device != "cuda":
+        yield found
+        return
+    try:
+        from hpctrain.observe.power import load_nvml, nvml_handle
+
+        nvml = load_nvml()
+        nvml.nvmlInit()
+        handle = nvml_handle(nvml, torch.cuda.current_device())
+    except Exception as e:  # noqa: BLE001 - a diagnostic: say why, never fail the row
+        found["engine_use"] = f"not measured: {e}"
+        yield found
+        return
+    samples: list[tuple[int, int]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(interval_s):
+            try:
+                samples.append((nvml.nvmlDeviceGetJpgUtilization(handle)[0],
+                                nvml.nvmlDeviceGetUtilizationRates(handle).gpu))
+            except nvml.NVMLError as e:
+                found["engine_use"] = f"not measured: {e}"
+                return
+
+    thread = threading.Thread(target=sample, daemon=True, name="bench-engine-use")
+    thread.start()
+    try:
+        yield found
+    finally:
+        stop.set()
+        thread.join()
+        if samples:
+            jpeg, sm = zip(*samples, strict=True)
+            found.update(jpeg_engine_util_pct=statistics.mean(jpeg),
+                         jpeg_engine_util_peak_pct=max(jpeg), gpu_util_pct=statistics.mean(sm))
 
 
 def _missing(module: str | None) -> str | None:
@@ -402,8 +489,8 @@ def table(rows: list[dict]) -> str:
                if r["path"] == "a"}
     lines = ["| model | path | decode setting | ranks | images/s per GPU | of (a) | "
              "decode threads / cores | decode ms/img | augment ms/img | "
-             "loader CPU ms/batch: read / decode / crop |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "loader CPU ms/batch: read / decode / crop | JPEG engines % mean / peak |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         a = ceiling.get((r["model"], r["ranks"]))
         frac = f"{r['images_per_s_per_gpu'] / a:.2f}" if a else "-"
@@ -411,7 +498,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['model']} | ({r['path']}) | {r.get('setting', '-')} | "
                      f"{_ranks(r)} | {r['images_per_s_per_gpu']:,.0f} | {frac} | {cores} | "
                      f"{_ms(r.get('decode_ms_per_image'))} | "
-                     f"{_ms(r.get('augment_ms_per_image'))} | {_cpu(r)} |")
+                     f"{_ms(r.get('augment_ms_per_image'))} | {_cpu(r)} | {_engines(r)} |")
     return "\n".join(lines)
 
 
@@ -427,6 +514,13 @@ def _cpu(row: dict) -> str:
         return "-"
     parts = " / ".join(f"{row[k]:.1f}" for k in LOADER_KEYS[2:])
     return f"{parts} ({row['crops']})"
+
+
+def _engines(row: dict) -> str:
+    """The JPEG engines' utilisation while the row ran (NVML), or "-"."""
+    if "jpeg_engine_util_pct" not in row:
+        return "-"
+    return f"{row['jpeg_engine_util_pct']:.0f} / {row['jpeg_engine_util_peak_pct']:.0f}"
 
 
 def _ms(value: float | None) -> str:

@@ -39,7 +39,14 @@ def test_decode_settings_parse_to_the_task_args(bench) -> None:
     assert parse("cpu16r160", 1) == bench.Variant("cpu16r160", 16, 1.0, decode_min_side=160)
     assert parse("split0.5", 1).task_args() == [
         "task_args.decode_threads=1", "task_args.cpu_fraction=0.5",
-        "task_args.decode_ahead=true", "task_args.decode_min_side=0"]
+        "task_args.decode_ahead=true", "task_args.decode_min_side=0",
+        "task_args.jpeg_decoder=auto"]
+    # --decoders: each setting once per JPEG decoder, named for it (one "auto": unchanged).
+    args = bench.parse_args(["--b-variants", "gpu,serial", "--decoders", "hardware", "cuda"])
+    assert [(v.name, v.jpeg_decoder, v.decode_ahead) for v in args.variants] == [
+        ("gpu-hardware", "hardware", True), ("gpu-cuda", "cuda", True),
+        ("serial-hardware", "hardware", False), ("serial-cuda", "cuda", False)]
+    assert [v.name for v in bench.parse_args(["--b-variants", "gpu"]).variants] == ["gpu"]
     for bad in ("split1.5", "cpu0", "nvjpeg", "gpu8"):
         with pytest.raises(ValueError, match="decode setting"):
             parse(bad, 1)

@@ -8,6 +8,7 @@
       label_smoothing: 0.1
       decode_threads: 1          # how images are decoded: see "Decode choices" below
       cpu_fraction: 0.0
+      jpeg_decoder: auto         # auto | hardware | cuda
 
 Each micro-batch arrives as encoded JPEG bytes (`ImageShards` through hpctrain's loader: global
 order, equal per-rank counts, exact resume) and is decoded, cropped, flipped and normalised on
@@ -22,7 +23,11 @@ centre crop, every sample of the ``val`` split counted once over all ranks (top-
 `hpctrain.train.exact_eval`).
 
 Decode choices (``task_args``; `benchmarks/images.py --b-variants` trains once per choice):
-nvJPEG on a side stream ahead of the step is the default on CUDA; ``cpu_fraction`` (0..1) of
+nvJPEG on a side stream ahead of the step is the default on CUDA. ``jpeg_decoder``: ``auto``
+(the default) decodes on the GPU's hardware JPEG engines where they work (A100, H100, H200:
+off the SMs the model needs), else with nvJPEG on the SMs; ``hardware`` insists on the engines
+(a ConfigError where they do not work), ``cuda`` decodes on the SMs; the run log says once
+which decoder it uses and why. ``cpu_fraction`` (0..1) of
 each batch's JPEGs go to Pillow on ``decode_threads`` host threads while nvJPEG decodes the
 rest (1: all on the host); ``decode_min_side`` lets Pillow decode at reduced size;
 ``decode_ahead: false`` decodes in the step on its own stream (serially: the baseline). Training
@@ -53,6 +58,7 @@ from hpctrain.data.images import (
     collate_images,
 )
 from hpctrain.data.images.mix import Mixing, MixMode
+from hpctrain.data.images.nvjpeg_hw import DECODERS
 from hpctrain.data.images.reader import IMAGES_FORMAT
 from hpctrain.data.tar_samples import MANIFEST
 from hpctrain.errors import ConfigError
@@ -94,6 +100,9 @@ class ImageTaskConfig:
     # while nvJPEG decodes the rest: a knob for the balance of CPU and GPU per machine.
     decode_threads: int = 1
     cpu_fraction: float = 0.0
+    # JPEGs on CUDA: auto (the GPU's hardware JPEG engines where they work, else the SMs),
+    # hardware (the engines, or an error), cuda (nvJPEG on the SMs, through torchvision).
+    jpeg_decoder: str = "auto"
     # Decode + augment in the loader's prefetch thread (on CUDA: a side stream), overlapping
     # the step; false: in the step, on its own stream (serially: the baseline).
     decode_ahead: bool = True
@@ -140,6 +149,10 @@ class ImageTaskConfig:
             raise ConfigError(f"task_args.decode_threads = {self.decode_threads}, "
                               f"cpu_fraction = {self.cpu_fraction}",
                               expected="decode_threads >= 1 and 0 <= cpu_fraction <= 1")
+        if self.jpeg_decoder not in DECODERS:
+            raise ConfigError(f"task_args.jpeg_decoder = {self.jpeg_decoder!r}",
+                              expected=" or ".join(DECODERS),
+                              hint="auto decodes on the hardware JPEG engines where they work")
         if self.mixup_alpha <= 0 or self.cutmix_alpha <= 0:
             raise ConfigError(f"task_args.mixup_alpha = {self.mixup_alpha}, cutmix_alpha = "
                               f"{self.cutmix_alpha}", expected="both > 0 (DeiT: 0.8 and 1.0)")
@@ -193,7 +206,8 @@ class ImageClassifier:
                                  resize=cfg.eval_resize or None, scale=(cfg.crop_scale_min, 1.0),
                                  flip=cfg.hflip, threads=cfg.decode_threads,
                                  cpu_fraction=cfg.cpu_fraction,
-                                 min_side=cfg.decode_min_side or None)
+                                 min_side=cfg.decode_min_side or None,
+                                 jpeg_decoder=cfg.jpeg_decoder)
             mixing = (Mixing(cfg.mixup, cfg.mixup_alpha, cfg.cutmix_alpha)
                       if train and cfg.mixup != "none" else None)
             self._decoders[key] = DecodeAhead(pipe, cfg.augment_seed,

@@ -1,0 +1,565 @@
+"""JPEGs decoded by the GPU's hardware JPEG engines (NVJPG: A100, H100, H200, ...) through
+nvJPEG's hardware backend, bound with ctypes.
+
+    why_not = hardware_unavailable(device)            # None where the engines work
+    images = hardware_decode([jpeg, ...], device)     # uint8 (3, H, W) views, None: not taken
+
+Why our own binding: torchvision's ``decode_jpeg(device="cuda")`` decodes on the SMs (nvJPEG's
+CUDA backend), which the model then lacks; the engines decode beside them. Here each call
+decodes the batch on the caller's current stream, into ONE uint8 tensor allocated on that
+stream (a (3, H, W) view per image), and returns without waiting for the device: the stream
+discipline is the caller's, as for any kernel (`hpctrain.data.images.ahead`).
+
+ctypes, not a C extension: nothing to build on the GPU machines. The library is the real
+libnvjpeg: the copy torchvision already loaded (/proc/self/maps), else
+``$CUDA_HOME/lib64``, /usr/local/cuda/lib64, torchvision.libs, the nvidia wheels; never a
+``stubs/`` copy (it links, and every call fails). The enum values and the ``nvjpegImage_t``
+layout come from nvjpeg.h (CUDA 11+): 4 channel pointers, then 4 ``size_t`` pitches.
+
+Which JPEGs go to the engines: `read_jpeg_header` reads the markers on the host (microseconds:
+the header only) and `engine_refusal` keeps baseline/extended 8-bit Huffman frames of 1 or 3
+components in one interleaved scan, subsampled 4:4:4, 4:2:2, 4:2:0, 4:4:0 or grey (the
+hardware backend refuses 4:1:1 and 4:1:0), not Adobe RGB/CMYK, with an EOI marker after the
+scan (a truncated file goes to the other decoders, which count it bad as before). nvJPEG then
+checks each one itself (``nvjpegJpegStreamParseHeader`` + ``nvjpegDecodeBatchedSupported``).
+A refused or failed image comes back as None: the caller decodes it another way.
+
+nvJPEG's handles and states are not for two threads at once: each decoding thread checks out a
+decoder (handle, state, stream parser) of a per-device pool for the call, so a thread that
+comes and goes (validation's read-ahead) reuses one instead of adding one. Before a decoder's
+state is used again, the host waits for its previous batch's event (nvJPEG reuses its
+internal staging buffers from call to call; the decoding thread has usually moved on by then,
+so this seldom waits). They live for the process, as torchvision's decoder does;
+`close_decoders` frees them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hpctrain.errors import ConfigError
+
+log = logging.getLogger("hpctrain.data")
+
+# nvjpeg.h: nvjpegBackend_t, nvjpegOutputFormat_t, libraryPropertyType, NVJPEG_MAX_COMPONENT.
+NVJPEG_BACKEND_HARDWARE = 3
+NVJPEG_OUTPUT_RGB = 3  # planar R, G, B: one plane per channel pointer
+MAX_COMPONENT = 4
+_MAJOR_VERSION, _MINOR_VERSION, _PATCH_LEVEL = 0, 1, 2
+STATUS = {0: "SUCCESS", 1: "NOT_INITIALIZED", 2: "INVALID_PARAMETER", 3: "BAD_JPEG",
+          4: "JPEG_NOT_SUPPORTED", 5: "ALLOCATOR_FAILURE", 6: "EXECUTION_FAILED",
+          7: "ARCH_MISMATCH", 8: "INTERNAL_ERROR", 9: "IMPLEMENTATION_NOT_SUPPORTED",
+          10: "INCOMPLETE_BITSTREAM"}
+
+DECODERS = ("auto", "hardware", "cuda")
+
+
+class NvjpegImage(ctypes.Structure):
+    """nvjpeg.h's ``nvjpegImage_t``: where each output plane goes, and its row pitch."""
+
+    _fields_ = [("channel", ctypes.c_void_p * MAX_COMPONENT),
+                ("pitch", ctypes.c_size_t * MAX_COMPONENT)]
+
+
+class NvjpegError(RuntimeError):
+    """An nvJPEG call returned a non-zero status."""
+
+    def __init__(self, function: str, status: int):
+        self.function, self.status = function, status
+        super().__init__(f"{function} returned {status} "
+                         f"(NVJPEG_STATUS_{STATUS.get(status, 'UNKNOWN')})")
+
+
+# --- which JPEGs the engines take: the header, read on the host ----------------------------
+
+# Frame markers (SOFn) with the frame header layout; 0xC4 (DHT), 0xC8 (JPG), 0xCC (DAC) are not.
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+_SOS, _EOI, _APP14 = 0xDA, 0xD9, 0xEE
+# Luma (h, v) sampling factors, the chroma's being (1, 1), to nvJPEG's subsampling names.
+_SUBSAMPLING = {(1, 1): "4:4:4", (2, 1): "4:2:2", (2, 2): "4:2:0", (1, 2): "4:4:0",
+                (4, 1): "4:1:1", (4, 2): "4:1:0"}
+_ENGINE_SUBSAMPLING = frozenset({"4:4:4", "4:2:2", "4:2:0", "4:4:0", "gray"})
+
+
+@dataclass(frozen=True)
+class JpegHeader:
+    """What the markers before the first scan say about a JPEG."""
+
+    sof: int  # the frame marker: 0xC0 baseline, 0xC1 extended, 0xC2 progressive, ...
+    precision: int  # bits per sample
+    height: int
+    width: int
+    sampling: tuple[tuple[int, int], ...]  # (h, v) per component
+    scan_components: int  # components interleaved in the first scan
+    adobe_transform: int | None  # APP14 "Adobe": 0 RGB/CMYK, 1 YCbCr, 2 YCCK
+    ends: bool  # an EOI marker follows the first scan (False: truncated)
+
+    @property
+    def subsampling(self) -> str:
+        """"gray", "4:2:0", ... or "other"."""
+        if len(self.sampling) == 1:
+            return "gray"
+        if len(self.sampling) == 3 and self.sampling[1] == self.sampling[2] == (1, 1):
+            return _SUBSAMPLING.get(self.sampling[0], "other")
+        return "other"
+
+
+def read_jpeg_header(data: bytes | np.ndarray) -> JpegHeader | None:
+    """The header of a JPEG (bytes or a uint8 array), or None if its markers do not parse up to
+    the first scan."""
+    buf = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
+    n = len(buf)
+    if n < 4 or buf[0] != 0xFF or buf[1] != 0xD8:
+        return None
+    pos, frame, adobe = 2, None, None
+    while pos + 4 <= n:
+        if buf[pos] != 0xFF:
+            return None
+        marker = buf[pos + 1]
+        if marker == 0xFF:  # fill byte before a marker
+            pos += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # TEM, RSTn: no length
+            pos += 2
+            continue
+        if marker == _EOI:
+            return None
+        length = buf[pos + 2] << 8 | buf[pos + 3]
+        seg, end = pos + 4, pos + 2 + length
+        if length < 2 or end > n:
+            return None
+        if marker in _SOF:
+            if length < 8 or frame is not None:
+                return None
+            count = buf[seg + 5]
+            if length < 8 + 3 * count:
+                return None
+            sampling = tuple((buf[seg + 7 + 3 * k] >> 4, buf[seg + 7 + 3 * k] & 15)
+                             for k in range(count))
+            frame = (marker, buf[seg], buf[seg + 1] << 8 | buf[seg + 2],
+                     buf[seg + 3] << 8 | buf[seg + 4], sampling)
+        elif marker == _APP14 and length >= 14 and bytes(buf[seg:seg + 5]) == b"Adobe":
+            adobe = buf[seg + 11]
+        elif marker == _SOS:
+            if frame is None or length < 3:
+                return None
+            # An EOI after the scan's start: where a whole file ends (trailing bytes after it
+            # are allowed); none in a truncated one (0xFF 0xD9 cannot occur inside the
+            # entropy-coded data, where every 0xFF byte is stuffed).
+            tail = bytes(buf[max(end, n - 2):])
+            ends = tail == b"\xff\xd9" or bytes(buf[end:]).rfind(b"\xff\xd9") >= 0
+            return JpegHeader(*frame, scan_components=buf[seg], adobe_transform=adobe,
+                              ends=ends)
+        pos = end
+    return None
+
+
+def engine_refusal(header: JpegHeader | None) -> str | None:
+    """Why the hardware engines would not decode a JPEG with this header (None: they would)."""
+    if header is None:
+        return "its markers do not parse"
+    if header.sof not in (0xC0, 0xC1):
+        return "progressive" if header.sof in (0xC2, 0xC6, 0xCA, 0xCE) else (
+            f"frame type 0x{header.sof:X} (not baseline)")
+    if header.precision != 8:
+        return f"{header.precision}-bit samples"
+    if len(header.sampling) not in (1, 3):
+        return f"{len(header.sampling)} components (CMYK?)"
+    if len(header.sampling) == 3 and header.adobe_transform == 0:
+        return "RGB-coded (Adobe transform 0)"
+    if header.subsampling not in _ENGINE_SUBSAMPLING:
+        return f"subsampling {header.subsampling}"
+    if header.scan_components != len(header.sampling):
+        return "one scan per component (not interleaved)"
+    if header.width < 1 or header.height < 1:
+        return "no size in the frame header"
+    if not header.ends:
+        return "truncated (no end-of-image marker)"
+    return None
+
+
+# --- the library ---------------------------------------------------------------------------
+
+_LIB_NAME = re.compile(r"libnvjpeg[^/]*\.so[.0-9]*$")
+
+
+class HardwareUnavailable(Exception):
+    """The hardware JPEG decoder cannot be used here; the message says why."""
+
+
+def _is_stub(path: Path) -> bool:
+    return "stubs" in path.parts
+
+
+def _mapped(maps: Path) -> list[Path]:
+    """libnvjpeg copies already mapped into this process (torchvision's, once it decoded)."""
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+        if path.startswith("/") and _LIB_NAME.search(path) and Path(path) not in found:
+            found.append(Path(path))
+    return found
+
+
+def library_dirs() -> list[Path]:
+    """Where to look for libnvjpeg after the mapped copies, in order."""
+    dirs = [Path(os.environ[v]) / "lib64" for v in ("CUDA_HOME", "CUDA_PATH")
+            if os.environ.get(v)]
+    dirs.append(Path("/usr/local/cuda/lib64"))
+    for package in ("torchvision", "nvidia"):
+        try:  # find_spec does not import the package
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            spec = None
+        for loc in (spec.submodule_search_locations or []) if spec else []:
+            if package == "torchvision":
+                dirs.append(Path(loc).parent / "torchvision.libs")
+            else:  # the nvidia-* wheels: nvidia/<name>/lib
+                dirs.extend(sorted(Path(loc).glob("*/lib")))
+    return dirs
+
+
+def library_candidates(maps: Path = Path("/proc/self/maps"),
+                       dirs: Sequence[Path] | None = None) -> list[Path]:
+    """The real libnvjpeg files to try, best first: mapped ones, then those in ``dirs``
+    (default `library_dirs`); never a stub."""
+    found = _mapped(maps)
+    for d in library_dirs() if dirs is None else dirs:
+        if d.is_dir():
+            found += sorted((p for p in d.iterdir() if _LIB_NAME.search(p.name)),
+                            key=lambda p: (p.name == "libnvjpeg.so", len(p.name)))
+    unique: list[Path] = []
+    for p in found:
+        if not _is_stub(p) and p not in unique:
+            unique.append(p)
+    return unique
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the signatures (nvjpeg.h) of the functions used: a wrong guess would corrupt
+    the stack silently."""
+    p, i, u, z = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_size_t
+    ip, pp = ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p)
+    signatures = {
+        "nvjpegGetProperty": [i, ip],
+        "nvjpegCreateEx": [i, p, p, u, pp],
+        "nvjpegDestroy": [p],
+        "nvjpegJpegStateCreate": [p, pp],
+        "nvjpegJpegStateDestroy": [p],
+        "nvjpegJpegStreamCreate": [p, pp],
+        "nvjpegJpegStreamDestroy": [p],
+        "nvjpegJpegStreamParseHeader": [p, p, z, p],
+        "nvjpegDecodeBatchedSupported": [p, p, ip],
+        "nvjpegGetImageInfo": [p, p, z, ip, ip, ip, ip],
+        "nvjpegDecodeBatchedInitialize": [p, p, i, i, i],
+        "nvjpegDecodeBatched": [p, p, pp, ctypes.POINTER(z), ctypes.POINTER(NvjpegImage), p],
+    }
+    for name, args in signatures.items():
+        fn = getattr(lib, name)  # AttributeError: not an nvJPEG library
+        fn.argtypes, fn.restype = args, ctypes.c_int
+    return lib
+
+
+def _check(lib: ctypes.CDLL, name: str, *args) -> None:
+    status = getattr(lib, name)(*args)
+    if status != 0:
+        raise NvjpegError(name, status)
+
+
+@dataclass
+class Library:
+    """A loaded libnvjpeg and where it came from."""
+
+    lib: ctypes.CDLL
+    path: Path
+    version: str
+
+
+_library: list[Library | HardwareUnavailable] = []
+_library_lock = threading.Lock()
+
+
+def load_library(maps: Path = Path("/proc/self/maps"),
+                 dirs: Sequence[Path] | None = None) -> Library:
+    """The first candidate that loads and has nvJPEG's functions; HardwareUnavailable if
+    none (the message lists what was tried)."""
+    candidates = library_candidates(maps, dirs)
+    if not candidates:
+        where = ", ".join(str(d) for d in (library_dirs() if dirs is None else dirs))
+        raise HardwareUnavailable(f"libnvjpeg not found (not loaded, nor in {where})")
+    failures = []
+    for path in candidates:
+        try:
+            lib = _bind(ctypes.CDLL(str(path)))
+            parts = []
+            for prop in (_MAJOR_VERSION, _MINOR_VERSION, _PATCH_LEVEL):
+                value = ctypes.c_int()
+                _check(lib, "nvjpegGetProperty", prop, ctypes.byref(value))
+                parts.append(str(value.value))
+            return Library(lib, path, ".".join(parts))
+        except (OSError, AttributeError, NvjpegError) as e:
+            failures.append(f"{path}: {e}")
+    raise HardwareUnavailable("no libnvjpeg loads: " + "; ".join(failures))
+
+
+def _the_library() -> Library:
+    """This process's libnvjpeg, found once (HardwareUnavailable, remembered, if none)."""
+    with _library_lock:
+        if not _library:
+            # torchvision's image extension links its own libnvjpeg: once imported, that copy
+            # is mapped and found first, and the process holds one copy, not two.
+            with contextlib.suppress(Exception):
+                import torchvision.io  # noqa: F401
+            try:
+                _library.append(load_library())
+            except HardwareUnavailable as e:
+                _library.append(e)
+        found = _library[0]
+    if isinstance(found, HardwareUnavailable):
+        raise found
+    return found
+
+
+# --- decoding ------------------------------------------------------------------------------
+
+
+class _Decoder:
+    """One nvJPEG handle (hardware backend), decoding state and header parser, on one device:
+    used by one thread at a time (`_checkout`)."""
+
+    def __init__(self, library: Library, device: torch.device):
+        self.lib, self.device = library.lib, device
+        self.handle, self.state, self.stream = (ctypes.c_void_p() for _ in range(3))
+        with torch.cuda.device(device):  # nvJPEG binds handles to the current device
+            _check(self.lib, "nvjpegCreateEx", NVJPEG_BACKEND_HARDWARE, None, None, 0,
+                   ctypes.byref(self.handle))
+            try:
+                _check(self.lib, "nvjpegJpegStateCreate", self.handle, ctypes.byref(self.state))
+                _check(self.lib, "nvjpegJpegStreamCreate", self.handle,
+                       ctypes.byref(self.stream))
+            except NvjpegError:
+                self.close()
+                raise
+        self.batch_size = 0  # what the state was initialised for (0: needs initialising)
+        # The previous batch's end on its stream, and its inputs, kept alive until then.
+        self.done: torch.cuda.Event | None = None
+        self.inputs: list[torch.Tensor] = []
+
+    def info(self, data: torch.Tensor) -> tuple[int, int] | None:
+        """(height, width) of a JPEG the hardware backend takes, or None."""
+        ptr, size = data.data_ptr(), data.numel()
+        if self.lib.nvjpegJpegStreamParseHeader(self.handle, ptr, size, self.stream) != 0:
+            return None
+        supported = ctypes.c_int(-1)
+        if (self.lib.nvjpegDecodeBatchedSupported(self.handle, self.stream,
+                                                  ctypes.byref(supported)) != 0
+                or supported.value != 0):  # 0 means supported
+            return None
+        components, subsampling = ctypes.c_int(), ctypes.c_int()
+        widths, heights = (ctypes.c_int * MAX_COMPONENT)(), (ctypes.c_int * MAX_COMPONENT)()
+        if self.lib.nvjpegGetImageInfo(self.handle, ptr, size, ctypes.byref(components),
+                                       ctypes.byref(subsampling), widths, heights) != 0:
+            return None
+        return (heights[0], widths[0]) if heights[0] > 0 and widths[0] > 0 else None
+
+    def decode(self, data: list[torch.Tensor], sizes: list[tuple[int, int]],
+               ) -> list[torch.Tensor | None]:
+        """The JPEGs decoded on the current stream into views of one new tensor (None where
+        one fails alone, after the batch failed)."""
+        out = torch.empty(sum(3 * h * w for h, w in sizes), dtype=torch.uint8,
+                          device=self.device)
+        views, planes = [], (NvjpegImage * len(data))()
+        offset, base = 0, out.data_ptr()
+        for k, (h, w) in enumerate(sizes):
+            for c in range(3):
+                planes[k].channel[c] = base + offset + c * h * w
+                planes[k].pitch[c] = w
+            views.append(out[offset:offset + 3 * h * w].view(3, h, w))
+            offset += 3 * h * w
+        stream = torch.cuda.current_stream(self.device)
+        self._wait_previous()
+        try:
+            self._batched(data, planes, stream)
+            result: list[torch.Tensor | None] = list(views)
+        except NvjpegError as first:
+            # One bad image fails the whole call: find it, one image at a time.
+            log.debug("hardware JPEG batch of %d failed (%s): decoding one by one",
+                      len(data), first)
+            result = []
+            for k, view in enumerate(views):
+                one = (NvjpegImage * 1)(planes[k])
+                try:
+                    self._batched(data[k:k + 1], one, stream)
+                    result.append(view)
+                except NvjpegError:
+                    result.append(None)
+        self.done = torch.cuda.Event()
+        self.done.record(stream)
+        self.inputs = data
+        return result
+
+    def _batched(self, data: list[torch.Tensor], planes, stream: torch.cuda.Stream) -> None:
+        n = len(data)
+        if self.batch_size != n:
+            self.batch_size = 0
+            _check(self.lib, "nvjpegDecodeBatchedInitialize", self.handle, self.state, n, 1,
+                   NVJPEG_OUTPUT_RGB)
+            self.batch_size = n
+        pointers = (ctypes.c_void_p * n)(*(d.data_ptr() for d in data))
+        lengths = (ctypes.c_size_t * n)(*(d.numel() for d in data))
+        try:
+            _check(self.lib, "nvjpegDecodeBatched", self.handle, self.state, pointers, lengths,
+                   planes, stream.cuda_stream)
+        except NvjpegError:
+            self.batch_size = 0  # nvJPEG: initialise again after a failed batch
+            raise
+
+    def _wait_previous(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+            self.done, self.inputs = None, []
+
+    def close(self) -> None:
+        """Wait for the last batch, then free the parser, state and handle."""
+        if self.done is not None:
+            self.done.synchronize()
+        for name, obj in (("nvjpegJpegStreamDestroy", self.stream),
+                          ("nvjpegJpegStateDestroy", self.state),
+                          ("nvjpegDestroy", self.handle)):
+            if obj.value:
+                _check(self.lib, name, obj)
+                obj.value = None
+
+
+_idle: dict[int, list[_Decoder]] = {}
+_idle_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _checkout(device: torch.device) -> Iterator[_Decoder]:
+    """A decoder of ``device`` for this thread's call, back in the pool afterwards."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _idle_lock:
+        pool = _idle.setdefault(index, [])
+        decoder = pool.pop() if pool else None
+    if decoder is None:
+        decoder = _Decoder(_the_library(), torch.device("cuda", index))
+    try:
+        yield decoder
+    finally:
+        with _idle_lock:
+            _idle[index].append(decoder)
+
+
+def close_decoders() -> None:
+    """Free the pooled decoders (those not in use); later calls make new ones."""
+    with _idle_lock:
+        decoders = [d for pool in _idle.values() for d in pool]
+        _idle.clear()
+    for d in decoders:
+        d.close()
+
+
+_probed: dict[int, str | None] = {}
+
+
+def hardware_unavailable(device: str | torch.device) -> str | None:
+    """Why the hardware JPEG decoder cannot be used on ``device`` (None: it can), found once
+    per device by making a decoder (kept for the first decode)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"the device is {device}, not a CUDA GPU"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _probed:
+        try:
+            with _checkout(torch.device("cuda", index)):
+                pass
+            _probed[index] = None
+        except HardwareUnavailable as e:
+            _probed[index] = str(e)
+        except NvjpegError as e:
+            why = ("this GPU has no hardware JPEG decoder" if e.status == 7 else
+                   "the hardware backend does not start")
+            _probed[index] = f"{why}: {e}"
+    return _probed[index]
+
+
+def hardware_decode(data: Sequence[torch.Tensor], device: str | torch.device,
+                    ) -> list[torch.Tensor | None]:
+    """JPEGs (uint8 1-D CPU tensors) decoded by the hardware engines on ``device``'s current
+    stream, as uint8 (3, H, W) views of one tensor; None for each one they do not take (see
+    the module docstring) or that fails: decode those another way. Returns before the device
+    has decoded them."""
+    device = torch.device(device)
+    out: list[torch.Tensor | None] = [None] * len(data)
+    with _checkout(device) as decoder, torch.cuda.device(decoder.device):
+        take, inputs, sizes = [], [], []
+        for i, d in enumerate(data):
+            d = d if d.is_contiguous() else d.contiguous()
+            if engine_refusal(read_jpeg_header(d.numpy())) is not None:
+                continue
+            hw = decoder.info(d)
+            if hw is not None:
+                take.append(i)
+                inputs.append(d)
+                sizes.append(hw)
+        if take:
+            for i, img in zip(take, decoder.decode(inputs, sizes), strict=True):
+                out[i] = img
+    return out
+
+
+def choose_decoder(setting: str, device: str | torch.device) -> str:
+    """The JPEG decoder for ``setting`` on ``device``: "hardware" (the engines) or "cuda"
+    (nvJPEG on the SMs, through torchvision), said once in the log with why; ConfigError when
+    ``hardware`` is asked for and cannot be had."""
+    if setting not in DECODERS:
+        raise ConfigError(f"JPEG decoder {setting!r} is not known",
+                          expected=" or ".join(DECODERS))
+    if setting == "cuda":
+        _say(f"decoding JPEGs on the SMs (nvJPEG through torchvision): the setting is {setting}")
+        return "cuda"
+    why = hardware_unavailable(device)
+    if why is None:
+        found = _the_library()
+        _say(f"decoding JPEGs on the GPU's hardware JPEG engines (libnvjpeg {found.version} at "
+             f"{found.path}); progressive, CMYK and other JPEGs they refuse go to nvJPEG on "
+             "the SMs")
+        return "hardware"
+    if setting == "hardware":
+        raise ConfigError(f"the hardware JPEG decoder was asked for, but {why}",
+                          expected="a GPU with JPEG engines (A100, H100, H200, ...) and CUDA's "
+                          "libnvjpeg (11.0 or newer)",
+                          hint="set task_args.jpeg_decoder=auto (the engines where they work, "
+                          "else the SMs) or =cuda; CUDA_HOME=/path/to/cuda points to the "
+                          "library")
+    _say(f"hardware JPEG decoder not available: {why}; decoding on the SMs")
+    return "cuda"
+
+
+_said: set[str] = set()
+
+
+def _say(message: str) -> None:
+    """Log ``message`` once per process (each pipeline asks; the run log says it once)."""
+    if message not in _said:
+        _said.add(message)
+        log.info(message)

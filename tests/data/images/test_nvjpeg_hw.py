@@ -1,0 +1,190 @@
+"""The hardware JPEG decoder: which JPEGs go to the engines, finding the library, choosing the
+decoder (CPU); pixels, fallbacks and streams against torchvision's decode (GPU: the lead's run).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import logging
+import re
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from hpctrain.data.images import nvjpeg_hw
+from hpctrain.data.images.nvjpeg_hw import (
+    HardwareUnavailable,
+    NvjpegImage,
+    choose_decoder,
+    engine_refusal,
+    library_candidates,
+    load_library,
+    read_jpeg_header,
+)
+from hpctrain.data.images.synthetic import synthetic_jpeg
+from hpctrain.errors import ConfigError
+from hpctrain.tasks.images import ImageTaskConfig
+
+# An odd size (333x251): chroma planes of 4:2:0 and 4:2:2 round up, pitches are not multiples
+# of anything.
+W, H = 333, 251
+
+
+def _photo(i: int = 0) -> Image.Image:
+    """A photo-like image (smooth colour fields and texture: `synthetic_jpeg`'s) of W x H."""
+    return Image.open(io.BytesIO(synthetic_jpeg(i, seed=3, size=(W, H), quality=95)))
+
+
+def _jpeg(img: Image.Image, **save) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=90, **save)
+    return buf.getvalue()
+
+
+def _cases() -> dict[str, bytes]:
+    """The JPEG kinds of the tests, in batch order: four the engines take, then three they
+    must refuse (and others decode or count bad)."""
+    photo = _photo()
+    whole = _jpeg(photo, subsampling=2)
+    return {"4:2:0": whole, "4:4:4": _jpeg(_photo(1), subsampling=0),
+            "4:2:2": _jpeg(_photo(2), subsampling=1), "gray": _jpeg(_photo(3).convert("L")),
+            "progressive": _jpeg(photo, progressive=True), "cmyk": _jpeg(photo.convert("CMYK")),
+            "truncated": whole[:len(whole) // 2]}
+
+
+ENGINE_KINDS = ("4:2:0", "4:4:4", "4:2:2", "gray")
+
+
+def test_nvjpeg_image_has_the_layout_of_nvjpeg_h() -> None:
+    # typedef struct { unsigned char *channel[4]; size_t pitch[4]; } nvjpegImage_t;
+    ptr, size = ctypes.sizeof(ctypes.c_void_p), ctypes.sizeof(ctypes.c_size_t)
+    assert ctypes.sizeof(NvjpegImage) == 4 * ptr + 4 * size
+    assert NvjpegImage.channel.offset == 0 and NvjpegImage.pitch.offset == 4 * ptr
+
+
+def test_the_markers_say_which_jpegs_the_engines_take() -> None:
+    refusals = {kind: engine_refusal(read_jpeg_header(np.frombuffer(data, np.uint8)))
+                for kind, data in _cases().items()}
+    assert {k: refusals[k] for k in ENGINE_KINDS} == dict.fromkeys(ENGINE_KINDS)
+    assert refusals["progressive"] == "progressive"
+    assert "4 components" in refusals["cmyk"]
+    assert "truncated" in refusals["truncated"]
+    header = read_jpeg_header(_cases()["4:2:2"])
+    assert (header.height, header.width, header.subsampling) == (H, W, "4:2:2")
+    assert read_jpeg_header(b"\xff\xd8\xff" + bytes(200)) is None  # garbage after SOI
+    assert read_jpeg_header(b"\x89PNG\r\n\x1a\n" + bytes(20)) is None
+    assert engine_refusal(None) == "its markers do not parse"
+
+
+def test_the_library_is_never_a_stub_and_a_missing_one_says_where_it_looked(tmp_path) -> None:
+    stubs = tmp_path / "cuda" / "lib64" / "stubs"
+    stubs.mkdir(parents=True)
+    (stubs / "libnvjpeg.so").write_bytes(b"stub")
+    fake = tmp_path / "cuda" / "lib64" / "libnvjpeg.so.13"
+    fake.write_bytes(b"not an ELF file")
+    maps = tmp_path / "maps"
+    maps.write_text(f"7f00-7f01 r-xp 00000000 08:01 42    {stubs / 'libnvjpeg.so'}\n"
+                    "7f02-7f03 r--p 00000000 00:00 0 [heap]\n")
+    assert library_candidates(maps, [stubs, fake.parent]) == [fake]
+    with pytest.raises(HardwareUnavailable, match="no libnvjpeg loads: .*libnvjpeg.so.13"):
+        load_library(maps, [fake.parent])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(HardwareUnavailable, match=f"libnvjpeg not found .*{empty}"):
+        load_library(tmp_path / "no-maps", [empty])
+
+
+def test_auto_falls_back_with_the_reason_and_hardware_is_an_error(monkeypatch, caplog) -> None:
+    why = "libnvjpeg not found (not loaded, nor in /nowhere)"
+    monkeypatch.setattr(nvjpeg_hw, "hardware_unavailable", lambda device: why)
+    monkeypatch.setattr(nvjpeg_hw, "_said", set())
+    with caplog.at_level(logging.INFO, logger="hpctrain.data"):
+        assert choose_decoder("auto", "cuda:0") == "cuda"
+        assert choose_decoder("auto", "cuda:0") == "cuda"  # said once
+    assert caplog.text.count(f"hardware JPEG decoder not available: {why}; decoding on the "
+                             "SMs") == 1
+    with pytest.raises(ConfigError, match=re.escape(f"asked for, but {why}")) as e:
+        choose_decoder("hardware", "cuda:0")
+    assert "task_args.jpeg_decoder=auto" in e.value.hint
+    assert choose_decoder("cuda", "cuda:0") == "cuda"
+    with pytest.raises(ConfigError, match="'gpu' is not known"):
+        choose_decoder("gpu", "cuda:0")
+    with pytest.raises(ConfigError, match="jpeg_decoder = 'nvjpg'"):
+        ImageTaskConfig(data="x", jpeg_decoder="nvjpg").validate()
+
+
+# --- on a GPU with JPEG engines (the lead's run) --------------------------------------------
+
+def _engines() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a GPU (the lead's run)"
+    why = nvjpeg_hw.hardware_unavailable("cuda")
+    return None if why is None else f"no hardware JPEG decoder: {why}"
+
+
+engines = pytest.mark.skipif(_engines() is not None, reason=str(_engines()))
+
+# Tolerance against libjpeg-turbo (torchvision's CPU decode): the engines' IDCT and chroma
+# upsampling are not libjpeg's (its "fancy" triangular upsampling), so pixels differ by a level
+# or two on average and more along sharp colour edges; a wrong plane order, pitch or
+# colour conversion differs by tens of levels on average.
+MEAN_TOLERANCE = 2.5  # levels of 255, mean |difference|
+P99_TOLERANCE = 16  # levels: the 99th percentile of |difference|
+
+
+@engines
+def test_the_engines_decode_like_torchvision_and_refused_ones_fall_back() -> None:
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from hpctrain.data.images import DecodeStats, EncodedImages, decode_batch
+
+    cases = _cases()
+    garbled = bytearray(cases["4:4:4"])
+    garbled[len(garbled) // 2:len(garbled) // 2 + 64] = bytes(range(64))  # entropy data broken
+    names = [*cases, "garbled"]
+    data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in [*cases.values(), garbled]]
+    batch = EncodedImages(data, [("shard-000001.tar", k, 100) for k in names])
+    stats, before = DecodeStats(), DecodeStats()
+    out = decode_batch(batch, "cuda", stats=stats, jpeg_decoder="hardware")
+    today = decode_batch(batch, "cuda", stats=before, jpeg_decoder="cuda")
+    torch.cuda.synchronize()
+    # The engines took the four kinds (and maybe the garbled one: its header is fine); the
+    # progressive, CMYK and truncated ones went where they go today, counted alike.
+    assert stats.hardware in (4, 5)
+    assert out.kept == today.kept and (stats.decoded, stats.bad) == (before.decoded, before.bad)
+    report = []
+    for k, img in zip(out.kept, out, strict=True):
+        if names[k] == "garbled":
+            continue
+        want = decode_jpeg(data[k], mode=ImageReadMode.RGB)  # libjpeg-turbo on the CPU
+        assert img.shape == want.shape == (3, H, W), names[k]
+        diff = (img.cpu().int() - want.int()).abs().float()
+        mean, p99 = diff.mean().item(), diff.flatten().quantile(0.99).item()
+        report.append(f"{names[k]}: mean {mean:.2f}, p99 {p99:.0f}, max {diff.max():.0f}")
+        assert mean <= MEAN_TOLERANCE and p99 <= P99_TOLERANCE, report[-1]
+    print("hardware vs libjpeg-turbo:", "; ".join(report))
+
+
+@engines
+def test_decoding_ahead_on_the_engines_equals_decoding_in_the_step() -> None:
+    from hpctrain.data.images import DecodeAhead, EncodedImages, ImagePipeline
+
+    pipe = ImagePipeline(64, train=True, device="cuda", jpeg_decoder="hardware")
+    serial = ImagePipeline(64, train=True, device="cuda", jpeg_decoder="hardware")
+    assert pipe.jpeg_decoder == "hardware"
+    ahead, inline = DecodeAhead(pipe, seed=5), DecodeAhead(serial, seed=5, side_stream=False)
+    labels = torch.arange(16)
+    for step in range(4):  # batches of another size in turn: the state is set up again
+        n = 16 if step % 2 == 0 else 12
+        jpegs = [synthetic_jpeg(step * 100 + i, size=(W - i, H + i)) for i in range(n)]
+        batch = EncodedImages([torch.frombuffer(bytearray(b), dtype=torch.uint8)
+                               for b in jpegs], [("s", f"{step}-{i}", n) for i in range(n)])
+        got, _ = ahead.prepare(batch, labels[:n])
+        want, _ = inline.prepare(batch, labels[:n])
+        x = got.use()
+        torch.cuda.synchronize()
+        assert torch.equal(x, want.tensor), step
+    assert pipe.stats.hardware == serial.stats.hardware == 2 * 16 + 2 * 12
