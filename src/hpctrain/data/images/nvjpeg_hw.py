@@ -399,8 +399,6 @@ class _Decoder:
             result: list[torch.Tensor | None] = list(views)
         except NvjpegError as first:
             # One bad image fails the whole call: find it, one image at a time.
-            log.debug("hardware JPEG batch of %d failed (%s): decoding one by one",
-                      len(data), first)
             result = []
             for k, view in enumerate(views):
                 one = (NvjpegImage * 1)(planes[k])
@@ -409,6 +407,10 @@ class _Decoder:
                     result.append(view)
                 except NvjpegError:
                     result.append(None)
+            if all(img is not None for img in result):  # not a bad image: the batch itself
+                _say(f"a hardware JPEG batch failed ({first}) though each "
+                     "image decodes alone: batches that fail are decoded one image at a time",
+                     logging.WARNING)
         self.done = torch.cuda.Event()
         self.done.record(stream)
         self.inputs = data
@@ -558,8 +560,8 @@ def choose_decoder(setting: str, device: str | torch.device) -> str:
 _said: set[str] = set()
 
 
-def _say(message: str) -> None:
+def _say(message: str, level: int = logging.INFO) -> None:
     """Log ``message`` once per process (each pipeline asks; the run log says it once)."""
     if message not in _said:
         _said.add(message)
-        log.info(message)
+        log.log(level, message)
