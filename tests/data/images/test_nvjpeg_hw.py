@@ -15,14 +15,13 @@ import torch
 from PIL import Image
 
 from hpctrain.data.images import nvjpeg_hw
+from hpctrain.data.images.jpeg_header import engine_refusal, read_jpeg_header
 from hpctrain.data.images.nvjpeg_hw import (
     HardwareUnavailable,
     NvjpegImage,
     choose_decoder,
-    engine_refusal,
     library_candidates,
     load_library,
-    read_jpeg_header,
 )
 from hpctrain.data.images.synthetic import synthetic_jpeg
 from hpctrain.errors import ConfigError
