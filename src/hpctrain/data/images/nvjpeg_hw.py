@@ -41,7 +41,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -232,11 +232,15 @@ def _the_library() -> Library:
 
 class _Decoder:
     """One nvJPEG handle (hardware backend), decoding state and header parser, on one device:
-    used by one thread at a time (`_checkout`)."""
+    used by one thread at a time (`_take` and `_give`)."""
 
     def __init__(self, library: Library, device: torch.device):
         self.lib, self.device = library.lib, device
         self.handle, self.state, self.stream = (ctypes.c_void_p() for _ in range(3))
+        self.batch_size = 0  # what the state was initialised for (0: needs initialising)
+        # The previous batch's end on its stream, and its inputs, kept alive until then.
+        self.done: torch.cuda.Event | None = None
+        self.inputs: list[torch.Tensor] = []
         with torch.cuda.device(device):  # nvJPEG binds handles to the current device
             _check(self.lib, "nvjpegCreateEx", NVJPEG_BACKEND_HARDWARE, None, None, 0,
                    ctypes.byref(self.handle))
@@ -247,10 +251,6 @@ class _Decoder:
             except NvjpegError:
                 self.close()
                 raise
-        self.batch_size = 0  # what the state was initialised for (0: needs initialising)
-        # The previous batch's end on its stream, and its inputs, kept alive until then.
-        self.done: torch.cuda.Event | None = None
-        self.inputs: list[torch.Tensor] = []
 
     def info(self, data: torch.Tensor) -> tuple[int, int] | None:
         """(height, width) of a JPEG the hardware backend takes, or None."""
@@ -344,20 +344,20 @@ _idle: dict[int, list[_Decoder]] = {}
 _idle_lock = threading.Lock()
 
 
-@contextlib.contextmanager
-def _checkout(device: torch.device) -> Iterator[_Decoder]:
-    """A decoder of ``device`` for this thread's call, back in the pool afterwards."""
+def _take(device: torch.device) -> _Decoder:
+    """A decoder of ``device`` for this thread's call (an idle one, else a new one): give it
+    back with `_give`."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _idle_lock:
-        pool = _idle.setdefault(index, [])
+        pool = _idle.get(index)
         decoder = pool.pop() if pool else None
-    if decoder is None:
-        decoder = _Decoder(_the_library(), torch.device("cuda", index))
-    try:
-        yield decoder
-    finally:
-        with _idle_lock:
-            _idle[index].append(decoder)
+    return decoder or _Decoder(_the_library(), torch.device("cuda", index))
+
+
+def _give(decoder: _Decoder) -> None:
+    """``decoder`` back in its device's pool."""
+    with _idle_lock:
+        _idle.setdefault(decoder.device.index, []).append(decoder)
 
 
 def close_decoders() -> None:
@@ -383,8 +383,7 @@ def hardware_unavailable(device: str | torch.device) -> str | None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _probed:
         try:
-            with _checkout(torch.device("cuda", index)):
-                pass
+            _give(_take(torch.device("cuda", index)))  # kept for the first decode
             _probed[index] = None
         except HardwareUnavailable as e:
             _probed[index] = str(e)
@@ -403,7 +402,23 @@ def hardware_decode(data: Sequence[torch.Tensor], device: str | torch.device,
     has decoded them."""
     device = torch.device(device)
     out: list[torch.Tensor | None] = [None] * len(data)
-    with _checkout(device) as decoder, torch.cuda.device(decoder.device):
+    try:
+        decoder = _take(device)
+    except (HardwareUnavailable, NvjpegError) as e:  # a decoder for one more thread
+        _say(f"no hardware JPEG decoder for this thread ({e}): its JPEGs go to nvJPEG on the "
+             "SMs", logging.WARNING)
+        return out
+    try:
+        _decode_into(decoder, data, out)
+    finally:
+        _give(decoder)
+    return out
+
+
+def _decode_into(decoder: _Decoder, data: Sequence[torch.Tensor],
+                 out: list[torch.Tensor | None]) -> None:
+    """`hardware_decode` with ``decoder``: the images it takes, into ``out``."""
+    with torch.cuda.device(decoder.device):
         take, inputs, sizes = [], [], []
         for i, d in enumerate(data):
             d = d if d.is_contiguous() else d.contiguous()
@@ -417,7 +432,6 @@ def hardware_decode(data: Sequence[torch.Tensor], device: str | torch.device,
         if take:
             for i, img in zip(take, decoder.decode(inputs, sizes), strict=True):
                 out[i] = img
-    return out
 
 
 def choose_decoder(setting: str, device: str | torch.device) -> str:
