@@ -411,11 +411,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     print(f"skipping ({path}) {variant.name} for {model}: {why}",
                           file=sys.stderr)
                     continue
-                with engine_use(args) as use:
+                with EngineUse(args) as use:
                     made = PATHS[path](args, model, variant)
                 for r in made if isinstance(made, list) else [made]:
                     row = {"model": model_name(args, model), "device": _device_name(args),
-                           "batch_per_gpu": args.batch, **r, **use}
+                           "batch_per_gpu": args.batch, **r, **use.summary(_timed_s(args, r))}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     if _world()[0] == 0:
@@ -425,48 +425,70 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
-@contextlib.contextmanager
-def engine_use(args: argparse.Namespace, interval_s: float = 0.1):
-    """The GPU's JPEG engine and SM utilisation (%, NVML's, every ``interval_s``) while the
-    block runs, mean and peak: whether a decoder really decodes on the engines. Filled in
-    the yielded dict at the end; empty on the CPU."""
-    found: dict = {}
-    if args.device != "cuda":
-        yield found
-        return
-    try:
-        from hpctrain.observe.power import load_nvml, nvml_handle
+class EngineUse:
+    """NVML's JPEG engine and GPU utilisation (%) of this rank's GPU, sampled every
+    ``interval_s`` on a thread while a row runs (``with``): whether a decoder really decodes on
+    the engines. Nothing on the CPU, or without NVML (the row says why)."""
 
-        nvml = load_nvml()
-        nvml.nvmlInit()
-        handle = nvml_handle(nvml, torch.cuda.current_device())
-    except Exception as e:  # noqa: BLE001 - a diagnostic: say why, never fail the row
-        found["engine_use"] = f"not measured: {e}"
-        yield found
-        return
-    samples: list[tuple[int, int]] = []
-    stop = threading.Event()
+    def __init__(self, args: argparse.Namespace, interval_s: float = 0.1):
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, int, int]] = []  # (time, JPEG engines, GPU)
+        self.why_not: str | None = None
+        self.nvml = self.handle = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if args.device != "cuda":
+            return
+        try:
+            from hpctrain.observe.power import load_nvml, nvml_handle
 
-    def sample() -> None:
-        while not stop.wait(interval_s):
+            self.nvml = load_nvml()
+            self.nvml.nvmlInit()
+            self.handle = nvml_handle(self.nvml, torch.cuda.current_device())
+        except Exception as e:  # noqa: BLE001 - a diagnostic: say why, never fail the row
+            self.why_not, self.nvml = f"not measured: {e}", None
+
+    def __enter__(self) -> EngineUse:
+        if self.nvml is not None:
+            self._thread = threading.Thread(target=self._sample, daemon=True,
+                                            name="bench-engine-use")
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
             try:
-                samples.append((nvml.nvmlDeviceGetJpgUtilization(handle)[0],
-                                nvml.nvmlDeviceGetUtilizationRates(handle).gpu))
-            except nvml.NVMLError as e:
-                found["engine_use"] = f"not measured: {e}"
+                self.samples.append((time.monotonic(),
+                                     self.nvml.nvmlDeviceGetJpgUtilization(self.handle)[0],
+                                     self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu))
+            except self.nvml.NVMLError as e:
+                self.why_not = f"not measured: {e}"
                 return
 
-    thread = threading.Thread(target=sample, daemon=True, name="bench-engine-use")
-    thread.start()
-    try:
-        yield found
-    finally:
-        stop.set()
-        thread.join()
-        if samples:
-            jpeg, sm = zip(*samples, strict=True)
-            found.update(jpeg_engine_util_pct=statistics.mean(jpeg),
-                         jpeg_engine_util_peak_pct=max(jpeg), gpu_util_pct=statistics.mean(sm))
+    def summary(self, last_s: float) -> dict:
+        """Mean and peak over the samples of the last ``last_s`` seconds (the row's timed
+        steps: compiling first leaves the GPU idle, which a mean over the whole row counted)."""
+        if not self.samples:
+            return {"engine_use": self.why_not} if self.why_not else {}
+        end = self.samples[-1][0]
+        late = [s for s in self.samples if s[0] >= end - last_s] or self.samples[-1:]
+        _, jpeg, gpu = zip(*late, strict=True)
+        return {"jpeg_engine_util_pct": statistics.mean(jpeg),
+                "jpeg_engine_util_peak_pct": max(jpeg), "gpu_util_pct": statistics.mean(gpu),
+                "util_samples": len(late)}
+
+
+def _timed_s(args: argparse.Namespace, row: dict) -> float:
+    """Seconds of ``--steps // 2`` steps at a row's rate: inside the timed last 2/3 of (a) and
+    (b), the whole timed part of the loader row (which times ``--steps // 2``), so NVML's
+    samples of that window are the steady state's."""
+    rate = row.get("images_per_s_per_gpu") or 0.0
+    return args.steps // 2 * args.batch / rate if rate > 0 else 0.0
 
 
 def _missing(module: str | None) -> str | None:

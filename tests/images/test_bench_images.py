@@ -88,3 +88,16 @@ def test_tiny_cpu_run_of_paths_a_and_b(bench, tmp_path: Path,
         ran = path in {r["path"] for r in rows}
         said = f"skipping ({path}) for resnet50: {module} does not import" in out.err
         assert ran != said, (path, out.err)  # run where it imports, else skipped saying why
+
+
+def test_engine_use_averages_the_rows_timed_window_only(bench) -> None:
+    # NVML's samples while a row ran: compiling first leaves the GPU idle for most of a short
+    # row, so the mean is over the last seconds (the timed steps), not the whole row.
+    args = bench.parse_args(["--device", "cpu", "--steps", "60", "--batch", "256"])
+    use = bench.EngineUse(args)
+    assert use.summary(5.0) == {}  # on the CPU: nothing sampled, nothing said
+    use.samples = [(t, 0, 0) for t in range(40)] + [(40 + t, 20, 90) for t in range(5)]
+    row = {"images_per_s_per_gpu": 30 * 256 / 4.0}  # 30 steps of 256 in 4 s
+    assert bench._timed_s(args, row) == 4.0
+    got = use.summary(bench._timed_s(args, row))
+    assert (got["jpeg_engine_util_pct"], got["gpu_util_pct"], got["util_samples"]) == (20, 90, 5)
