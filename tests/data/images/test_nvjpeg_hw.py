@@ -22,6 +22,7 @@ from hpctrain.data.images.nvjpeg_hw import (
     choose_decoder,
     library_candidates,
     load_library,
+    plane_table,
 )
 from hpctrain.data.images.synthetic import synthetic_jpeg
 from hpctrain.errors import ConfigError
@@ -219,3 +220,22 @@ def test_decoding_ahead_on_the_engines_equals_decoding_in_the_step() -> None:
         torch.cuda.synchronize()
         assert torch.equal(x, want.tensor), step
     assert pipe.stats.hardware == serial.stats.hardware == 2 * 16 + 2 * 12
+
+
+def test_plane_table_points_each_plane_at_its_view() -> None:
+    # nvJPEG writes plane c of image k at channel[c], rows pitch[c] apart: written here through
+    # the same addresses (on the host), each view must show exactly its own planes.
+    sizes = [(3, 5), (2, 7), (4, 1)]
+    out = torch.zeros(sum(3 * h * w for h, w in sizes), dtype=torch.uint8)
+    planes, views = plane_table(out, sizes)
+    assert planes.dtype.itemsize == ctypes.sizeof(NvjpegImage)
+    assert planes.dtype.fields["pitch"][1] == NvjpegImage.pitch.offset
+    for k, (h, w) in enumerate(sizes):
+        for c in range(3):
+            assert planes["pitch"][k, c] == w
+            for row in range(h):
+                line = bytes([10 * k + c] * w)
+                ctypes.memmove(int(planes["channel"][k, c]) + row * w, line, w)
+    for k, view in enumerate(views):
+        assert view.shape == (3, *sizes[k])
+        assert view.flatten(1).tolist() == [[10 * k + c] * view[0].numel() for c in range(3)]

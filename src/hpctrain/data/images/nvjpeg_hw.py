@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from hpctrain.data.images.jpeg_header import engine_refusal, read_jpeg_header
@@ -74,6 +75,29 @@ class NvjpegImage(ctypes.Structure):
 
     _fields_ = [("channel", ctypes.c_void_p * MAX_COMPONENT),
                 ("pitch", ctypes.c_size_t * MAX_COMPONENT)]
+
+
+# The same layout as a numpy record, to fill a batch's in one go (size_t and pointers are
+# uintp wide on the platforms CUDA runs on; a test pins the offsets against the struct).
+IMAGE_DTYPE = np.dtype([("channel", np.uintp, (MAX_COMPONENT,)),
+                        ("pitch", np.uintp, (MAX_COMPONENT,))])
+
+
+def plane_table(out: torch.Tensor, sizes: Sequence[tuple[int, int]],
+                ) -> tuple[np.ndarray, list[torch.Tensor]]:
+    """Planar RGB images of ``sizes`` (H, W) packed one after the other in the uint8 tensor
+    ``out``: their ``nvjpegImage_t`` records (R, G, B plane addresses, rows of W bytes) and
+    their (3, H, W) views. Built with numpy for the batch, not field by field: the decoding
+    thread holds the GIL meanwhile."""
+    hw = np.array(sizes, dtype=np.int64).reshape(-1, 2)
+    plane = hw[:, 0] * hw[:, 1]
+    planes = np.zeros(len(hw), dtype=IMAGE_DTYPE)
+    starts = out.data_ptr() + np.concatenate(([0], np.cumsum(3 * plane)[:-1]))
+    for c in range(3):
+        planes["channel"][:, c] = starts + c * plane
+        planes["pitch"][:, c] = hw[:, 1]
+    parts = out[:int(3 * plane.sum())].split((3 * plane).tolist())
+    return planes, [part.view(3, h, w) for part, (h, w) in zip(parts, sizes, strict=True)]
 
 
 class NvjpegError(RuntimeError):
@@ -271,14 +295,7 @@ class _Decoder:
         one is not decoded: the batch failed, and it fails again without the others)."""
         out = torch.empty(sum(3 * h * w for h, w in sizes), dtype=torch.uint8,
                           device=self.device)
-        views, planes = [], (NvjpegImage * len(data))()
-        offset, base = 0, out.data_ptr()
-        for k, (h, w) in enumerate(sizes):
-            for c in range(3):
-                planes[k].channel[c] = base + offset + c * h * w
-                planes[k].pitch[c] = w
-            views.append(out[offset:offset + 3 * h * w].view(3, h, w))
-            offset += 3 * h * w
+        planes, views = plane_table(out, sizes)
         stream = torch.cuda.current_stream(self.device)
         self._wait_previous()
         try:
@@ -291,7 +308,7 @@ class _Decoder:
         self.inputs = data
         return result
 
-    def _retry(self, data: list[torch.Tensor], planes, views: list[torch.Tensor],
+    def _retry(self, data: list[torch.Tensor], planes: np.ndarray, views: list[torch.Tensor],
                stream: torch.cuda.Stream, first: NvjpegError) -> list[torch.Tensor | None]:
         """After a failed batch: nvJPEG's own check drops the JPEGs it refuses (the marker
         check let them through), the rest go again together, then one by one if that fails
@@ -299,14 +316,13 @@ class _Decoder:
         result: list[torch.Tensor | None] = [None] * len(data)
         taken = [k for k, d in enumerate(data) if self.supported(d)]
         try:
-            self._batched([data[k] for k in taken],
-                          (NvjpegImage * len(taken))(*(planes[k] for k in taken)), stream)
+            self._batched([data[k] for k in taken], planes[taken], stream)
             for k in taken:
                 result[k] = views[k]
         except NvjpegError:
             for k in taken:
                 try:
-                    self._batched(data[k:k + 1], (NvjpegImage * 1)(planes[k]), stream)
+                    self._batched(data[k:k + 1], planes[k:k + 1], stream)
                     result[k] = views[k]
                 except NvjpegError:
                     pass
@@ -317,18 +333,22 @@ class _Decoder:
                      logging.WARNING)
         return result
 
-    def _batched(self, data: list[torch.Tensor], planes, stream: torch.cuda.Stream) -> None:
+    def _batched(self, data: list[torch.Tensor], planes: np.ndarray,
+                 stream: torch.cuda.Stream) -> None:
         n = len(data)
         if self.batch_size != n:
             self.batch_size = 0
             _check(self.lib, "nvjpegDecodeBatchedInitialize", self.handle, self.state, n, 1,
                    NVJPEG_OUTPUT_RGB)
             self.batch_size = n
-        pointers = (ctypes.c_void_p * n)(*(d.data_ptr() for d in data))
-        lengths = (ctypes.c_size_t * n)(*(d.numel() for d in data))
+        pointers = np.fromiter((d.data_ptr() for d in data), dtype=np.uintp, count=n)
+        lengths = np.fromiter((d.numel() for d in data), dtype=np.uintp, count=n)
+        planes = np.ascontiguousarray(planes)
         try:
-            _check(self.lib, "nvjpegDecodeBatched", self.handle, self.state, pointers, lengths,
-                   planes, stream.cuda_stream)
+            _check(self.lib, "nvjpegDecodeBatched", self.handle, self.state,
+                   pointers.ctypes.data_as(ctypes.POINTER(ctypes.c_void_p)),
+                   lengths.ctypes.data_as(ctypes.POINTER(ctypes.c_size_t)),
+                   planes.ctypes.data_as(ctypes.POINTER(NvjpegImage)), stream.cuda_stream)
         except NvjpegError:
             self.batch_size = 0  # nvJPEG: initialise again after a failed batch
             raise
