@@ -13,7 +13,7 @@
     python benchmarks/images.py --paths b --nproc 8 --strategy fsdp --models vit_b_16
     python benchmarks/images.py --paths a b loader --b-variants gpu,serial,split0.25t8,cpu16
     python benchmarks/images.py --paths loader --loader-crops batched per-image   # crop kernels
-    python benchmarks/images.py --models resnet50 --paths a b loader --decoders hardware cuda
+    python benchmarks/images.py --models resnet50 --paths b --b-variants gpu,gpus0.5,gpug
     torchrun --nproc-per-node 8 benchmarks/images.py --paths a c       # (a), (c) DDP
     python benchmarks/images.py --device cpu --tiny                    # a CPU smoke run
 
@@ -28,11 +28,13 @@ image task (`hpctrain.tasks.images`): ``gpu`` (nvJPEG on a side stream, ahead of
 ``serial`` (nvJPEG in the step, on its stream), ``split<F>`` (the share F of each batch to
 Pillow threads, the rest to nvJPEG), ``cpu<N>`` (all on N Pillow threads); a suffix ``t<N>``
 sets the Pillow threads, ``r<S>`` decodes at reduced size (Pillow keeps the shorter side >= S).
-``--decoders`` runs each setting once per JPEG decoder on CUDA (``hardware``: the GPU's JPEG
-engines, ``cuda``: nvJPEG on the SMs through torchvision, ``auto``: the engines where they
-work), the row named ``SETTING-DECODER`` and saying the decoder asked for and the one used
-(and, for the loader, how many images the engines decoded). A decoder that cannot run here
-(``hardware`` without engines) is skipped with the reason.
+Two suffixes test whether the host bounds (b), the training thread's kernel launches
+competing for the GIL with the loader's threads: ``s<MS>`` sets Python's GIL switch interval
+of the training process to MS milliseconds (``task_args.gil_switch_ms``; Python's default is
+5), ``g`` has inductor replay the compiled model as CUDA graphs (one launch per graph: what
+``torch.compile(mode="reduce-overhead")`` sets). Each row also says NVML's GPU and JPEG engine
+utilisation over its timed steps: a GPU busy well below 100% while the loader keeps up is a
+host-bound step.
 Each row says its setting, the decode threads and cores of the process, and the milliseconds
 per image spent decoding (wall time: nvJPEG returns when done) and augmenting (the side
 stream's timing events, read once the device has passed them: neither the loader thread nor
@@ -55,7 +57,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -68,7 +70,8 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = {"resnet50": "configs/resnet50-images.yaml", "vit_b_16": "configs/vit-b16-images.yaml"}
 TINY_MODELS = {"resnet50": "resnet_tiny", "vit_b_16": "vit_tiny"}
 VARIANT = re.compile(r"(?P<base>gpu|serial|split(?P<frac>[0-9.]+)|cpu(?P<cpus>[0-9]+))"
-                     r"(?:t(?P<threads>[0-9]+))?(?:r(?P<side>[0-9]+))?")
+                     r"(?:t(?P<threads>[0-9]+))?(?:r(?P<side>[0-9]+))?"
+                     r"(?:s(?P<switch>[0-9.]+))?(?P<graphs>g)?")
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,8 @@ class Variant:
     cpu_fraction: float = 0.0
     decode_ahead: bool = True
     decode_min_side: int = 0
-    jpeg_decoder: str = "auto"
+    gil_switch_ms: float = 0.0  # 0: Python's default (5 ms)
+    cuda_graphs: bool = False
 
     def task_args(self) -> list[str]:
         """The ``task_args.KEY=VALUE`` overrides of this setting."""
@@ -89,7 +93,7 @@ class Variant:
                              ("cpu_fraction", self.cpu_fraction),
                              ("decode_ahead", self.decode_ahead),
                              ("decode_min_side", self.decode_min_side),
-                             ("jpeg_decoder", self.jpeg_decoder))]
+                             ("gil_switch_ms", self.gil_switch_ms))]
 
 
 def parse_variant(name: str, threads: int) -> Variant:
@@ -98,15 +102,20 @@ def parse_variant(name: str, threads: int) -> Variant:
     m = VARIANT.fullmatch(name)
     if m is None:
         raise ValueError(f"decode setting {name!r}: expected gpu, serial, split<F> or cpu<N>, "
-                         "then optionally t<threads> and r<min side>, e.g. split0.25t8")
+                         "then optionally t<threads>, r<min side>, s<GIL switch ms> and g "
+                         "(CUDA graphs), e.g. split0.25t8 or gpus0.5g")
     fraction = 1.0 if m["cpus"] else float(m["frac"] or 0)
     if not 0 <= fraction <= 1:
         raise ValueError(f"decode setting {name!r}: the split {fraction} is not in [0, 1]")
     threads = int(m["threads"] or m["cpus"] or threads)
     if threads < 1:
         raise ValueError(f"decode setting {name!r}: needs at least 1 thread")
+    switch = float(m["switch"] or 0)
+    if m["switch"] is not None and switch <= 0:
+        raise ValueError(f"decode setting {name!r}: the GIL switch interval must be > 0 ms")
     return Variant(name, threads, fraction, decode_ahead=m["base"] != "serial",
-                   decode_min_side=int(m["side"] or 0))
+                   decode_min_side=int(m["side"] or 0), gil_switch_ms=switch,
+                   cuda_graphs=m["graphs"] is not None)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -122,9 +131,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--b-variants", default="gpu",
                    help="comma-separated decode settings; (b) and the loader row run once "
                    "per setting, e.g. gpu,serial,split0.25t8,cpu16,cpu16r160")
-    p.add_argument("--decoders", nargs="+", default=["auto"], choices=["auto", "hardware", "cuda"],
-                   help="JPEG decoders of (b) and the loader row (each setting once per "
-                   "decoder): the GPU's JPEG engines, nvJPEG on the SMs, or auto")
     p.add_argument("--loader-crops", nargs="+", default=["batched"],
                    choices=["batched", "per-image"],
                    help="the loader row's crops: the batched kernel (what training uses on "
@@ -146,13 +152,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench-images" / "results.json")
     args = p.parse_args(argv)
     try:
-        variants = [parse_variant(v, args.decode_threads)
-                    for v in args.b_variants.split(",") if v]
+        args.variants = [parse_variant(v, args.decode_threads)
+                         for v in args.b_variants.split(",") if v]
     except ValueError as e:
         p.error(str(e))
-    named = len(args.decoders) > 1 or args.decoders != ["auto"]
-    args.variants = [replace(v, name=f"{v.name}-{d}" if named else v.name, jpeg_decoder=d)
-                     for v in variants for d in args.decoders]
     if args.tiny:
         args.batch, args.steps = min(args.batch, 8), min(args.steps, 6)
         args.images = min(args.images, 48)
@@ -298,10 +301,19 @@ def path_b(args: argparse.Namespace, model: str, variant: Variant) -> dict:
     if args.nproc == 1:
         from hpctrain import fit  # in this process: no second start-up to pay
 
-        fit(config=str(REPO / RECIPES[model]), overrides=overrides, fresh=True)
+        # The task sets the GIL switch interval for its process, this one: put it back for
+        # the next row, as inductor's CUDA graphs switch.
+        switch = sys.getswitchinterval()
+        with cuda_graphs(variant.cuda_graphs):
+            try:
+                fit(config=str(REPO / RECIPES[model]), overrides=overrides, fresh=True)
+            finally:
+                sys.setswitchinterval(switch)
     else:
+        env = {**os.environ, **({"TORCHINDUCTOR_CUDAGRAPHS": "1"} if variant.cuda_graphs
+                                else {})}
         subprocess.run([sys.executable, "-m", "hpctrain", "train", str(REPO / RECIPES[model]),
-                        "--nproc", str(args.nproc), *overrides], check=True)
+                        "--nproc", str(args.nproc), *overrides], check=True, env=env)
     from hpctrain.observe.metrics import read_metrics
 
     records = [r for r in read_metrics(out / "train" / "metrics" / "rank-000.jsonl")
@@ -314,7 +326,7 @@ def path_b(args: argparse.Namespace, model: str, variant: Variant) -> dict:
 
     return {"path": "b", "images_per_s_per_gpu": median("samples_per_s"), "ranks": args.nproc,
             "strategy": args.strategy if args.nproc > 1 else "none",
-            **_setting(variant), "decoder_used": decoder_used(args, variant),
+            **_setting(variant),
             "data_time_pct": statistics.median(100 * r["data_time_s"] / r["step_time_s"]
                                                for r in late),
             "mfu_pct": statistics.median(100 * (r["mfu"] or 0.0) for r in late),
@@ -322,29 +334,24 @@ def path_b(args: argparse.Namespace, model: str, variant: Variant) -> dict:
             "augment_ms_per_image": median("augment_ms_per_image")}
 
 
-def decoder_used(args: argparse.Namespace, variant: Variant) -> str:
-    """The JPEG decoder a row's setting gets here: hardware or cuda on CUDA (as the image
-    pipeline chooses it), pillow on the CPU."""
-    if args.device != "cuda":
-        return "pillow"
-    from hpctrain.data.images.nvjpeg_hw import choose_decoder
+@contextlib.contextmanager
+def cuda_graphs(on: bool):
+    """Inductor replays what it compiles as CUDA graphs inside the block (``on``), as
+    ``torch.compile(mode="reduce-overhead")`` has it: one launch per graph instead of one per
+    kernel, so the training thread's launches no longer wait for the GIL."""
+    if not on:
+        yield
+        return
+    import torch._inductor.config as inductor
 
-    return choose_decoder(variant.jpeg_decoder, torch.device("cuda", torch.cuda.current_device()))
-
-
-def _unavailable(args: argparse.Namespace, variant: Variant | None) -> str | None:
-    """Why a row's JPEG decoder cannot run here (None: it can)."""
-    if variant is None or args.device != "cuda" or variant.jpeg_decoder != "hardware":
-        return None
-    from hpctrain.data.images.nvjpeg_hw import hardware_unavailable
-
-    return hardware_unavailable(torch.device("cuda", torch.cuda.current_device()))
+    with inductor.patch({"triton.cudagraphs": True}):
+        yield
 
 
 def _setting(variant: Variant) -> dict:
     """The columns that say a row's decode setting and the cores it had."""
-    return {"setting": variant.name, "jpeg_decoder": variant.jpeg_decoder,
-            "decode_threads": variant.decode_threads,
+    return {"setting": variant.name, "decode_threads": variant.decode_threads,
+            "gil_switch_ms": variant.gil_switch_ms, "cuda_graphs": variant.cuda_graphs,
             "cpu_fraction": variant.cpu_fraction, "decode_ahead": variant.decode_ahead,
             "decode_min_side": variant.decode_min_side,
             "cores": len(os.sched_getaffinity(0))}
@@ -373,11 +380,9 @@ def path_loader(args: argparse.Namespace, model: str, variant: Variant) -> list[
                                 cpu_fraction=variant.cpu_fraction,
                                 min_side=variant.decode_min_side or None,
                                 ahead=variant.decode_ahead, timed=not variant.decode_ahead,
-                                batched=crops == "batched", jpeg_decoder=variant.jpeg_decoder)
+                                batched=crops == "batched")
         rows.append({"path": "loader", "images_per_s_per_gpu": row.pop("images_per_s"),
                      "ranks": 1, **_setting(variant), "crops": crops,
-                     "decoder_used": row["jpeg_decoder"],
-                     "hardware_share": row["hardware_share"],
                      **{k: row.get(k) for k in LOADER_KEYS}})
     return rows
 
@@ -406,11 +411,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       f"(it does on the GPU image)", file=sys.stderr)
                 continue
             for variant in args.variants if path in PER_VARIANT else [None]:
-                why = _unavailable(args, variant)
-                if why is not None:
-                    print(f"skipping ({path}) {variant.name} for {model}: {why}",
-                          file=sys.stderr)
-                    continue
                 with EngineUse(args) as use:
                     made = PATHS[path](args, model, variant)
                 for r in made if isinstance(made, list) else [made]:
@@ -426,9 +426,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 class EngineUse:
-    """NVML's JPEG engine and GPU utilisation (%) of this rank's GPU, sampled every
-    ``interval_s`` on a thread while a row runs (``with``): whether a decoder really decodes on
-    the engines. Nothing on the CPU, or without NVML (the row says why)."""
+    """NVML's GPU and JPEG engine utilisation (%) of this rank's GPU, sampled every
+    ``interval_s`` on a thread while a row runs (``with``): a GPU idle while the loader keeps
+    up is a host-bound step; the engines show whether the JPEGs decode on them (torchvision's
+    batched decode uses them on H100/H200). Nothing on the CPU, or without NVML (the row says
+    why)."""
 
     def __init__(self, args: argparse.Namespace, interval_s: float = 0.1):
         self.interval_s = interval_s
@@ -511,7 +513,7 @@ def table(rows: list[dict]) -> str:
                if r["path"] == "a"}
     lines = ["| model | path | decode setting | ranks | images/s per GPU | of (a) | "
              "decode threads / cores | decode ms/img | augment ms/img | "
-             "loader CPU ms/batch: read / decode / crop | JPEG engines % mean / peak |",
+             "loader CPU ms/batch: read / decode / crop | GPU % / JPEG engines % |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         a = ceiling.get((r["model"], r["ranks"]))
@@ -539,10 +541,10 @@ def _cpu(row: dict) -> str:
 
 
 def _engines(row: dict) -> str:
-    """The JPEG engines' utilisation while the row ran (NVML), or "-"."""
-    if "jpeg_engine_util_pct" not in row:
+    """NVML's GPU and JPEG engine utilisation over the row's timed steps (means), or "-"."""
+    if "gpu_util_pct" not in row:
         return "-"
-    return f"{row['jpeg_engine_util_pct']:.0f} / {row['jpeg_engine_util_peak_pct']:.0f}"
+    return f"{row['gpu_util_pct']:.0f} / {row['jpeg_engine_util_pct']:.0f}"
 
 
 def _ms(value: float | None) -> str:

@@ -40,35 +40,36 @@ def test_decode_settings_parse_to_the_task_args(bench) -> None:
     assert parse("split0.5", 1).task_args() == [
         "task_args.decode_threads=1", "task_args.cpu_fraction=0.5",
         "task_args.decode_ahead=true", "task_args.decode_min_side=0",
-        "task_args.jpeg_decoder=auto"]
-    # --decoders: each setting once per JPEG decoder, named for it (one "auto": unchanged).
-    args = bench.parse_args(["--b-variants", "gpu,serial", "--decoders", "hardware", "cuda"])
-    assert [(v.name, v.jpeg_decoder, v.decode_ahead) for v in args.variants] == [
-        ("gpu-hardware", "hardware", True), ("gpu-cuda", "cuda", True),
-        ("serial-hardware", "hardware", False), ("serial-cuda", "cuda", False)]
-    assert [v.name for v in bench.parse_args(["--b-variants", "gpu"]).variants] == ["gpu"]
-    for bad in ("split1.5", "cpu0", "nvjpeg", "gpu8"):
+        "task_args.gil_switch_ms=0.0"]
+    # The host-bound tests: the GIL switch interval (a task arg) and CUDA graphs (inductor's).
+    assert parse("gpus0.5g", 1) == bench.Variant("gpus0.5g", 1, gil_switch_ms=0.5,
+                                                 cuda_graphs=True)
+    assert parse("gpug", 1).cuda_graphs and parse("gpus1", 1).gil_switch_ms == 1.0
+    for bad in ("split1.5", "cpu0", "nvjpeg", "gpu8", "gpus0", "gpugs1"):
         with pytest.raises(ValueError, match="decode setting"):
             parse(bad, 1)
 
 
 def test_tiny_cpu_run_of_paths_a_and_b(bench, tmp_path: Path,
                                        capsys: pytest.CaptureFixture) -> None:
-    threads = torch.get_num_threads()
+    threads, switch = torch.get_num_threads(), sys.getswitchinterval()
     torch.set_num_threads(1)
     try:
-        # Two decode settings: ahead of the step (the default), and in the step at reduced size.
+        # Two decode settings: ahead of the step (the default; with a 0.5 ms GIL switch
+        # interval and CUDA graphs, which the CPU ignores), and in the step at reduced size.
         rows = bench.main(["--device", "cpu", "--tiny", "--models", "resnet50", "--paths",
                            "a", "b", "c", "d", "loader", "--jpegs", str(tmp_path / "jpegs"),
-                           "--b-variants", "gpu,serialr16",
+                           "--b-variants", "gpus0.5g,serialr16",
                            "--loader-crops", "batched", "per-image",
                            "--shards", str(tmp_path / "shards"),
                            "--out", str(tmp_path / "rows.json")])
     finally:
         torch.set_num_threads(threads)
+    assert sys.getswitchinterval() == switch  # the (b) row's task set it, the row put it back
     assert [(r["path"], r["model"], r["ranks"], r.get("setting")) for r in rows][:3] == [
-        ("a", "resnet_tiny", 1, None), ("b", "resnet_tiny", 1, "gpu"),
+        ("a", "resnet_tiny", 1, None), ("b", "resnet_tiny", 1, "gpus0.5g"),
         ("b", "resnet_tiny", 1, "serialr16")]
+    assert (rows[1]["gil_switch_ms"], rows[1]["cuda_graphs"]) == (0.5, True)
     assert all(r["images_per_s_per_gpu"] > 0 for r in rows)
     for r in rows:
         if r["path"] in ("b", "loader"):  # each says its setting, cores and decode time
@@ -81,7 +82,7 @@ def test_tiny_cpu_run_of_paths_a_and_b(bench, tmp_path: Path,
         assert all(r[f"{part}_cpu_ms_per_batch"] > 0 for part in ("read", "decode", "crop")), r
     assert json.loads((tmp_path / "rows.json").read_text()) == rows
     out = capsys.readouterr()
-    assert "| resnet_tiny | (b) | gpu | 1 |" in out.out
+    assert "| resnet_tiny | (b) | gpus0.5g | 1 |" in out.out
     assert "| resnet_tiny | (b) | serialr16 | 1 |" in out.out
     assert "(per-image) |" in out.out and "(batched) |" in out.out
     for path, module in (("c", "torchvision"), ("d", "lightning")):

@@ -8,7 +8,6 @@
       label_smoothing: 0.1
       decode_threads: 1          # how images are decoded: see "Decode choices" below
       cpu_fraction: 0.0
-      jpeg_decoder: auto         # auto | hardware | cuda
 
 Each micro-batch arrives as encoded JPEG bytes (`ImageShards` through hpctrain's loader: global
 order, equal per-rank counts, exact resume) and is decoded, cropped, flipped and normalised on
@@ -23,14 +22,12 @@ centre crop, every sample of the ``val`` split counted once over all ranks (top-
 `hpctrain.train.exact_eval`).
 
 Decode choices (``task_args``; `benchmarks/images.py --b-variants` trains once per choice):
-nvJPEG on a side stream ahead of the step is the default on CUDA. ``jpeg_decoder``: ``auto``
-(the default) decodes on the GPU's hardware JPEG engines where they work (A100, H100, H200:
-off the SMs the model needs), else with nvJPEG on the SMs; ``hardware`` insists on the engines
-(a ConfigError where they do not work), ``cuda`` decodes on the SMs; the run log says once
-which decoder it uses and why. ``cpu_fraction`` (0..1) of
+nvJPEG on a side stream ahead of the step is the default on CUDA; ``cpu_fraction`` (0..1) of
 each batch's JPEGs go to Pillow on ``decode_threads`` host threads while nvJPEG decodes the
 rest (1: all on the host); ``decode_min_side`` lets Pillow decode at reduced size;
-``decode_ahead: false`` decodes in the step on its own stream (serially: the baseline). Training
+``decode_ahead: false`` decodes in the step on its own stream (serially: the baseline);
+``gil_switch_ms`` shortens Python's GIL switch interval for the process (the training thread
+launching kernels waits less for the loader's threads). Training
 metrics carry ``decode_ms_per_image`` (and ``augment_ms_per_image`` where it costs the step's
 stream no sync: the side stream's events, read once the device has passed them, so a step reports
 an earlier batch's; or wall time on the CPU).
@@ -40,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,7 +56,6 @@ from hpctrain.data.images import (
     collate_images,
 )
 from hpctrain.data.images.mix import Mixing, MixMode
-from hpctrain.data.images.nvjpeg_hw import DECODERS
 from hpctrain.data.images.reader import IMAGES_FORMAT
 from hpctrain.data.tar_samples import MANIFEST
 from hpctrain.errors import ConfigError
@@ -100,9 +97,6 @@ class ImageTaskConfig:
     # while nvJPEG decodes the rest: a knob for the balance of CPU and GPU per machine.
     decode_threads: int = 1
     cpu_fraction: float = 0.0
-    # JPEGs on CUDA: auto (the GPU's hardware JPEG engines where they work, else the SMs),
-    # hardware (the engines, or an error), cuda (nvJPEG on the SMs, through torchvision).
-    jpeg_decoder: str = "auto"
     # Decode + augment in the loader's prefetch thread (on CUDA: a side stream), overlapping
     # the step; false: in the step, on its own stream (serially: the baseline).
     decode_ahead: bool = True
@@ -112,6 +106,12 @@ class ImageTaskConfig:
     decode_min_side: int = 0
     # Seeds the crops (with each batch's sample keys: the same crops after a resume).
     augment_seed: int = 0
+    # Python's GIL switch interval for the training process, in milliseconds (0: Python's
+    # default, 5): the longest a thread waiting for the GIL waits. The training thread that
+    # launches the model's kernels shares the GIL with the loader's reading and decoding
+    # threads; with a compiled ResNet-50 on an H200 the GPU idled 28-47% of the step while the
+    # loader kept up (benchmarks/images.py --b-variants gpu,gpus0.5 measures a shorter one).
+    gil_switch_ms: float = 0.0
     # Copy each split once per node to this node-local folder first (e.g. $SLURM_TMPDIR).
     stage_to: str | None = None
 
@@ -149,10 +149,10 @@ class ImageTaskConfig:
             raise ConfigError(f"task_args.decode_threads = {self.decode_threads}, "
                               f"cpu_fraction = {self.cpu_fraction}",
                               expected="decode_threads >= 1 and 0 <= cpu_fraction <= 1")
-        if self.jpeg_decoder not in DECODERS:
-            raise ConfigError(f"task_args.jpeg_decoder = {self.jpeg_decoder!r}",
-                              expected=" or ".join(DECODERS),
-                              hint="auto decodes on the hardware JPEG engines where they work")
+        if self.gil_switch_ms < 0:
+            raise ConfigError(f"task_args.gil_switch_ms = {self.gil_switch_ms}",
+                              expected="0 (Python's default, 5 ms) or a positive interval, "
+                              "e.g. 0.5")
         if self.mixup_alpha <= 0 or self.cutmix_alpha <= 0:
             raise ConfigError(f"task_args.mixup_alpha = {self.mixup_alpha}, cutmix_alpha = "
                               f"{self.cutmix_alpha}", expected="both > 0 (DeiT: 0.8 and 1.0)")
@@ -175,6 +175,8 @@ class ImageClassifier:
     def __init__(self, cfg: ImageTaskConfig, num_classes: int,
                  build: Callable[[int, int], nn.Module] | None = None) -> None:
         self.cfg, self.num_classes, self.build = cfg, num_classes, build
+        if cfg.gil_switch_ms:  # process-wide: every thread of this rank
+            sys.setswitchinterval(cfg.gil_switch_ms / 1e3)
         self.device = torch.device("cpu")
         self._decoders: dict[tuple[bool, torch.device], DecodeAhead] = {}
         # Training batches: random-resized crops and flips, seeded by the batch's keys;
@@ -206,8 +208,7 @@ class ImageClassifier:
                                  resize=cfg.eval_resize or None, scale=(cfg.crop_scale_min, 1.0),
                                  flip=cfg.hflip, threads=cfg.decode_threads,
                                  cpu_fraction=cfg.cpu_fraction,
-                                 min_side=cfg.decode_min_side or None,
-                                 jpeg_decoder=cfg.jpeg_decoder)
+                                 min_side=cfg.decode_min_side or None)
             mixing = (Mixing(cfg.mixup, cfg.mixup_alpha, cfg.cutmix_alpha)
                       if train and cfg.mixup != "none" else None)
             self._decoders[key] = DecodeAhead(pipe, cfg.augment_seed,

@@ -23,11 +23,7 @@ stream wait for it). Decoded under the crops' stream, batch k+1's outputs could 
 of batch k's images, freed while batch k's crops are still queued there, and be overwritten
 before those crops ran. So the images are allocated on the decode stream, the crops' stream
 waits for it, and each image is recorded as used by the crops' stream: its block goes back to
-the decode stream only once the crops queued before its release have run (no host wait). The
-GPU's hardware JPEG engines (`nvjpeg_hw`, ``jpeg_decoder`` hardware/auto) write on the stream
-they are given, which is the decode stream itself, into one tensor allocated there: the same
-wait and record cover them, and their call returns before the engines are done, so the crops'
-stream (not this thread) waits for the images.
+the decode stream only once the crops queued before its release have run (no host wait).
 
 The crops cannot come from a generator seeded by the step (the collate does not know it): they
 come from one seeded by the run seed and the keys of the batch's samples. A resumed run reads the
@@ -114,9 +110,7 @@ class DecodeAhead:
             x, kept = pipe.augment(out, g)
             x, lam = self._mix(x, g)
             # On CUDA the augment's kernels are still queued here: timing them would need a
-            # sync of the step's stream, so only the decode counts: its wall time (torchvision's
-            # nvJPEG returns when done; the hardware engines' call once queued, so there it is
-            # the host's part: `loader_throughput(timed=True)` waits for the engines).
+            # sync of the step's stream, so only the decode (nvJPEG returns when done) counts.
             augment = (wall_ms_per_image(t1, time.perf_counter(), n)
                        if x.device.type == "cpu" else None)
             return (PreparedImages(_pad(x, n), wall_ms_per_image(t0, t1, n), augment, lam),

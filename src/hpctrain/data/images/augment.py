@@ -28,7 +28,6 @@ import torch.nn.functional as F
 
 from hpctrain.data.images.crop_kernel import batch_crops, centre_geometry, train_geometry
 from hpctrain.data.images.decode import Decoded, DecodeStats, decode_batch
-from hpctrain.data.images.nvjpeg_hw import DECODERS, choose_decoder
 from hpctrain.data.images.reader import EncodedImages, PreparedImages
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -99,17 +98,14 @@ class ImagePipeline:
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = True,
                  mean: tuple[float, ...] = IMAGENET_MEAN, std: tuple[float, ...] = IMAGENET_STD,
                  threads: int = 1, cpu_fraction: float = 0.0, min_side: int | None = None,
-                 timed: bool = False, batched: bool | None = None,
-                 jpeg_decoder: str = "auto"):
+                 timed: bool = False, batched: bool | None = None):
         """``resize``: evaluation's shorter side before the centre crop (default size / 0.875);
         ``threads``, ``cpu_fraction``: Pillow threads and their share on CUDA (`decode_batch`);
         ``min_side`` (training): Pillow decodes JPEGs at reduced size while their shorter side
         stays >= it (evaluation always does so for ``resize``); ``timed``: add the seconds
         spent decoding and augmenting to ``stats`` (this waits for the device after each part,
         so leave it off in training); ``batched``: crop the batch in one go (`batch_crops`;
-        default: on CUDA) rather than image by image (the CPU's fastest way); ``jpeg_decoder``
-        (CUDA): "auto" (the GPU's hardware JPEG engines where they work, else nvJPEG on the
-        SMs), "hardware" (a ConfigError where they do not) or "cuda" (the SMs)."""
+        default: on CUDA) rather than image by image (the CPU's fastest way)."""
         if size < 1:
             raise ValueError(f"size {size} must be >= 1")
         self.size = size
@@ -131,11 +127,6 @@ class ImagePipeline:
         self.threads, self.cpu_fraction, self.timed = threads, cpu_fraction, timed
         self.min_side = min_side if train else self.resize
         self.stats = DecodeStats()
-        if jpeg_decoder not in DECODERS:
-            raise ValueError(f"jpeg_decoder {jpeg_decoder!r}: expected one of {DECODERS}")
-        # Resolved once (it probes the library and the GPU), and said once in the log.
-        self.jpeg_decoder = (choose_decoder(jpeg_decoder, self.device)
-                             if self.device.type == "cuda" else "pillow")
         self.batched = self.device.type == "cuda" if batched is None else batched
         # float16 holds every uint8 level exactly and halves the batched kernel's traffic on
         # CUDA; the CPU has no fast float16 matmul.
@@ -170,8 +161,7 @@ class ImagePipeline:
         """The images that decode, as uint8 (3, H, W) tensors on the device (`decode_batch`)."""
         t0, cpu0 = self._clock(), time.thread_time()
         out = decode_batch(images, self.device, min_side=self.min_side, stats=self.stats,
-                           threads=self.threads, cpu_fraction=self.cpu_fraction,
-                           jpeg_decoder=self.jpeg_decoder)
+                           threads=self.threads, cpu_fraction=self.cpu_fraction)
         self.stats.decode_cpu_s += time.thread_time() - cpu0
         if self.timed:
             self.stats.decode_s += self._clock() - t0

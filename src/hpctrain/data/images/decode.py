@@ -3,12 +3,9 @@
     out = decode_batch(images, "cuda")          # a list of uint8 (3, H, W) tensors on cuda
     labels = labels[out.kept]                   # a corrupt image shrinks the batch
 
-On CUDA with ``jpeg_decoder="hardware"`` the JPEGs of a batch go first to the GPU's hardware
-JPEG engines (`hpctrain.data.images.nvjpeg_hw`: off the SMs, on the caller's stream); those they
-refuse (progressive, CMYK, truncated, ...) or fail on, and all of them with ``"cuda"``, go to
-``torchvision.io.decode_jpeg(list, device="cuda")`` in one call (batched nvJPEG on the SMs); if
-that call fails, each image is tried alone, then with Pillow (CMYK JPEGs, which nvJPEG may
-refuse), so one bad image costs a retry, not the batch. Other formats
+On CUDA the JPEGs of a batch go to ``torchvision.io.decode_jpeg(list, device="cuda")`` in one
+call (batched nvJPEG); if that call fails, each image is tried alone, then with Pillow (CMYK
+JPEGs, which nvJPEG may refuse), so one bad image costs a retry, not the batch. Other formats
 (PNG, ...) are decoded by Pillow and copied over. torchvision is imported only on that path: the
 CPU path needs Pillow alone. Pillow decodes on ``threads`` threads (it releases the GIL), and
 on CUDA ``cpu_fraction`` of the JPEGs can go to them while nvJPEG decodes the rest.
@@ -32,7 +29,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hpctrain.data.images.nvjpeg_hw import hardware_decode
 from hpctrain.data.images.reader import EncodedImages
 from hpctrain.data.images.sniff import PILLOW_FORMATS, is_jpeg
 from hpctrain.errors import DataError
@@ -57,7 +53,6 @@ class DecodeStats:
 
     decoded: int = 0
     bad: int = 0
-    hardware: int = 0  # of the decoded: by the GPU's JPEG engines
     shards: dict[str, list[int]] = field(default_factory=dict)
     decode_s: float = 0.0  # filled by a timed ImagePipeline
     augment_s: float = 0.0
@@ -193,14 +188,11 @@ def to_device_packed(images: list[torch.Tensor], device: torch.device,
 
 def decode_batch(images: EncodedImages | Sequence[torch.Tensor], device: str | torch.device,
                  *, min_side: int | None = None, stats: DecodeStats | None = None,
-                 threads: int = 1, cpu_fraction: float = 0.0,
-                 jpeg_decoder: str = "cuda") -> Decoded:
+                 threads: int = 1, cpu_fraction: float = 0.0) -> Decoded:
     """Decode a batch of encoded images to uint8 (3, H, W) tensors on ``device``.
 
     ``threads``: Pillow decoding threads; ``cpu_fraction`` (CUDA): the share of the JPEGs that
-    Pillow decodes on the host while nvJPEG decodes the rest, to split the work between the two;
-    ``jpeg_decoder`` (CUDA): "hardware" (the JPEG engines first, `nvjpeg_hw.choose_decoder`
-    says whether they work) or "cuda" (nvJPEG on the SMs).
+    Pillow decodes on the host while nvJPEG decodes the rest, to split the work between the two.
     """
     batch = images if isinstance(images, EncodedImages) else EncodedImages(list(images))
     device = torch.device(device)
@@ -224,16 +216,7 @@ def decode_batch(images: EncodedImages | Sequence[torch.Tensor], device: str | t
     else:
         pending = None
     if on_gpu:
-        data = [batch.data[i] for i in on_gpu]
-        got: list[torch.Tensor | None] = [None] * len(data)
-        if jpeg_decoder == "hardware":
-            got = hardware_decode(data, device)
-            stats.hardware += sum(img is not None for img in got)
-        rest = [k for k, img in enumerate(got) if img is None]
-        if rest:
-            for k, img in zip(rest, _nvjpeg([data[k] for k in rest], device), strict=True):
-                got[k] = img
-        for i, img in zip(on_gpu, got, strict=True):
+        for i, img in zip(on_gpu, _nvjpeg([batch.data[i] for i in on_gpu], device), strict=True):
             out[i] = img
     decoded: dict[int, torch.Tensor] = {}
     for k, i in enumerate(host):

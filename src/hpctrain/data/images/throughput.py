@@ -38,11 +38,10 @@ def loader_throughput(path: str | Path, *, split: str = "train", batch: int = 25
                       device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                       threads: int = 1, cpu_fraction: float = 0.0, seed: int = 0,
                       min_side: int | None = None, ahead: bool = False,
-                      timed: bool = False, batched: bool | None = None,
-                      jpeg_decoder: str = "auto") -> dict:
+                      timed: bool = False, batched: bool | None = None) -> dict:
     """Images/s through read + decode + augment, and the seconds each part took per batch
-    (``min_side``: decode at reduced size, ``batched``: the batched crop kernel,
-    ``jpeg_decoder``: JPEGs on the hardware engines or the SMs, as `ImagePipeline`'s)."""
+    (``min_side``: decode at reduced size, ``batched``: the batched crop kernel, as
+    `ImagePipeline`'s)."""
     if timed and ahead:
         raise ValueError("timed=True waits for the device inside the loader thread: "
                          "ahead=True reports the batches' own timings instead")
@@ -50,7 +49,7 @@ def loader_throughput(path: str | Path, *, split: str = "train", batch: int = 25
     ds = ImageShards(path, split)
     pipe = ImagePipeline(size, train=train, device=device, dtype=dtype, threads=threads,
                          cpu_fraction=cpu_fraction, min_side=min_side, timed=timed,
-                         batched=batched, jpeg_decoder=jpeg_decoder)
+                         batched=batched)
     collate = DecodeAhead(pipe, seed) if ahead else collate_images
     loader = SampleLoader(ds, BatchLayout(batch, 1, 1, 0), seed, device, collate, prefetch=2)
     wait = work = 0.0
@@ -97,6 +96,4 @@ def loader_throughput(path: str | Path, *, split: str = "train", batch: int = 25
             "device": str(device), "threads": threads, "cpu_fraction": cpu_fraction,
             "ahead": ahead, "cpus": len(os.sched_getaffinity(0)), "batch": batch, "size": size,
             "train": train, "batched_crops": pipe.batched, "skipped_images": pipe.stats.bad,
-            "jpeg_decoder": pipe.jpeg_decoder,
-            "hardware_share": pipe.stats.hardware / max(1, pipe.stats.decoded),
             **timing}
