@@ -7,6 +7,7 @@ import io
 import logging
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -279,10 +280,37 @@ def test_two_threads_sharing_decode_ahead_pop_each_timing_once() -> None:
     # The training loader's thread and validation's read-ahead thread share one DecodeAhead:
     # both saw the finished timing, both popped it, one on an empty deque (IndexError).
     ahead = DecodeAhead(ImagePipeline(8), seed=0)
-    ahead._timings.append((_RecordedEvent(0.0), _QueriedTogether(8.0, threading.Barrier(2)), 4))
+    ahead._timings.append((_RecordedEvent(0.0), _QueriedTogether(8.0, threading.Barrier(2)), 4,
+                           []))
     with ThreadPoolExecutor(2) as pool:
         got = [f.result() for f in [pool.submit(ahead._done_augment_ms) for _ in range(2)]]
     assert sorted(got, key=lambda ms: ms is None) == [2.0, None]
+
+
+class _Pending(_RecordedEvent):
+    """An end event the device has or has not reached yet."""
+
+    def __init__(self, ms: float, done: bool) -> None:
+        super().__init__(ms)
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_decoded_images_are_kept_until_the_crops_that_read_them_have_run() -> None:
+    # On CUDA a batch's decoded images are freed only once its crops' end event has completed
+    # (their blocks would otherwise go back to the decode stream while the crops still read
+    # them), without record_stream per image: each was a GIL release and re-take.
+    ahead = DecodeAhead(ImagePipeline(8), seed=0)
+    images = [torch.zeros(3, 4, 4, dtype=torch.uint8)]
+    alive = weakref.ref(images[0])
+    end = _Pending(4.0, done=False)
+    ahead._timings.append((_RecordedEvent(0.0), end, 2, images))
+    del images
+    assert ahead._done_augment_ms() is None and alive() is not None  # crops still queued
+    end.done = True
+    assert ahead._done_augment_ms() == 2.0 and alive() is None
 
 
 def test_a_batch_that_lost_images_is_padded_with_the_kept_ones_in_turn(shards) -> None:
