@@ -31,10 +31,10 @@ sets the Pillow threads, ``r<S>`` decodes at reduced size (Pillow keeps the shor
 Two suffixes test whether the host bounds (b), the training thread's kernel launches
 competing for the GIL with the loader's threads: ``s<MS>`` sets Python's GIL switch interval
 of the training process to MS milliseconds (``task_args.gil_switch_ms``; Python's default is
-5), ``g`` has inductor replay the compiled model as CUDA graphs (one launch per graph: what
-``torch.compile(mode="reduce-overhead")`` sets). Each row also says NVML's GPU and JPEG engine
-utilisation over its timed steps: a GPU busy well below 100% while the loader keeps up is a
-host-bound step.
+5), ``g`` has inductor replay the compiled model as CUDA graphs (``task_args.cuda_graphs``;
+one launch per graph: what ``torch.compile(mode="reduce-overhead")`` sets). Each row also
+says NVML's GPU and JPEG engine utilisation over its timed steps: a GPU busy well below 100%
+while the loader keeps up is a host-bound step.
 Each row says its setting, the decode threads and cores of the process, and the milliseconds
 per image spent decoding (wall time: nvJPEG returns when done) and augmenting (the side
 stream's timing events, read once the device has passed them: neither the loader thread nor
@@ -93,7 +93,8 @@ class Variant:
                              ("cpu_fraction", self.cpu_fraction),
                              ("decode_ahead", self.decode_ahead),
                              ("decode_min_side", self.decode_min_side),
-                             ("gil_switch_ms", self.gil_switch_ms))]
+                             ("gil_switch_ms", self.gil_switch_ms),
+                             ("cuda_graphs", self.cuda_graphs))]
 
 
 def parse_variant(name: str, threads: int) -> Variant:
@@ -299,21 +300,21 @@ def path_b(args: argparse.Namespace, model: str, variant: Variant) -> dict:
         overrides += ["train.precision=fp32", "parallel.compile=false"]
     overrides.append(f"parallel.strategy={args.strategy if args.nproc > 1 else 'none'}")
     if args.nproc == 1:
+        import torch._inductor.config as inductor
+
         from hpctrain import fit  # in this process: no second start-up to pay
 
-        # The task sets the GIL switch interval for its process, this one: put it back for
-        # the next row, as inductor's CUDA graphs switch.
-        switch = sys.getswitchinterval()
-        with cuda_graphs(variant.cuda_graphs):
-            try:
-                fit(config=str(REPO / RECIPES[model]), overrides=overrides, fresh=True)
-            finally:
-                sys.setswitchinterval(switch)
+        # The task sets the GIL switch interval and inductor's CUDA graphs for its process,
+        # this one: put both back for the next row.
+        switch, graphs = sys.getswitchinterval(), inductor.triton.cudagraphs
+        try:
+            fit(config=str(REPO / RECIPES[model]), overrides=overrides, fresh=True)
+        finally:
+            sys.setswitchinterval(switch)
+            inductor.triton.cudagraphs = graphs
     else:
-        env = {**os.environ, **({"TORCHINDUCTOR_CUDAGRAPHS": "1"} if variant.cuda_graphs
-                                else {})}
         subprocess.run([sys.executable, "-m", "hpctrain", "train", str(REPO / RECIPES[model]),
-                        "--nproc", str(args.nproc), *overrides], check=True, env=env)
+                        "--nproc", str(args.nproc), *overrides], check=True)
     from hpctrain.observe.metrics import read_metrics
 
     records = [r for r in read_metrics(out / "train" / "metrics" / "rank-000.jsonl")
@@ -332,20 +333,6 @@ def path_b(args: argparse.Namespace, model: str, variant: Variant) -> dict:
             "mfu_pct": statistics.median(100 * (r["mfu"] or 0.0) for r in late),
             "decode_ms_per_image": median("decode_ms_per_image"),
             "augment_ms_per_image": median("augment_ms_per_image")}
-
-
-@contextlib.contextmanager
-def cuda_graphs(on: bool):
-    """Inductor replays what it compiles as CUDA graphs inside the block (``on``), as
-    ``torch.compile(mode="reduce-overhead")`` has it: one launch per graph instead of one per
-    kernel, so the training thread's launches no longer wait for the GIL."""
-    if not on:
-        yield
-        return
-    import torch._inductor.config as inductor
-
-    with inductor.patch({"triton.cudagraphs": True}):
-        yield
 
 
 def _setting(variant: Variant) -> dict:

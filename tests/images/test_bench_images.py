@@ -40,7 +40,7 @@ def test_decode_settings_parse_to_the_task_args(bench) -> None:
     assert parse("split0.5", 1).task_args() == [
         "task_args.decode_threads=1", "task_args.cpu_fraction=0.5",
         "task_args.decode_ahead=true", "task_args.decode_min_side=0",
-        "task_args.gil_switch_ms=0.0"]
+        "task_args.gil_switch_ms=0.0", "task_args.cuda_graphs=false"]
     # The host-bound tests: the GIL switch interval (a task arg) and CUDA graphs (inductor's).
     assert parse("gpus0.5g", 1) == bench.Variant("gpus0.5g", 1, gil_switch_ms=0.5,
                                                  cuda_graphs=True)
@@ -52,11 +52,14 @@ def test_decode_settings_parse_to_the_task_args(bench) -> None:
 
 def test_tiny_cpu_run_of_paths_a_and_b(bench, tmp_path: Path,
                                        capsys: pytest.CaptureFixture) -> None:
+    import torch._inductor.config as inductor
+
     threads, switch = torch.get_num_threads(), sys.getswitchinterval()
     torch.set_num_threads(1)
     try:
         # Two decode settings: ahead of the step (the default; with a 0.5 ms GIL switch
-        # interval and CUDA graphs, which the CPU ignores), and in the step at reduced size.
+        # interval and inductor's CUDA graphs, unused on the CPU), and in the step at reduced
+        # size.
         rows = bench.main(["--device", "cpu", "--tiny", "--models", "resnet50", "--paths",
                            "a", "b", "c", "d", "loader", "--jpegs", str(tmp_path / "jpegs"),
                            "--b-variants", "gpus0.5g,serialr16",
@@ -65,7 +68,8 @@ def test_tiny_cpu_run_of_paths_a_and_b(bench, tmp_path: Path,
                            "--out", str(tmp_path / "rows.json")])
     finally:
         torch.set_num_threads(threads)
-    assert sys.getswitchinterval() == switch  # the (b) row's task set it, the row put it back
+    # The (b) row's task set both for this process; the row put them back.
+    assert sys.getswitchinterval() == switch and not inductor.triton.cudagraphs
     assert [(r["path"], r["model"], r["ranks"], r.get("setting")) for r in rows][:3] == [
         ("a", "resnet_tiny", 1, None), ("b", "resnet_tiny", 1, "gpus0.5g"),
         ("b", "resnet_tiny", 1, "serialr16")]

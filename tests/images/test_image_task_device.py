@@ -61,3 +61,15 @@ def test_gil_switch_ms_sets_the_processs_switch_interval(monkeypatch) -> None:
     assert calls == [0.0005]
     with pytest.raises(ConfigError, match="gil_switch_ms = -1"):
         ImageTaskConfig(data="x", gil_switch_ms=-1).validate()
+
+
+def test_cuda_graphs_has_inductor_replay_the_compiled_model_as_graphs(monkeypatch) -> None:
+    """task_args.cuda_graphs: inductor's CUDA graphs (torch.compile's reduce-overhead) for the
+    rank's process; unset leaves inductor as it is."""
+    import torch._inductor.config as inductor
+
+    monkeypatch.setattr(inductor.triton, "cudagraphs", False)
+    ImageClassifier(ImageTaskConfig(data="unused"), 4)
+    assert inductor.triton.cudagraphs is False
+    ImageClassifier(ImageTaskConfig(data="unused", cuda_graphs=True), 4)
+    assert inductor.triton.cudagraphs is True
