@@ -97,6 +97,11 @@ def exit_info(run_dir: Path) -> dict:
     return json.loads((run_dir / "exit_info.json").read_text())
 
 
+# The preemption tests (one node, tests/slurm/test_training_jobs.py; two nodes,
+# test_multinode.py) train this many steps on 2 DDP ranks, against one reference run.
+PREEMPT_STEPS = 30
+
+
 class ReferenceLosses:
     """Final losses of uninterrupted runs through the local launcher, each computed once per
     session (the single-node and the two-node preemption tests compare against the same one).
@@ -113,6 +118,10 @@ class ReferenceLosses:
         """The final loss, to come, of ``steps`` steps of TINY on ``ranks`` local ranks (the run
         starts on the first call)."""
         return self._pool.submit(self._final_loss, ranks, steps, strategy)
+
+    def preemption(self) -> Future[float]:
+        """The final loss, to come, of the preemption tests' uninterrupted run."""
+        return self.start(2, PREEMPT_STEPS, "ddp")
 
     def close(self) -> None:
         """Wait for the runs started and let the thread go."""

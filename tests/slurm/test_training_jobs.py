@@ -16,14 +16,14 @@ import pytest
 from hpctrain.checkpoint.manifest import read_manifest, verify_files
 from hpctrain.observe.goodput import PARTS
 
-from .jobs import REPO, ReferenceLosses, diagnosis, exit_info, script, wait_for_steps
+from .jobs import PREEMPT_STEPS, REPO, ReferenceLosses, diagnosis, exit_info, script, wait_for_steps
 
 
 @pytest.mark.slow
 def test_signal_checkpoint_requeue_resume_exact(slurm_cluster, tmp_path: Path,
                                                 reference: ReferenceLosses) -> None:
-    steps = 30
-    expected = reference.start(2, steps, "ddp")  # trains while the job waits on Slurm
+    steps = PREEMPT_STEPS
+    expected = reference.preemption()  # (started by test_cluster.py where that runs first)
     path = script(tmp_path, "preempt", [f"train.steps={steps}", "parallel.strategy=ddp"],
                   pause_at=6, tasks_per_node=2, time="10:00")
     job = slurm_cluster.sbatch(path, cwd=REPO)
