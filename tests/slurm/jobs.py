@@ -13,9 +13,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from conftest import run_cli
 from hpctrain.launch.sbatch import SbatchParams, create_log_dir, render_sbatch
 from hpctrain.observe.metrics import read_metrics
+from rank_jobs import launch
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["run.device=cpu", "data.source=stdlib", "data.max_bytes=300000", "data.seq_len=64",
@@ -103,11 +103,13 @@ PREEMPT_STEPS = 30
 
 
 class ReferenceLosses:
-    """Final losses of uninterrupted runs through the local launcher, each computed once per
-    session (the single-node and the two-node preemption tests compare against the same one).
+    """Final losses of uninterrupted runs, each computed once per session (the single-node and
+    the two-node preemption tests compare against the same one).
 
-    A test ``start``s its reference before it submits its job, so that the reference trains
-    while the job waits on Slurm (the injected pause, the requeue) instead of after it."""
+    The ranks are forked from the preloaded interpreter (tests/rank_jobs.py: the ranks' own
+    entry point, without a launcher's fresh interpreters and their ~3 CPU-s of imports each):
+    only the numbers are compared. A test ``start``s its reference before it submits its job,
+    so that the reference trains while jobs wait on Slurm instead of after them."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -129,11 +131,9 @@ class ReferenceLosses:
 
     def _final_loss(self, ranks: int, steps: int, strategy: str) -> float:
         name = f"ref-{ranks}-{steps}-{strategy}"
-        args = ["train", "configs/demo.yaml", *TINY, f"run.out_dir={self.root}",
-                f"run.name={name}", "run.suffix=none", f"train.steps={steps}",
-                f"parallel.strategy={strategy}"]
-        if ranks > 1:
-            args += ["--nproc", str(ranks)]
-        done = run_cli(args, timeout=300)  # forked from the preloaded interpreter
-        assert done.returncode == 0, f"reference {name} failed:\n{done.stderr[-3000:]}"
+        spec = {"config": "configs/demo.yaml", "out": str(self.root),
+                "common": [*TINY, "run.suffix=none", f"train.steps={steps}",
+                           f"parallel.strategy={strategy}"],
+                "jobs": [{"name": name, "overrides": []}]}
+        launch(ranks, spec, self.root / f"launch-{name}", timeout=300)
         return exit_info(self.root / name)["extra"]["final_loss"]
