@@ -119,7 +119,7 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 # other group after them, in collection order. The "workers" section at the end of a run
 # shows when each worker ran its long files: re-sort when one ends well before the other.
 LONGEST_GROUPS = (
-    "slurm",  # 168 then; alone on an idle machine 105 s then, ~80-95 s now: mostly waits
+    "slurm",  # 168 then; alone (-n 0, load 1-2) 135 s then, 80-100 s now: mostly waits
     "task/test_task_runs.py",  # 41: a kill -9 chain per strategy + 3
     "parallel/test_layouts.py",  # 41: 13 layouts on 4 ranks beside the 1-process reference
     "test_readme_recipes.py",  # 40: twenty commands one after another, forked
