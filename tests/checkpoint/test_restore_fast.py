@@ -271,12 +271,16 @@ def test_ctrl_c_while_waiting_for_the_checksums_stops_them(pg, no_faults, tmp_pa
 
     _run(tmp_path, (2,))
     release, loaded = threading.Event(), threading.Event()
+    interrupt = threading.Lock()  # taken by the first check to start: it sends the one SIGINT
     real = manifest.checksum
 
     def held(path: Path, stop: threading.Event | None = None) -> str:
-        """Interrupts ``load`` once it waits for the verdict; hashes only when stopped."""
+        """Interrupts ``load`` once it waits for the verdict; hashes only when stopped.
+
+        The first check to run sends the SIGINT, whichever file it is: one chosen by name could
+        wait in the pool's queue behind the held ones, and no SIGINT would ever come."""
         assert loaded.wait(30)
-        if path.name == ".metadata":
+        if interrupt.acquire(blocking=False):
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
         while not (stop is not None and stop.is_set()) and not release.is_set():
             release.wait(0.01)
