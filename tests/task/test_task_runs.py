@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
@@ -151,7 +152,6 @@ def _records(run_dir: Path) -> list[dict]:
 
 RANK_FAILS = """\
 import os
-import time
 
 import torch
 from torch import nn
@@ -166,8 +166,6 @@ def step(model, batch):
     calls += 1
     if calls == 3 and os.environ["RANK"] == "0":
         raise RuntimeError("rank 0 gives up at its third step")
-    if calls == 3:
-        time.sleep(300)  # busy (a long kernel, a slow read): it outlives the agent's SIGTERM
     x, y = batch
     return nn.functional.mse_loss(model(x), y)
 
@@ -180,9 +178,11 @@ def task():
 
 
 def test_one_ranks_exception_ends_the_job_naming_the_users_line(tmp_path: Path) -> None:
-    """Rank 0 raises; rank 1, busy, outlives the agent's SIGTERM and is SIGKILLed 30 s later:
-    the launcher blames rank 0 with its exception, rank 1 only as stopped by the launcher.
-    Also the config's way in: a YAML whose task: names the file and function."""
+    """Rank 0 raises: the launcher blames rank 0 with its exception, and rank 1 (its peer gone
+    in the gradient all-reduce, or stopped by the agent) only as stopped or failed too. A rank
+    SIGKILLed after the agent's 30 s grace is a victim too: tests/launch/test_launcher_signals.py
+    (a run here that waited out the grace cost 30 s of the suite). Also the config's way in: a
+    YAML whose task: names the file and function."""
     path = tmp_path / "rank_fails.py"
     path.write_text(RANK_FAILS)
     config = tmp_path / "job.yaml"
@@ -197,11 +197,11 @@ def test_one_ranks_exception_ends_the_job_naming_the_users_line(tmp_path: Path) 
     assert failed.startswith("hpctrain: error: training failed: rank 0 exited with code 2: "
                              "TaskError: the step function raised RuntimeError: rank 0 gives "
                              "up at its third step\n"), output[-3000:]
-    assert f"{path}:16 (in step)" in failed, failed
-    assert "rank 1 stopped by the launcher (SIGKILL)" in failed, failed
+    assert f"{path}:15 (in step)" in failed, failed
+    assert re.search(r"\n  rank 1 (stopped by the launcher|failed too) \(", failed), failed
     log = (tmp_path / "rank_fails" / "logs" / "rank-000.log").read_text()
     assert "rank 0 gives up at its third step" in log
-    assert f"{path}:16 (in step)" in log
+    assert f"{path}:15 (in step)" in log
     info = json.loads((tmp_path / "rank_fails" / "exit_info.json").read_text())
     # Rank 0's own account stays (the launcher must not replace it with rank 1's SIGKILL).
     assert info["exit_code"] == 2 and info["extra"]["rank"] == 0, info
