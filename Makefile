@@ -59,16 +59,17 @@ demo: $(BASE_STAMP)
 # (.ci/run sets it) it fails instead.
 # scripts/install-browser.sh does the same for Debian's chromium and chromedriver, which the
 # browser test of `hpctrain report` drives headless.
-# Two pytest-xdist workers: many tests wait on child processes (ranks, Slurm, signals) rather than
-# compute, so two keep 2 cores busy; tests/conftest.py keeps each file (and all of tests/slurm) on
-# one worker (`make test PYTEST_WORKERS=3` tries three: the Slurm tests mostly wait). At the end:
+# Three pytest-xdist workers on two cores: many tests wait on child processes (ranks, Slurm,
+# signals) rather than compute, and a third worker fills those waits (the whole suite on an idle
+# 2-core machine, 2026-11-28: 398 s with three, 461 s with two); tests/conftest.py keeps each file
+# (and all of tests/slurm) on one worker. `make test PYTEST_WORKERS=2` runs two. At the end:
 # the tests and files that cost the most CPU, when each worker ran its long files, the 25 slowest
 # tests, then the time pytest took and that of the whole `make test` (installs included).
 # The apt installs (downloads and dpkg, tens of seconds on a fresh machine) run in the
 # background while pip fills .venv; their output is printed when both are done, and either
 # failing fails `make test`. Interrupted (Ctrl-C, a CI kill), the recipe still waits for them:
 # a background job ignores SIGINT, and a dpkg left running would hold the lock of the next run.
-PYTEST_WORKERS ?= 2
+PYTEST_WORKERS ?= 3
 test:
 	@log=$$(mktemp); \
 	{ bash scripts/install-slurm.sh && bash scripts/install-browser.sh; } > "$$log" 2>&1 & \

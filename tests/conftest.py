@@ -159,7 +159,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Groups for pytest-xdist (`make test` runs two workers with ``--dist loadgroup``).
+    """Groups for pytest-xdist (`make test` runs three workers with ``--dist loadgroup``).
 
     Each test file is one group, so its module fixtures (often a multi-rank launch shared by
     all its tests) run once; all of tests/slurm are one group, because each worker session would
