@@ -62,8 +62,8 @@ demo: $(BASE_STAMP)
 # Three pytest-xdist workers on two cores: many tests wait on child processes (ranks, Slurm,
 # signals) rather than compute, and a third worker fills those waits (the whole suite on an idle
 # 2-core machine, 2026-11-28: 398 s with three; 461 s with two, that run with one 30 s wait more);
-# tests/conftest.py keeps each file
-# (and all of tests/slurm) on one worker. `make test PYTEST_WORKERS=2` runs two. At the end:
+# tests/conftest.py keeps each file (and all of tests/slurm) on one worker.
+# `make test PYTEST_WORKERS=2` runs two. At the end:
 # the tests and files that cost the most CPU, when each worker ran its long files, the 25 slowest
 # tests, then the time pytest took and that of the whole `make test` (installs included).
 # The apt installs (downloads and dpkg, tens of seconds on a fresh machine) run in the
