@@ -108,8 +108,8 @@ def test_restore_reads_whole_tensors_directly_and_the_rest_through_dcp(saved, mo
     direct: list[str] = []
     real = safe_io.SafeFileSystemReader._direct_span
 
-    def spy(self, f, item, planner):
-        span = real(self, f, item, planner)
+    def spy(self, f, item, target):
+        span = real(self, f, item, target)
         if span is not None:
             direct.append(item.storage_index.fqn)
         return span

@@ -319,8 +319,7 @@ def test_the_loading_threads_work_on_the_targets_gpu(monkeypatch, tmp_path: Path
     target = torch.zeros(1 << 16, device="cuda:1")
     staging = safe_io._Staging(2, target.device, 4096)
     try:
-        with open(tmp_path / "w", "rb") as f:
-            safe_io._read_spans(f, [safe_io._Span(target, 0, "w")], 2, staging)
+        safe_io._read_spans([safe_io._Span(target, tmp_path / "w", 0, "w")], 2, staging)
     finally:
         staging.close()
     assert torch.equal(target.cpu(), source)
@@ -371,8 +370,8 @@ def test_a_load_reads_with_the_configured_threads(pg, no_faults, tmp_path: Path,
     _run(tmp_path, (2,))
     used: list[int] = []
     spans = safe_io._read_spans
-    monkeypatch.setattr(safe_io, "_read_spans", lambda f, s, threads, staging: (
-        used.append(threads), spans(f, s, threads, staging))[1])
+    monkeypatch.setattr(safe_io, "_read_spans", lambda s, threads, staging: (
+        used.append(threads), spans(s, threads, staging))[1])
     manager(tmp_path, write_threads=3).load(tmp_path / step_dir_name(2),
                                             checkpointing.tensor_state(_train_state(1)))
     assert used and set(used) == {3}, used
