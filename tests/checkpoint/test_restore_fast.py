@@ -154,6 +154,49 @@ def test_a_tensor_read_in_pieces_by_several_threads_arrives_whole(pg, no_faults,
             assert torch.equal(value, fresh_opt.state[b][key]), key
 
 
+def test_each_file_is_read_start_to_end_by_one_of_several_threads(pg, no_faults, tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    """As many files as threads (a rank loads what it wrote): the files are read at once, each
+    by one thread from its start to its end, as ``bench disk`` reads (sequential streams,
+    which the checksum threads follow through the page cache), not each file by all threads
+    in turn."""
+    model = make_model(0)
+    opt = make_optimizer(model)
+    train_steps(model, opt, 1)
+    m = manager(tmp_path, write_threads=2)
+    m.save(1, state_of(model, opt), {"step": 1, "world_size": 1}, blocking=True)
+    monkeypatch.setattr(safe_io, "_PIECE", 64)  # several pieces a tensor, many a file
+    both = threading.Barrier(2, timeout=30)  # a thread's first piece waits for the other's
+    reads: list[tuple[int, str, int]] = []
+    read = safe_io._read_into
+
+    def spy(f, dest, offset, fqn) -> None:
+        me = threading.get_ident()
+        if me not in {thread for thread, _, _ in reads}:
+            reads.append((me, str(f.name), offset))
+            both.wait()
+        else:
+            reads.append((me, str(f.name), offset))
+        read(f, dest, offset, fqn)
+
+    monkeypatch.setattr(safe_io, "_read_into", spy)
+    fresh = make_model(1)
+    fresh_opt = make_optimizer(fresh)
+    state = state_of(fresh, fresh_opt)
+    m.load(tmp_path / step_dir_name(1), state)
+    put_state(fresh, fresh_opt, state)
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    readers: dict[str, set[int]] = {}
+    for thread, name, _ in reads:
+        readers.setdefault(name, set()).add(thread)
+    assert len(readers) == 2 and all(len(t) == 1 for t in readers.values()), readers
+    assert len({thread for thread, _, _ in reads}) == 2
+    for name in readers:
+        offsets = [offset for _, n, offset in reads if n == name]
+        assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets), name
+
+
 def test_alike_values_load_once_and_mutable_ones_are_never_shared(pg, no_faults, tmp_path: Path,
                                                                   monkeypatch) -> None:
     """Values saved with the same bytes (the optimizer's settings per parameter) are read
