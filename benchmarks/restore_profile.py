@@ -8,7 +8,8 @@ a resume does: cold (the files' pages dropped first), then warm (from the page c
 the state's device and, with ``--cpu-too``, into CPU tensors. For each restore it prints the wall
 time and GB/s, the CPU seconds of the main thread, the loading threads and the checksum threads,
 and the summed wall time inside the load's parts (finding the tensors' bytes, the bulk read,
-each piece's read system calls, a GPU piece's wait for its buffer and its copy, the pinned
+each piece's read system calls, a GPU piece's wait for its buffer and its copy, the
+load's waits for the checks to read ahead, the pinned
 buffers' set-up and release, the checksums, DCP's load as a whole). The parts are timed by
 wrapping ``hpctrain.checkpoint.safe_io``'s functions: a research tool, not a benchmark of record.
 """
@@ -53,10 +54,11 @@ def _timed(name: str, fn):
 def _instrument() -> None:
     """Wrap the load's parts (and count each thread's CPU time by its name's prefix)."""
     reader = safe_io.SafeFileSystemReader
-    for name in ("_find_spans", "read_data"):
-        if hasattr(reader, name):
-            setattr(reader, name, _timed(f"reader.{name}", getattr(reader, name)))
-    safe_io._read_spans = _timed("read_spans (bulk)", safe_io._read_spans)
+    reader.read_data = _timed("reader.read_data", reader.read_data)
+    reader._read_direct = _timed("reader._read_direct (whole tensors)", reader._read_direct)
+    reader._direct_span = _timed("  finding a tensor's bytes (sum)", reader._direct_span)
+    manifest.Verification.wait_read = _timed("  waiting for the checks to read ahead (sum)",
+                                             manifest.Verification.wait_read)
     safe_io._read_into = _timed("  pread (sum over threads)", safe_io._read_into)
     staging = safe_io._Staging
     staging.fill = _timed("  gpu piece: wait+pread+copy (sum)", staging.fill)

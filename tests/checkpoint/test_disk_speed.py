@@ -159,9 +159,9 @@ def test_verification_reads_the_files_in_parallel_and_names_the_first_bad(tmp_pa
     together = threading.Barrier(len(names), timeout=20)
     real = manifest.checksum
 
-    def meeting(path, stop=None):
+    def meeting(path, stop=None, progress=None):
         together.wait()
-        return real(path, stop)
+        return real(path, stop, progress)
 
     monkeypatch.setattr(manifest, "checksum", meeting)
     with pytest.raises(DamagedCheckpoint, match=r"/b checksum .* \(corrupted\)"):
