@@ -61,12 +61,14 @@ demo: $(BASE_STAMP)
 # browser test of `hpctrain report` drives headless.
 # Two pytest-xdist workers: many tests wait on child processes (ranks, Slurm, signals) rather than
 # compute, so two keep 2 cores busy; tests/conftest.py keeps each file (and all of tests/slurm) on
-# one worker. The 25 slowest tests are listed at the end, then the time pytest took and the
-# time of the whole `make test` (installs included), to keep the suite's time in view.
+# one worker (`make test PYTEST_WORKERS=3` tries three: the Slurm tests mostly wait). At the end:
+# the tests and files that cost the most CPU, when each worker ran its long files, the 25 slowest
+# tests, then the time pytest took and that of the whole `make test` (installs included).
 # The apt installs (downloads and dpkg, tens of seconds on a fresh machine) run in the
 # background while pip fills .venv; their output is printed when both are done, and either
 # failing fails `make test`. Interrupted (Ctrl-C, a CI kill), the recipe still waits for them:
 # a background job ignores SIGINT, and a dpkg left running would hold the lock of the next run.
+PYTEST_WORKERS ?= 2
 test:
 	@log=$$(mktemp); \
 	{ bash scripts/install-slurm.sh && bash scripts/install-browser.sh; } > "$$log" 2>&1 & \
@@ -78,7 +80,7 @@ test:
 	[ $$venv -eq 0 ] && [ $$apt -eq 0 ]
 	$(BIN)/ruff check src tests benchmarks
 	@start=$$(date +%s); \
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25; rc=$$?; \
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=25; rc=$$?; \
 	end=$$(date +%s); \
 	echo "make test: pytest took $$((end - start)) s; make test in all $$((end - $(MAKE_START))) s"; \
 	exit $$rc

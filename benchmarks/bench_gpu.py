@@ -7,9 +7,10 @@ against their measured peak, the roofline of the GEMM/copy results, and `bench n
     python3 benchmarks/bench_gpu.py --dry-run          # print the commands and the estimates
 
 Every step is the CLI a user runs (``python -m hpctrain bench ...``), started with NVLink
-multicast off. GPU power (J/token) needs nvidia-ml-py; without it those columns say n/a and the
-rest runs. Prints Markdown for benchmarks/RESULTS.md and writes summary.json. 269 s on 4 H200
-(torch 2.11); ``--skip model`` leaves out the five training runs (about 3 of those minutes).
+multicast off. GPU power (J/token) is read through NVML; where NVML cannot start those columns
+say n/a and the rest runs. Prints Markdown for benchmarks/RESULTS.md and writes summary.json.
+269 s on 4 H200 (torch 2.11); ``--skip model`` leaves out the five training runs (about 3 of
+those minutes).
 """
 
 from __future__ import annotations
@@ -84,6 +85,16 @@ def plain_matmul_tflops(size: int = 8192, reps: int = 50, trials: int = 5) -> fl
     return best
 
 
+def plain_matmul_in_child() -> float:
+    """plain_matmul_tflops() in a spawned child process: its CUDA context (~0.5 GB of GPU 0)
+    ends with it, where in this process, which starts every run that follows, it would stay."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(plain_matmul_tflops).result()
+
+
 def estimate_gb(opts: dict) -> float:
     """`plan memory`'s peak for one variant, in GB."""
     from hpctrain.models import PRESETS
@@ -135,10 +146,7 @@ def main() -> None:
         if not args.dry_run:
             rows = json.loads((out / "gemm" / "gemm.json").read_text())["rows"]
             ours = next(r["tflops"] for r in rows if r["dtype"] == "bf16" and r["m"] == 8192)
-            plain = plain_matmul_tflops()
-            import torch
-
-            torch.cuda.empty_cache()  # leave the GPU to the runs that follow
+            plain = plain_matmul_in_child()
             summary["gemm_bf16_8192"] = {"bench_gemm": ours, "plain_matmul_best": plain,
                                          "ratio": ours / plain}
             print(f"gemm bf16 8192^3: bench {ours:.1f} TFLOP/s, plain torch.matmul {plain:.1f} "

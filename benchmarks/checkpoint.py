@@ -54,6 +54,7 @@ import torch
 
 from as_measured import AS_MEASURED  # the llama configs' values before auto
 from ckpt_runs import CPU_TINY, events, run_train, step_records
+from hpctrain.plan.gpu import gpu_name
 
 # Steps 1..WARMUP hold compilation, the writer's buffer allocation and the first windows.
 WARMUP = 20
@@ -138,8 +139,8 @@ def run_variants(bench: Bench, variants: list[str]) -> None:
         probe = {"probe_background_write_s": write_s, "step_s": step_s, "every": every,
                  "steps": 4 * every, "ranks": bench.ranks, "date": time.strftime("%Y-%m-%d"),
                  "torch": torch.__version__,
-                 "device": (torch.cuda.get_device_name(0) if bench.mode == "gpu"
-                            else "cpu (smoke)")}
+                 # through NVML: no CUDA context in this process while the runs measure
+                 "device": gpu_name(0) if bench.mode == "gpu" else "cpu (smoke)"}
         probe_path.write_text(json.dumps(probe, indent=1))
         print(f"{bench.layout}: background write {write_s:.2f} s, step {step_s:.3f} s -> a save "
               f"every {every} steps ({every * step_s:.1f} s), {4 * every} steps per run",

@@ -13,6 +13,7 @@
     python benchmarks/images.py --paths b --nproc 8 --strategy fsdp --models vit_b_16
     python benchmarks/images.py --paths a b loader --b-variants gpu,serial,split0.25t8,cpu16
     python benchmarks/images.py --paths loader --loader-crops batched per-image   # crop kernels
+    python benchmarks/images.py --models resnet50 --paths b --b-variants gpu,gpus0.5,gpug
     torchrun --nproc-per-node 8 benchmarks/images.py --paths a c       # (a), (c) DDP
     python benchmarks/images.py --device cpu --tiny                    # a CPU smoke run
 
@@ -27,6 +28,13 @@ image task (`hpctrain.tasks.images`): ``gpu`` (nvJPEG on a side stream, ahead of
 ``serial`` (nvJPEG in the step, on its stream), ``split<F>`` (the share F of each batch to
 Pillow threads, the rest to nvJPEG), ``cpu<N>`` (all on N Pillow threads); a suffix ``t<N>``
 sets the Pillow threads, ``r<S>`` decodes at reduced size (Pillow keeps the shorter side >= S).
+Two suffixes test whether the host bounds (b), the training thread's kernel launches
+competing for the GIL with the loader's threads: ``s<MS>`` sets Python's GIL switch interval
+of the training process to MS milliseconds (``task_args.gil_switch_ms``; Python's default is
+5), ``g`` has inductor replay the compiled model as CUDA graphs (``task_args.cuda_graphs``;
+one launch per graph: what ``torch.compile(mode="reduce-overhead")`` sets). Each row also
+says NVML's GPU and JPEG engine utilisation over its timed steps: a GPU busy well below 100%
+while the loader keeps up is a host-bound step.
 Each row says its setting, the decode threads and cores of the process, and the milliseconds
 per image spent decoding (wall time: nvJPEG returns when done) and augmenting (the side
 stream's timing events, read once the device has passed them: neither the loader thread nor
@@ -47,6 +55,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +70,8 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = {"resnet50": "configs/resnet50-images.yaml", "vit_b_16": "configs/vit-b16-images.yaml"}
 TINY_MODELS = {"resnet50": "resnet_tiny", "vit_b_16": "vit_tiny"}
 VARIANT = re.compile(r"(?P<base>gpu|serial|split(?P<frac>[0-9.]+)|cpu(?P<cpus>[0-9]+))"
-                     r"(?:t(?P<threads>[0-9]+))?(?:r(?P<side>[0-9]+))?")
+                     r"(?:t(?P<threads>[0-9]+))?(?:r(?P<side>[0-9]+))?"
+                     r"(?:s(?P<switch>[0-9.]+))?(?P<graphs>g)?")
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,8 @@ class Variant:
     cpu_fraction: float = 0.0
     decode_ahead: bool = True
     decode_min_side: int = 0
+    gil_switch_ms: float = 0.0  # 0: Python's default (5 ms)
+    cuda_graphs: bool = False
 
     def task_args(self) -> list[str]:
         """The ``task_args.KEY=VALUE`` overrides of this setting."""
@@ -80,7 +92,9 @@ class Variant:
                 for k, v in (("decode_threads", self.decode_threads),
                              ("cpu_fraction", self.cpu_fraction),
                              ("decode_ahead", self.decode_ahead),
-                             ("decode_min_side", self.decode_min_side))]
+                             ("decode_min_side", self.decode_min_side),
+                             ("gil_switch_ms", self.gil_switch_ms),
+                             ("cuda_graphs", self.cuda_graphs))]
 
 
 def parse_variant(name: str, threads: int) -> Variant:
@@ -89,15 +103,20 @@ def parse_variant(name: str, threads: int) -> Variant:
     m = VARIANT.fullmatch(name)
     if m is None:
         raise ValueError(f"decode setting {name!r}: expected gpu, serial, split<F> or cpu<N>, "
-                         "then optionally t<threads> and r<min side>, e.g. split0.25t8")
+                         "then optionally t<threads>, r<min side>, s<GIL switch ms> and g "
+                         "(CUDA graphs), e.g. split0.25t8 or gpus0.5g")
     fraction = 1.0 if m["cpus"] else float(m["frac"] or 0)
     if not 0 <= fraction <= 1:
         raise ValueError(f"decode setting {name!r}: the split {fraction} is not in [0, 1]")
     threads = int(m["threads"] or m["cpus"] or threads)
     if threads < 1:
         raise ValueError(f"decode setting {name!r}: needs at least 1 thread")
+    switch = float(m["switch"] or 0)
+    if m["switch"] is not None and switch <= 0:
+        raise ValueError(f"decode setting {name!r}: the GIL switch interval must be > 0 ms")
     return Variant(name, threads, fraction, decode_ahead=m["base"] != "serial",
-                   decode_min_side=int(m["side"] or 0))
+                   decode_min_side=int(m["side"] or 0), gil_switch_ms=switch,
+                   cuda_graphs=m["graphs"] is not None)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -281,9 +300,18 @@ def path_b(args: argparse.Namespace, model: str, variant: Variant) -> dict:
         overrides += ["train.precision=fp32", "parallel.compile=false"]
     overrides.append(f"parallel.strategy={args.strategy if args.nproc > 1 else 'none'}")
     if args.nproc == 1:
+        import torch._inductor.config as inductor
+
         from hpctrain import fit  # in this process: no second start-up to pay
 
-        fit(config=str(REPO / RECIPES[model]), overrides=overrides, fresh=True)
+        # The task sets the GIL switch interval and inductor's CUDA graphs for its process,
+        # this one: put both back for the next row.
+        switch, graphs = sys.getswitchinterval(), inductor.triton.cudagraphs
+        try:
+            fit(config=str(REPO / RECIPES[model]), overrides=overrides, fresh=True)
+        finally:
+            sys.setswitchinterval(switch)
+            inductor.triton.cudagraphs = graphs
     else:
         subprocess.run([sys.executable, "-m", "hpctrain", "train", str(REPO / RECIPES[model]),
                         "--nproc", str(args.nproc), *overrides], check=True)
@@ -310,6 +338,7 @@ def path_b(args: argparse.Namespace, model: str, variant: Variant) -> dict:
 def _setting(variant: Variant) -> dict:
     """The columns that say a row's decode setting and the cores it had."""
     return {"setting": variant.name, "decode_threads": variant.decode_threads,
+            "gil_switch_ms": variant.gil_switch_ms, "cuda_graphs": variant.cuda_graphs,
             "cpu_fraction": variant.cpu_fraction, "decode_ahead": variant.decode_ahead,
             "decode_min_side": variant.decode_min_side,
             "cores": len(os.sched_getaffinity(0))}
@@ -369,10 +398,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       f"(it does on the GPU image)", file=sys.stderr)
                 continue
             for variant in args.variants if path in PER_VARIANT else [None]:
-                made = PATHS[path](args, model, variant)
+                with EngineUse(args) as use:
+                    made = PATHS[path](args, model, variant)
                 for r in made if isinstance(made, list) else [made]:
                     row = {"model": model_name(args, model), "device": _device_name(args),
-                           "batch_per_gpu": args.batch, **r}
+                           "batch_per_gpu": args.batch, **r, **use.summary(_timed_s(args, r))}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     if _world()[0] == 0:
@@ -380,6 +410,74 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.out.write_text(json.dumps(rows, indent=1))
         print(table(rows))
     return rows
+
+
+class EngineUse:
+    """NVML's GPU and JPEG engine utilisation (%) of this rank's GPU, sampled every
+    ``interval_s`` on a thread while a row runs (``with``): a GPU idle while the loader keeps
+    up is a host-bound step; the engines show whether the JPEGs decode on them (torchvision's
+    batched decode uses them on H100/H200). Nothing on the CPU, or without NVML (the row says
+    why)."""
+
+    def __init__(self, args: argparse.Namespace, interval_s: float = 0.1):
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, int, int]] = []  # (time, JPEG engines, GPU)
+        self.why_not: str | None = None
+        self.nvml = self.handle = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if args.device != "cuda":
+            return
+        try:
+            from hpctrain.observe.power import load_nvml, nvml_handle
+
+            self.nvml = load_nvml()
+            self.nvml.nvmlInit()
+            self.handle = nvml_handle(self.nvml, torch.cuda.current_device())
+        except Exception as e:  # noqa: BLE001 - a diagnostic: say why, never fail the row
+            self.why_not, self.nvml = f"not measured: {e}", None
+
+    def __enter__(self) -> EngineUse:
+        if self.nvml is not None:
+            self._thread = threading.Thread(target=self._sample, daemon=True,
+                                            name="bench-engine-use")
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.samples.append((time.monotonic(),
+                                     self.nvml.nvmlDeviceGetJpgUtilization(self.handle)[0],
+                                     self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu))
+            except self.nvml.NVMLError as e:
+                self.why_not = f"not measured: {e}"
+                return
+
+    def summary(self, last_s: float) -> dict:
+        """Mean and peak over the samples of the last ``last_s`` seconds (the row's timed
+        steps: compiling first leaves the GPU idle, which a mean over the whole row counted)."""
+        if not self.samples:
+            return {"engine_use": self.why_not} if self.why_not else {}
+        end = self.samples[-1][0]
+        late = [s for s in self.samples if s[0] >= end - last_s] or self.samples[-1:]
+        _, jpeg, gpu = zip(*late, strict=True)
+        return {"jpeg_engine_util_pct": statistics.mean(jpeg),
+                "jpeg_engine_util_peak_pct": max(jpeg), "gpu_util_pct": statistics.mean(gpu),
+                "util_samples": len(late)}
+
+
+def _timed_s(args: argparse.Namespace, row: dict) -> float:
+    """Seconds of ``--steps // 2`` steps at a row's rate: inside the timed last 2/3 of (a) and
+    (b), the whole timed part of the loader row (which times ``--steps // 2``), so NVML's
+    samples of that window are the steady state's."""
+    rate = row.get("images_per_s_per_gpu") or 0.0
+    return args.steps // 2 * args.batch / rate if rate > 0 else 0.0
 
 
 def _missing(module: str | None) -> str | None:
@@ -402,8 +500,8 @@ def table(rows: list[dict]) -> str:
                if r["path"] == "a"}
     lines = ["| model | path | decode setting | ranks | images/s per GPU | of (a) | "
              "decode threads / cores | decode ms/img | augment ms/img | "
-             "loader CPU ms/batch: read / decode / crop |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "loader CPU ms/batch: read / decode / crop | GPU % / JPEG engines % |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         a = ceiling.get((r["model"], r["ranks"]))
         frac = f"{r['images_per_s_per_gpu'] / a:.2f}" if a else "-"
@@ -411,7 +509,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['model']} | ({r['path']}) | {r.get('setting', '-')} | "
                      f"{_ranks(r)} | {r['images_per_s_per_gpu']:,.0f} | {frac} | {cores} | "
                      f"{_ms(r.get('decode_ms_per_image'))} | "
-                     f"{_ms(r.get('augment_ms_per_image'))} | {_cpu(r)} |")
+                     f"{_ms(r.get('augment_ms_per_image'))} | {_cpu(r)} | {_engines(r)} |")
     return "\n".join(lines)
 
 
@@ -427,6 +525,13 @@ def _cpu(row: dict) -> str:
         return "-"
     parts = " / ".join(f"{row[k]:.1f}" for k in LOADER_KEYS[2:])
     return f"{parts} ({row['crops']})"
+
+
+def _engines(row: dict) -> str:
+    """NVML's GPU and JPEG engine utilisation over the row's timed steps (means), or "-"."""
+    if "gpu_util_pct" not in row:
+        return "-"
+    return f"{row['gpu_util_pct']:.0f} / {row['jpeg_engine_util_pct']:.0f}"
 
 
 def _ms(value: float | None) -> str:

@@ -14,7 +14,6 @@ import os
 import queue as queues
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,15 +30,9 @@ import pytest
 
 import forked
 from hpctrain.observe.metrics import read_metrics
+from ports import free_port  # noqa: F401 - tests import it from here
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (the rendezvous of spawned gloo ranks)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn_ranks(target, nranks: int, timeout: float = 120) -> list:
@@ -120,28 +113,39 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 # The order xdist hands the groups out in: longest first, so that none is left running alone at
-# the end. The Slurm tests (minutes on 2 cores, mostly waiting on the scheduler) start at once on
-# one worker; then the groups by CPU-seconds measured alone (-n 0, the "most CPU" list below),
-# with how many each took, to see when a group grows; every other group after them, in
-# collection order.
+# the end. The Slurm tests (mostly waiting on the scheduler and their jobs) start at once on
+# one worker; then every group of 8 s or more, by its wall seconds in a full run at -n 2 (the
+# lead's 422 s run of 2026-11-28: both workers ended within a second of each other); every
+# other group after them, in collection order. The "workers" section at the end of a run
+# shows when each worker ran its long files: re-sort when one ends well before the other.
 LONGEST_GROUPS = (
-    "slurm",
-    "task/test_task_runs.py",  # ~65: 4 two-rank launches (a kill -9 chain per strategy) + 3
-    "parallel/test_layouts.py",  # ~60: 4 ranks
-    "launch/test_launcher_signals.py",  # ~60
-    "train/test_resilience.py",  # ~60
-    "test_readme_recipes.py",  # ~50: twenty commands one after another, forked
-    "images/test_digits.py",  # ~30: one kill -9 chain on 2 ranks
-    "launch/test_rerun_resumes.py",  # ~35
-    "train/test_goodput_runs.py",  # ~30
-    "parallel/test_float8.py",  # ~25
-    "observe/test_observe_runs.py",  # ~25
-    "checkpoint/test_writer.py",  # ~20
-    "launch/test_local_launcher.py",  # ~20
-    "security/test_data_inputs.py",  # ~20
-    "train/test_resume_fallback.py",  # ~20
-    "security/test_run_lock_cli.py",  # ~15
-    "parallel/test_grad_norm.py",  # ~15
+    "slurm",  # 168 then; alone (-n 0, load 1-2) 135 s then, 80-100 s now: mostly waits
+    "task/test_task_runs.py",  # 41: a kill -9 chain per strategy + 3
+    "parallel/test_layouts.py",  # 41: 13 layouts on 4 ranks beside the 1-process reference
+    "test_readme_recipes.py",  # 40: twenty commands one after another, forked
+    "launch/test_launcher_signals.py",  # 31
+    "train/test_resilience.py",  # 30
+    "images/test_digits.py",  # 25: one kill -9 chain on 2 ranks
+    "observe/test_observe_runs.py",  # 24
+    "train/test_goodput_runs.py",  # 21
+    "launch/test_rerun_resumes.py",  # 18
+    "train/test_resume_fallback.py",  # 18
+    "launch/test_orphans.py",  # 17
+    "bench/test_fp8_loss.py",  # 14
+    "launch/test_local_launcher.py",  # 13
+    "security/test_checkpoint_pickle.py",  # 13
+    "bench/test_tune.py",  # 13
+    "checkpoint/test_writer.py",  # 13
+    "parallel/test_float8.py",  # 11
+    "security/test_run_lock_cli.py",  # 11
+    "train/test_trainer_cpu.py",  # 11
+    "bench/test_model.py",  # 11
+    "train/test_parity.py",  # 11
+    "runtime/test_cpu_guard.py",  # 10
+    "parallel/test_mixed_precision.py",  # 9
+    "bench/test_node.py",  # 9
+    "launch/test_k8s.py",  # 9
+    "bench/test_bench_cli.py",  # 9
 )
 
 
@@ -212,6 +216,10 @@ def pytest_runtest_makereport(item: pytest.Item) -> Iterator[None]:
 
 
 _cpu_by_test: dict[str, float] = {}
+# Per xdist worker ("main" without xdist), the files it ran in order: [file, start, stop] (wall
+# clock of their tests' phases). The suite's wall time is the last worker's end: this shows
+# which one it was and what it ran last.
+_files_by_worker: dict[str, list[list[Any]]] = {}
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -219,6 +227,13 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     for key, value in report.user_properties:
         if key == "cpu_s":
             _cpu_by_test[report.nodeid] = _cpu_by_test.get(report.nodeid, 0.0) + value
+    gateway = getattr(getattr(report, "node", None), "gateway", None)
+    files = _files_by_worker.setdefault(getattr(gateway, "id", "main"), [])
+    path = report.nodeid.split("::")[0]
+    if files and files[-1][0] == path:
+        files[-1][2] = report.stop
+    else:
+        files.append([path, report.start, report.stop])
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
@@ -237,6 +252,24 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         write(f"by {name}:")
         for key, cpu in sorted(table.items(), key=lambda kv: -kv[1])[:top]:
             write(f"{cpu:8.2f}s  {key}")
+    _worker_summary(terminalreporter)
+
+
+def _worker_summary(terminalreporter: Any, least_s: float = 10.0) -> None:
+    """When each worker began and ended, its busy seconds, and its files of `least_s` or more
+    (s from the first test's start), so the worker that ends the suite and why is in view."""
+    starts = [files[0][1] for files in _files_by_worker.values() if files]
+    if not starts:
+        return
+    zero = min(starts)
+    terminalreporter.section("workers (wall s from the first test's start; files >= 10 s)")
+    for worker, files in sorted(_files_by_worker.items()):
+        busy = sum(stop - start for _, start, stop in files)
+        long = [f"{path} {start - zero:.0f}-{stop - zero:.0f}"
+                for path, start, stop in files if stop - start >= least_s]
+        terminalreporter.write_line("; ".join([
+            f"{worker}: {files[0][1] - zero:.0f}-{files[-1][2] - zero:.0f}, "
+            f"{len({path for path, _, _ in files})} files, busy {busy:.0f}", *long]))
 
 
 DEMO = "configs/demo.yaml"

@@ -20,23 +20,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
 import forked
+from ports import free_port  # noqa: F401 - tests import it from here
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 600.0
-
-
-def free_port() -> int:
-    """A TCP port free right now on localhost."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(nproc: int, spec: dict[str, Any], workdir: Path, timeout: float,
@@ -67,9 +61,11 @@ def launch(nproc: int, spec: dict[str, Any], workdir: Path, timeout: float,
         while any(p.exitcode is None for p in procs):
             codes = [p.exitcode for p in procs]
             failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
-            if failed is not None or time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if failed is not None or left <= 0:
                 break
-            time.sleep(0.2)
+            # Woken as soon as a rank exits.
+            wait([p.sentinel for p in procs if p.exitcode is None], timeout=left)
         codes = [p.exitcode for p in procs]
         failed = next((r for r, c in enumerate(codes) if c != 0), None)
     finally:

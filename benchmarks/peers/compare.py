@@ -51,6 +51,7 @@ from tuned import peer_run, read_tuned  # noqa: E402
 from as_measured import pin  # noqa: E402
 from hpctrain.bench.model import run_model_bench  # noqa: E402
 from hpctrain.errors import HpctrainError  # noqa: E402
+from hpctrain.plan.gpu import gpu_name  # noqa: E402
 from hpctrain.runtime.env import MULTICAST_OFF  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -324,7 +325,9 @@ def main() -> None:
         names.append("tuned")
     if not names:
         sys.exit("compare: error: name --layouts, --tuned or both")
-    if not torch.cuda.is_available():
+    # Counted and named through NVML: a CUDA context in this process would hold ~0.5 GB of
+    # GPU 0 for every run it measures (and shift their numbers).
+    if torch.cuda.device_count() == 0:
         sys.exit("compare needs CUDA GPUs")
     out = args.out.resolve()
     rows = []
@@ -354,7 +357,7 @@ def main() -> None:
                                                                 args.timeout), flush=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.json").write_text(json.dumps(rows, indent=1))
-    print(table(rows, torch.cuda.get_device_name(0), notes))
+    print(table(rows, gpu_name(0), notes))
     print(slow_window_lines(rows))
 
 

@@ -172,16 +172,18 @@ def parse_windows(log: str) -> list[dict]:
 
 
 def hpctrain_mfu(size: str, seq_len: int, tokens_per_s: float) -> float | None:
-    """MFU (%) of a torchtitan rate by hpctrain's convention, on this machine's GPU 0."""
+    """MFU (%) of a torchtitan rate by hpctrain's convention, on this machine's GPU 0 (named
+    through NVML: compare.py's process, which runs both sides, must hold no CUDA context)."""
     import torch
 
     from hpctrain.models import flops_per_token
     from hpctrain.models.config import ModelConfig
     from hpctrain.observe.peaks import peak_tflops
+    from hpctrain.plan.gpu import gpu_name
 
-    if not torch.cuda.is_available():
+    if torch.cuda.device_count() == 0:
         return None
-    peak = peak_tflops(torch.cuda.get_device_name(0), "bf16")
+    peak = peak_tflops(gpu_name(0), "bf16")
     if peak is None:
         return None
     args = ModelConfig(size=size).resolve()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,6 +23,7 @@ import forked
 from hpctrain.checkpoint.config import CheckpointConfig
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.launch.local import kill_tree
+from ports import free_port
 
 SPAWN_TIMEOUT_S = 150
 
@@ -104,13 +104,6 @@ def flip_in_tensor(ckpt_dir: Path, tensor: torch.Tensor) -> Path:
             flip_byte(shard, at + len(needle) // 2)
             return shard
     raise AssertionError(f"no shard of {ckpt_dir} holds the tensor's bytes")
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (for a gloo rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tmp_dirs(root: Path) -> list[str]:

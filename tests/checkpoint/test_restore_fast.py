@@ -365,16 +365,15 @@ def test_ctrl_c_while_waiting_for_the_checksums_stops_them(pg, no_faults, tmp_pa
     real = manifest.checksum
 
     def held(path: Path, stop: threading.Event | None = None, progress=None) -> str:
-        """The index's check (which the load does not follow, unlike the shards') interrupts
-        ``load`` once it waits for the verdict, and hashes only when stopped."""
+        """The index's check (which the load does not follow, unlike the shards', which run
+        unheld: the index's is never queued behind them) interrupts ``load`` once it waits
+        for the verdict, and hashes only when stopped."""
         if path.name != ".metadata":
             return real(path, stop, progress)
-        assert loaded.wait(30) and stop is not None
-        # Again if unheard after a second: a signal that lands just before the main thread
-        # blocks in a lock's wait is only seen when that wait ends (CPython's lost wake-up).
+        assert loaded.wait(30)
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-        while not stop.wait(1.0) and not release.is_set():
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        while not (stop is not None and stop.is_set()) and not release.is_set():
+            release.wait(0.01)
         return real(path, stop, progress)
 
     problem = manifest.Verification.problem

@@ -125,8 +125,13 @@ def test_loader_threads_make_the_ranks_gpu_their_current_device(monkeypatch) -> 
     from hpctrain.data.samples import SampleLoader
 
     calls: list[tuple[torch.device, str]] = []
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(
-        (torch.device(d), threading.current_thread().name)))
+
+    def set_device(d: torch.device) -> None:
+        if torch.device(d).index is None:  # as torch 2.11 does: "cuda" alone is refused
+            raise ValueError(f"Expected a torch.device with a specified index, but got:{d}")
+        calls.append((torch.device(d), threading.current_thread().name))
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
     gpu1 = torch.device("cuda", 1)
     loader = SampleLoader(list(range(40)), BatchLayout(2, 1, 1, 0), seed=0, device=gpu1,
                           collate=_TwoParts(), prefetch=2)
@@ -134,6 +139,17 @@ def test_loader_threads_make_the_ranks_gpu_their_current_device(monkeypatch) -> 
     loader.close()
     assert {d for d, _ in calls} == {gpu1}
     assert {name for _, name in calls} == {"hpctrain-samples-read", "hpctrain-samples"}
+    # "cuda" without an index is the creating thread's current GPU (the loader threads' own is
+    # cuda:0): resolved when the loader is made (loader_throughput(device="cuda") crashed).
+    calls.clear()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    loader = SampleLoader(list(range(40)), BatchLayout(2, 1, 1, 0), seed=0,
+                          device=torch.device("cuda"), collate=_TwoParts(), prefetch=2)
+    loader.next_step()
+    loader.close()
+    assert list(read_ahead([1, 2], lambda x: x, torch.device("cuda"))) == [1, 2]
+    assert {d for d, _ in calls} == {torch.device("cuda", 3)}
+    assert len(calls) == 3
 
 
 def test_close_drops_the_steps_read_ahead() -> None:

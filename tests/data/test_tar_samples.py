@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
+from hpctrain.data import tar_samples
 from hpctrain.data.loader import BatchLayout, GlobalOrderSampler
 from hpctrain.data.tar_samples import SampleLoader, TarSamples, pack, verify_tar
 from hpctrain.errors import DataError
@@ -204,3 +205,44 @@ def test_tar_samples_read_from_several_threads(packed) -> None:
     with ThreadPoolExecutor(4) as pool:
         assert [b for bad in pool.map(read, (0, 5, 11, 17)) for b in bad] == []
     ds.close()
+
+
+def test_read_many_reads_each_sample_in_one_call(packed, monkeypatch, tmp_path: Path) -> None:
+    # Each read lets go of the GIL and takes it back (what a busy training thread makes
+    # expensive): a sample's members, together in its shard, come in one read.
+    out, want = packed
+    ds = TarSamples(out)
+    reads = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, at: reads.append(at) or real(fd, bufs, at))
+    indices = [22, 0, 5, 5, 13]
+    got = ds.read_many(indices)
+    assert len(reads) == len(indices)
+    for i, (s, key, members) in zip(indices, got, strict=True):
+        raw = ds.sample(i)
+        assert key.encode() == raw["__key__"] and {e: bytes(m) for e, m in members.items()} == {
+            e: v for e, v in raw.items() if e != "__key__"}
+        assert int(ds._starts[s]) <= i < int(ds._starts[s + 1])
+        assert not members["bin"].readonly  # torch.frombuffer takes it without a copy
+    with pytest.raises(IndexError, match="sample 23 out of range"):
+        ds.read_many([1, N_SAMPLES])
+    ds.close()
+    # Members further apart than a tar header and padding are read apart.
+    monkeypatch.setattr(tar_samples, "_MEMBER_GAP", 0)
+    reads.clear()
+    three = next(i for i, k in enumerate(sorted(want)) if len(want[k]) == 3)
+    (_, key, members), = ds.read_many([three])
+    assert len(reads) == len(members) == 3  # bin, cls, json: a header between each two
+    assert {e: bytes(m) for e, m in members.items()} == want[key]
+    ds.close()
+    # A truncated shard reads short, as os.pread does.
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in out.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    first = verify_tar(copy)["shards"][0]
+    idx = json.loads((copy / first["idx"]).read_text())
+    ext, offset, size = idx["members"][0][-1]
+    os.truncate(copy / first["tar"], offset + size // 2)
+    (_, key, members), = TarSamples(copy).read_many([0])
+    assert bytes(members[ext]) == want[key][ext][:size // 2]

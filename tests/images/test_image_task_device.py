@@ -44,3 +44,32 @@ def test_a_batch_collated_before_the_model_pins_no_device() -> None:
     assert info.value.hint
     loss, _ = parts.step(parts.model(), (early, labels))  # built on the CPU: the batch's
     assert loss.isfinite()
+
+
+def test_gil_switch_ms_sets_the_processs_switch_interval(monkeypatch) -> None:
+    """task_args.gil_switch_ms: how long a thread waiting for the GIL (the training thread
+    launching kernels, or a loader thread) waits at most; unset leaves Python's default."""
+    import sys
+
+    from hpctrain.errors import ConfigError
+
+    monkeypatch.setattr(sys, "setswitchinterval", lambda s: calls.append(s))
+    calls: list[float] = []
+    ImageClassifier(ImageTaskConfig(data="unused"), 4)
+    assert calls == []
+    ImageClassifier(ImageTaskConfig(data="unused", gil_switch_ms=0.5), 4)
+    assert calls == [0.0005]
+    with pytest.raises(ConfigError, match="gil_switch_ms = -1"):
+        ImageTaskConfig(data="x", gil_switch_ms=-1).validate()
+
+
+def test_cuda_graphs_has_inductor_replay_the_compiled_model_as_graphs(monkeypatch) -> None:
+    """task_args.cuda_graphs: inductor's CUDA graphs (torch.compile's reduce-overhead) for the
+    rank's process; unset leaves inductor as it is."""
+    import torch._inductor.config as inductor
+
+    monkeypatch.setattr(inductor.triton, "cudagraphs", False)
+    ImageClassifier(ImageTaskConfig(data="unused"), 4)
+    assert inductor.triton.cudagraphs is False
+    ImageClassifier(ImageTaskConfig(data="unused", cuda_graphs=True), 4)
+    assert inductor.triton.cudagraphs is True

@@ -149,6 +149,16 @@ def test_a_rank_stopped_by_the_agents_sigterm_is_a_victim_not_the_cause() -> Non
     assert blamed_failure(failures)[0] == 1
 
 
+def test_a_rank_the_agent_sigkilled_after_its_grace_is_a_victim_not_the_cause() -> None:
+    """Rank 0 raised; rank 1, busy, outlived the agent's SIGTERM and was SIGKILLed 30 s later
+    (torch's close() timeout): rank 0 is the cause. A SIGKILL noticed with the others' failures
+    (the OOM killer, say) still comes first."""
+    failures = {0: _failure(0, 2, 100), 1: _failure(1, -signal.SIGKILL, 130)}
+    assert blamed_failure(failures)[0] == 0
+    failures = {0: _failure(0, 1, 100), 1: _failure(1, -signal.SIGKILL, 101)}
+    assert blamed_failure(failures)[0] == 1
+
+
 def test_sigterm_while_the_launcher_starts_is_not_lost(tmp_path: Path) -> None:
     """SIGTERM right after the launcher took the lock, before or while the ranks start: it
     stops the run (75 if the ranks got to checkpoint, else 143), never lets it train on."""

@@ -129,3 +129,23 @@ def test_missing_module_and_missing_driver_say_what_to_do(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", broken)
     factory, note = sampler_factory()
     assert factory is None and "Driver Not Loaded" in note
+
+
+def test_the_real_bindings_without_a_driver_name_what_is_missing(monkeypatch) -> None:
+    """nvidia-ml-py is a dependency: on a machine without the NVIDIA driver (this CI one; forced
+    here so that a GPU node runs it too) nvmlInit raises NVMLError_LibraryNotFound. Power and
+    the GPU's reading say the driver's library is missing, not to install nvidia-ml-py."""
+    import pynvml
+
+    def no_library() -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", no_library)
+    with pytest.raises(PowerUnavailable) as exc:
+        PowerSampler()
+    assert "libnvidia-ml.so.1" in exc.value.what and "pip install" not in str(exc.value)
+    factory, note = sampler_factory()
+    assert factory is None and "libnvidia-ml.so.1" in note and "pip install" not in note
+    from hpctrain.plan.gpu import gpu_name
+
+    assert "libnvidia-ml.so.1" in gpu_name(0)

@@ -183,30 +183,39 @@ HOSTS = Path("/etc/hosts")
 HOSTS_TAG = "# hpctrain test cluster (tests/slurm/conftest.py)"
 
 
+# CPUs the one-node cluster's node claims at least, whatever the machine has: the jobs of
+# test_training_jobs.py (2 + 2 + 1 tasks) run at once, as they spend most of their time waiting
+# (for a signal, a requeue, Slurm's time-limit check) rather than computing.
+SINGLE_NODE_CPUS = 6
+
+
 def write_config(root: Path, ctld_port: int, nodes: Sequence[Node], hw: dict[str, str]) -> Path:
     """Write slurm.conf (+ an empty-of-cgroups cgroup.conf) under `root`; return slurm.conf.
 
-    One node is ``localhost``; with several, every slurmd runs on this machine under its own
-    name, address and port (``SlurmdParameters=config_overrides``: each claims the CPUs the
-    config gives it, not what it finds), with its own spool, pid and log files (``%n``).
+    One node is ``localhost`` with at least SINGLE_NODE_CPUS CPUs; with several, every slurmd
+    runs on this machine under its own name, address and port, with its own spool, pid and log
+    files (``%n``). ``SlurmdParameters=config_overrides``: each slurmd claims the CPUs the
+    config gives it, not what it finds.
     """
     for sub in ("state", "log", "run", *(f"spool{'-' + n.name if len(nodes) > 1 else ''}"
                                          for n in nodes)):
         (root / sub).mkdir(parents=True, exist_ok=True)
+    if len(nodes) == 1 and int(hw.get("CPUs", 0)) < SINGLE_NODE_CPUS:
+        hw = {**hw, "CPUs": str(SINGLE_NODE_CPUS), "Boards": "1", "SocketsPerBoard": "1",
+              "CoresPerSocket": str(SINGLE_NODE_CPUS), "ThreadsPerCore": "1"}
     node = " ".join(f"{k}={v}" for k, v in hw.items())
     per_node = "-%n" if len(nodes) > 1 else ""
     node_lines = "\n".join(
         f"NodeName={n.name} NodeAddr={n.addr}{f' Port={n.port}' if len(nodes) > 1 else ''} "
         f"{node} State=UNKNOWN" for n in nodes)
     names = ",".join(n.name for n in nodes)
-    overrides = "SlurmdParameters=config_overrides\n" if len(nodes) > 1 else ""
     conf = f"""\
 # Test cluster written by tests/slurm/conftest.py; nothing here is for production.
 ClusterName=hpctrain-test
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmdPort={nodes[0].port}
-{overrides}
+SlurmdParameters=config_overrides
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge

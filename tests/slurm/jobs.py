@@ -13,9 +13,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from conftest import run_cli
 from hpctrain.launch.sbatch import SbatchParams, create_log_dir, render_sbatch
 from hpctrain.observe.metrics import read_metrics
+from rank_jobs import launch
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["run.device=cpu", "data.source=stdlib", "data.max_bytes=300000", "data.seq_len=64",
@@ -97,12 +97,19 @@ def exit_info(run_dir: Path) -> dict:
     return json.loads((run_dir / "exit_info.json").read_text())
 
 
-class ReferenceLosses:
-    """Final losses of uninterrupted runs through the local launcher, each computed once per
-    session (the single-node and the two-node preemption tests compare against the same one).
+# The preemption tests (one node, tests/slurm/test_training_jobs.py; two nodes,
+# test_multinode.py) train this many steps on 2 DDP ranks, against one reference run.
+PREEMPT_STEPS = 30
 
-    A test ``start``s its reference before it submits its job, so that the reference trains
-    while the job waits on Slurm (the injected pause, the requeue) instead of after it."""
+
+class ReferenceLosses:
+    """Final losses of uninterrupted runs, each computed once per session (the single-node and
+    the two-node preemption tests compare against the same one).
+
+    The ranks are forked from the preloaded interpreter (tests/rank_jobs.py: the ranks' own
+    entry point, without a launcher's fresh interpreters and their ~3 CPU-s of imports each):
+    only the numbers are compared. A test ``start``s its reference before it submits its job,
+    so that the reference trains while jobs wait on Slurm instead of after them."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -114,17 +121,19 @@ class ReferenceLosses:
         starts on the first call)."""
         return self._pool.submit(self._final_loss, ranks, steps, strategy)
 
+    def preemption(self) -> Future[float]:
+        """The final loss, to come, of the preemption tests' uninterrupted run."""
+        return self.start(2, PREEMPT_STEPS, "ddp")
+
     def close(self) -> None:
         """Wait for the runs started and let the thread go."""
         self._pool.shutdown()
 
     def _final_loss(self, ranks: int, steps: int, strategy: str) -> float:
         name = f"ref-{ranks}-{steps}-{strategy}"
-        args = ["train", "configs/demo.yaml", *TINY, f"run.out_dir={self.root}",
-                f"run.name={name}", "run.suffix=none", f"train.steps={steps}",
-                f"parallel.strategy={strategy}"]
-        if ranks > 1:
-            args += ["--nproc", str(ranks)]
-        done = run_cli(args, timeout=300)  # forked from the preloaded interpreter
-        assert done.returncode == 0, f"reference {name} failed:\n{done.stderr[-3000:]}"
+        spec = {"config": "configs/demo.yaml", "out": str(self.root),
+                "common": [*TINY, "run.suffix=none", f"train.steps={steps}",
+                           f"parallel.strategy={strategy}"],
+                "jobs": [{"name": name, "overrides": []}]}
+        launch(ranks, spec, self.root / f"launch-{name}", timeout=300)
         return exit_info(self.root / name)["extra"]["final_loss"]

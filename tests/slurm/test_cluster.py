@@ -14,16 +14,26 @@ from __future__ import annotations
 import sys
 import textwrap
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from .conftest import SlurmCluster
+from .jobs import ReferenceLosses
 
 # A requeued job may start again cred_expire+1 s (=6 s) after it ended; on top comes up to one
 # sched_interval (1 s). Measured ~12 s per round trip with 10 and 2; the timeouts leave plenty of
 # margin.
 REQUEUE_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def preemption_reference(reference: ReferenceLosses) -> None:
+    """Start the preemption tests' reference run (2 ranks, tests/slurm/jobs.py) now: it trains
+    while the jobs here idle in Slurm's queue (a requeue waits ~6 s), not beside the first
+    preempted job, whose ranks and preflight it would slow."""
+    reference.preemption()
 
 
 def write_script(path: Path, body: str) -> Path:
@@ -111,16 +121,49 @@ REQUEUE_ONCE = """
     echo "second run done"
 """
 
+REQUEUE_ARRAY_TASK_1 = """
+    echo "task=$SLURM_ARRAY_TASK_ID restart=${SLURM_RESTART_COUNT:-0}"
+    if [ "$SLURM_ARRAY_TASK_ID" = 1 ] && [ "${SLURM_RESTART_COUNT:-0}" -eq 0 ]; then
+        scontrol requeue "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" || exit 1
+        exec sleep 120
+    fi
+"""
+
+
+@dataclass
+class RequeueJobs:
+    """The two requeue jobs, submitted together: a requeued job idles in the queue for
+    cred_expire+1 s, and the two tests below wait out those seconds side by side."""
+
+    submitted: float  # time.monotonic() at submission
+    once: str
+    once_out: Path
+    array: str
+    array_out: Path  # a folder: array-<job>_<task>.out
+
+
+@pytest.fixture(scope="module")
+def requeue_jobs(slurm_cluster: SlurmCluster,
+                 tmp_path_factory: pytest.TempPathFactory) -> RequeueJobs:
+    """Submit the job that requeues itself once and the array whose task 1 does."""
+    tmp = tmp_path_factory.mktemp("requeue")
+    submitted = time.monotonic()
+    once_out = tmp / "requeue.out"
+    once = slurm_cluster.sbatch(write_script(tmp / "requeue.sh", REQUEUE_ONCE),
+                                "--open-mode=append", f"--output={once_out}")
+    array = slurm_cluster.sbatch(write_script(tmp / "array.sh", REQUEUE_ARRAY_TASK_1),
+                                 "--array=0-1", "--open-mode=append",
+                                 f"--output={tmp}/array-%A_%a.out")
+    return RequeueJobs(submitted, once, once_out, array, tmp)
+
 
 @pytest.mark.slow
-def test_job_requeues_itself_once(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+def test_job_requeues_itself_once(slurm_cluster: SlurmCluster, requeue_jobs: RequeueJobs
+                                  ) -> None:
     """A job that requeues itself runs twice, ends COMPLETED, and keeps both runs' output."""
-    script = write_script(tmp_path / "requeue.sh", REQUEUE_ONCE)
-    out = tmp_path / "requeue.out"
-    start = time.monotonic()
-    job = slurm_cluster.sbatch(script, "--open-mode=append", f"--output={out}")
+    job, out = requeue_jobs.once, requeue_jobs.once_out
     state = slurm_cluster.wait(job, timeout=REQUEUE_TIMEOUT_S)
-    elapsed = time.monotonic() - start
+    elapsed = time.monotonic() - requeue_jobs.submitted
     info = slurm_cluster.job_info(job)
     assert state == "COMPLETED", info
     assert info["RestartCnt"] == "1" and info["ExitCode"] == "0:0", info
@@ -132,24 +175,17 @@ def test_job_requeues_itself_once(slurm_cluster: SlurmCluster, tmp_path: Path) -
 
 
 @pytest.mark.slow
-def test_array_task_requeues_only_itself(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+def test_array_task_requeues_only_itself(slurm_cluster: SlurmCluster, requeue_jobs: RequeueJobs
+                                         ) -> None:
     """In ``--array=0-1`` task 1 requeues ``<array job>_1``: it runs twice, task 0 once."""
-    script = write_script(tmp_path / "array.sh", """
-        echo "task=$SLURM_ARRAY_TASK_ID restart=${SLURM_RESTART_COUNT:-0}"
-        if [ "$SLURM_ARRAY_TASK_ID" = 1 ] && [ "${SLURM_RESTART_COUNT:-0}" -eq 0 ]; then
-            scontrol requeue "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" || exit 1
-            exec sleep 120
-        fi
-    """)
-    job = slurm_cluster.sbatch(script, "--array=0-1", "--open-mode=append",
-                               f"--output={tmp_path}/array-%A_%a.out")
+    job = requeue_jobs.array
     for task in (0, 1):
         state = slurm_cluster.wait(f"{job}_{task}", timeout=REQUEUE_TIMEOUT_S)
         assert state == "COMPLETED", slurm_cluster.job_info(f"{job}_{task}")
     assert slurm_cluster.job_info(f"{job}_0")["RestartCnt"] == "0"
     assert slurm_cluster.job_info(f"{job}_1")["RestartCnt"] == "1"
     # slurmstepd also appends its "CANCELLED ... DUE TO JOB REQUEUE" line to the requeued log.
-    logs = [(tmp_path / f"array-{job}_{task}.out").read_text() for task in (0, 1)]
+    logs = [(requeue_jobs.array_out / f"array-{job}_{task}.out").read_text() for task in (0, 1)]
     runs = [[line for line in log.splitlines() if line.startswith("task=")] for log in logs]
     assert runs[0] == ["task=0 restart=0"], logs[0]
     assert runs[1] == ["task=1 restart=0", "task=1 restart=1"], logs[1]

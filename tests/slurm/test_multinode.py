@@ -25,7 +25,7 @@ from hpctrain.launch.doctor import INJECT_ENV
 from hpctrain.runtime.requeue import SCRIPT_MARKER
 
 from .conftest import CLIENTS, SlurmCluster
-from .jobs import REPO, ReferenceLosses, diagnosis, exit_info, script, wait_for_steps
+from .jobs import PREEMPT_STEPS, REPO, ReferenceLosses, diagnosis, exit_info, script, wait_for_steps
 
 FAKE_APPTAINER = """#!/bin/bash
 # Stand-in for `apptainer exec [--nv] --bind A,B IMAGE PROGRAM...`: checks the image and that
@@ -70,8 +70,8 @@ def fake_apptainer(tmp: Path) -> tuple[dict[str, str], Path, Path]:
 def test_two_node_job_preempted_requeued_resumes_exactly(slurm_two_nodes: SlurmCluster,
                                                          tmp_path, reference: ReferenceLosses
                                                          ) -> None:
-    steps = 30
-    expected = reference.start(2, steps, "ddp")  # trains while the job waits on Slurm
+    steps = PREEMPT_STEPS
+    expected = reference.preemption()  # (started by test_cluster.py where that runs first)
     where = tmp_path / "where"
     path_env, calls, image = fake_apptainer(tmp_path)
     container = Container(str(image), "apptainer", [str(REPO), str(tmp_path)])

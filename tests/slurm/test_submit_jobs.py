@@ -38,11 +38,14 @@ def test_dependency_and_array(slurm_cluster: SlurmCluster, tmp_path: Path,
     for key in ("SLURM_CONF", "PATH"):
         monkeypatch.setenv(key, slurm_cluster.env[key])
 
-    parent = slurm_cluster.sbatch(write_script(tmp_path / "fails.sh", "sleep 3\nexit 3\n"),
+    # Held until both dependants are submitted: they name a parent that has not ended yet,
+    # however long the submissions take.
+    parent = slurm_cluster.sbatch(write_script(tmp_path / "fails.sh", "exit 3\n"), "--hold",
                                   f"--output={tmp_path}/fails.out")
     never, _ = _submit(capsys, "--job-name", "never", "--dependency", f"afterok:{parent}")
     after, err = _submit(capsys, "--job-name", "after", "--array", "0-1",
                          "--dependency", f"afterany:{parent}")
+    slurm_cluster.run("scontrol", "release", parent)
     assert slurm_cluster.wait(parent, timeout=60) == "FAILED"
     # afterok on a failed parent: cancelled, not pending forever.
     assert slurm_cluster.wait(never, timeout=60) == "CANCELLED", slurm_cluster.job_info(never)

@@ -151,6 +151,7 @@ def _records(run_dir: Path) -> list[dict]:
 
 RANK_FAILS = """\
 import os
+import time
 
 import torch
 from torch import nn
@@ -163,8 +164,10 @@ calls = 0
 def step(model, batch):
     global calls
     calls += 1
-    if os.environ["RANK"] == "1" and calls == 3:
-        raise RuntimeError("rank 1 gives up at its third step")
+    if calls == 3 and os.environ["RANK"] == "0":
+        raise RuntimeError("rank 0 gives up at its third step")
+    if calls == 3:
+        time.sleep(300)  # busy (a long kernel, a slow read): it outlives the agent's SIGTERM
     x, y = batch
     return nn.functional.mse_loss(model(x), y)
 
@@ -177,7 +180,9 @@ def task():
 
 
 def test_one_ranks_exception_ends_the_job_naming_the_users_line(tmp_path: Path) -> None:
-    """Also the config's way in: a YAML whose task: names the file and function."""
+    """Rank 0 raises; rank 1, busy, outlives the agent's SIGTERM and is SIGKILLed 30 s later:
+    the launcher blames rank 0 with its exception, rank 1 only as stopped by the launcher.
+    Also the config's way in: a YAML whose task: names the file and function."""
     path = tmp_path / "rank_fails.py"
     path.write_text(RANK_FAILS)
     config = tmp_path / "job.yaml"
@@ -185,15 +190,22 @@ def test_one_ranks_exception_ends_the_job_naming_the_users_line(tmp_path: Path) 
                       f"{tmp_path}}}\nparallel: {{strategy: ddp}}\n"
                       "train: {steps: 20, micro_batch: 2}\nmetrics: {progress: false}\n")
     done = run_cli(["train", str(config), "--nproc", "2"], timeout=300)
-    assert done.returncode != 0
-    # Which rank the launcher blames first is a race (rank 0 fails too, its peer gone).
+    assert done.returncode == 1
     output = done.stdout + done.stderr
-    assert "training failed: rank" in output, output[-2000:]
-    log = (tmp_path / "rank_fails" / "logs" / "rank-001.log").read_text()
-    assert "rank 1 gives up at its third step" in log
-    assert f"{path}:15 (in step)" in log
+    # The launcher's own line (not only rank 0's copy of its error on the shared console).
+    failed = output[output.find("hpctrain: error: training failed:"):]
+    assert failed.startswith("hpctrain: error: training failed: rank 0 exited with code 2: "
+                             "TaskError: the step function raised RuntimeError: rank 0 gives "
+                             "up at its third step\n"), output[-3000:]
+    assert f"{path}:16 (in step)" in failed, failed
+    assert "rank 1 stopped by the launcher (SIGKILL)" in failed, failed
+    log = (tmp_path / "rank_fails" / "logs" / "rank-000.log").read_text()
+    assert "rank 0 gives up at its third step" in log
+    assert f"{path}:16 (in step)" in log
     info = json.loads((tmp_path / "rank_fails" / "exit_info.json").read_text())
-    assert info["exit_code"] != 0
+    # Rank 0's own account stays (the launcher must not replace it with rank 1's SIGKILL).
+    assert info["exit_code"] == 2 and info["extra"]["rank"] == 0, info
+    assert "rank 0 gives up at its third step" in info["reason"], info
 
 
 FIT_SCRIPT = """\

@@ -17,6 +17,7 @@ import stat
 import threading
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -240,7 +241,7 @@ class Verification:
         if self.known is not None:
             return self.known
         for future in self._futures:
-            problem = future.result()
+            problem = _result(future)
             if problem is not None:
                 self.cancel()  # the verdict is in: the files after it need not be read
                 return problem
@@ -255,7 +256,22 @@ class Verification:
             future.cancel()
         for future in self._futures:
             if not future.cancelled():
-                future.exception()  # waits; a stopped check's result means nothing
+                _result(future)  # waits; a stopped check's result means nothing
+
+
+# How long the main thread blocks at a time while it waits for the checks. A signal that comes
+# after the interpreter last looked for one and before a blocking wait starts is handled only
+# once that wait returns: waiting without a timeout, a Ctrl-C at that moment was never seen.
+_POLL_S = 0.1
+
+
+def _result(future: Future[CheckpointError | None]) -> CheckpointError | None:
+    """``future``'s result, waited for in short waits (a pending Ctrl-C is raised here)."""
+    while True:
+        try:
+            return future.result(timeout=_POLL_S)
+        except FuturesTimeout:
+            pass
 
 
 def _problem(path: Path, want: dict[str, Any], stop: threading.Event | None = None, *,

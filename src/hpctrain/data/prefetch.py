@@ -46,6 +46,7 @@ def read_ahead(items: Iterable[Any], make: Callable[[Any], Any], device: torch.d
     the iteration ends, fails or is abandoned (the generator closed)."""
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
+    device = with_index(device)
 
     def work() -> None:
         try:
@@ -75,6 +76,18 @@ def read_ahead(items: Iterable[Any], make: Callable[[Any], Any], device: torch.d
 _END = object()  # the end of read_ahead's items, or of a queue that close() stopped
 
 
+def with_index(device: torch.device | str | None) -> torch.device | None:
+    """``device`` with its index: "cuda" alone means the calling thread's current GPU, so it is
+    pinned here, in the thread that makes the loader (a loader thread's current GPU is cuda:0,
+    and torch.cuda.set_device refuses "cuda" alone)."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def use_device(device: torch.device | None) -> None:
     """Make ``device`` this thread's current CUDA device (a no-op for others): a new thread's
     is cuda:0 whatever the rank's, and what it allocates or pins "on cuda" would land there."""
@@ -93,9 +106,17 @@ class Prefetcher:
 
     thread_name = "hpctrain-prefetch"
     two_stage = False
-    # The device the steps go to: each thread makes it its current one (`use_device`), so that a
-    # collate's ``.cuda()`` or a pinned copy lands on this rank's GPU, not GPU 0.
-    device: torch.device | None = None
+    _device: torch.device | None = None
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device the steps go to: each thread makes it its current one (`use_device`), so
+        that a collate's ``.cuda()`` or a pinned copy lands on this rank's GPU, not GPU 0."""
+        return self._device
+
+    @device.setter
+    def device(self, device: torch.device | str | None) -> None:
+        self._device = with_index(device)  # set by the subclass's __init__: the maker's thread
 
     def __init__(self, sampler: GlobalOrderSampler, prefetch: int):
         self.sampler = sampler

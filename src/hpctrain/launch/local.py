@@ -171,8 +171,10 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: RunDir, *, run_id:
                                     last_checkpoint=run_dir.latest_checkpoint(),
                                     extra={"failed_ranks": sorted(e.failures),
                                            "error_file": error_file})
+        account, details = _own_account(recorded, rank)
         raise LaunchError(
-            f"training failed: {reason}",
+            f"training failed: {reason}{account}",
+            lines=[*details, *_others(e.failures, rank)],
             hint=f"see {run_dir.rank_log(rank)} and {run_dir.exit_info_path}",
         ) from None
     except SignalException as e:
@@ -180,30 +182,69 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: RunDir, *, run_id:
         raise _stopped_by(signal.Signals(e.sigval), run_dir, started) from None
 
 
+# Once a rank has failed, torch's agent SIGTERMs the others and SIGKILLs those still alive
+# this long after (SubprocessContext.close's default timeout, which the agent does not change).
+_AGENT_KILL_AFTER_S = 30
+
+
 def blamed_failure(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
-    """The rank that failed first; one the agent stopped with SIGTERM is a victim, not a cause.
+    """The rank that failed first; one the agent stopped is a victim, not a cause.
 
     torch's own choice is the smallest timestamp, but timestamps are whole seconds and a rank
     killed by a signal gets the time the agent noticed: ties and inversions are common. So: a
     rank killed by another signal first (it could not report), then one that aborted (SIGABRT:
     often std::terminate in gloo's thread once a peer's connection broke, so a consequence
     more often than a cause), then one that exited by itself, then the agent's victims
-    (SIGTERM, or exit 75 after checkpointing on it); earliest within.
+    (see :func:`_stopped_by_agent`); earliest within.
     """
+    first = min(f.timestamp for f in failures.values())
+
     def order(item: tuple[int, ProcessFailure]) -> tuple[int, int, int]:
         rank, failure = item
         code = failure.exitcode
-        if code < 0 and code not in (-signal.SIGTERM, -signal.SIGABRT):
+        if _stopped_by_agent(failure, first):
+            tier = 3
+        elif code < 0 and code != -signal.SIGABRT:
             tier = 0
         elif code == -signal.SIGABRT:
             tier = 1
-        elif code >= 0 and code != PREEMPTED:
-            tier = 2
         else:
-            tier = 3
+            tier = 2
         return tier, failure.timestamp, rank
 
     return min(failures.items(), key=order)
+
+
+def _stopped_by_agent(failure: ProcessFailure, first: int) -> bool:
+    """Whether the agent ended this rank after another's failure noticed at ``first``:
+    SIGTERM, exit 75 (it checkpointed on that SIGTERM), or a SIGKILL noticed the agent's grace
+    later (a rank that died of SIGKILL by itself, OOM-killed say, is noticed with the rest)."""
+    code = failure.exitcode
+    return (code in (-signal.SIGTERM, PREEMPTED)
+            or (code == -signal.SIGKILL and failure.timestamp - first >= _AGENT_KILL_AFTER_S))
+
+
+def _own_account(recorded: dict | None, rank: int) -> tuple[str, list[str]]:
+    """The blamed rank's own exit_info reason (its exception and where the user's code raised
+    it) as ``": first line"`` and the lines after, less its hint; nothing if another wrote it."""
+    if recorded is None or recorded.get("extra", {}).get("rank") != rank:
+        return "", []
+    first, *rest = str(recorded["reason"]).splitlines() or [""]
+    return f": {first}", [line for line in rest if not line.strip().startswith("HINT:")]
+
+
+def _others(failures: dict[int, ProcessFailure], blamed: int) -> list[str]:
+    """One line for each rank but the blamed one: stopped by the launcher, or failed too."""
+    first = min(f.timestamp for f in failures.values())
+    lines = []
+    for rank, failure in sorted(failures.items()):
+        if rank == blamed:
+            continue
+        code = failure.exitcode
+        how = failure.signal_name() if code < 0 else f"exit code {code}"
+        lines.append(f"  rank {rank} stopped by the launcher ({how})"
+                     if _stopped_by_agent(failure, first) else f"  rank {rank} failed too ({how})")
+    return lines
 
 
 def _preempted(run_dir: RunDir) -> LaunchError:

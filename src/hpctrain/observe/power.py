@@ -1,4 +1,4 @@
-"""GPU power and energy through NVML (the ``nvidia-ml-py`` package, imported as ``pynvml``).
+"""GPU power and energy through NVML (``nvidia-ml-py``, a dependency, imported as ``pynvml``).
 
     sampler = PowerSampler(devices=[0, 1])       # CUDA indices, mapped through CUDA_VISIBLE_DEVICES
     sampler.start()
@@ -13,8 +13,9 @@ difference, interpolated at the span's ends: exact whatever the sampling rate. O
 power readings (``nvmlDeviceGetPowerUsage``) are integrated with the trapezoid rule. The numbers
 are the GPUs' board power only: no CPU, memory, network or cooling.
 
-Missing ``nvidia-ml-py`` or no NVIDIA driver raise `PowerUnavailable` with what to do;
-`sampler_factory` turns that into a note for callers that can go on without power.
+Where NVML cannot start (no NVIDIA driver: its library is missing; the driver not loaded; no
+permission) `PowerUnavailable` says which; `sampler_factory` turns that into a note for callers
+that can go on without power.
 
 A training run meters its energy with `EnergyMeter` (a running total, one reading a second) on
 rank 0; goodput.json turns it into kWh, tokens per joule and CO2e (observe/goodput.py).
@@ -48,19 +49,43 @@ log = logging.getLogger("hpctrain.observe")
 
 
 class PowerUnavailable(HpctrainError):
-    """GPU power cannot be read here: no nvidia-ml-py, no NVIDIA driver, or no GPU."""
+    """NVML cannot read the GPUs here: no NVIDIA driver or GPU (or a broken install)."""
+
+
+# Why nvmlInit fails on a machine, by NVML's error code (pynvml's constant for it).
+_CANNOT_START = {
+    "NVML_ERROR_LIBRARY_NOT_FOUND": "its library, libnvidia-ml.so.1, which the NVIDIA driver "
+                                    "installs, is not on this machine",
+    "NVML_ERROR_DRIVER_NOT_LOADED": "the NVIDIA kernel driver is not loaded",
+    "NVML_ERROR_NO_PERMISSION": "this user may not open the GPUs (/dev/nvidia*)",
+}
 
 
 def load_nvml() -> ModuleType:
-    """Import pynvml (from nvidia-ml-py) or raise PowerUnavailable saying how to get it."""
+    """Import pynvml (nvidia-ml-py, one of hpctrain's dependencies) or raise PowerUnavailable."""
     try:
         import pynvml
-    except ImportError:
+    except ImportError as e:
         raise PowerUnavailable(
-            "GPU power needs NVML, but nvidia-ml-py is not installed",
-            hint="pip install nvidia-ml-py (or pip install 'hpctrain[power]')",
+            f"NVML's Python bindings (pynvml, from nvidia-ml-py) cannot be imported: {e}",
+            expected="nvidia-ml-py, installed with hpctrain",
+            hint="this environment's install of hpctrain is incomplete: pip install nvidia-ml-py",
         ) from None
     return pynvml
+
+
+def start_nvml(nvml: ModuleType) -> None:
+    """``nvmlInit()``, or PowerUnavailable saying why NVML cannot start on this machine."""
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as e:
+        code = getattr(e, "value", None)
+        why = next((text for name, text in _CANNOT_START.items()
+                    if code is not None and getattr(nvml, name, None) == code), str(e))
+        raise PowerUnavailable(f"NVML could not start: {why}",
+                               hint="no NVIDIA GPU or driver on this machine? On a GPU node "
+                               "`nvidia-smi` shows what the driver sees; a CPU run needs "
+                               "neither") from None
 
 
 def nvml_handle(nvml: ModuleType, cuda_index: int):
@@ -102,12 +127,11 @@ class PowerSampler:
         self.samples: list[Sample] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        start_nvml(self.nvml)
         try:
-            self.nvml.nvmlInit()
             count = self.nvml.nvmlDeviceGetCount()
         except self.nvml.NVMLError as e:
-            raise PowerUnavailable(f"NVML could not start: {e}",
-                                   hint="no NVIDIA GPU or driver on this machine") from None
+            raise PowerUnavailable(f"NVML could not count the GPUs: {e}") from None
         if count == 0:
             raise PowerUnavailable("NVML sees no GPU")
         wanted = list(devices) if devices is not None else list(range(count))
@@ -240,7 +264,7 @@ def energy_devices(device: torch.device, local_world_size: int) -> list[int]:
 
 def start_energy_meter(device: torch.device, local_world_size: int) -> EnergyMeter | None:
     """An EnergyMeter started on rank 0's devices, or None (logged why) when energy cannot be
-    read here: a CPU run, no nvidia-ml-py, no driver."""
+    read here: a CPU run, no NVIDIA driver, no GPU."""
     devices = energy_devices(device, local_world_size)
     if not devices:
         log.info("energy: not measured (NVML reads NVIDIA GPUs only; this run is on %s)",
@@ -261,13 +285,11 @@ def sampler_factory(interval_s: float = 0.1
     """(a function devices -> PowerSampler, a note) or (None, why power cannot be sampled)."""
     try:
         nvml = load_nvml()
+        start_nvml(nvml)
     except PowerUnavailable as e:
-        return None, f"power: not sampled: {e.what} ({e.hint})"
-    try:
-        nvml.nvmlInit()
+        return None, f"power: not sampled: {e.what}"
+    with suppress(nvml.NVMLError):
         nvml.nvmlShutdown()
-    except nvml.NVMLError as e:  # the library is there but not the driver
-        return None, f"power: not sampled: NVML could not start ({e}): no NVIDIA driver/GPU?"
 
     def factory(devices: list[int]) -> PowerSampler | None:
         try:

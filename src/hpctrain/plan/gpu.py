@@ -3,6 +3,7 @@
     this_gpu(cfg)          # in a rank: device 0 as torch sees it (the CPU's stand-in if none)
     gpu_without_cuda(cfg)  # in a launcher: the same device read through NVML, or None
     node_gpu(cfg)          # in tune and bench model: NVML, else a child process asks CUDA
+    gpu_name(0)            # a benchmark's caption, in the process that starts the ranks
     named_gpu("h100")      # as a rank on an H100 sees it: `plan --gpu`, `tune --gpu`
 
 Only a rank asks CUDA. The process that starts the ranks (`hpctrain train --nproc`, `tune`,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -25,6 +27,8 @@ from hpctrain.errors import RuntimeEnvError
 from hpctrain.plan.parallel import DEFAULT_PEAK_TFLOPS
 
 CPU_MEM_BYTES = 16e9  # per rank on the CPU, as tune assumes
+
+log = logging.getLogger("hpctrain.plan")
 
 
 @dataclass(frozen=True)
@@ -54,42 +58,72 @@ def this_gpu(cfg) -> Gpu:
 
 def gpu_without_cuda(cfg) -> Gpu | None:
     """Device 0 read without initialising CUDA: the CPU's stand-in where no GPU is visible,
-    NVML's device name and memory where nvidia-ml-py is installed, else None (only CUDA could
-    tell). NVML's total memory counts the driver's reservation too, a little more than the
-    ranks' torch reports: a launcher's check is never stricter than theirs."""
-    import torch
+    NVML's device name and memory where NVML can read it, else None (logged why; only CUDA
+    could tell). NVML's total memory counts the driver's reservation too, a little more than
+    the ranks' torch reports: a launcher's check is never stricter than theirs."""
+    from hpctrain.observe.power import PowerUnavailable
 
-    from hpctrain.observe.power import PowerUnavailable, load_nvml, nvml_handle
-
-    # device_count() asks NVML first, which creates no CUDA context (torch.cuda's note).
-    if cfg.run.device == "cpu" or torch.cuda.device_count() == 0:
+    if _no_gpu(cfg):
         return CPU
     try:
-        nvml = load_nvml()
-    except PowerUnavailable:  # nvidia-ml-py is not installed
+        return _gpu(cfg, *nvml_reading(0))
+    except PowerUnavailable as e:
+        log.warning("GPU 0 not read through NVML (%s): the GPU's limits are checked only as "
+                    "each rank starts", e.what)
         return None
-    try:
-        nvml.nvmlInit()
-    except nvml.NVMLError:  # no driver NVML can load
-        return None
-    try:
-        handle = nvml_handle(nvml, 0)
-        name = nvml.nvmlDeviceGetName(handle)
-        total = float(nvml.nvmlDeviceGetMemoryInfo(handle).total)
-        capability = tuple(nvml.nvmlDeviceGetCudaComputeCapability(handle))
-    except (PowerUnavailable, nvml.NVMLError):
-        return None
-    finally:
-        nvml.nvmlShutdown()
-    name = name.decode() if isinstance(name, bytes) else name  # older pynvml: bytes
-    return _gpu(cfg, name, total, capability)
 
 
 def node_gpu(cfg) -> Gpu:
     """Device 0 for a process that runs GPU work in child processes (tune, bench model): the
     CPU's stand-in where no GPU is visible, NVML's reading, else what a short-lived child
     process reads of CUDA (its context ends with it; ~2 s of imports)."""
-    return gpu_without_cuda(cfg) or _gpu_from_child(cfg)
+    from hpctrain.observe.power import PowerUnavailable
+
+    if _no_gpu(cfg):
+        return CPU
+    try:
+        return _gpu(cfg, *nvml_reading(0))
+    except PowerUnavailable as e:
+        return _gpu_from_child(cfg, nvml_said=e.what)
+
+
+def gpu_name(index: int = 0) -> str:
+    """CUDA device ``index``'s name as NVML reads it (``GPU N (unread: why)`` where it cannot),
+    for a process that starts ranks and so must hold no CUDA context: a benchmark's caption."""
+    from hpctrain.observe.power import PowerUnavailable
+
+    try:
+        return nvml_reading(index)[0]
+    except PowerUnavailable as e:
+        return f"GPU {index} (unread: {e.what})"
+
+
+def nvml_reading(index: int) -> tuple[str, float, tuple[int, int]]:
+    """(name, total memory, CUDA capability) of CUDA device ``index`` through NVML, which
+    creates no CUDA context; PowerUnavailable says why NVML cannot read it here."""
+    from hpctrain.observe.power import PowerUnavailable, load_nvml, nvml_handle, start_nvml
+
+    nvml = load_nvml()
+    start_nvml(nvml)
+    try:
+        handle = nvml_handle(nvml, index)
+        name = nvml.nvmlDeviceGetName(handle)
+        total = float(nvml.nvmlDeviceGetMemoryInfo(handle).total)
+        major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+    except nvml.NVMLError as e:
+        raise PowerUnavailable(f"NVML could not read GPU {index}: {e}") from None
+    finally:
+        nvml.nvmlShutdown()
+    name = name.decode() if isinstance(name, bytes) else name  # older pynvml: bytes
+    return name, total, (major, minor)
+
+
+def _no_gpu(cfg) -> bool:
+    """A CPU run, or no CUDA device visible (device_count() asks NVML first, which creates no
+    CUDA context: torch.cuda's note)."""
+    import torch
+
+    return cfg.run.device == "cpu" or torch.cuda.device_count() == 0
 
 
 # Run by `python -c` in a child: device 0's properties as JSON.
@@ -97,14 +131,15 @@ _ASK_CUDA = ("import json, torch; p = torch.cuda.get_device_properties(0); "
              "print(json.dumps([p.name, p.total_memory, p.major, p.minor]))")
 
 
-def _gpu_from_child(cfg) -> Gpu:
-    """Device 0 as a child process's CUDA reads it."""
-    name, total, major, minor = _child_reading(os.environ.get("CUDA_VISIBLE_DEVICES"))
+def _gpu_from_child(cfg, nvml_said: str) -> Gpu:
+    """Device 0 as a child process's CUDA reads it (``nvml_said``: why NVML could not)."""
+    name, total, major, minor = _child_reading(os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                               nvml_said)
     return _gpu(cfg, name, float(total), (major, minor))
 
 
 @functools.cache
-def _child_reading(visible: str | None) -> tuple[str, int, int, int]:
+def _child_reading(visible: str | None, nvml_said: str) -> tuple[str, int, int, int]:
     """(name, total memory, CUDA capability) of device 0 among ``visible``, read once per
     process (tune reads it again for every candidate it runs)."""
     try:
@@ -112,18 +147,18 @@ def _child_reading(visible: str | None) -> tuple[str, int, int, int]:
                               text=True, timeout=300)
         name, total, major, minor = json.loads(done.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise _unreadable([str(e)]) from None
+        raise _unreadable([str(e)], nvml_said) from None
     except (ValueError, IndexError):  # it printed no properties: its error says why
-        raise _unreadable(done.stderr.strip().splitlines()[-3:]) from None
+        raise _unreadable(done.stderr.strip().splitlines()[-3:], nvml_said) from None
     return name, total, major, minor
 
 
-def _unreadable(lines: list[str]) -> RuntimeEnvError:
+def _unreadable(lines: list[str], nvml_said: str) -> RuntimeEnvError:
     return RuntimeEnvError(
         "GPU 0 could not be read: a child process asking CUDA for its properties failed:",
         lines=lines, expected="a GPU that CUDA can use (torch.cuda.device_count() > 0 here)",
-        hint="check the node with `hpctrain doctor`; with nvidia-ml-py installed (pip install "
-        "nvidia-ml-py) the GPU is read through NVML instead; run.device=cpu runs on the CPU")
+        hint=f"NVML could not read it either ({nvml_said}); check the node with `hpctrain "
+        "doctor` and `nvidia-smi`; run.device=cpu runs on the CPU")
 
 
 def _gpu(cfg, name: str, total: float, capability: tuple[int, int] | None) -> Gpu:

@@ -25,7 +25,11 @@ Decode choices (``task_args``; `benchmarks/images.py --b-variants` trains once p
 nvJPEG on a side stream ahead of the step is the default on CUDA; ``cpu_fraction`` (0..1) of
 each batch's JPEGs go to Pillow on ``decode_threads`` host threads while nvJPEG decodes the
 rest (1: all on the host); ``decode_min_side`` lets Pillow decode at reduced size;
-``decode_ahead: false`` decodes in the step on its own stream (serially: the baseline). Training
+``decode_ahead: false`` decodes in the step on its own stream (serially: the baseline);
+``gil_switch_ms`` shortens Python's GIL switch interval for the process (the training thread
+launching kernels waits less for the loader's threads); ``cuda_graphs`` has inductor replay the
+compiled model as CUDA graphs (one launch per graph: the training thread no longer queues each
+kernel while the loader's threads want the GIL). Training
 metrics carry ``decode_ms_per_image`` (and ``augment_ms_per_image`` where it costs the step's
 stream no sync: the side stream's events, read once the device has passed them, so a step reports
 an earlier batch's; or wall time on the CPU).
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -103,6 +108,20 @@ class ImageTaskConfig:
     decode_min_side: int = 0
     # Seeds the crops (with each batch's sample keys: the same crops after a resume).
     augment_seed: int = 0
+    # Python's GIL switch interval for the training process, in milliseconds (0: Python's
+    # default, 5): the longest a thread waiting for the GIL waits. The training thread that
+    # launches the model's kernels shares the GIL with the loader's reading and decoding
+    # threads; with a compiled ResNet-50 on an H200 the GPU idled 28% of the step while the
+    # loader kept up. 0.5 ms measured +10.6% and -1% in two calls (benchmarks/images.py
+    # --b-variants gpu,gpus0.5): within the calls' noise, so not a default.
+    gil_switch_ms: float = 0.0
+    # With parallel.compile: inductor replays the compiled model as CUDA graphs (what
+    # torch.compile(mode="reduce-overhead") sets), for every compile of the rank's process. The
+    # batch keeps its shape (a batch that lost images is padded), so the graphs are recorded
+    # once. ResNet-50 on one H200, batch 256: GPU busy 86% of the step instead of 72-88%, +8.5%
+    # and +11% images/s in two calls (benchmarks/images.py --b-variants gpu,gpug); one GPU
+    # only measured (not under DDP or FSDP), hence off by default.
+    cuda_graphs: bool = False
     # Copy each split once per node to this node-local folder first (e.g. $SLURM_TMPDIR).
     stage_to: str | None = None
 
@@ -140,6 +159,10 @@ class ImageTaskConfig:
             raise ConfigError(f"task_args.decode_threads = {self.decode_threads}, "
                               f"cpu_fraction = {self.cpu_fraction}",
                               expected="decode_threads >= 1 and 0 <= cpu_fraction <= 1")
+        if self.gil_switch_ms < 0:
+            raise ConfigError(f"task_args.gil_switch_ms = {self.gil_switch_ms}",
+                              expected="0 (Python's default, 5 ms) or a positive interval, "
+                              "e.g. 0.5")
         if self.mixup_alpha <= 0 or self.cutmix_alpha <= 0:
             raise ConfigError(f"task_args.mixup_alpha = {self.mixup_alpha}, cutmix_alpha = "
                               f"{self.cutmix_alpha}", expected="both > 0 (DeiT: 0.8 and 1.0)")
@@ -162,6 +185,12 @@ class ImageClassifier:
     def __init__(self, cfg: ImageTaskConfig, num_classes: int,
                  build: Callable[[int, int], nn.Module] | None = None) -> None:
         self.cfg, self.num_classes, self.build = cfg, num_classes, build
+        if cfg.gil_switch_ms:  # process-wide: every thread of this rank
+            sys.setswitchinterval(cfg.gil_switch_ms / 1e3)
+        if cfg.cuda_graphs:  # process-wide too: the trainer compiles the model later
+            import torch._inductor.config as inductor
+
+            inductor.triton.cudagraphs = True
         self.device = torch.device("cpu")
         self._decoders: dict[tuple[bool, torch.device], DecodeAhead] = {}
         # Training batches: random-resized crops and flips, seeded by the batch's keys;

@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -113,6 +115,41 @@ def test_crop_boxes_follow_random_resized_crop() -> None:
         assert 3 / 4 * 0.9 <= w / h <= 4 / 3 * 1.1
     assert boxes[-1] == (0, (400 - 13) // 2, 10, 13)
     assert len({b for b in boxes[:-1]}) > 150  # random, not a constant box
+
+
+def _crop_boxes_image_by_image(sizes, g, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+    """torchvision's RandomResizedCrop.get_params, one image at a time, from the same draws
+    (what crop_boxes computed before it took the batch at once)."""
+    u = torch.rand((len(sizes), 10, 4), generator=g, dtype=torch.float64).tolist()
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    boxes = []
+    for k, (height, width) in enumerate(sizes):
+        for t in range(10):
+            target = height * width * (scale[0] + (scale[1] - scale[0]) * u[k][t][0])
+            aspect = math.exp(log_lo + (log_hi - log_lo) * u[k][t][1])
+            w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
+            if 0 < w <= width and 0 < h <= height:
+                boxes.append((min(int(u[k][t][2] * (height - h + 1)), height - h),
+                              min(int(u[k][t][3] * (width - w + 1)), width - w), h, w))
+                break
+        else:
+            in_ratio = width / height
+            w, h = ((width, round(width / min(ratio))) if in_ratio < min(ratio) else
+                    (round(height * max(ratio)), height) if in_ratio > max(ratio) else
+                    (width, height))
+            boxes.append(((height - h) // 2, (width - w) // 2, h, w))
+    return boxes
+
+
+def test_crop_boxes_of_a_batch_equal_those_image_by_image() -> None:
+    # The batch's tries at once (numpy) give the boxes of the per-image loop, bit for bit:
+    # a resume, or another version, crops the same way. Tiny, thin and odd sizes included.
+    rng = torch.Generator().manual_seed(1)
+    sizes = [(int(h), int(w)) for h, w in torch.randint(1, 700, (3000, 2), generator=rng)]
+    sizes += [(375, 500), (1, 1), (2, 900), (900, 2), (10, 400)]
+    for scale, ratio in (((0.08, 1.0), (3 / 4, 4 / 3)), ((0.5, 1.0), (1.0, 1.0))):
+        assert crop_boxes(sizes, torch.Generator().manual_seed(7), scale, ratio) == \
+            _crop_boxes_image_by_image(sizes, torch.Generator().manual_seed(7), scale, ratio)
 
 
 def test_pipeline_train_and_eval(shards) -> None:
@@ -279,10 +316,37 @@ def test_two_threads_sharing_decode_ahead_pop_each_timing_once() -> None:
     # The training loader's thread and validation's read-ahead thread share one DecodeAhead:
     # both saw the finished timing, both popped it, one on an empty deque (IndexError).
     ahead = DecodeAhead(ImagePipeline(8), seed=0)
-    ahead._timings.append((_RecordedEvent(0.0), _QueriedTogether(8.0, threading.Barrier(2)), 4))
+    ahead._timings.append((_RecordedEvent(0.0), _QueriedTogether(8.0, threading.Barrier(2)), 4,
+                           []))
     with ThreadPoolExecutor(2) as pool:
         got = [f.result() for f in [pool.submit(ahead._done_augment_ms) for _ in range(2)]]
     assert sorted(got, key=lambda ms: ms is None) == [2.0, None]
+
+
+class _Pending(_RecordedEvent):
+    """An end event the device has or has not reached yet."""
+
+    def __init__(self, ms: float, done: bool) -> None:
+        super().__init__(ms)
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_decoded_images_are_kept_until_the_crops_that_read_them_have_run() -> None:
+    # On CUDA a batch's decoded images are freed only once its crops' end event has completed
+    # (their blocks would otherwise go back to the decode stream while the crops still read
+    # them), without record_stream per image: each was a GIL release and re-take.
+    ahead = DecodeAhead(ImagePipeline(8), seed=0)
+    images = [torch.zeros(3, 4, 4, dtype=torch.uint8)]
+    alive = weakref.ref(images[0])
+    end = _Pending(4.0, done=False)
+    ahead._timings.append((_RecordedEvent(0.0), end, 2, images))
+    del images
+    assert ahead._done_augment_ms() is None and alive() is not None  # crops still queued
+    end.done = True
+    assert ahead._done_augment_ms() == 2.0 and alive() is None
 
 
 def test_a_batch_that_lost_images_is_padded_with_the_kept_ones_in_turn(shards) -> None:

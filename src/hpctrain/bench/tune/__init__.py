@@ -23,7 +23,7 @@ problem (the loss curve, the learning-rate schedule's meaning) to buy speed: tha
 
 How the short list is chosen: every combination is sized with `hpctrain.plan.memory` and dropped
 unless its peak plus 10% fits the GPU (its memory as NVML reads it, or a child process's
-CUDA without nvidia-ml-py: this process, which runs the candidates, holds no CUDA context; or
+CUDA where NVML cannot read it: this process, which runs the candidates, holds no CUDA context; or
 ``--gpu-mem-gb``; 16 GB per rank on a CPU; with ``--gpu TYPE --dry-run``, that type's memory and
 peak from the planner's tables, on a machine without it). The rest are ranked by the step-time
 model of ``hpctrain plan parallel`` (predicted tokens/s per GPU). That model has no ZeRO-2 term

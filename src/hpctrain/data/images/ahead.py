@@ -22,8 +22,10 @@ for nothing of ours (it syncs that stream on the host before and after, then mak
 stream wait for it). Decoded under the crops' stream, batch k+1's outputs could take the blocks
 of batch k's images, freed while batch k's crops are still queued there, and be overwritten
 before those crops ran. So the images are allocated on the decode stream, the crops' stream
-waits for it, and each image is recorded as used by the crops' stream: its block goes back to
-the decode stream only once the crops queued before its release have run (no host wait).
+waits for it, and the batch's images are kept (with the crops' end event) until that event has
+completed: their blocks go back to the decode stream only once the crops that read them have
+run, seen by ``query`` at a later batch (no host wait). Not ``record_stream`` per image: each of
+those 256 calls a batch let go of the GIL and took it back from the training thread.
 
 The crops cannot come from a generator seeded by the step (the collate does not know it): they
 come from one seeded by the run seed and the keys of the batch's samples. A resumed run reads the
@@ -76,7 +78,8 @@ class DecodeAhead:
         self.side_stream = side_stream
         self.mixing = mixing
         self._streams: tuple | None = None  # (decode, crops) on CUDA, made at first use
-        # (begin, end, images) of augments whose events the device has not reached yet.
+        # (begin, end, images, decoded) of augments whose events the device has not reached
+        # yet: the decoded images are freed when popped (`prepare`).
         self._timings: deque = deque()
         # The training loader's thread and validation's read-ahead thread may share this
         # collate: the streams are made once, and the timings popped by one of them.
@@ -123,8 +126,6 @@ class DecodeAhead:
                 out = pipe.decode(encoded)
                 t1 = time.perf_counter()
             crop_stream.wait_stream(decode_stream)
-            for img in out:  # freed after the crops are queued: reused once they have run
-                img.record_stream(crop_stream)
             with torch.cuda.stream(crop_stream):
                 begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
                 begin.record()
@@ -132,8 +133,8 @@ class DecodeAhead:
                 x, lam = self._mix(x, g)
                 x = _pad(x, n)
                 end.record()  # also the batch's "ready" event
-        with self._lock:
-            self._timings.append((begin, end, n))
+        with self._lock:  # the images, kept until the crops that read them have run
+            self._timings.append((begin, end, n, out))
         return (PreparedImages(x, wall_ms_per_image(t0, t1, n), self._done_augment_ms(), lam,
                                ready=end), _kept(labels, kept))
 
@@ -154,11 +155,11 @@ class DecodeAhead:
 
     def _done_augment_ms(self) -> float | None:
         """Milliseconds per image of the latest augment the device has finished (None if none
-        has since the last call); never waits."""
+        has since the last call), freeing the decoded images of those finished; never waits."""
         ms = None
         with self._lock:  # checked and popped as one: another thread may pop the same entry
             while self._timings and self._timings[0][1].query():
-                begin, end, n = self._timings.popleft()
+                begin, end, n, _ = self._timings.popleft()
                 ms = event_ms_per_image(begin, end, n)
         return ms
 

@@ -23,6 +23,7 @@ import hashlib
 import math
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -46,33 +47,42 @@ def augment_generator(seed: int, step: int, rank: int) -> torch.Generator:
 def crop_boxes(sizes: list[tuple[int, int]], generator: torch.Generator,
                scale: tuple[float, float] = (0.08, 1.0),
                ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> list[tuple[int, int, int, int]]:
-    """RandomResizedCrop boxes ``(top, left, height, width)`` for images of ``(H, W)`` sizes."""
+    """RandomResizedCrop boxes ``(top, left, height, width)`` for images of ``(H, W)`` sizes.
+
+    All tries of the batch at once in numpy (the loader thread holds the GIL through Python
+    loops: 1.2 ms a batch of 256 image by image), with the same float64 arithmetic as
+    torchvision's per-image loop, ``math.exp`` included: the same boxes, bit for bit."""
     n = len(sizes)
-    u = torch.rand((n, _TRIES, 4), generator=generator, dtype=torch.float64).tolist()
+    u = torch.rand((n, _TRIES, 4), generator=generator, dtype=torch.float64).numpy()
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
-    boxes = []
-    for k, (height, width) in enumerate(sizes):
-        area = height * width
-        for t in range(_TRIES):
-            target = area * (scale[0] + (scale[1] - scale[0]) * u[k][t][0])
-            aspect = math.exp(log_lo + (log_hi - log_lo) * u[k][t][1])
-            w = round(math.sqrt(target * aspect))
-            h = round(math.sqrt(target / aspect))
-            if 0 < w <= width and 0 < h <= height:
-                # Uniform over the (H - h + 1) x (W - w + 1) positions, as torch.randint.
-                top = min(int(u[k][t][2] * (height - h + 1)), height - h)
-                left = min(int(u[k][t][3] * (width - w + 1)), width - w)
-                boxes.append((top, left, h, w))
-                break
-        else:  # torchvision's fallback: the centre, at the ratio clamped into range
-            in_ratio = width / height
-            if in_ratio < min(ratio):
-                w, h = width, round(width / min(ratio))
-            elif in_ratio > max(ratio):
-                w, h = round(height * max(ratio)), height
-            else:
-                w, h = width, height
-            boxes.append(((height - h) // 2, (width - w) // 2, h, w))
+    hw = np.array(sizes, dtype=np.int64).reshape(n, 2)
+    height, width = hw[:, :1], hw[:, 1:]
+    target = (height * width) * (scale[0] + (scale[1] - scale[0]) * u[..., 0])
+    # math.exp, not np.exp: numpy's differs in the last bit for ~5% of arguments.
+    exponent = (log_lo + (log_hi - log_lo) * u[..., 1]).ravel().tolist()
+    aspect = np.fromiter(map(math.exp, exponent), np.float64, len(exponent)).reshape(n, _TRIES)
+    w = np.rint(np.sqrt(target * aspect)).astype(np.int64)  # round half to even, as round()
+    h = np.rint(np.sqrt(target / aspect)).astype(np.int64)
+    fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
+    rows = np.arange(n)
+    first = fits.argmax(1)  # the first try that fits
+    h, w = h[rows, first], w[rows, first]
+    height, width = height[:, 0], width[:, 0]
+    # Uniform over the (H - h + 1) x (W - w + 1) positions, as torch.randint.
+    top = np.minimum((u[rows, first, 2] * (height - h + 1)).astype(np.int64), height - h)
+    left = np.minimum((u[rows, first, 3] * (width - w + 1)).astype(np.int64), width - w)
+    boxes = list(zip(top.tolist(), left.tolist(), h.tolist(), w.tolist(), strict=True))
+    for k in np.flatnonzero(~fits.any(1)).tolist():
+        # No try fits: torchvision's fallback, the centre at the ratio clamped into range.
+        H, W = sizes[k]
+        in_ratio = W / H
+        if in_ratio < min(ratio):
+            cw, ch = W, round(W / min(ratio))
+        elif in_ratio > max(ratio):
+            cw, ch = round(H * max(ratio)), H
+        else:
+            cw, ch = W, H
+        boxes[k] = ((H - ch) // 2, (W - cw) // 2, ch, cw)
     return boxes
 
 

@@ -147,39 +147,38 @@ class ImageShards:
         self.split = raw.get("split", split)
         self.shard_sample_counts: np.ndarray = self._tar.shard_sample_counts
         self.window_shards = window_shards
-        self._starts = np.concatenate([[0], np.cumsum(self.shard_sample_counts)])
 
     def __len__(self) -> int:
         return len(self._tar)
 
     def __getitem__(self, i: int) -> ImageSample:
         """``(bytes, label)`` of sample ``i``."""
-        return self._sample(int(i), int(np.searchsorted(self._starts, i, side="right")) - 1)
+        return self.read_samples([int(i)])[0]
 
     def read_samples(self, indices: list[int]) -> list[ImageSample]:
         """Samples ``indices`` in one call: reading draws no random numbers, so `SampleLoader`
         reads a micro-batch here without seeding each sample."""
-        shards = (np.searchsorted(self._starts, indices, side="right") - 1).tolist()
-        return [self._sample(i, s) for i, s in zip(indices, shards, strict=True)]
+        return [self._sample(*read) for read in self._tar.read_many(indices)]
 
-    def _sample(self, i: int, s: int) -> ImageSample:
-        """Sample ``i``, of shard number ``s``."""
-        raw = self._tar.sample(i)
-        shard, key = self._tar.raw["shards"][s]["tar"], raw["__key__"].decode()
-        exts = [e for e in raw if e in IMAGE_EXTS]
-        if len(exts) != 1 or "cls" not in raw:
+    def _sample(self, s: int, key: str, members: dict[str, memoryview]) -> ImageSample:
+        """The sample ``key`` of shard number ``s`` from its members' bytes."""
+        shard = self._tar.raw["shards"][s]["tar"]
+        exts = [e for e in members if e in IMAGE_EXTS]
+        if len(exts) != 1 or "cls" not in members:
             raise DataError(f"sample {key!r} of {str(self.root / shard)!r} has members "
-                            f"{sorted(e for e in raw if e != '__key__')}",
+                            f"{sorted(members)}",
                             expected="one image (jpg, png, ...) and a cls", hint=PACK_IMAGES_HINT)
         try:
-            label = int(raw["cls"])
+            label = int(bytes(members["cls"]))
         except ValueError:
             raise DataError(f"sample {key!r} of {str(self.root / shard)!r} has label "
-                            f"{raw['cls'][:20]!r}", expected="an integer class index") from None
+                            f"{bytes(members['cls'][:20])!r}",
+                            expected="an integer class index") from None
         if not 0 <= label < len(self.classes):
             raise DataError(f"sample {key!r} of {str(self.root / shard)!r} has label {label}",
                             expected=f"0 <= label < {len(self.classes)} (the classes)")
-        data = torch.frombuffer(bytearray(raw[exts[0]]), dtype=torch.uint8)
+        # The member is a writable view of the sample's read buffer: no copy.
+        data = torch.frombuffer(members[exts[0]], dtype=torch.uint8)
         return ImageSample(data, label, shard, key, int(self.shard_sample_counts[s]))
 
     def close(self) -> None:
