@@ -108,8 +108,8 @@ def test_restore_reads_whole_tensors_directly_and_the_rest_through_dcp(saved, mo
     direct: list[str] = []
     real = safe_io.SafeFileSystemReader._direct_span
 
-    def spy(self, f, item, planner):
-        span = real(self, f, item, planner)
+    def spy(self, f, item, target):
+        span = real(self, f, item, target)
         if span is not None:
             direct.append(item.storage_index.fqn)
         return span
@@ -159,9 +159,9 @@ def test_verification_reads_the_files_in_parallel_and_names_the_first_bad(tmp_pa
     together = threading.Barrier(len(names), timeout=20)
     real = manifest.checksum
 
-    def meeting(path, stop=None):
+    def meeting(path, stop=None, progress=None):
         together.wait()
-        return real(path, stop)
+        return real(path, stop, progress)
 
     monkeypatch.setattr(manifest, "checksum", meeting)
     with pytest.raises(DamagedCheckpoint, match=r"/b checksum .* \(corrupted\)"):

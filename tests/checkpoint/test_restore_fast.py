@@ -154,6 +154,97 @@ def test_a_tensor_read_in_pieces_by_several_threads_arrives_whole(pg, no_faults,
             assert torch.equal(value, fresh_opt.state[b][key]), key
 
 
+def test_each_file_is_read_start_to_end_by_one_of_several_threads(pg, no_faults, tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    """As many files as threads (a rank loads what it wrote): the files are read at once, each
+    by one thread from its start to its end, as ``bench disk`` reads (sequential streams,
+    which the checksum threads follow through the page cache), not each file by all threads
+    in turn."""
+    model = make_model(0)
+    opt = make_optimizer(model)
+    train_steps(model, opt, 1)
+    m = manager(tmp_path, write_threads=2)
+    m.save(1, state_of(model, opt), {"step": 1, "world_size": 1}, blocking=True)
+    monkeypatch.setattr(safe_io, "_PIECE", 64)  # several pieces a tensor, many a file
+    both = threading.Barrier(2, timeout=30)  # a thread's first piece waits for the other's
+    reads: list[tuple[int, str, int]] = []
+    read = safe_io._read_into
+
+    def spy(f, dest, offset, fqn) -> None:
+        me = threading.get_ident()
+        if me not in {thread for thread, _, _ in reads}:
+            reads.append((me, str(f.name), offset))
+            both.wait()
+        else:
+            reads.append((me, str(f.name), offset))
+        read(f, dest, offset, fqn)
+
+    monkeypatch.setattr(safe_io, "_read_into", spy)
+    fresh = make_model(1)
+    fresh_opt = make_optimizer(fresh)
+    state = state_of(fresh, fresh_opt)
+    m.load(tmp_path / step_dir_name(1), state)
+    put_state(fresh, fresh_opt, state)
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    readers: dict[str, set[int]] = {}
+    for thread, name, _ in reads:
+        readers.setdefault(name, set()).add(thread)
+    assert len(readers) == 2 and all(len(t) == 1 for t in readers.values()), readers
+    assert len({thread for thread, _, _ in reads}) == 2
+    for name in readers:
+        offsets = [offset for _, n, offset in reads if n == name]
+        assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets), name
+
+
+def test_the_load_follows_each_files_check_through_the_page_cache(pg, no_faults, tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    """A file a thread: a tensor is read once the file's checksum thread has read past it
+    (the check reads the disk, the load the page cache), not beside it. The checks start
+    only once the load asked to follow them: a load that did not wait would read first."""
+    from hpctrain.checkpoint import manifest
+
+    model = make_model(0)
+    opt = make_optimizer(model)
+    train_steps(model, opt, 1)
+    m = manager(tmp_path, write_threads=2)
+    m.save(1, state_of(model, opt), {"step": 1, "world_size": 1}, blocking=True)
+    asked = threading.Event()
+    checks: list[manifest.Verification] = []
+    wait_read, checksum = manifest.Verification.wait_read, manifest.checksum
+
+    def following(self, name, end, give_up=None) -> None:
+        checks.append(self)
+        asked.set()
+        wait_read(self, name, end, give_up)
+
+    def late(path: Path, stop=None, progress=None) -> str:
+        asked.wait(30)
+        return checksum(path, stop, progress)
+
+    early: list[str] = []
+    read = safe_io._read_into
+
+    def spy(f, dest, offset, fqn) -> None:
+        name = Path(f.name).name
+        with checks[0]._moved:
+            if checks[0]._read.get(name, offset + dest.numel()) < offset + dest.numel():
+                early.append(f"{name}@{offset}")
+        read(f, dest, offset, fqn)
+
+    monkeypatch.setattr(manifest.Verification, "wait_read", following)
+    monkeypatch.setattr(manifest, "checksum", late)
+    monkeypatch.setattr(safe_io, "_read_into", spy)
+    fresh = make_model(1)
+    fresh_opt = make_optimizer(fresh)
+    state = state_of(fresh, fresh_opt)
+    m.load(tmp_path / step_dir_name(1), state)
+    put_state(fresh, fresh_opt, state)
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert checks and early == [], early
+
+
 def test_alike_values_load_once_and_mutable_ones_are_never_shared(pg, no_faults, tmp_path: Path,
                                                                   monkeypatch) -> None:
     """Values saved with the same bytes (the optimizer's settings per parameter) are read
@@ -200,8 +291,8 @@ def test_a_prefetched_checkpoint_is_checked_once_and_damage_still_refused(
     flip_in_tensor(tmp_path / step_dir_name(3), s.model.inp.weight)
     hashed: list[str] = []
     real = manifest.checksum
-    monkeypatch.setattr(manifest, "checksum", lambda path, stop=None: hashed.append(
-        f"{path.parent.name}/{path.name}") or real(path, stop))
+    monkeypatch.setattr(manifest, "checksum", lambda path, stop=None, progress=None: (
+        hashed.append(f"{path.parent.name}/{path.name}") or real(path, stop, progress)))
     m = manager(tmp_path, keep_last=5)
     m.prefetch()
     resumed = _train_state(1)
@@ -271,20 +362,19 @@ def test_ctrl_c_while_waiting_for_the_checksums_stops_them(pg, no_faults, tmp_pa
 
     _run(tmp_path, (2,))
     release, loaded = threading.Event(), threading.Event()
-    interrupt = threading.Lock()  # taken by the first check to start: it sends the one SIGINT
     real = manifest.checksum
 
-    def held(path: Path, stop: threading.Event | None = None) -> str:
-        """Interrupts ``load`` once it waits for the verdict; hashes only when stopped.
-
-        The first check to run sends the SIGINT, whichever file it is: one chosen by name could
-        wait in the pool's queue behind the held ones, and no SIGINT would ever come."""
+    def held(path: Path, stop: threading.Event | None = None, progress=None) -> str:
+        """The index's check (which the load does not follow, unlike the shards', which run
+        unheld: the index's is never queued behind them) interrupts ``load`` once it waits
+        for the verdict, and hashes only when stopped."""
+        if path.name != ".metadata":
+            return real(path, stop, progress)
         assert loaded.wait(30)
-        if interrupt.acquire(blocking=False):
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
         while not (stop is not None and stop.is_set()) and not release.is_set():
             release.wait(0.01)
-        return real(path, stop)
+        return real(path, stop, progress)
 
     problem = manifest.Verification.problem
     monkeypatch.setattr(manifest, "checksum", held)
@@ -320,14 +410,18 @@ def test_the_loading_threads_work_on_the_targets_gpu(monkeypatch, tmp_path: Path
     monkeypatch.setattr(safe_io, "_PIECE", 4096)
     source = torch.arange(1 << 16, dtype=torch.float32)
     (tmp_path / "w").write_bytes(source.numpy().tobytes())
-    target = torch.zeros(1 << 16, device="cuda:1")
-    staging = safe_io._Staging(2, target.device, 4096)
+    halves = torch.zeros(1 << 16, device="cuda:1").chunk(2)
+    spans = [safe_io._Span(half, tmp_path / "w", i * half.nbytes, "w")
+             for i, half in enumerate(halves)]
+    staging = safe_io._Staging(2, halves[0].device, 4096)
+    failed = threading.Event()
     try:
         with open(tmp_path / "w", "rb") as f:
-            safe_io._read_spans(f, [safe_io._Span(target, 0, "w")], 2, staging)
+            safe_io._each([[span] for span in spans], 2, lambda worker, span: safe_io._read_span(
+                worker, f, span, staging, failed), done=staging.wait, device=halves[0].device)
     finally:
         staging.close()
-    assert torch.equal(target.cpu(), source)
+    assert torch.equal(torch.cat(halves).cpu(), source)
     assert devices and set(devices) == {1}, devices
 
 
@@ -340,7 +434,7 @@ def test_a_check_that_raises_is_a_verdict_on_every_rank(pg, no_faults, tmp_path:
     from hpctrain.checkpoint import manifest
 
     _run(tmp_path, (2,))
-    monkeypatch.setattr(manifest, "checksum", lambda path, stop=None: (_ for _ in ()).throw(
+    monkeypatch.setattr(manifest, "checksum", lambda *_a, **_k: (_ for _ in ()).throw(
         raised))
     with pytest.raises(CheckpointError) as e:
         manager(tmp_path).load(tmp_path / step_dir_name(2),
@@ -374,9 +468,9 @@ def test_a_load_reads_with_the_configured_threads(pg, no_faults, tmp_path: Path,
     """``checkpoint.write_threads`` sets the threads of a load as of a save."""
     _run(tmp_path, (2,))
     used: list[int] = []
-    spans = safe_io._read_spans
-    monkeypatch.setattr(safe_io, "_read_spans", lambda f, s, threads, staging: (
-        used.append(threads), spans(f, s, threads, staging))[1])
+    each = safe_io._each
+    monkeypatch.setattr(safe_io, "_each", lambda runs, threads, *a, **k: (
+        used.append(threads), each(runs, threads, *a, **k))[1])
     manager(tmp_path, write_threads=3).load(tmp_path / step_dir_name(2),
                                             checkpointing.tensor_state(_train_state(1)))
     assert used and set(used) == {3}, used

@@ -36,12 +36,12 @@ def test_a_failure_before_the_restore_leaves_no_verification_running(
     release, started = threading.Event(), threading.Event()
     real = manifest.checksum
 
-    def held(path: Path, stop: threading.Event | None = None) -> str:
+    def held(path: Path, stop: threading.Event | None = None, progress=None) -> str:
         """A checksum that takes until it is stopped (or the test ends)."""
         started.set()
         while not (stop is not None and stop.is_set()) and not release.is_set():
             release.wait(0.01)
-        return real(path, stop)
+        return real(path, stop, progress)
 
     def refused(*_args, **_kwargs):
         assert started.wait(30), "the prefetch never started"

@@ -492,7 +492,8 @@ class CheckpointManager:
             # As many threads as a save (checkpoint.write_threads); left to auto, two at least,
             # so that one thread's read overlaps another's copy.
             threads = self.cfg.write_threads or max(2, write_threads(0))
-            reader = SafeFileSystemReader(path, files=manifest["files"], threads=threads)
+            reader = SafeFileSystemReader(path, files=manifest["files"], threads=threads,
+                                          ahead=verification.wait_read)
             self._agree_on(reader.read_metadata)
             try:
                 dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),

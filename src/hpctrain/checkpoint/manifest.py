@@ -15,7 +15,7 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
@@ -76,17 +76,23 @@ def is_int(value: object, minimum: int = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
-def checksum(path: Path, stop: threading.Event | None = None) -> str:
+def checksum(path: Path, stop: threading.Event | None = None,
+             progress: Callable[[int], None] | None = None) -> str:
     """xxh3-64 of a file's bytes, hex (fast enough to hash GBs per second per core); ``stop``
-    set: gives up between chunks (the result is then meaningless)."""
+    set: gives up between chunks (the result is then meaningless); ``progress``: called with
+    the bytes read so far after each chunk."""
     h = xxhash.xxh3_64()
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
+    done = 0
     with open_file(path) as f:
         if hasattr(os, "posix_fadvise"):  # read ahead more eagerly: a resume reads cold
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         while (n := f.readinto(buf)) and not (stop is not None and stop.is_set()):
             h.update(view[:n])
+            done += n
+            if progress is not None:
+                progress(done)
     return h.hexdigest()
 
 
@@ -182,22 +188,52 @@ class Verification:
 
     The files are read in parallel (up to 8 at once: reads release the GIL, and a parallel
     file system serves several streams faster than one); the first bad one in ``names``' order
-    is the one named.
+    is the one named. How far each file has been read is kept, so that a load can follow the
+    checks through the page cache (``wait_read``) instead of reading the disk beside them.
     """
 
     def __init__(self, ckpt_dir: Path, files: dict[str, dict[str, Any]], names: list[str]):
         self._stop = threading.Event()
         self._futures: list[Future[CheckpointError | None]] = []
+        # Bytes read so far of each file still being checked; a file leaves once its check ends.
+        self._read: dict[str, int] = {}
+        self._moved = threading.Condition()
         # Checked here, before a byte is read: a file missing, a link or of the wrong size is
         # a verdict that the load need not wait for (nor load the checkpoint first).
         self.known = next((problem for problem in (
             _problem(ckpt_dir / n, files[n], read=False) for n in names) if problem), None)
         if names and self.known is None:
+            self._read = dict.fromkeys(names, 0)
             pool = ThreadPoolExecutor(max_workers=min(8, len(names)),
                                       thread_name_prefix="hpctrain-verify")
-            self._futures = [pool.submit(_problem, ckpt_dir / n, files[n], self._stop)
-                             for n in names]
+            self._futures = [pool.submit(self._check, ckpt_dir / n, files[n]) for n in names]
             pool.shutdown(wait=False)  # its threads end with the last check
+
+    def _check(self, path: Path, want: dict[str, Any]) -> CheckpointError | None:
+        try:
+            return _problem(path, want, self._stop,
+                            progress=lambda n: self._advance(path.name, n))
+        finally:
+            self._advance(path.name, None)
+
+    def _advance(self, name: str, done: int | None) -> None:
+        """``name`` read up to ``done`` bytes; None: its check is over."""
+        with self._moved:
+            if done is None:
+                self._read.pop(name, None)
+            else:
+                self._read[name] = done
+            self._moved.notify_all()
+
+    def wait_read(self, name: str, end: int, give_up: threading.Event | None = None) -> None:
+        """Until the check of ``name`` has read its first ``end`` bytes (which are then in the
+        page cache where there is one), or will read no more of it: not one of these files,
+        its check over or stopped, or ``give_up`` set."""
+        with self._moved:
+            while self._read.get(name, end) < end and not self._stop.is_set() and not (
+                    give_up is not None and give_up.is_set()):
+                # A timeout: ``give_up`` is set by threads that do not notify this condition.
+                self._moved.wait(0.1)
 
     def problem(self) -> CheckpointError | None:
         """Wait for the checks; the first bad file's error in ``names``' order, or None
@@ -213,7 +249,9 @@ class Verification:
 
     def cancel(self) -> None:
         """Stop reading (between chunks) and wait for the threads; no verdict after this."""
-        self._stop.set()
+        with self._moved:
+            self._stop.set()
+            self._moved.notify_all()
         for future in self._futures:
             future.cancel()
         for future in self._futures:
@@ -237,13 +275,14 @@ def _result(future: Future[CheckpointError | None]) -> CheckpointError | None:
 
 
 def _problem(path: Path, want: dict[str, Any], stop: threading.Event | None = None, *,
-             read: bool = True) -> CheckpointError | None:
+             read: bool = True, progress: Callable[[int], None] | None = None
+             ) -> CheckpointError | None:
     """What is wrong with one file against its manifest entry, if anything (None once
-    ``stop`` is set; ``read`` False: all but the checksum). Never raises: a check that raised
-    on one rank would leave its peers waiting for its verdict; a failure to check stops the
-    other checks."""
+    ``stop`` is set; ``read`` False: all but the checksum; ``progress``: ``checksum``'s).
+    Never raises: a check that raised on one rank would leave its peers waiting for its
+    verdict; a failure to check stops the other checks."""
     try:
-        return _file_problem(path, want, stop, read)
+        return _file_problem(path, want, stop, read, progress)
     except MemoryError:
         if stop is not None:
             stop.set()
@@ -255,7 +294,8 @@ def _problem(path: Path, want: dict[str, Any], stop: threading.Event | None = No
 
 
 def _file_problem(path: Path, want: dict[str, Any], stop: threading.Event | None,
-                  read: bool) -> DamagedCheckpoint | None:
+                  read: bool, progress: Callable[[int], None] | None
+                  ) -> DamagedCheckpoint | None:
     try:
         st = os.lstat(path)
         if stat.S_ISLNK(st.st_mode):
@@ -269,7 +309,7 @@ def _file_problem(path: Path, want: dict[str, Any], stop: threading.Event | None
                                      f"{want['size']} (truncated or overwritten)")
         if not read:
             return None
-        got = checksum(path, stop)
+        got = checksum(path, stop, progress)
     except FileNotFoundError:
         return DamagedCheckpoint(f"{path} is missing")
     except DamagedCheckpoint as e:  # replaced by a link since the check above
