@@ -14,6 +14,7 @@ import os
 import queue as queues
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -92,6 +93,23 @@ def fork_spawn(fn, args: tuple, nprocs: int, timeout: float = 300) -> None:
             for r, p in enumerate(procs):
                 kill_tree(p.pid)
                 forked.finish(p, logs[r])
+
+
+# Signals whose handler a test may change in the worker's own process (an in-process launcher or
+# trainer; torch's elastic agent installs handlers it never puts back).
+_GUARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers_put_back() -> Iterator[None]:
+    """Each test starts with the handlers the worker had: a SIGINT handler left by an earlier
+    test's launcher swallowed the Ctrl-C of tests/checkpoint/test_restore_fast.py, which then
+    waited forever (seen in full runs only, where a launcher test ran first on that worker)."""
+    saved = {sig: signal.getsignal(sig) for sig in _GUARDED_SIGNALS}
+    yield
+    for sig, handler in saved.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
 
 
 @pytest.fixture(scope="session", autouse=True)

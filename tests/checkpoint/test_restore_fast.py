@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -372,7 +373,10 @@ def test_ctrl_c_while_waiting_for_the_checksums_stops_them(pg, no_faults, tmp_pa
             return real(path, stop, progress)
         assert loaded.wait(30)
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-        while not (stop is not None and stop.is_set()) and not release.is_set():
+        # Bounded: a SIGINT nobody raises (a handler left behind) fails the test, never hangs it.
+        give_up = time.monotonic() + 60
+        while (not (stop is not None and stop.is_set()) and not release.is_set()
+               and time.monotonic() < give_up):
             release.wait(0.01)
         return real(path, stop, progress)
 
