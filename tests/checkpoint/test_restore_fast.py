@@ -133,23 +133,37 @@ def test_fallback_leaves_exactly_the_older_checkpoints_state(pg, no_faults,
     _same(resumed, clean)
 
 
+def _saved(tmp_path: Path, step: int, **settings):
+    """A model trained ``step`` steps, its optimizer, and a manager that saved both at ``step``
+    (``settings``: the manager's)."""
+    model = make_model(0)
+    opt = make_optimizer(model)
+    train_steps(model, opt, step)
+    m = manager(tmp_path, **settings)
+    m.save(step, state_of(model, opt), {"step": step, "world_size": 1}, blocking=True)
+    return model, opt, m
+
+
+def _load_fresh(m, step: int, model):
+    """A fresh model and optimizer loaded from ``m``'s step ``step``; its parameters must equal
+    ``model``'s."""
+    fresh = make_model(1)
+    fresh_opt = make_optimizer(fresh)
+    state = state_of(fresh, fresh_opt)
+    m.load(m.root / step_dir_name(step), state)
+    put_state(fresh, fresh_opt, state)
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    return fresh, fresh_opt
+
+
 def test_a_tensor_read_in_pieces_by_several_threads_arrives_whole(pg, no_faults, tmp_path: Path,
                                                                   monkeypatch) -> None:
     """Tensors larger than one read are split between the reading threads, each piece landing
     at its place (pieces of 64 bytes here: every tensor of the model is several)."""
-    model = make_model(0)
-    opt = make_optimizer(model)
-    train_steps(model, opt, 2)
-    m = manager(tmp_path)
-    m.save(2, state_of(model, opt), {"step": 2, "world_size": 1}, blocking=True)
+    model, opt, m = _saved(tmp_path, 2)
     monkeypatch.setattr(safe_io, "_PIECE", 64)
-    fresh = make_model(1)
-    fresh_opt = make_optimizer(fresh)
-    state = state_of(fresh, fresh_opt)
-    m.load(tmp_path / step_dir_name(2), state)
-    put_state(fresh, fresh_opt, state)
-    for (name, a), b in zip(model.named_parameters(), fresh.parameters(), strict=True):
-        assert torch.equal(a, b), name
+    fresh, fresh_opt = _load_fresh(m, 2, model)
     for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         for key, value in opt.state[a].items():
             assert torch.equal(value, fresh_opt.state[b][key]), key
@@ -161,11 +175,7 @@ def test_each_file_is_read_start_to_end_by_one_of_several_threads(pg, no_faults,
     by one thread from its start to its end, as ``bench disk`` reads (sequential streams,
     which the checksum threads follow through the page cache), not each file by all threads
     in turn."""
-    model = make_model(0)
-    opt = make_optimizer(model)
-    train_steps(model, opt, 1)
-    m = manager(tmp_path, write_threads=2)
-    m.save(1, state_of(model, opt), {"step": 1, "world_size": 1}, blocking=True)
+    model, _, m = _saved(tmp_path, 1, write_threads=2)
     monkeypatch.setattr(safe_io, "_PIECE", 64)  # several pieces a tensor, many a file
     both = threading.Barrier(2, timeout=30)  # a thread's first piece waits for the other's
     reads: list[tuple[int, str, int]] = []
@@ -181,13 +191,7 @@ def test_each_file_is_read_start_to_end_by_one_of_several_threads(pg, no_faults,
         read(f, dest, offset, fqn)
 
     monkeypatch.setattr(safe_io, "_read_into", spy)
-    fresh = make_model(1)
-    fresh_opt = make_optimizer(fresh)
-    state = state_of(fresh, fresh_opt)
-    m.load(tmp_path / step_dir_name(1), state)
-    put_state(fresh, fresh_opt, state)
-    for (name, a), b in zip(model.named_parameters(), fresh.parameters(), strict=True):
-        assert torch.equal(a, b), name
+    _load_fresh(m, 1, model)
     readers: dict[str, set[int]] = {}
     for thread, name, _ in reads:
         readers.setdefault(name, set()).add(thread)
@@ -205,11 +209,7 @@ def test_the_load_follows_each_files_check_through_the_page_cache(pg, no_faults,
     only once the load asked to follow them: a load that did not wait would read first."""
     from hpctrain.checkpoint import manifest
 
-    model = make_model(0)
-    opt = make_optimizer(model)
-    train_steps(model, opt, 1)
-    m = manager(tmp_path, write_threads=2)
-    m.save(1, state_of(model, opt), {"step": 1, "world_size": 1}, blocking=True)
+    model, _, m = _saved(tmp_path, 1, write_threads=2)
     asked = threading.Event()
     checks: list[manifest.Verification] = []
     wait_read, checksum = manifest.Verification.wait_read, manifest.checksum
@@ -236,13 +236,7 @@ def test_the_load_follows_each_files_check_through_the_page_cache(pg, no_faults,
     monkeypatch.setattr(manifest.Verification, "wait_read", following)
     monkeypatch.setattr(manifest, "checksum", late)
     monkeypatch.setattr(safe_io, "_read_into", spy)
-    fresh = make_model(1)
-    fresh_opt = make_optimizer(fresh)
-    state = state_of(fresh, fresh_opt)
-    m.load(tmp_path / step_dir_name(1), state)
-    put_state(fresh, fresh_opt, state)
-    for (name, a), b in zip(model.named_parameters(), fresh.parameters(), strict=True):
-        assert torch.equal(a, b), name
+    _load_fresh(m, 1, model)
     assert checks and early == [], early
 
 
