@@ -16,8 +16,7 @@ import re
 import stat
 import threading
 from collections.abc import Callable, Collection
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FuturesTimeout
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -241,7 +240,7 @@ class Verification:
         if self.known is not None:
             return self.known
         for future in self._futures:
-            problem = _result(future)
+            problem = result_polled(future)
             if problem is not None:
                 self.cancel()  # the verdict is in: the files after it need not be read
                 return problem
@@ -256,7 +255,7 @@ class Verification:
             future.cancel()
         for future in self._futures:
             if not future.cancelled():
-                _result(future)  # waits; a stopped check's result means nothing
+                result_polled(future)  # waits; a stopped check's result means nothing
 
 
 # How long the main thread blocks at a time while it waits for the checks. A signal that comes
@@ -265,13 +264,13 @@ class Verification:
 _POLL_S = 0.1
 
 
-def _result(future: Future[CheckpointError | None]) -> CheckpointError | None:
-    """``future``'s result, waited for in short waits (a pending Ctrl-C is raised here)."""
-    while True:
-        try:
-            return future.result(timeout=_POLL_S)
-        except FuturesTimeout:
-            pass
+def result_polled(future: Future[Any]) -> Any:
+    """``future``'s result, waited for in short waits (a pending Ctrl-C is raised here). The
+    waits are ``wait``'s, not ``result(timeout)``'s: that one's TimeoutError could also be the
+    work's own."""
+    while not wait([future], timeout=_POLL_S).done:
+        pass
+    return future.result()
 
 
 def _problem(path: Path, want: dict[str, Any], stop: threading.Event | None = None, *,

@@ -52,7 +52,13 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from hpctrain.checkpoint.manifest import DamagedCheckpoint, is_int, is_plain_name, open_file
+from hpctrain.checkpoint.manifest import (
+    DamagedCheckpoint,
+    is_int,
+    is_plain_name,
+    open_file,
+    result_polled,
+)
 from hpctrain.shown import shown
 
 log = logging.getLogger("hpctrain.checkpoint")
@@ -490,11 +496,7 @@ def _each(runs: list[list[Any]], threads: int, do: Callable[[int, Any], None], *
         futures.extend(pool.submit(work, worker) for worker in range(n))
         go.set()
         for future in futures:
-            # Polled: a Ctrl-C that lands just before a wait without a timeout blocks is seen
-            # only when that wait ends (CPython's lost wake-up).
-            while not wait([future], timeout=0.1).done:
-                pass
-            future.result()
+            result_polled(future)  # polled: a Ctrl-C just before a blocking wait is still seen
     finally:
         # Interrupted (Ctrl-C) or failed: the others stop at their next task, and nothing
         # returns while a thread still reads into a tensor or a buffer the caller frees.
