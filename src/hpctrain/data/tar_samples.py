@@ -240,19 +240,8 @@ class TarSamples:
 
     def sample(self, i: int) -> Sample:
         """Sample ``i`` as ``{"__key__": key bytes, ext: bytes, ...}`` (WebDataset's layout)."""
-        if not 0 <= i < len(self):
-            raise IndexError(f"sample {i} out of range [0, {len(self)})")
-        s = int(np.searchsorted(self._starts, i, side="right")) - 1
-        j = i - int(self._starts[s])
-        if self._pid != os.getpid():
-            # A forked child: the parent's lock may have been held by a thread it lacks.
-            self._lock = threading.Lock()
-        with self._lock:
-            idx = self._shard_index(s)
-            out: Sample = {"__key__": idx["keys"][j].encode()}
-            for ext, offset, size in idx["members"][j]:
-                out[ext] = os.pread(self._fds[s], size, offset)
-        return out
+        _, key, members = self.read_many([i])[0]
+        return {"__key__": key.encode(), **{ext: bytes(m) for ext, m in members.items()}}
 
     def read_many(self, indices: Sequence[int]) -> list[tuple[int, str, dict[str, memoryview]]]:
         """Samples ``indices`` as ``(shard number, key, {ext: member bytes})``: one read per
@@ -267,7 +256,8 @@ class TarSamples:
         shards = np.searchsorted(self._starts, at, side="right") - 1
         within = (at - self._starts[shards]).tolist()
         if self._pid != os.getpid():
-            self._lock = threading.Lock()  # as in sample(): a forked child's
+            # A forked child: the parent's lock may have been held by a thread it lacks.
+            self._lock = threading.Lock()
         out = []
         with self._lock:
             for s, j in zip(shards.tolist(), within, strict=True):
