@@ -71,6 +71,10 @@ def _parallelize_tp2(rank: int, port: int, out: dict) -> None:
         except ConfigError as e:
             out[rank] = (str(e), torch._inductor.config._micro_pipeline_tp)
     finally:
+        # Refused before any collective, rank 0 could tear down the group (and the store it
+        # hosts) while rank 1 still made the mesh's groups through that store: CI saw rank 1
+        # fail with "Broken pipe" or "connectFullMesh ... closed by peer", rank 0 exit 0.
+        dist.barrier()
         dist.destroy_process_group()
 
 
